@@ -1,0 +1,114 @@
+"""Read and write drafters in the public DFlash checkpoint layout (config.json + model.safetensors).
+
+Released checkpoints load unchanged; checkpoints we write (random test drafters, trained
+drafters) use the same layout so every path through the system loads them the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draft_node.config import CheckpointError, DFlashConfig
+from draft_node.model import DFlashDrafter
+
+
+def load_config(folder: str | Path) -> DFlashConfig:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} is not a drafter checkpoint: no config.json")
+    return DFlashConfig.from_json(json.loads(path.read_text()))
+
+
+def load_drafter(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    """Load a checkpoint folder, refusing missing, extra or misshapen tensors by name."""
+    cfg = load_config(folder)
+    weights_path = Path(folder) / "model.safetensors"
+    if not weights_path.is_file():
+        raise CheckpointError(f"{folder} has no model.safetensors")
+    weights = load_file(str(weights_path))
+    with torch.device("meta"):
+        skeleton = DFlashDrafter(cfg)
+    expected = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    misshapen = [
+        f"{name} is {tuple(weights[name].shape)}, expected {shape}"
+        for name, shape in expected.items()
+        if name in weights and tuple(weights[name].shape) != shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    if extra:
+        problems.append(f"unexpected tensors {extra}")
+    if misshapen:
+        problems.append("inconsistent shapes: " + "; ".join(misshapen))
+    if problems:
+        raise CheckpointError(f"checkpoint {folder} does not match its config.json: " + "; ".join(problems))
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(weights)
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def save_drafter(drafter: DFlashDrafter, folder: str | Path) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(drafter.config.to_json(), indent=2) + "\n")
+    state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def random_drafter(cfg: DFlashConfig, seed: int = 0, std: float = 0.02) -> DFlashDrafter:
+    """A random-weight drafter: proposes junk, which verification must still turn into exact output."""
+    generator = torch.Generator().manual_seed(seed)
+    drafter = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) * std)
+    return drafter.eval()
+
+
+def config_for_target(
+    target_config,  # noqa: ANN001 - any transformers PretrainedConfig
+    *,
+    num_layers: int = 1,
+    block_size: int = 8,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    num_taps: int = 5,
+    sliding_window: int | None = None,
+    layer_types: list[str] | None = None,
+) -> DFlashConfig:
+    """A drafter shaped to fit a target: its hidden size, its depth, a mask id its vocabulary has."""
+    hidden = target_config.hidden_size
+    depth = target_config.num_hidden_layers
+    heads = target_config.num_attention_heads
+    if target_layer_ids is None:
+        taps = min(num_taps, depth)
+        # Spread over depth, from layer 1 up to the second-to-last layer.
+        spread = (round(1 + i * (depth - 3) / max(taps - 1, 1)) for i in range(taps))
+        target_layer_ids = sorted({min(depth - 1, max(0, layer)) for layer in spread})
+    return DFlashConfig(
+        hidden_size=hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(target_config, "head_dim", None) or hidden // heads,
+        intermediate_size=target_config.intermediate_size,
+        target_layer_ids=tuple(target_layer_ids),
+        block_size=block_size,
+        mask_token_id=target_config.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        num_target_layers=depth,
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+        rope_theta=float((getattr(target_config, "rope_parameters", None) or {}).get("rope_theta", 1e6)),
+        layer_types=tuple(layer_types or ()),
+        sliding_window=sliding_window,
+    )

@@ -1,0 +1,112 @@
+"""The drafter's configuration, read from and written to the public checkpoint's config.json."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint that cannot be loaded as it is; the message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_layer_ids: tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    layer_types: tuple[str, ...] = field(default=())
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL,) * self.num_hidden_layers)
+        problems = []
+        if len(self.layer_types) != self.num_hidden_layers:
+            problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        bad = sorted(set(self.layer_types) - {FULL, SLIDING})
+        if bad:
+            problems.append(f"unknown layer types {bad}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            problems.append("sliding_attention layers need a positive sliding_window")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.block_size < 2:
+            problems.append(f"block_size must be at least 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            problems.append("target_layer_ids is empty")
+        out_of_range = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if out_of_range:
+            problems.append(f"target_layer_ids {out_of_range} outside the target's {self.num_target_layers} layers")
+        if problems:
+            raise CheckpointError("bad drafter config: " + "; ".join(problems))
+
+    @property
+    def feature_width(self) -> int:
+        """Width of one context-feature row: the tapped layers' outputs side by side."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    def to_json(self) -> dict[str, Any]:
+        """The public layout: Qwen3-style fields plus a `dflash_config` section."""
+        body = asdict(self)
+        dflash = {k: body.pop(k) for k in ("target_layer_ids", "block_size", "mask_token_id")}
+        dflash["target_layer_ids"] = list(dflash["target_layer_ids"])
+        body["layer_types"] = list(body["layer_types"])
+        body.update(
+            architectures=["DFlashDraftModel"],
+            model_type="qwen3",
+            attention_bias=False,
+            hidden_act="silu",
+            dflash_config=dflash,
+        )
+        return body
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> DFlashConfig:
+        dflash = raw.get("dflash_config") or {}
+
+        def pick(name: str, default: Any = None, *, required: bool = True) -> Any:
+            # dflash_config wins; the same field at the top level is the fallback.
+            if name in dflash:
+                return dflash[name]
+            if name in raw:
+                return raw[name]
+            if required:
+                raise CheckpointError(f"config.json has no '{name}' (looked in dflash_config and at the top level)")
+            return default
+
+        if raw.get("attention_bias"):
+            raise CheckpointError("attention_bias=true drafters are not supported")
+        rope = raw.get("rope_parameters") or {}
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
+        hidden = int(pick("hidden_size"))
+        heads = int(pick("num_attention_heads"))
+        layer_types = raw.get("layer_types") or ()
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=int(pick("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(pick("num_key_value_heads", heads, required=False)),
+            head_dim=int(pick("head_dim", hidden // heads, required=False)),
+            intermediate_size=int(pick("intermediate_size")),
+            target_layer_ids=tuple(int(i) for i in pick("target_layer_ids")),
+            block_size=int(pick("block_size")),
+            mask_token_id=int(pick("mask_token_id")),
+            num_target_layers=int(pick("num_target_layers")),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            layer_types=tuple(layer_types),
+            sliding_window=raw.get("sliding_window"),
+        )

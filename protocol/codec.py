@@ -1,0 +1,294 @@
+"""Frames <-> Message, with every check done on both the send and receive side.
+
+A message is `[header, tensor_frame_0, ...]`: a bounded msgpack map followed
+by one raw frame per tensor, in the order the header lists them. Decoding
+treats every byte as hostile and only ever raises ProtocolError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from .errors import ErrorCode, ProtocolError, describe
+from .messages import (
+    MAX_ERROR_MESSAGE_LEN,
+    PROTOCOL_VERSION,
+    REQUEST_ID,
+    RESERVED_KEYS,
+)
+from .tensors import (
+    TensorSpec,
+    as_bytes,
+    frame_to_tensor,
+    tensor_to_frame,
+    wire_dtype_of,
+)
+from .validate import schema_for, validate
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_HEADER_BYTES = 64 * 1024
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+MAX_TENSORS = 8
+# Bounds handed to msgpack so a tiny header cannot claim huge containers.
+MAX_HEADER_STR = MAX_HEADER_BYTES
+MAX_HEADER_ARRAY = 4096
+MAX_HEADER_MAP = 1024
+
+
+@dataclass
+class Message:
+    """A decoded (or about-to-be-encoded) message.
+
+    `tensors` maps name -> (spec, raw bytes); the bytes may alias the zmq
+    frame, so call `tensor()` to get an owned torch tensor.
+    """
+
+    type: str
+    id: int
+    fields: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, tuple[TensorSpec, memoryview]] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.fields[key]
+
+    def tensor(
+        self,
+        name: str,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ProtocolError(
+                ErrorCode.BAD_TENSOR,
+                f"{self.type}: no tensor {name!r}; has {sorted(self.tensors)}",
+                request_id=self.id,
+            )
+        spec, data = self.tensors[name]
+        return frame_to_tensor(data, spec.dtype, spec.shape, device, dtype)
+
+    def raise_if_error(self) -> None:
+        """Turn an `error` reply into the ProtocolError the peer raised."""
+        if self.type == "error":
+            raise ProtocolError(
+                ErrorCode(self.fields["code"]),
+                self.fields["message"],
+                request_id=self.id,
+                remote=True,
+            )
+
+    def expect(self, *types: str) -> Message:
+        """Raise on an error reply or on any type not in `types`."""
+        self.raise_if_error()
+        if self.type not in types:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_TYPE,
+                f"expected a reply of type {list(types)}, got {self.type!r}",
+                request_id=self.id,
+            )
+        return self
+
+
+def encode(
+    type: str,
+    id: int,
+    fields: Mapping[str, Any] | None = None,
+    tensors: Mapping[str, Any] | None = None,
+    wire_dtype: str = "float32",
+    *,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+) -> list[bytes | memoryview]:
+    """Build frames for `socket.send_multipart(frames, copy=False)`.
+
+    `tensors` values are a tensor or `(tensor, wire_dtype)`. Floating tensors
+    default to `wire_dtype`; integer tensors keep their own dtype. The header
+    passes the same validation as `decode`, so bad input raises here.
+    """
+    try:
+        return _encode(type, id, dict(fields or {}), tensors or {}, wire_dtype, max_frame_bytes)
+    except ProtocolError as exc:
+        if exc.request_id is None:
+            exc.request_id = _readable_id(id)
+        raise
+
+
+def _encode(
+    type: str,
+    id: int,
+    fields: dict[str, Any],
+    tensors: Mapping[str, Any],
+    wire_dtype: str,
+    max_frame_bytes: int,
+) -> list[bytes | memoryview]:
+    schema_for(type)
+    REQUEST_ID.check(f"{type}.id", id)
+    frames: list[bytes | memoryview] = []
+    specs: list[TensorSpec] = []
+    for name, value in tensors.items():
+        tensor, dtype = value if isinstance(value, tuple) else (value, None)
+        dtype, shape, data = tensor_to_frame(tensor, dtype or _default_dtype(tensor, wire_dtype))
+        spec = TensorSpec(name, dtype, shape, data.nbytes)
+        spec.validate()
+        specs.append(spec)
+        frames.append(data)
+    normalised = validate(type, fields, specs, [f.nbytes for f in frames], max_frame_bytes)
+    header = {
+        "v": PROTOCOL_VERSION,
+        "type": type,
+        "id": id,
+        **normalised,
+        "tensors": [s.to_wire() for s in specs],
+    }
+    try:
+        packed = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{type}: header cannot be packed: {exc}") from None
+    if len(packed) > MAX_HEADER_BYTES:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"{type}: header is {len(packed)} bytes, limit {MAX_HEADER_BYTES}",
+        )
+    return [packed, *frames]
+
+
+def _default_dtype(tensor: Any, wire_dtype: str) -> str:
+    """Floats travel in the negotiated dtype; ints keep their own."""
+    if not hasattr(tensor, "is_floating_point"):
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"expected a torch.Tensor, got {describe(tensor)}")
+    if tensor.is_floating_point():
+        return wire_dtype
+    own = wire_dtype_of(tensor)
+    if own is None:
+        raise ProtocolError(
+            ErrorCode.BAD_TENSOR,
+            f"{tensor.dtype} has no wire dtype; pass (tensor, 'int32'|'int64')",
+        )
+    return own
+
+
+def encode_error(id: int | None, code: ErrorCode | str, message: str) -> list[bytes | memoryview]:
+    """An `error` reply; `id` None (request unreadable) is sent as 0.
+
+    Long messages are truncated rather than failing in an error path.
+    """
+    code = ErrorCode(code)
+    if len(message) > MAX_ERROR_MESSAGE_LEN:
+        message = message[: MAX_ERROR_MESSAGE_LEN - 3] + "..."
+    rid = _readable_id(id)
+    return encode("error", rid or 0, {"code": code.value, "message": message})
+
+
+def decode(frames: Sequence[Any], *, max_frame_bytes: int = MAX_FRAME_BYTES) -> Message:
+    """Parse and fully validate one message; raises only ProtocolError."""
+    try:
+        return _decode(frames, max_frame_bytes)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a bug here must still reach the peer as a code
+        raise ProtocolError(ErrorCode.INTERNAL, f"decoder failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _decode(frames: Sequence[Any], max_frame_bytes: int) -> Message:
+    if not isinstance(frames, (list, tuple)) or not frames:
+        raise ProtocolError(
+            ErrorCode.MALFORMED,
+            f"expected a non-empty list of frames, got {describe(frames)}",
+        )
+    views = [as_bytes(f) for f in frames]
+    head = views[0]
+    if head.nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"header frame is {head.nbytes} bytes, limit {MAX_HEADER_BYTES}",
+        )
+    header = _unpack(head)
+    try:
+        return _check(header, views[1:], max_frame_bytes)
+    except ProtocolError as exc:
+        exc.request_id = _readable_id(header.get("id"))
+        raise
+
+
+def _check(header: dict[str, Any], payload: list[memoryview], max_frame_bytes: int) -> Message:
+    version = header.get("v")
+    if not (_is_int(version) and version == PROTOCOL_VERSION):
+        raise ProtocolError(
+            ErrorCode.BAD_VERSION,
+            f"protocol version mismatch: peer sent v={version!r}, this side speaks v={PROTOCOL_VERSION}",
+        )
+    type = header.get("type")
+    schema_for(type)
+    if "id" not in header:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{type}: missing required field 'id'")
+    REQUEST_ID.check(f"{type}.id", header["id"])
+    if len(payload) > MAX_TENSORS:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"{type}: {len(payload)} tensor frames, limit {MAX_TENSORS}",
+        )
+    raw_specs = header.get("tensors")
+    if not isinstance(raw_specs, list):
+        raise ProtocolError(
+            ErrorCode.BAD_TENSOR,
+            f"{type}: header key 'tensors' must be a list, got {describe(raw_specs)}",
+        )
+    if len(raw_specs) > MAX_TENSORS:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"{type}: {len(raw_specs)} tensors, limit {MAX_TENSORS}",
+        )
+    if len(raw_specs) != len(payload):
+        raise ProtocolError(
+            ErrorCode.BAD_TENSOR,
+            f"{type}: header lists {len(raw_specs)} tensor(s) but {len(payload)} tensor frame(s) follow",
+        )
+    try:
+        specs = [TensorSpec.from_wire(s) for s in raw_specs]
+    except ProtocolError as exc:
+        raise ProtocolError(exc.code, f"{type}: {exc.message}") from None
+    fields = {k: v for k, v in header.items() if k not in RESERVED_KEYS}
+    normalised = validate(type, fields, specs, [p.nbytes for p in payload], max_frame_bytes)
+    return Message(
+        type=type,
+        id=header["id"],
+        fields=normalised,
+        tensors={s.name: (s, p) for s, p in zip(specs, payload, strict=True)},
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _readable_id(value: object) -> int | None:
+    """The request id if it is a valid one, so error replies can echo it."""
+    if _is_int(value) and REQUEST_ID.lo <= value <= REQUEST_ID.hi:
+        return value
+    return None
+
+
+def _unpack(head: memoryview) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(
+            head,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_HEADER_STR,
+            max_bin_len=MAX_HEADER_STR,
+            max_array_len=MAX_HEADER_ARRAY,
+            max_map_len=MAX_HEADER_MAP,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises a zoo of types on bad input
+        raise ProtocolError(
+            ErrorCode.MALFORMED,
+            f"header is not valid msgpack: {type(exc).__name__}: {exc}",
+        ) from exc
+    if not isinstance(header, dict):
+        raise ProtocolError(ErrorCode.MALFORMED, f"header must be a msgpack map, got {describe(header)}")
+    return header

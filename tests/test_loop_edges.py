@@ -1,0 +1,148 @@
+"""The loop's corners: budgets, EOS, stop strings, hints, one-token prompts, rollback."""
+
+import pytest
+from helpers import OracleBackend, greedy, tiny_target
+
+from draft_node.checkpoint import config_for_target, random_drafter
+from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
+from target_node.speculative import accept_length, generate
+
+PROMPT = [5, 17, 42, 99, 3, 7]
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return greedy(target, PROMPT, 60, stop_on_eos=False)
+
+
+def oracle(target, reference, prompt=PROMPT):
+    return DFlashProposer(OracleBackend(target, prompt + reference, BLOCK))
+
+
+class CharTokenizer:
+    """Stands in for a tokenizer in the stop-string tests: token i decodes to one letter."""
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return "".join(chr(ord("a") + t % 26) for t in tokens)
+
+
+def test_accept_length():
+    assert accept_length([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert accept_length([1, 9, 3], [1, 2, 3, 4]) == 1
+    assert accept_length([9], [1, 2]) == 0
+    assert accept_length([], [1]) == 0
+
+
+@pytest.mark.parametrize("budget", [1, 2, BLOCK - 1, BLOCK, BLOCK + 1])
+def test_budget_is_never_exceeded(target, reference, budget):
+    for proposer in (oracle(target, reference), NGramProposer(), NoProposer()):
+        result = generate(target, PROMPT, proposer, budget, stop_on_eos=False)
+        assert result.tokens == reference[:budget]
+        assert result.finish_reason == "length"
+
+
+def test_eos_inside_an_accepted_prefix_stops_there(target, reference):
+    # Make a token in the middle of the oracle's first full block the EOS token.
+    eos = reference[4]
+    first = reference.index(eos)
+    target.eos_ids = frozenset({eos})
+    try:
+        result = generate(target, PROMPT, oracle(target, reference), 60)
+    finally:
+        target.eos_ids = frozenset({target.config.eos_token_id})
+    assert result.tokens == reference[: first + 1]
+    assert result.finish_reason == "eos"
+    assert result.stats.accepted >= first - 1  # it came inside a block, not as a bonus token
+
+
+def test_stop_string_spanning_two_steps(target, reference):
+    tok = CharTokenizer()
+    text = tok.decode(reference)
+    # A stop string that straddles the first step boundary: the oracle commits BLOCK tokens
+    # in the first decode step, after the one from the prefill.
+    boundary = 1 + BLOCK
+    stop = text[boundary - 2 : boundary + 2]
+    cut = text.find(stop)
+    target.tokenizer = tok
+    pieces = []
+    try:
+        result = generate(
+            target, PROMPT, oracle(target, reference), 60, stop_strings=(stop,),
+            on_commit=lambda toks, t: pieces.append(t), stop_on_eos=False,
+        )
+    finally:
+        target.tokenizer = None
+    assert result.finish_reason == "stop"
+    assert result.text == text[:cut]
+    assert "".join(pieces) == text[:cut]
+    assert stop not in "".join(pieces)
+    assert result.tokens == reference[: cut + len(stop)]
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_hint_tokens_are_verified(target, reference, right):
+    hints = list(reference[:20]) if right else [(t + 1) % target.vocab_size for t in reference[:20]]
+    result = generate(target, PROMPT, NoProposer(), 30, hint_tokens=hints, stop_on_eos=False)
+    assert result.tokens == reference[:30]
+    if right:
+        assert result.stats.accepted == 19 and result.stats.steps < 12
+    else:
+        assert result.stats.accepted == 0
+
+
+def test_hints_override_a_wrong_drafter(target, reference):
+    cfg = config_for_target(target.config, block_size=BLOCK, num_taps=2)
+    proposer = DFlashProposer(LocalDraftBackend(random_drafter(cfg)))
+    result = generate(target, PROMPT, proposer, 30, hint_tokens=reference[:30], stop_on_eos=False)
+    assert result.tokens == reference[:30]
+    assert result.stats.accepted >= 25
+
+
+def test_prompt_of_one_token(target):
+    want = greedy(target, [7], 25, stop_on_eos=False)
+    for proposer in (NGramProposer(), DFlashProposer(LocalDraftBackend(random_drafter(config_for_target(target.config))))):
+        assert generate(target, [7], proposer, 25, stop_on_eos=False).tokens == want
+
+
+def test_rollback_after_full_and_zero_acceptance(target, reference):
+    result = generate(target, PROMPT, oracle(target, reference), 30, stop_on_eos=False)
+    assert result.stats.histogram[BLOCK - 1] >= 2  # full acceptance
+    assert target.length == len(PROMPT) + 30 - 1  # the last token is never run
+    wrong = DFlashProposer(OracleBackend(target, PROMPT + [(t + 1) % 300 for t in reference], BLOCK))
+    result = generate(target, PROMPT, wrong, 30, stop_on_eos=False)
+    assert result.tokens == reference[:30]
+    assert result.stats.accepted == 0
+    assert result.stats.histogram[0] == result.stats.steps - result.stats.plain_steps
+    assert target.length == len(PROMPT) + 30 - 1
+
+
+def test_cancellation_stops_generation(target):
+    import threading
+
+    cancel = threading.Event()
+    seen = []
+
+    def on_commit(tokens, text):
+        seen.extend(tokens)
+        if len(seen) >= 5:
+            cancel.set()
+
+    result = generate(target, PROMPT, NoProposer(), 50, on_commit=on_commit, cancel=cancel)
+    assert result.finish_reason == "cancelled"
+    assert len(result.tokens) == 5
+
+
+def test_bad_requests_are_refused(target):
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(target, [], NoProposer(), 5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(target, PROMPT, NoProposer(), 0)
+    cfg = config_for_target(target.config, mask_token_id=10_000)
+    with pytest.raises(ValueError, match="outside the target's embedding table"):
+        generate(target, PROMPT, DFlashProposer(LocalDraftBackend(random_drafter(cfg))), 5)

@@ -1,0 +1,74 @@
+"""Speculative output == the target's own greedy output, token for token, whoever drafts."""
+
+import pytest
+import torch
+from helpers import OracleBackend, assert_lossless, greedy, tiny_target
+from transformers import LlamaForCausalLM
+
+from draft_node.checkpoint import config_for_target, random_drafter
+from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
+from target_node.speculative import generate
+
+MAX_NEW = 40
+PROMPTS = [[5, 17, 42, 99, 3, 7], [200, 11, 11, 11, 250, 12, 13, 14, 15, 16, 17, 18]]
+
+
+@pytest.fixture(scope="module", params=[("llama", 0), ("qwen3", 1), ("llama", 2)], ids=lambda p: f"{p[0]}-{p[1]}")
+def target(request):
+    return tiny_target(*request.param)
+
+
+def test_plain_loop_matches_transformers_generate(target):
+    prompt = PROMPTS[0]
+    with torch.inference_mode():
+        ref = target.model.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    assert_lossless(target, prompt, greedy(target, prompt, MAX_NEW, stop_on_eos=False), ref)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_random_drafter_is_lossless(target, block_size):
+    cfg = config_for_target(target.config, block_size=block_size, num_taps=3)
+    proposer = DFlashProposer(LocalDraftBackend(random_drafter(cfg, seed=block_size)))
+    for prompt in PROMPTS:
+        want = greedy(target, prompt, MAX_NEW)
+        result = generate(target, prompt, proposer, MAX_NEW)
+        assert_lossless(target, prompt, result.tokens, want)
+        assert result.stats.proposed > 0
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_oracle_drafter_accepts_nearly_everything(target, block_size):
+    for prompt in PROMPTS:
+        want = greedy(target, prompt, MAX_NEW, stop_on_eos=False)
+        oracle = OracleBackend(target, prompt + want, block_size, target_layer_ids=(0, 2))
+        result = generate(target, prompt, DFlashProposer(oracle), MAX_NEW, stop_on_eos=False)
+        assert result.tokens == want
+        assert result.stats.accepted == result.stats.proposed
+        # Every step but the budget-limited last one commits a full block.
+        assert result.stats.steps == -(-(MAX_NEW - 1) // block_size)
+        assert result.stats.tau >= 0.75 * block_size
+
+
+@pytest.mark.parametrize("max_draft", [1, 3, 8, 15])
+def test_ngram_proposer_is_lossless(target, max_draft):
+    for prompt in PROMPTS:
+        want = greedy(target, prompt, MAX_NEW)
+        result = generate(target, prompt, NGramProposer(max_draft=max_draft), MAX_NEW)
+        assert_lossless(target, prompt, result.tokens, want)
+
+
+def test_the_near_tie_check_catches_a_real_divergence(target):
+    """The tolerance helper must not wave through an ordinary mismatch."""
+    prompt = PROMPTS[0]
+    want = greedy(target, prompt, 8)
+    wrong = list(want)
+    wrong[3] = (wrong[3] + 1) % target.vocab_size
+    with pytest.raises(AssertionError, match="top-2 gap"):
+        assert_lossless(target, prompt, wrong, want)
+
+
+def test_models_are_fp32_and_tiny(target):
+    assert isinstance(target.model, LlamaForCausalLM) or "Qwen3" in type(target.model).__name__
+    assert target.model.dtype == torch.float32

@@ -1,0 +1,457 @@
+"""Wire-format tests: round trips, one test per validation rule, a real socket."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from protocol import (
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    SCHEMAS,
+    ErrorCode,
+    ProtocolError,
+    decode,
+    encode,
+    encode_error,
+    frame_to_tensor,
+    tensor_to_frame,
+)
+
+HIDDEN, WIDTH, BLOCK = 8, 24, 4
+
+DRAFTER = {
+    "block_size": BLOCK,
+    "hidden_size": HIDDEN,
+    "target_layer_ids": [1, 5, 9],
+    "mask_token_id": 151669,
+    "feature_width": WIDTH,
+    "ring_capacity": 4096,
+    "num_target_layers": 3,
+}
+
+# type -> (fields, tensors); every schema entry must appear here.
+SAMPLES = {
+    "hello": (
+        {
+            "wire_dtypes": ["bfloat16", "float32"],
+            "target": {
+                "hidden_size": HIDDEN,
+                "num_hidden_layers": 12,
+                "vocab_size": 99,
+            },
+        },
+        {},
+    ),
+    "hello_ok": (
+        {"drafter": DRAFTER, "wire_dtype": "bfloat16", "wire_dtypes": ["bfloat16"]},
+        {},
+    ),
+    "open": ({"session": "s-1"}, {}),
+    "reset": ({"session": "s-1", "position": 0}, {}),
+    "close": ({"session": "s-1"}, {}),
+    "propose": (
+        {"session": "s-1", "start": 3, "position": 5},
+        {"features": torch.randn(2, WIDTH), "noise": torch.randn(BLOCK, HIDDEN)},
+    ),
+    "proposal": ({"draft_ms": 1.25}, {"hidden": torch.randn(BLOCK, HIDDEN)}),
+    "ping": ({}, {}),
+    "pong": ({"time": 1700000000.5, "sessions": 2}, {}),
+    "stats": ({}, {}),
+    "stats_ok": ({"stats": {"steps": 10, "ms": [1.0, 2.5], "x": {"y": None}}}, {}),
+    "ok": ({}, {}),
+    "error": ({"code": "unknown_session", "message": "no session 's-9'"}, {}),
+}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view so comparisons are bitwise (NaN, -0.0 included)."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def propose_frames(rows: int = 2) -> list:
+    return encode(
+        "propose",
+        11,
+        {"session": "s", "start": 5 - rows, "position": 5},
+        {"features": torch.randn(rows, WIDTH), "noise": torch.randn(BLOCK, HIDDEN)},
+    )
+
+
+def tamper(frames: list, edit) -> list:
+    """Re-pack the header after `edit(header)`; tensor frames are kept."""
+    header = msgpack.unpackb(frames[0])
+    edit(header)
+    return [msgpack.packb(header), *frames[1:]]
+
+
+def code_of(frames: list, **kw) -> ErrorCode:
+    with pytest.raises(ProtocolError) as info:
+        decode(frames, **kw)
+    return info.value.code
+
+
+# --- round trips -------------------------------------------------------------
+
+
+def test_samples_cover_schema():
+    assert set(SAMPLES) == set(SCHEMAS)
+    assert all(r in SCHEMAS for schema in SCHEMAS.values() for r in schema.replies)
+
+
+@pytest.mark.parametrize("type_", sorted(SAMPLES))
+def test_round_trip_every_type(type_):
+    fields, tensors = SAMPLES[type_]
+    msg = decode(encode(type_, 42, fields, tensors))
+    assert (msg.type, msg.id) == (type_, 42)
+    expected = dict(fields)
+    if type_ == "hello":
+        expected["client"] = ""  # optional field, default filled in
+    assert msg.fields == expected
+    assert set(msg.tensors) == set(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(bits(msg.tensor(name)), bits(t))
+
+
+def test_fp32_bit_exact_with_special_values():
+    t = torch.tensor([[0.0, -0.0, float("inf"), float("nan")], [1e-45, -3.4e38, 1.0, 2.0]])
+    noise = torch.randn(BLOCK, 4)
+    msg = decode(
+        encode(
+            "propose",
+            1,
+            {"session": "s", "start": 0, "position": 2},
+            {"features": t, "noise": noise},
+        )
+    )
+    assert torch.equal(bits(msg.tensor("features")), bits(t))
+    assert msg.tensor("features").dtype == torch.float32
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+def test_half_dtypes_exact_as_cast(wire):
+    src = torch.randn(BLOCK, HIDDEN, dtype=torch.float32) * 100
+    msg = decode(encode("proposal", 1, {"draft_ms": 0}, {"hidden": src}, wire_dtype=wire))
+    spec, _ = msg.tensors["hidden"]
+    assert spec.dtype == wire and spec.nbytes == BLOCK * HIDDEN * 2
+    cast = src.to(getattr(torch, wire))
+    assert torch.equal(bits(msg.tensor("hidden")), bits(cast))
+    widened = msg.tensor("hidden", dtype=torch.float32)
+    assert torch.equal(widened, cast.float())
+
+
+def test_per_tensor_dtype_override():
+    frames = encode(
+        "propose",
+        1,
+        {"session": "s", "start": 0, "position": 1},
+        {"features": (torch.randn(1, 4), "bfloat16"), "noise": torch.randn(2, 4)},
+        wire_dtype="float16",
+    )
+    msg = decode(frames)
+    assert msg.tensors["features"][0].dtype == "bfloat16"
+    assert msg.tensors["noise"][0].dtype == "float16"
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_integer_tensor_helpers_exact(dtype):
+    t = torch.tensor([[0, -1, 2**31 - 1], [151669, 7, -(2**31)]], dtype=dtype)
+    wire, shape, buf = tensor_to_frame(t, str(dtype).removeprefix("torch."))
+    back = frame_to_tensor(bytes(buf), wire, shape)  # bytes: read-only, like zmq
+    assert back.dtype == dtype and torch.equal(back, t)
+    back[0, 0] = 5  # the result is an owned, writable tensor
+
+
+def test_read_only_frames_give_owned_tensors():
+    frames = [bytes(f) for f in propose_frames()]  # read-only, like zmq frames
+    msg = decode(frames)
+    same = msg.tensor("noise")
+    wider = msg.tensor("noise", dtype=torch.float64)
+    same += 1  # writable, and not aliasing the frame
+    wider += 1
+    assert torch.equal(msg.tensor("noise") + 1, same)
+    assert torch.equal(wider, msg.tensor("noise").double() + 1)
+
+
+def test_tensor_to_frame_shares_contiguous_fp32_memory():
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    _, shape, buf = tensor_to_frame(t, "float32")
+    t[0, 0] = 9.0
+    assert shape == (2, 3) and buf.nbytes == 24
+    assert torch.frombuffer(bytearray(buf), dtype=torch.float32)[0] == 9.0
+
+
+def test_zero_row_features_and_noncontiguous_input():
+    noise = torch.randn(HIDDEN, BLOCK).t()  # non-contiguous
+    msg = decode(
+        encode(
+            "propose",
+            3,
+            {"session": "s", "start": 5, "position": 5},
+            {"features": torch.empty(0, WIDTH), "noise": noise},
+        )
+    )
+    assert msg.tensor("features").shape == (0, WIDTH)
+    assert torch.equal(msg.tensor("noise"), noise)
+
+
+def test_accepts_zmq_frames_and_memoryviews():
+    frames = propose_frames()
+    as_zmq = [zmq.Frame(bytes(f)) for f in frames]
+    assert decode(as_zmq).tensor("noise").shape == (BLOCK, HIDDEN)
+    assert decode([memoryview(bytes(f)) for f in frames]).id == 11
+
+
+def test_error_reply_round_trip():
+    msg = decode(encode_error(9, ErrorCode.UNKNOWN_SESSION, "no session 'x'"))
+    with pytest.raises(ProtocolError) as info:
+        msg.expect("ok")
+    err = info.value
+    assert err.code is ErrorCode.UNKNOWN_SESSION and err.remote
+    assert err.request_id == 9 and err.message == "no session 'x'"
+
+
+def test_error_reply_truncates_and_tolerates_missing_id():
+    msg = decode(encode_error(None, "internal", "x" * 10_000))
+    assert msg.id == 0 and len(msg["message"]) <= 2048
+
+
+def test_expect_rejects_wrong_reply_type():
+    msg = decode(encode("ok", 1, {}))
+    assert msg.expect("ok") is msg
+    with pytest.raises(ProtocolError) as info:
+        msg.expect("pong")
+    assert info.value.code is ErrorCode.UNKNOWN_TYPE
+
+
+def test_decode_error_carries_request_id():
+    frames = tamper(propose_frames(), lambda h: h.pop("session"))
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    assert info.value.request_id == 11 and "session" in info.value.message
+
+
+def test_encode_validates_before_sending():
+    with pytest.raises(ProtocolError) as info:
+        encode("reset", 1, {"session": "s"})
+    assert info.value.code is ErrorCode.BAD_FIELD and info.value.request_id == 1
+    with pytest.raises(ProtocolError) as info:
+        encode("proposal", 1, {"draft_ms": 1.0}, {"hidden": torch.zeros(2, 2, 2)})
+    assert info.value.code is ErrorCode.BAD_TENSOR
+
+
+# --- one test per validation rule ------------------------------------------
+
+
+def test_wrong_version():
+    frames = tamper(propose_frames(), lambda h: h.update(v=PROTOCOL_VERSION + 1))
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    assert info.value.code is ErrorCode.BAD_VERSION
+    assert f"v={PROTOCOL_VERSION + 1}" in info.value.message
+    assert f"v={PROTOCOL_VERSION}" in info.value.message
+
+
+@pytest.mark.parametrize("version", [None, True, 1.0, "1"])
+def test_version_must_be_the_int(version):
+    frames = tamper(propose_frames(), lambda h: h.update(v=version))
+    assert code_of(frames) is ErrorCode.BAD_VERSION
+
+
+def test_version_checked_before_type():
+    frames = tamper(propose_frames(), lambda h: h.update(v=2, type="future_msg"))
+    assert code_of(frames) is ErrorCode.BAD_VERSION
+
+
+def test_not_msgpack():
+    assert code_of([b"\xc1\xc1"]) is ErrorCode.MALFORMED
+    assert code_of([msgpack.packb({"v": 1}) + b"trailing"]) is ErrorCode.MALFORMED
+
+
+def test_header_not_a_map():
+    assert code_of([msgpack.packb([1, "ok", 2])]) is ErrorCode.MALFORMED
+
+
+def test_no_frames():
+    assert code_of([]) is ErrorCode.MALFORMED
+
+
+def test_header_too_large():
+    header = {
+        "v": 1,
+        "type": "ping",
+        "id": 1,
+        "tensors": [],
+        "pad": "x" * MAX_HEADER_BYTES,
+    }
+    assert code_of([msgpack.packb(header)]) is ErrorCode.TOO_LARGE
+
+
+def test_unknown_type():
+    frames = tamper(encode("ping", 1), lambda h: h.update(type="teleport"))
+    assert code_of(frames) is ErrorCode.UNKNOWN_TYPE
+
+
+def test_missing_field():
+    frames = tamper(propose_frames(), lambda h: h.pop("position"))
+    assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
+def test_wrong_field_type():
+    frames = tamper(propose_frames(), lambda h: h.update(position="5"))
+    assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
+def test_bool_is_not_an_int():
+    frames = tamper(propose_frames(), lambda h: h.update(start=True))
+    assert code_of(frames) is ErrorCode.BAD_FIELD
+    frames = tamper(encode("ping", 1), lambda h: h.update(id=True))
+    assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
+def test_negative_position():
+    frames = tamper(
+        encode("reset", 1, {"session": "s", "position": 0}),
+        lambda h: h.update(position=-1),
+    )
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    assert info.value.code is ErrorCode.BAD_FIELD and "-1" in info.value.message
+
+
+def test_unexpected_extra_field():
+    frames = tamper(encode("open", 1, {"session": "s"}), lambda h: h.update(colour="red"))
+    assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
+def test_nested_struct_is_closed():
+    fields, _ = SAMPLES["hello"]
+    frames = tamper(encode("hello", 1, fields), lambda h: h["target"].update(extra=1))
+    assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
+def test_unknown_wire_dtype_in_negotiation():
+    fields, _ = SAMPLES["hello"]
+    frames = tamper(encode("hello", 1, fields), lambda h: h.update(wire_dtypes=["float8"]))
+    assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
+@pytest.mark.parametrize("session", ["", "x" * 129, 7, None])
+def test_bad_session_id(session):
+    frames = tamper(encode("open", 1, {"session": "s"}), lambda h: h.update(session=session))
+    assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
+@pytest.mark.parametrize("rid", [-1, 2**63, "1"])
+def test_bad_request_id(rid):
+    frames = tamper(encode("ping", 1), lambda h: h.update(id=rid))
+    assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
+def test_features_must_end_at_or_before_position():
+    frames = tamper(propose_frames(rows=2), lambda h: h.update(start=4))
+    assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
+def test_unknown_dtype():
+    def edit(h):
+        h["tensors"][0]["dtype"] = "float64"
+
+    assert code_of(tamper(propose_frames(), edit)) is ErrorCode.BAD_TENSOR
+
+
+def test_nbytes_disagrees_with_shape():
+    def edit(h):
+        h["tensors"][0]["shape"] = [3, WIDTH]  # frame and nbytes are for 2 rows
+
+    assert code_of(tamper(propose_frames(), edit)) is ErrorCode.BAD_TENSOR
+
+
+def test_frame_length_disagrees_with_nbytes():
+    frames = propose_frames()
+    frames[1] = bytes(frames[1])[:-4]
+    assert code_of(frames) is ErrorCode.BAD_TENSOR
+
+
+def test_missing_tensor_frame():
+    assert code_of(propose_frames()[:-1]) is ErrorCode.BAD_TENSOR
+
+
+def test_extra_frame():
+    assert code_of([*propose_frames(), b"\x00" * 8]) is ErrorCode.BAD_TENSOR
+
+
+def test_wrong_tensor_name_and_rank():
+    def rename(h):
+        h["tensors"][1]["name"] = "noyse"
+
+    def flatten(h):
+        h["tensors"][1]["shape"] = [BLOCK * HIDDEN]
+
+    assert code_of(tamper(propose_frames(), rename)) is ErrorCode.BAD_TENSOR
+    assert code_of(tamper(propose_frames(), flatten)) is ErrorCode.BAD_TENSOR
+
+
+def test_frame_too_large():
+    assert code_of(propose_frames(), max_frame_bytes=64) is ErrorCode.TOO_LARGE
+
+
+def test_too_many_tensors():
+    frames = [msgpack.packb({"v": 1, "type": "ping", "id": 1, "tensors": []})]
+    assert code_of(frames + [b"\x00" * 4] * 9) is ErrorCode.TOO_LARGE
+
+
+def test_fuzzed_headers_only_raise_protocol_error():
+    rng = random.Random(0)
+    good = bytes(propose_frames()[0])
+    rest = propose_frames()[1:]
+    for _ in range(300):
+        bad = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            bad[rng.randrange(len(bad))] = rng.randrange(256)
+        try:
+            decode([bytes(bad), *rest])
+        except ProtocolError as exc:
+            assert exc.code is not ErrorCode.INTERNAL, exc
+
+
+# --- a real socket pair ----------------------------------------------------
+
+
+def test_dealer_router_zero_copy_round_trip():
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    dealer = ctx.socket(zmq.DEALER)
+    for s in (router, dealer):
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+    try:
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        features = torch.randn(300, WIDTH)  # > zmq's copy threshold
+        noise = torch.randn(BLOCK, HIDDEN)
+        dealer.send_multipart(
+            encode(
+                "propose",
+                5,
+                {"session": "s", "start": 0, "position": 300},
+                {"features": features, "noise": noise},
+            ),
+            copy=False,
+        )
+        identity, *frames = router.recv_multipart(copy=False)
+        request = decode(frames)
+        assert torch.equal(bits(request.tensor("features")), bits(features))
+        hidden = request.tensor("noise") * 2
+        reply = encode("proposal", request.id, {"draft_ms": 0.5}, {"hidden": hidden})
+        router.send_multipart([identity, *reply], copy=False)
+        answer = decode(dealer.recv_multipart(copy=False)).expect("proposal")
+        assert answer.id == 5 and torch.equal(answer.tensor("hidden"), noise * 2)
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
