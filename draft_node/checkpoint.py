@@ -23,7 +23,9 @@ def load_config(folder: str | Path) -> DFlashConfig:
     return DFlashConfig.from_json(json.loads(path.read_text()))
 
 
-def load_drafter(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+def load_drafter(
+    folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> DFlashDrafter:
     """Load a checkpoint folder, refusing missing, extra or misshapen tensors by name."""
     cfg = load_config(folder)
     weights_path = Path(folder) / "model.safetensors"

@@ -158,7 +158,11 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     @torch.inference_mode()
-    def forward(self, features: torch.Tensor, ctx_positions: torch.Tensor, noise: torch.Tensor, position: int) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, ctx_positions: torch.Tensor, noise: torch.Tensor, position: int
+    ) -> torch.Tensor:
         """Recompute path: context K/V from scratch for every row given. Slow, simple, the reference."""
         ctx_positions = ctx_positions.to(self.device)
-        return self.forward_block(noise, position, self.context_kv(features.to(self.device), ctx_positions), ctx_positions)
+        return self.forward_block(
+            noise, position, self.context_kv(features.to(self.device), ctx_positions), ctx_positions
+        )

@@ -136,7 +136,11 @@ class LocalDraftBackend:
         from draft_node.kv_cache import DraftKVCache
 
         cfg = drafter.config
-        self.block_size, self.mask_token_id, self.target_layer_ids = cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids
+        self.block_size, self.mask_token_id, self.target_layer_ids = (
+            cfg.block_size,
+            cfg.mask_token_id,
+            cfg.target_layer_ids,
+        )
         self.cache = DraftKVCache(drafter, capacity)
 
     def reset(self, position: int) -> None:

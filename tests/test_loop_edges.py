@@ -73,8 +73,13 @@ def test_stop_string_spanning_two_steps(target, reference):
     pieces = []
     try:
         result = generate(
-            target, PROMPT, oracle(target, reference), 60, stop_strings=(stop,),
-            on_commit=lambda toks, t: pieces.append(t), stop_on_eos=False,
+            target,
+            PROMPT,
+            oracle(target, reference),
+            60,
+            stop_strings=(stop,),
+            on_commit=lambda toks, t: pieces.append(t),
+            stop_on_eos=False,
         )
     finally:
         target.tokenizer = None
@@ -106,7 +111,10 @@ def test_hints_override_a_wrong_drafter(target, reference):
 
 def test_prompt_of_one_token(target):
     want = greedy(target, [7], 25, stop_on_eos=False)
-    for proposer in (NGramProposer(), DFlashProposer(LocalDraftBackend(random_drafter(config_for_target(target.config))))):
+    for proposer in (
+        NGramProposer(),
+        DFlashProposer(LocalDraftBackend(random_drafter(config_for_target(target.config)))),
+    ):
         assert generate(target, [7], proposer, 25, stop_on_eos=False).tokens == want
 
 

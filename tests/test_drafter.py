@@ -1,0 +1,189 @@
+"""The DFlash drafter: checkpoint format, attention rules, cached vs recompute."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draft_node.checkpoint import load_config, load_drafter, random_drafter, save_drafter
+from draft_node.config import FULL, SLIDING, CheckpointError, DFlashConfig
+from draft_node.kv_cache import DraftKVCache, OutOfOrderError
+
+
+def make_config(**overrides) -> DFlashConfig:
+    base = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        target_layer_ids=(0, 2),
+        block_size=4,
+        mask_token_id=7,
+        num_target_layers=4,
+        rope_theta=10000.0,
+    )
+    base.update(overrides)
+    return DFlashConfig(**base)
+
+
+def inputs(cfg, context=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(context, cfg.feature_width, generator=g)
+    noise = torch.randn(cfg.block_size, cfg.hidden_size, generator=g)
+    return features, torch.arange(context), noise, context
+
+
+def test_checkpoint_round_trip_is_bit_identical(tmp_path):
+    cfg = make_config(layer_types=(FULL, SLIDING), sliding_window=5)
+    drafter = random_drafter(cfg, seed=1, std=0.3)
+    folder = save_drafter(drafter, tmp_path / "ckpt")
+    loaded = load_drafter(folder)
+    assert loaded.config == cfg
+    assert torch.equal(drafter(*inputs(cfg)), loaded(*inputs(cfg)))
+    assert len(load_file(str(folder / "model.safetensors"))) == 3 + 11 * cfg.num_hidden_layers
+
+
+def test_public_layout_with_five_layers_has_58_tensors(tmp_path):
+    folder = save_drafter(random_drafter(make_config(num_hidden_layers=5)), tmp_path / "c")
+    names = set(load_file(str(folder / "model.safetensors")))
+    assert len(names) == 58
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.4.self_attn.q_norm.weight"} <= names
+    assert not any(n.startswith("model.") for n in names)
+
+
+def _rewrite(folder, change):
+    weights = load_file(str(folder / "model.safetensors"))
+    change(weights)
+    save_file(weights, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda w: w.pop("layers.1.mlp.up_proj.weight"), "missing tensors.*layers.1.mlp.up_proj.weight"),
+        (lambda w: w.__setitem__("lm_head.weight", torch.zeros(2, 2)), "unexpected tensors.*lm_head.weight"),
+        (lambda w: w.__setitem__("fc.weight", torch.zeros(32, 96)), r"fc.weight is \(32, 96\), expected \(32, 64\)"),
+    ],
+)
+def test_loader_names_what_is_wrong(tmp_path, change, message):
+    folder = save_drafter(random_drafter(make_config()), tmp_path / "bad")
+    _rewrite(folder, change)
+    with pytest.raises(CheckpointError, match=message):
+        load_drafter(folder)
+
+
+def test_loader_refuses_missing_files_and_fields(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_drafter(tmp_path)
+    folder = save_drafter(random_drafter(make_config()), tmp_path / "c")
+    raw = json.loads((folder / "config.json").read_text())
+    del raw["dflash_config"]["block_size"]
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="no 'block_size'"):
+        load_drafter(folder)
+    (folder / "model.safetensors").unlink()
+    raw["block_size"] = 4
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_drafter(folder)
+
+
+def test_dflash_config_wins_over_top_level_and_top_level_is_the_fallback(tmp_path):
+    folder = save_drafter(random_drafter(make_config()), tmp_path / "c")
+    raw = json.loads((folder / "config.json").read_text())
+    dflash = raw.pop("dflash_config")
+    raw.update(dflash)  # all three fields at the top level only
+    (folder / "config.json").write_text(json.dumps(raw))
+    assert load_config(folder) == make_config()
+    raw["dflash_config"] = {"block_size": 16, "mask_token_id": 3}  # these win; target_layer_ids falls back
+    raw["rope_parameters"] = {"rope_theta": 10000.0}
+    del raw["rope_theta"]
+    (folder / "config.json").write_text(json.dumps(raw))
+    cfg = load_config(folder)
+    assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids, cfg.rope_theta) == (16, 3, (0, 2), 10000.0)
+
+
+def test_config_validation_names_the_problem():
+    with pytest.raises(CheckpointError, match="sliding_window"):
+        make_config(layer_types=(FULL, SLIDING))
+    with pytest.raises(CheckpointError, match=r"target_layer_ids \[9\]"):
+        make_config(target_layer_ids=(0, 9))
+
+
+def test_sliding_layer_ignores_context_outside_its_window():
+    window = 4
+    cfg = make_config(num_hidden_layers=1, layer_types=(SLIDING,), sliding_window=window)
+    drafter = random_drafter(cfg, std=0.3)
+    features, positions, noise, n = inputs(cfg)
+    base = drafter(features, positions, noise, n)
+    old = features.clone()
+    old[: n - window] += 5.0  # rows no block row can see: (n + i) - window >= the row's position
+    assert torch.allclose(drafter(old, positions, noise, n)[0], base[0])
+    recent = features.clone()
+    recent[n - 1] += 5.0
+    assert not torch.allclose(drafter(recent, positions, noise, n), base)
+    # Causal inside the block: a later noise row does not change an earlier one.
+    later = noise.clone()
+    later[-1] += 5.0
+    out = drafter(features, positions, later, n)
+    assert torch.allclose(out[:-1], base[:-1]) and not torch.allclose(out[-1], base[-1])
+
+
+def test_full_layer_sees_all_context_and_the_whole_block():
+    cfg = make_config(num_hidden_layers=1)
+    drafter = random_drafter(cfg, std=0.3)
+    features, positions, noise, n = inputs(cfg)
+    base = drafter(features, positions, noise, n)
+    old = features.clone()
+    old[0] += 5.0
+    assert not torch.allclose(drafter(old, positions, noise, n)[0], base[0])
+    later = noise.clone()
+    later[-1] += 5.0
+    assert not torch.allclose(drafter(features, positions, later, n)[0], base[0])
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_cached_drafter_equals_recompute(block_size):
+    """Long run with rewinds and ring wrap-around, both layer types."""
+    capacity = 24
+    cfg = make_config(block_size=block_size, layer_types=(FULL, SLIDING), sliding_window=6)
+    drafter = random_drafter(cfg, seed=2, std=0.3)
+    g = torch.Generator().manual_seed(5)
+    all_features = torch.randn(200, cfg.feature_width, generator=g)
+    cache = DraftKVCache(drafter, capacity)
+    synced, n, steps = 0, 10, 0
+    while n < 190:
+        noise = torch.randn(block_size, cfg.hidden_size, generator=g)
+        cache.append(synced, all_features[synced:n])
+        cached = cache.draft(noise, n)
+        # A rewind after the ring wrapped leaves fewer rows: the slots it freed held positions
+        # already overwritten. The cache must hold exactly a contiguous run ending at n.
+        held = sorted(cache.positions[cache.positions >= 0].tolist())
+        lo = held[0]
+        assert held == list(range(lo, n)) and lo >= n - capacity - 3
+        reference = drafter(all_features[lo:n], torch.arange(lo, n), noise, n)
+        torch.testing.assert_close(cached, reference, rtol=1e-5, atol=1e-5)
+        synced = n
+        steps += 1
+        if steps % 7 == 0:  # the target rolled back a few positions
+            n -= 3
+            synced = n - 2
+        n += int(torch.randint(1, block_size + 1, (1,), generator=g))
+    assert steps > 20
+
+
+def test_cache_refuses_gaps_and_can_restart_later():
+    cfg = make_config()
+    cache = DraftKVCache(random_drafter(cfg), 16)
+    features = torch.randn(10, cfg.feature_width)
+    cache.append(0, features[:4])
+    with pytest.raises(OutOfOrderError):
+        cache.append(6, features[6:8])
+    with pytest.raises(OutOfOrderError):
+        cache.draft(torch.randn(cfg.block_size, cfg.hidden_size), 5)
+    cache.reset(6)  # a sender whose older rows are gone starts the context here
+    cache.append(6, features[6:8])
+    assert cache.length == 8 and sorted(cache.positions[cache.positions >= 0].tolist()) == [6, 7]
