@@ -32,12 +32,13 @@ from .validate import schema_for, validate
 if TYPE_CHECKING:
     import torch
 
-MAX_HEADER_BYTES = 64 * 1024
+# Large enough for a long prompt or a list of prompt token ids from a client.
+MAX_HEADER_BYTES = 1024 * 1024
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 MAX_TENSORS = 8
 # Bounds handed to msgpack so a tiny header cannot claim huge containers.
 MAX_HEADER_STR = MAX_HEADER_BYTES
-MAX_HEADER_ARRAY = 4096
+MAX_HEADER_ARRAY = 1 << 17
 MAX_HEADER_MAP = 1024
 
 

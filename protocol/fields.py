@@ -42,6 +42,14 @@ class Int:
 
 
 @dataclass(frozen=True)
+class Bool:
+    def check(self, path: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise bad_field(path, "bool", value)
+        return value
+
+
+@dataclass(frozen=True)
 class Float:
     """A finite number >= lo; ints are accepted and widened, bools are not."""
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ErrorCode, ProtocolError
-from .fields import Float, Int, Json, List, Str, Struct
+from .fields import Bool, Float, Int, Json, List, Str, Struct
 from .tensors import FLOAT_DTYPES, TensorSpec
 
 PROTOCOL_VERSION = 1
@@ -48,6 +48,15 @@ class Schema:
     check: CrossCheck | None = None
 
 
+def _check_generate(fields: Mapping[str, Any], tensors: Mapping[str, TensorSpec]) -> None:
+    given = [k for k in ("messages", "prompt", "token_ids") if fields[k]]
+    if len(given) != 1:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"generate: give exactly one of 'messages', 'prompt' or 'token_ids' (got {given or 'none'})",
+        )
+
+
 def _check_propose(fields: Mapping[str, Any], tensors: Mapping[str, TensorSpec]) -> None:
     """Feature rows [start, start+rows) must end at or before the block at n."""
     rows = tensors["features"].shape[0]
@@ -80,6 +89,9 @@ DRAFTER_INFO = Struct(
     }
 )
 
+MAX_PROMPT_CHARS = 512 * 1024
+CHAT_MESSAGE = Struct({"role": Str(1, 32), "content": Str(0, MAX_PROMPT_CHARS)})
+
 SESSION_ONLY = Struct({"session": SESSION})
 
 SCHEMAS: dict[str, Schema] = {
@@ -103,7 +115,11 @@ SCHEMAS: dict[str, Schema] = {
     "reset": Schema(Struct({"session": SESSION, "position": POSITION}), replies=("ok",)),
     "close": Schema(SESSION_ONLY, replies=("ok",)),
     "propose": Schema(
-        Struct({"session": SESSION, "start": POSITION, "position": POSITION}),
+        Struct(
+            {"session": SESSION, "start": POSITION, "position": POSITION},
+            # How many draft rows (block slots 1..rows) the target will use; 0 means all.
+            optional={"rows": (Int(0), 0)},
+        ),
         tensors=(
             TensorRule("features", FLOAT_DTYPES, (0, 1)),
             TensorRule("noise", FLOAT_DTYPES, (1, 1)),
@@ -120,6 +136,37 @@ SCHEMAS: dict[str, Schema] = {
     "stats": Schema(replies=("stats_ok",)),
     "stats_ok": Schema(Struct({"stats": Json()})),
     "ok": Schema(),
+    # Client <-> target daemon. A generate request is answered by zero or more `chunk`
+    # replies (when streaming) and one final `done`, all carrying the request's id.
+    "generate": Schema(
+        Struct(
+            {"max_new_tokens": COUNT},
+            optional={
+                "messages": (List(CHAT_MESSAGE, 0, 1024), []),
+                "prompt": (Str(0, MAX_PROMPT_CHARS), ""),
+                "token_ids": (List(Int(0, 2**31 - 1), 0, 1 << 16), []),
+                "stop": (List(Str(1, 256), 0, 16), []),
+                "hints": (List(Int(0, 2**31 - 1), 0, 1 << 14), []),
+                "stream": (Bool(), True),
+                "sampling": (Json(), {}),
+            },
+        ),
+        replies=("chunk", "done"),
+        check=_check_generate,
+    ),
+    "chunk": Schema(Struct({"text": Str(0, MAX_PROMPT_CHARS), "token_ids": List(Int(0), 0, 1 << 16)})),
+    "done": Schema(
+        Struct(
+            {
+                "text": Str(0, MAX_PROMPT_CHARS),
+                "token_ids": List(Int(0), 0, 1 << 16),
+                "finish_reason": Str(1, 32),
+                "stats": Json(),
+            }
+        )
+    ),
+    # Stops the running or queued generate request whose id this message carries.
+    "cancel": Schema(replies=("done",)),
     "error": Schema(
         Struct(
             {

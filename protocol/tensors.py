@@ -156,10 +156,8 @@ def frame_to_tensor(
 ) -> torch.Tensor:
     """Rebuild a tensor from frame bytes.
 
-    Received zmq frames are read-only and torch.frombuffer wants writable
-    memory. When a later `.to()` copies anyway (other device or dtype), the
-    read-only view is used directly and never exposed; otherwise the bytes
-    are copied once so the caller owns a normal, writable tensor.
+    Received zmq frames are read-only; the bytes are copied exactly once (by the
+    cast/transfer when there is one) so the caller owns a normal, writable tensor.
     """
     import torch
 
@@ -173,16 +171,15 @@ def frame_to_tensor(
     final_device = torch.device("cpu") if device is None else torch.device(device)
     if expected == 0:
         return torch.empty(shape, dtype=final_dtype, device=final_device)
-    will_copy = final_device.type != "cpu" or final_dtype != wire
-    if view.readonly and not will_copy:
-        view = memoryview(bytearray(view))
-    if view.readonly:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(view, dtype=wire)
-    else:
-        flat = torch.frombuffer(view, dtype=wire)
-    return flat.reshape(shape).to(device=final_device, dtype=final_dtype)
+    with warnings.catch_warnings():
+        # The read-only view never escapes: it is copied below into memory torch allocated.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(view, dtype=wire).reshape(shape)
+    if final_device.type == "cpu" and final_dtype == wire:
+        # clone, not bytearray: torch's allocator aligns the copy, and MKL only gives
+        # bit-reproducible results on aligned memory (remote drafts must equal local ones).
+        return flat.clone()
+    return flat.to(device=final_device, dtype=final_dtype)
 
 
 def as_bytes(frame: Any) -> memoryview:

@@ -81,6 +81,9 @@ class DraftBackend(Protocol):
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
 
+    def begin_request(self) -> None:
+        """A new request starts."""
+
     def reset(self, position: int) -> None:
         """Forget context at and after `position`; if it holds less, start the context there."""
 
@@ -106,6 +109,7 @@ class DFlashProposer:
         target.set_taps(self.backend.target_layer_ids)
         target.check_token(self.backend.mask_token_id, "the drafter's mask_token_id")
         self.fallback.begin(target)
+        self.backend.begin_request()
         self.synced = None
 
     def propose(self, target: TargetModel, tokens: list[int], max_tokens: int) -> Proposal:
@@ -142,6 +146,9 @@ class LocalDraftBackend:
             cfg.target_layer_ids,
         )
         self.cache = DraftKVCache(drafter, capacity)
+
+    def begin_request(self) -> None:
+        pass
 
     def reset(self, position: int) -> None:
         self.cache.reset(position)

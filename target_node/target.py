@@ -33,7 +33,11 @@ class TargetModel:
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        # A folder without tokenizer files still serves token-id requests.
+        has_tokenizer = any(
+            (folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
         return cls(model, tokenizer, ring_capacity)
 
     @property

@@ -73,6 +73,9 @@ class OracleBackend:
         self.block_size, self.mask_token_id, self.target_layer_ids = block_size, 0, tuple(target_layer_ids)
         self.length = 0
 
+    def begin_request(self) -> None:
+        pass
+
     def reset(self, position: int) -> None:
         self.length = position
 
@@ -83,3 +86,24 @@ class OracleBackend:
         wanted = self.reference[position + 1 : position + 1 + rows]
         wanted += [0] * (rows - len(wanted))
         return head[wanted] / head[wanted].norm(dim=-1, keepdim=True) * 50.0
+
+
+def free_tcp_address() -> str:
+    from launch.local import free_address
+
+    return free_address()
+
+
+def draft_daemon(address: str, checkpoint, ready_timeout_s: float = 60.0):  # noqa: ANN001
+    """A real draft daemon process on `address`, serving `checkpoint`; stopped on exit."""
+    from launch.local import daemon
+
+    # Same thread count as this process: matmul reduction order, and so the bits, match.
+    threads = str(torch.get_num_threads())
+    return daemon(
+        "draft daemon",
+        "launch.draft_daemon",
+        address,
+        ["--checkpoint", str(checkpoint), "--threads", threads],
+        ready_timeout_s,
+    )

@@ -65,6 +65,22 @@ SAMPLES = {
     "stats_ok": ({"stats": {"steps": 10, "ms": [1.0, 2.5], "x": {"y": None}}}, {}),
     "ok": ({}, {}),
     "error": ({"code": "unknown_session", "message": "no session 's-9'"}, {}),
+    "generate": (
+        {
+            "max_new_tokens": 32,
+            "messages": [{"role": "user", "content": "hi"}],
+            "prompt": "",
+            "token_ids": [],
+            "stop": ["\n\n"],
+            "hints": [5, 6],
+            "stream": False,
+            "sampling": {"temperature": 0.7, "seed": 3},
+        },
+        {},
+    ),
+    "chunk": ({"text": "Hel", "token_ids": [9, 10]}, {}),
+    "done": ({"text": "Hello", "token_ids": [9, 10, 11], "finish_reason": "eos", "stats": {"tau": 1.5}}, {}),
+    "cancel": ({}, {}),
 }
 
 
@@ -111,6 +127,8 @@ def test_round_trip_every_type(type_):
     expected = dict(fields)
     if type_ == "hello":
         expected["client"] = ""  # optional field, default filled in
+    if type_ == "propose":
+        expected["rows"] = 0
     assert msg.fields == expected
     assert set(msg.tensors) == set(tensors)
     for name, t in tensors.items():
@@ -455,3 +473,19 @@ def test_dealer_router_zero_copy_round_trip():
         dealer.close()
         router.close()
         ctx.term()
+
+
+@pytest.mark.parametrize(
+    "given",
+    [{}, {"prompt": "a", "token_ids": [1]}, {"messages": [{"role": "user", "content": "x"}], "prompt": "b"}],
+)
+def test_generate_needs_exactly_one_prompt_form(given):
+    frames = tamper(
+        encode("generate", 1, {"max_new_tokens": 4, "prompt": "p"}), lambda h: (h.pop("prompt"), h.update(given))
+    )
+    assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
+def test_generate_stream_must_be_a_bool():
+    frames = tamper(encode("generate", 1, {"max_new_tokens": 4, "prompt": "p"}), lambda h: h.update(stream=1))
+    assert code_of(frames) is ErrorCode.BAD_FIELD

@@ -1,0 +1,206 @@
+"""The draft daemon: one drafter, many target sessions, one ROUTER socket.
+
+Each session is one target stream with its own context K/V ring (the draft-side mirror of
+the target's feature ring, kept as the keys/values those features produce). Anything a
+peer gets wrong is answered with an error reply naming the problem; the daemon and the
+other sessions carry on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from draft_node.kv_cache import DraftKVCache, OutOfOrderError
+from draft_node.model import DFlashDrafter
+from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError, decode, encode, encode_error
+from protocol.tensors import wire_dtype_of
+from protocol.transport import router
+
+log = logging.getLogger("draft_daemon")
+
+
+@dataclass
+class Session:
+    cache: DraftKVCache
+    last_used: float = field(default_factory=time.monotonic)
+    steps: int = 0
+    rows_in: int = 0
+
+
+class DraftService:
+    """Message in, reply out: the daemon's logic without the socket, so it is easy to test."""
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        ring_capacity: int = 4096,
+        max_sessions: int = 64,
+        idle_timeout_s: float = 600.0,
+    ) -> None:
+        self.drafter = drafter
+        self.config = drafter.config
+        self.ring_capacity = ring_capacity
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self.sessions: dict[str, Session] = {}
+        self.wire_dtypes = list(FLOAT_DTYPES)
+        self.counters = {"requests": 0, "errors": 0, "proposals": 0, "evicted": 0, "draft_ms": 0.0}
+
+    @property
+    def preferred_wire_dtype(self) -> str:
+        """The drafter's own dtype: anything wider only costs bytes, anything narrower costs accuracy."""
+        return wire_dtype_of(self.drafter.fc.weight)
+
+    def handle(self, frames: list) -> list:
+        self.counters["requests"] += 1
+        request: Message | None = None
+        try:
+            request = decode(frames)
+            return getattr(self, f"on_{request.type}", self.on_unexpected)(request)
+        except ProtocolError as exc:
+            self.counters["errors"] += 1
+            return encode_error(request.id if request else exc.request_id, exc.code, exc.message)
+        except Exception as exc:  # a bug must cost one reply, not the daemon
+            self.counters["errors"] += 1
+            log.exception("internal error")
+            return encode_error(request.id if request else None, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def on_unexpected(self, msg: Message) -> list:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"the draft daemon does not serve '{msg.type}' requests")
+
+    def on_hello(self, msg: Message) -> list:
+        cfg = self.config
+        target = msg["target"]
+        problems = []
+        if target["hidden_size"] != cfg.hidden_size:
+            problems.append(f"hidden size: target {target['hidden_size']}, drafter {cfg.hidden_size}")
+        if target["num_hidden_layers"] != cfg.num_target_layers:
+            problems.append(
+                f"layer count: target has {target['num_hidden_layers']}, drafter was built for {cfg.num_target_layers}"
+            )
+        if cfg.mask_token_id >= target["vocab_size"]:
+            problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target's vocabulary")
+        if problems:
+            raise ProtocolError(ErrorCode.CONFIG_MISMATCH, "drafter does not fit this target: " + "; ".join(problems))
+        offered = [d for d in msg["wire_dtypes"] if d in self.wire_dtypes]
+        if not offered:
+            raise ProtocolError(
+                ErrorCode.CONFIG_MISMATCH,
+                f"no common wire dtype: target offers {msg['wire_dtypes']}, drafter {self.wire_dtypes}",
+            )
+        chosen = self.preferred_wire_dtype if self.preferred_wire_dtype in offered else offered[0]
+        drafter = {
+            "block_size": cfg.block_size,
+            "hidden_size": cfg.hidden_size,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "mask_token_id": cfg.mask_token_id,
+            "feature_width": cfg.feature_width,
+            "ring_capacity": self.ring_capacity,
+            "num_target_layers": cfg.num_target_layers,
+        }
+        log.info("hello from %r: wire dtype %s", msg["client"], chosen)
+        return encode("hello_ok", msg.id, {"drafter": drafter, "wire_dtype": chosen, "wire_dtypes": self.wire_dtypes})
+
+    def on_open(self, msg: Message) -> list:
+        name = msg["session"]
+        if name not in self.sessions and len(self.sessions) >= self.max_sessions:
+            self.evict_idle(force_oldest=True)
+        self.sessions[name] = Session(DraftKVCache(self.drafter, self.ring_capacity))
+        return encode("ok", msg.id)
+
+    def session(self, msg: Message) -> Session:
+        found = self.sessions.get(msg["session"])
+        if found is None:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_SESSION, f"no session {msg['session']!r} (never opened, closed or evicted): open it"
+            )
+        found.last_used = time.monotonic()
+        return found
+
+    def on_reset(self, msg: Message) -> list:
+        self.session(msg).cache.reset(msg["position"])
+        return encode("ok", msg.id)
+
+    def on_close(self, msg: Message) -> list:
+        self.session(msg)
+        del self.sessions[msg["session"]]
+        return encode("ok", msg.id)
+
+    def on_propose(self, msg: Message) -> list:
+        session = self.session(msg)
+        cfg = self.config
+        features_spec, noise_spec = msg.tensors["features"][0], msg.tensors["noise"][0]
+        if features_spec.shape[1] != cfg.feature_width:
+            raise ProtocolError(
+                ErrorCode.CONFIG_MISMATCH,
+                f"feature rows are {features_spec.shape[1]} wide, the drafter wants {cfg.feature_width}",
+            )
+        if tuple(noise_spec.shape) != (cfg.block_size, cfg.hidden_size):
+            raise ProtocolError(
+                ErrorCode.CONFIG_MISMATCH,
+                f"noise block is {list(noise_spec.shape)}, the drafter wants [{cfg.block_size}, {cfg.hidden_size}]",
+            )
+        start, position, rows = msg["start"], msg["position"], msg["rows"] or cfg.block_size - 1
+        end = start + features_spec.shape[0]
+        if end != position:
+            raise ProtocolError(
+                ErrorCode.OUT_OF_ORDER,
+                f"feature rows end at {end} but the block starts at {position}: send [{start}, {position})",
+            )
+        if rows > cfg.block_size - 1:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"rows {rows} > block_size - 1 = {cfg.block_size - 1}")
+        began = time.perf_counter()
+        try:
+            session.cache.append(start, msg.tensor("features", self.drafter.device, self.drafter.dtype))
+        except OutOfOrderError as exc:
+            raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{exc}; reset the session to {start} first") from exc
+        hidden = session.cache.draft(msg.tensor("noise", self.drafter.device, self.drafter.dtype), position)[
+            1 : 1 + rows
+        ]
+        if hidden.device.type == "cuda":
+            torch.cuda.synchronize(hidden.device)
+        draft_ms = (time.perf_counter() - began) * 1000
+        session.steps += 1
+        session.rows_in += features_spec.shape[0]
+        self.counters["proposals"] += 1
+        self.counters["draft_ms"] += draft_ms
+        return encode("proposal", msg.id, {"draft_ms": draft_ms}, {"hidden": hidden}, wire_dtype=noise_spec.dtype)
+
+    def on_ping(self, msg: Message) -> list:
+        return encode("pong", msg.id, {"time": time.time(), "sessions": len(self.sessions)})
+
+    def on_stats(self, msg: Message) -> list:
+        stats = dict(self.counters, sessions=len(self.sessions), block_size=self.config.block_size)
+        stats["per_session"] = {k: {"steps": s.steps, "rows_in": s.rows_in} for k, s in self.sessions.items()}
+        return encode("stats_ok", msg.id, {"stats": stats})
+
+    def evict_idle(self, force_oldest: bool = False) -> None:
+        now = time.monotonic()
+        stale = [k for k, s in self.sessions.items() if now - s.last_used > self.idle_timeout_s]
+        if force_oldest and not stale and self.sessions:
+            stale = [min(self.sessions, key=lambda k: self.sessions[k].last_used)]
+        for name in stale:
+            log.info("evicting idle session %r", name)
+            del self.sessions[name]
+            self.counters["evicted"] += 1
+
+
+def serve(service: DraftService, address: str, stop) -> None:  # noqa: ANN001 - a threading.Event
+    """The poll loop: small, explicit, and it checks for shutdown at least every 100 ms."""
+    context = zmq.Context.instance()
+    sock = router(context, address)
+    log.info("draft daemon serving on %s", address)
+    try:
+        while not stop.is_set():
+            if sock.poll(100):
+                identity, *frames = sock.recv_multipart(copy=False)
+                sock.send_multipart([identity, *service.handle(frames)], copy=False)
+            service.evict_idle()
+    finally:
+        sock.close(0)
+        log.info("draft daemon stopped")

@@ -1,0 +1,45 @@
+"""Pieces every entry point shares: defaults, dtype names, logging, the proposer choice."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from target_node.default_model import CACHE_ROOT, ensure_default_model
+
+DRAFT_ADDRESS = "tcp://127.0.0.1:5555"
+TARGET_ADDRESS = "tcp://127.0.0.1:5556"
+DEFAULT_DRAFTER_DIR = CACHE_ROOT / "drafters" / "smollm2-random-b8"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+
+
+def add_model_args(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--device", default="cpu", help=f"torch device for the {what}, e.g. cpu, cuda:0, cuda:1")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help=f"{what} weights dtype")
+
+
+def resolve_model(folder: str | None) -> Path:
+    """A local HF folder, or the default SmolLM2-135M-Instruct converted once into the cache."""
+    return Path(folder) if folder else ensure_default_model()
+
+
+def ensure_default_drafter(model_dir: Path | None = None, folder: Path = DEFAULT_DRAFTER_DIR) -> Path:
+    """Until a trained drafter ships, the default is a random-weight one written for SmolLM2."""
+    if (folder / "config.json").is_file():
+        return folder
+    from transformers import AutoConfig
+
+    from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
+
+    target_config = AutoConfig.from_pretrained(model_dir or ensure_default_model())
+    cfg = config_for_target(target_config, block_size=8, mask_token_id=0)
+    return save_drafter(random_drafter(cfg), folder)

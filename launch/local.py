@@ -1,0 +1,104 @@
+"""All in one: start the draft daemon and the target daemon as separate processes, run the
+client against them, then shut both down.
+
+Each daemon is waited for with a readiness check (it must answer a ping), never a sleep.
+Addresses default to free TCP ports on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+from contextlib import ExitStack, contextmanager
+
+from launch import client
+from launch.common import ensure_default_drafter, resolve_model
+from protocol.transport import wait_ready
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextmanager
+def daemon(name: str, module: str, address: str, args: list[str], ready_timeout_s: float):
+    """Run `python -m module`, wait until it answers a ping, stop it with SIGTERM on exit."""
+    command = [sys.executable, "-m", module, "--bind", address, *args]
+    proc = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        if not wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None):
+            raise SystemExit(f"{name} did not become ready at {address} (exit code {proc.poll()})")
+        print(f"[local] {name} ready at {address} (pid {proc.pid})", flush=True)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="dflash-local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter-checkpoint", help="drafter folder (default: the default model's drafter)")
+    parser.add_argument("--target-device", default="cpu")
+    parser.add_argument("--draft-device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--draft-address", help="where the draft daemon binds (default: a free 127.0.0.1 port)")
+    parser.add_argument("--target-address", help="where the target daemon binds (default: a free 127.0.0.1 port)")
+    parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for each daemon")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads per daemon (0: torch's default)")
+    client.add_client_args(parser)
+    args = parser.parse_args(argv)
+
+    model = resolve_model(args.model)  # convert once, before two processes race to do it
+    checkpoint = args.drafter_checkpoint or str(ensure_default_drafter(model))
+    draft_address = args.draft_address or free_address()
+    target_address = args.target_address or free_address()
+    threads = ["--threads", str(args.threads)]
+    with ExitStack() as stack:
+        stack.enter_context(
+            daemon(
+                "draft daemon",
+                "launch.draft_daemon",
+                draft_address,
+                ["--checkpoint", checkpoint, "--device", args.draft_device, "--dtype", args.dtype, *threads],
+                args.ready_timeout,
+            )
+        )
+        stack.enter_context(
+            daemon(
+                "target daemon",
+                "launch.target_daemon",
+                target_address,
+                [
+                    "--model",
+                    str(model),
+                    "--drafter",
+                    draft_address,
+                    "--device",
+                    args.target_device,
+                    "--dtype",
+                    args.dtype,
+                    *threads,
+                ],
+                args.ready_timeout,
+            )
+        )
+        args.address = target_address
+        client.run(args)
+
+
+if __name__ == "__main__":
+    main()

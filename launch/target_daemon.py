@@ -1,0 +1,82 @@
+"""Start the target daemon: load a causal LM on a device and serve generate requests.
+
+Proposers: `remote` (a draft daemon at --drafter, falling back to n-gram lookup while it
+is unreachable), `local` (a drafter checkpoint in this process), `ngram` (prompt lookup,
+no model) or `none` (plain greedy decoding).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from launch.common import DRAFT_ADDRESS, DTYPES, TARGET_ADDRESS, add_model_args, resolve_model, setup_logging
+from protocol.transport import stop_on_signals
+from target_node.daemon import TargetService
+from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposer
+from target_node.target import TargetModel
+
+
+def build_proposer(args: argparse.Namespace, target: TargetModel) -> Proposer:
+    if args.proposer == "none":
+        return NoProposer()
+    if args.proposer == "ngram":
+        return NGramProposer()
+    if args.proposer == "local":
+        from draft_node.checkpoint import load_drafter
+        from launch.common import ensure_default_drafter
+
+        drafter = load_drafter(args.drafter_checkpoint or ensure_default_drafter(), args.device, target.model.dtype)
+        return DFlashProposer(LocalDraftBackend(drafter, args.ring_capacity), NGramProposer())
+    from target_node.remote import RemoteDraftBackend
+
+    backend = RemoteDraftBackend(
+        args.drafter, target, timeout_s=args.draft_timeout, retry_s=args.draft_retry, wire_dtype=args.wire_dtype
+    )
+    target.ring_capacity = backend.ring_capacity
+    return DFlashProposer(backend, NGramProposer() if args.fallback == "ngram" else NoProposer())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="dflash-target-daemon", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, converted once)"
+    )
+    parser.add_argument(
+        "--bind", default=TARGET_ADDRESS, help="ZeroMQ address clients connect to (default %(default)s)"
+    )
+    parser.add_argument("--proposer", default="remote", choices=["remote", "local", "ngram", "none"])
+    parser.add_argument("--drafter", default=DRAFT_ADDRESS, help="draft daemon address for --proposer remote")
+    parser.add_argument("--drafter-checkpoint", help="drafter folder for --proposer local")
+    parser.add_argument(
+        "--fallback", default="ngram", choices=["ngram", "none"], help="who drafts while the draft daemon is down"
+    )
+    parser.add_argument("--draft-timeout", type=float, default=2.0, help="seconds to wait for a draft reply")
+    parser.add_argument("--draft-retry", type=float, default=5.0, help="seconds between probes of a dead draft daemon")
+    parser.add_argument(
+        "--wire-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="feature dtype on the wire (default: negotiated)",
+    )
+    parser.add_argument(
+        "--ring-capacity", type=int, default=4096, help="feature ring positions (remote: taken from the drafter)"
+    )
+    parser.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    add_model_args(parser, "target model")
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    stop = stop_on_signals()
+    target = TargetModel.load(resolve_model(args.model), args.device, DTYPES[args.dtype], args.ring_capacity)
+    service = TargetService(target, build_proposer(args, target), args.max_new_tokens_limit)
+    service.serve(args.bind, stop)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""The target daemon: clients send generate requests, get streamed chunks and a final record.
+
+One thread does everything: between decode steps it drains the socket, so a cancel takes
+effect at the next step and new requests queue up while one runs. Queues are per client
+and served round-robin, so one busy client cannot starve the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import zmq
+
+from protocol import ErrorCode, Message, ProtocolError, decode, encode, encode_error
+from protocol.transport import router
+from target_node.proposers import Proposer
+from target_node.sampling import SamplingParams
+from target_node.speculative import generate
+from target_node.target import TargetModel
+
+log = logging.getLogger("target_daemon")
+
+
+@dataclass
+class Job:
+    identity: bytes
+    request: Message
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class TargetService:
+    def __init__(self, target: TargetModel, proposer: Proposer, max_new_tokens_limit: int = 4096) -> None:
+        self.target = target
+        self.proposer = proposer
+        self.max_new_tokens_limit = max_new_tokens_limit
+        self.queues: OrderedDict[bytes, deque[Job]] = OrderedDict()
+        self.running: Job | None = None
+        self.sock: zmq.Socket | None = None
+        self.served = 0
+
+    # --- socket side -------------------------------------------------------
+
+    def send(self, identity: bytes, frames: list) -> None:
+        self.sock.send_multipart([identity, *frames], copy=False)
+
+    def pump(self, timeout_ms: int = 0) -> None:
+        """Take in everything waiting on the socket: queue requests, apply cancels, answer pings."""
+        while self.sock.poll(timeout_ms):
+            timeout_ms = 0
+            identity, *frames = self.sock.recv_multipart(copy=False)
+            identity = identity.bytes
+            try:
+                msg = decode(frames)
+            except ProtocolError as exc:
+                self.send(identity, encode_error(exc.request_id, exc.code, exc.message))
+                continue
+            if msg.type == "generate":
+                self.queues.setdefault(identity, deque()).append(Job(identity, msg))
+            elif msg.type == "cancel":
+                self.cancel(identity, msg.id)
+            elif msg.type == "ping":
+                self.send(identity, encode("pong", msg.id, {"time": time.time(), "sessions": self.pending()}))
+            elif msg.type == "stats":
+                self.send(
+                    identity, encode("stats_ok", msg.id, {"stats": {"served": self.served, "queued": self.pending()}})
+                )
+            else:
+                self.send(
+                    identity,
+                    encode_error(msg.id, ErrorCode.UNKNOWN_TYPE, f"the target daemon does not serve '{msg.type}'"),
+                )
+
+    def pending(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def cancel(self, identity: bytes, request_id: int) -> None:
+        if self.running and self.running.identity == identity and self.running.request.id == request_id:
+            self.running.cancel.set()
+            return
+        queue = self.queues.get(identity, deque())
+        for job in list(queue):
+            if job.request.id == request_id:
+                queue.remove(job)
+                self.send(
+                    identity,
+                    encode(
+                        "done", request_id, {"text": "", "token_ids": [], "finish_reason": "cancelled", "stats": {}}
+                    ),
+                )
+
+    def next_job(self) -> Job | None:
+        """Round-robin over clients: take one job from the first client, then move it to the back."""
+        while self.queues:
+            identity, queue = next(iter(self.queues.items()))
+            self.queues.move_to_end(identity)
+            if queue:
+                job = queue.popleft()
+                if not queue:
+                    del self.queues[identity]
+                return job
+            del self.queues[identity]
+        return None
+
+    def serve(self, address: str, stop: threading.Event) -> None:
+        self.sock = router(zmq.Context.instance(), address)
+        log.info("target daemon serving on %s", address)
+        try:
+            while not stop.is_set():
+                self.pump(100)
+                job = self.next_job()
+                if job is not None:
+                    self.run(job)
+        finally:
+            self.sock.close(0)
+            log.info("target daemon stopped")
+
+    # --- model side --------------------------------------------------------
+
+    def prompt_ids(self, msg: Message) -> list[int]:
+        if msg["messages"]:
+            ids = self.target.encode_chat(msg["messages"])
+        elif msg["prompt"]:
+            ids = self.target.encode_text(msg["prompt"])
+        else:
+            ids = list(msg["token_ids"])
+        bad = [t for t in ids + list(msg["hints"]) if t >= self.target.vocab_size]
+        if bad:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, f"token ids {bad[:5]} are outside the vocabulary ({self.target.vocab_size})"
+            )
+        if not ids:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "the prompt is empty")
+        return ids
+
+    def run(self, job: Job) -> None:
+        msg, identity = job.request, job.identity
+        self.running = job
+        try:
+            prompt = self.prompt_ids(msg)
+            if msg["max_new_tokens"] > self.max_new_tokens_limit:
+                raise ProtocolError(
+                    ErrorCode.BAD_FIELD,
+                    f"max_new_tokens {msg['max_new_tokens']} exceeds this daemon's limit {self.max_new_tokens_limit}",
+                )
+            try:
+                sampling = SamplingParams.from_dict(msg["sampling"])
+            except (TypeError, ValueError) as exc:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"sampling: {exc}") from exc
+
+            def on_commit(tokens: list[int], text: str) -> None:
+                if msg["stream"]:
+                    self.send(identity, encode("chunk", msg.id, {"text": text, "token_ids": tokens}))
+                self.pump()  # cancels and new requests arrive between steps
+
+            result = generate(
+                self.target,
+                prompt,
+                self.proposer,
+                msg["max_new_tokens"],
+                stop_strings=tuple(msg["stop"]),
+                hint_tokens=msg["hints"],
+                on_commit=on_commit,
+                cancel=job.cancel,
+                sampling=sampling,
+            )
+            stats = result.stats.to_dict()
+            stats["proposer"] = self.proposer.name
+            backend = getattr(self.proposer, "backend", None)
+            if backend is not None and hasattr(backend, "counters"):
+                stats["drafter"] = dict(backend.counters)
+            self.send(
+                identity,
+                encode(
+                    "done",
+                    msg.id,
+                    {
+                        "text": result.text,
+                        "token_ids": result.tokens,
+                        "finish_reason": result.finish_reason,
+                        "stats": stats,
+                    },
+                ),
+            )
+            self.served += 1
+        except ProtocolError as exc:
+            self.send(identity, encode_error(msg.id, exc.code, exc.message))
+        except Exception as exc:  # one bad request must not take the daemon down
+            log.exception("request %s failed", msg.id)
+            self.send(identity, encode_error(msg.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        finally:
+            self.running = None

@@ -1,0 +1,140 @@
+"""Target and drafter in separate processes, over real ZeroMQ sockets."""
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from helpers import assert_lossless, draft_daemon, free_tcp_address, greedy, tiny_target
+
+from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
+from target_node.proposers import DFlashProposer, DrafterUnavailable, LocalDraftBackend, NGramProposer
+from target_node.remote import DrafterMismatch, RemoteDraftBackend
+from target_node.speculative import generate
+
+PROMPTS = [[5, 17, 42, 99, 3, 7], [200, 11, 11, 11, 250, 12, 13, 14]]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", seed=4)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(target, tmp_path_factory):
+    cfg = config_for_target(target.config, block_size=8, num_taps=3)
+    return save_drafter(random_drafter(cfg, seed=1, std=0.1), tmp_path_factory.mktemp("drafter"))
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def address(request, tmp_path):
+    return f"ipc://{tmp_path}/draft.sock" if request.param == "ipc" else free_tcp_address()
+
+
+def test_remote_equals_local_equals_greedy(target, checkpoint, address):
+    local = DFlashProposer(LocalDraftBackend(load_drafter(checkpoint)))
+    with draft_daemon(address, checkpoint):
+        backend = RemoteDraftBackend(address, target)
+        remote = DFlashProposer(backend)
+        for prompt in PROMPTS:
+            want = greedy(target, prompt, MAX_NEW)
+            local_result = generate(target, prompt, local, MAX_NEW)
+            remote_result = generate(target, prompt, remote, MAX_NEW)
+            assert_lossless(target, prompt, local_result.tokens, want)
+            assert remote_result.tokens == local_result.tokens
+            # fp32 on the wire: the remote drafter proposes exactly what the local one does.
+            assert remote_result.stats.histogram == local_result.stats.histogram
+            assert remote_result.stats.sources == {
+                "dflash": remote_result.stats.steps - remote_result.stats.plain_steps
+            }
+        assert backend.counters["timeouts"] == 0 and backend.counters["round_trips"] > 10
+        backend.close()
+
+
+def test_remote_hidden_states_equal_in_process_drafter(target, checkpoint, tmp_path):
+    address = f"ipc://{tmp_path}/d.sock"
+    drafter = load_drafter(checkpoint)
+    cfg = drafter.config
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(30, cfg.feature_width, generator=g)
+    with draft_daemon(address, checkpoint):
+        remote = RemoteDraftBackend(address, target)
+        local = LocalDraftBackend(drafter)
+        for backend in (remote, local):
+            backend.reset(0)
+        for start, end in [(0, 12), (12, 13), (13, 20), (17, 25)]:  # the last one rewinds
+            noise = torch.randn(cfg.block_size, cfg.hidden_size, generator=g)
+            got = remote.draft(start, features[start:end], noise, end, cfg.block_size - 1)
+            want = local.draft(start, features[start:end], noise, end, cfg.block_size - 1)
+            assert torch.equal(got, want)
+        # The reply carries only the rows the target asked for.
+        assert remote.draft(25, features[25:26], noise, 26, 3).shape == (3, cfg.hidden_size)
+        remote.close()
+
+
+def test_two_targets_share_one_draft_daemon(checkpoint, tmp_path):
+    address = f"ipc://{tmp_path}/shared.sock"
+    targets = [tiny_target("qwen3", seed=4), tiny_target("qwen3", seed=4)]
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            backend = RemoteDraftBackend(address, targets[i], name=f"session-{i}")
+            proposer = DFlashProposer(backend)
+            prompt = PROMPTS[i]
+            results[i] = (generate(targets[i], prompt, proposer, MAX_NEW), greedy(targets[i], prompt, MAX_NEW))
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    with draft_daemon(address, checkpoint):
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
+    for i in range(2):
+        result, want = results[i]
+        assert_lossless(targets[i], PROMPTS[i], result.tokens, want)
+        assert result.stats.sources["dflash"] > 0
+
+
+def test_daemon_killed_mid_generation_then_restarted(target, checkpoint, tmp_path):
+    address = f"ipc://{tmp_path}/dying.sock"
+    prompt = PROMPTS[1]
+    want = greedy(target, prompt, MAX_NEW)
+    with draft_daemon(address, checkpoint) as proc:
+        backend = RemoteDraftBackend(address, target, timeout_s=1.0, probe_timeout_s=0.2, retry_s=60.0)
+        proposer = DFlashProposer(backend, NGramProposer())
+        seen = []
+
+        def kill_after_a_few(tokens, text):
+            seen.extend(tokens)
+            if len(seen) >= 8 and proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+        result = generate(target, prompt, proposer, MAX_NEW, on_commit=kill_after_a_few)
+    assert_lossless(target, prompt, result.tokens, want)
+    assert result.stats.sources["dflash"] > 0 and backend.counters["timeouts"] >= 1
+    assert result.stats.steps > result.stats.sources["dflash"]  # the rest ran on the fallback
+    with draft_daemon(address, checkpoint):  # restarted: the next request drafts remotely again
+        result = generate(target, prompt, proposer, MAX_NEW)
+        assert_lossless(target, prompt, result.tokens, want)
+        assert result.stats.sources == {"dflash": result.stats.steps - result.stats.plain_steps}
+    backend.close()
+
+
+def test_handshake_refuses_a_drafter_for_another_target(checkpoint, tmp_path):
+    address = f"ipc://{tmp_path}/other.sock"
+    other = tiny_target("llama", seed=0, layers=6)
+    with draft_daemon(address, checkpoint):
+        with pytest.raises(DrafterMismatch, match="layer count"):
+            RemoteDraftBackend(address, other)
+
+
+def test_no_daemon_at_start_is_a_clear_error(target, tmp_path):
+    with pytest.raises(DrafterUnavailable, match="no drafter answered"):
+        RemoteDraftBackend(f"ipc://{tmp_path}/nobody.sock", target, timeout_s=0.3)
