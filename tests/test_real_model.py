@@ -50,3 +50,60 @@ def test_speculative_equals_greedy(smollm, prompts, references, kind):
         result = generate(smollm, prompt, proposer, MAX_NEW)
         assert_lossless(smollm, prompt, result.tokens, want)
         assert result.stats.proposed > 0
+
+
+def test_remote_drafter_equals_local_and_greedy(smollm, prompts, references, tmp_path):
+    from helpers import draft_daemon
+
+    from draft_node.checkpoint import save_drafter
+    from target_node.remote import RemoteDraftBackend
+
+    cfg = config_for_target(smollm.config, block_size=8, mask_token_id=0)
+    folder = save_drafter(random_drafter(cfg, seed=3), tmp_path / "drafter")
+    local = DFlashProposer(LocalDraftBackend(random_drafter(cfg, seed=3)))
+    address = f"ipc://{tmp_path}/draft.sock"
+    with draft_daemon(address, folder):
+        backend = RemoteDraftBackend(address, smollm)
+        remote = DFlashProposer(backend)
+        for prompt, want in list(zip(prompts, references, strict=True))[:2]:
+            remote_result = generate(smollm, prompt, remote, MAX_NEW)
+            local_result = generate(smollm, prompt, local, MAX_NEW)
+            assert remote_result.tokens == local_result.tokens
+            assert remote_result.stats.histogram == local_result.stats.histogram
+            assert_lossless(smollm, prompt, remote_result.tokens, want)
+        assert backend.counters["timeouts"] == 0
+        backend.close()
+
+
+def test_all_in_one_launcher_through_the_client(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "answers.json"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is the capital of France?"}\n{"prompt": "Name a primary color."}\n')
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--prompts-file",
+            str(prompts),
+            "--max-new-tokens",
+            "24",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "draft daemon ready" in run.stdout and "target daemon ready" in run.stdout
+    answers = json.loads(out.read_text())
+    assert len(answers) == 2 and "Paris" in answers[0]["text"]
+    for answer in answers:
+        assert answer["stats"]["proposer"] == "dflash" and answer["stats"]["steps"] > 0
+        assert answer["text"] in run.stdout
+    assert "tau" in run.stdout and "tok/s" in run.stdout

@@ -1,0 +1,142 @@
+"""The draft daemon answers every mistake with a precise error and keeps serving."""
+
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+from helpers import draft_daemon
+
+from draft_node.checkpoint import load_drafter, random_drafter, save_drafter
+from draft_node.config import DFlashConfig
+from draft_node.daemon import DraftService
+from protocol import PROTOCOL_VERSION, decode, encode
+from protocol.transport import dealer, receive
+
+CFG = DFlashConfig(
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    target_layer_ids=(0, 2),
+    block_size=4,
+    mask_token_id=7,
+    num_target_layers=4,
+)
+TARGET = {"hidden_size": 32, "num_hidden_layers": 4, "vocab_size": 100}
+
+
+@pytest.fixture
+def service():
+    svc = DraftService(random_drafter(CFG), ring_capacity=64, max_sessions=2, idle_timeout_s=60)
+    assert call(svc, "open", session="a").type == "ok"
+    return svc
+
+
+def call(svc, type_, tensors=None, **fields):
+    return decode(svc.handle(encode(type_, 9, fields, tensors)))
+
+
+def propose(svc, session="a", start=0, position=3, width=64, block=(4, 32), **extra):
+    tensors = {"features": torch.randn(position - start, width), "noise": torch.randn(*block)}
+    return call(svc, "propose", tensors, session=session, start=start, position=position, **extra)
+
+
+def error_code(reply):
+    assert reply.type == "error", reply.type
+    return reply["code"]
+
+
+def test_hello_describes_the_drafter_and_picks_a_wire_dtype(service):
+    reply = call(service, "hello", wire_dtypes=["bfloat16", "float32"], target=TARGET)
+    assert reply["drafter"]["feature_width"] == 64 and reply["drafter"]["block_size"] == 4
+    assert reply["wire_dtype"] == "float32"  # the drafter's own dtype wins when offered
+    assert call(service, "hello", wire_dtypes=["bfloat16"], target=TARGET)["wire_dtype"] == "bfloat16"
+
+
+def test_hello_refuses_a_target_that_does_not_fit(service):
+    reply = call(service, "hello", wire_dtypes=["float32"], target=dict(TARGET, hidden_size=48, num_hidden_layers=6))
+    assert error_code(reply) == "config_mismatch"
+    assert "hidden size" in reply["message"] and "layer count" in reply["message"]
+
+
+def test_propose_happy_path_and_rows(service):
+    reply = propose(service)
+    assert reply.type == "proposal" and reply.tensor("hidden").shape == (3, 32)
+    reply = call(
+        service,
+        "propose",
+        {"features": torch.randn(2, 64), "noise": torch.randn(4, 32)},
+        session="a",
+        start=3,
+        position=5,
+        rows=1,
+    )
+    assert reply.tensor("hidden").shape == (1, 32)
+
+
+@pytest.mark.parametrize(
+    "kwargs, code",
+    [
+        ({"session": "nobody"}, "unknown_session"),
+        ({"width": 48}, "config_mismatch"),
+        ({"block": (5, 32)}, "config_mismatch"),
+        ({"start": 2, "position": 5}, "out_of_order"),  # a gap: the drafter holds nothing yet
+        ({"rows": 4}, "bad_field"),  # more draft rows than the block has
+    ],
+)
+def test_propose_mistakes_get_precise_errors(service, kwargs, code):
+    assert error_code(propose(service, **kwargs)) == code
+    assert propose(service).type == "proposal"  # and the session still works
+
+
+def test_reset_rewinds_and_close_forgets(service):
+    assert propose(service, start=0, position=10).type == "proposal"
+    assert call(service, "reset", session="a", position=4).type == "ok"
+    assert error_code(propose(service, start=6, position=8)) == "out_of_order"
+    assert propose(service, start=4, position=8).type == "proposal"
+    assert call(service, "close", session="a").type == "ok"
+    assert error_code(call(service, "close", session="a")) == "unknown_session"
+
+
+def test_sessions_are_evicted_when_idle_or_when_full(service):
+    call(service, "open", session="b")
+    call(service, "open", session="c")  # max_sessions=2: the least recently used goes
+    assert set(service.sessions) == {"b", "c"}
+    service.idle_timeout_s = 0.0
+    time.sleep(0.01)
+    service.evict_idle()
+    assert service.sessions == {} and service.counters["evicted"] == 3
+
+
+def test_ping_and_stats(service):
+    assert call(service, "ping")["sessions"] == 1
+    propose(service)
+    stats = call(service, "stats")["stats"]
+    assert stats["proposals"] == 1 and stats["per_session"]["a"]["steps"] == 1
+
+
+def test_garbage_over_a_real_socket_gets_errors_and_the_daemon_lives(tmp_path):
+    folder = save_drafter(random_drafter(CFG), tmp_path / "ckpt")
+    address = f"ipc://{tmp_path}/d.sock"
+    with draft_daemon(address, folder):
+        sock = dealer(zmq.Context.instance(), address)
+        try:
+            cases = [
+                ([b"\xc1not msgpack"], "malformed"),
+                ([msgpack.packb({"v": PROTOCOL_VERSION + 1, "type": "ping", "id": 5, "tensors": []})], "bad_version"),
+                ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "fly", "id": 6, "tensors": []})], "unknown_type"),
+                (encode("open", 7, {"session": "s"}) + [b"extra frame"], "bad_tensor"),
+            ]
+            for frames, code in cases:
+                sock.send_multipart(frames)
+                reply = decode(sock.recv_multipart())
+                assert reply.type == "error" and reply["code"] == code, (code, reply.fields)
+            sock.send_multipart(encode("ping", 99, {}))
+            assert receive(sock, 99, time.monotonic() + 5).type == "pong"
+        finally:
+            sock.close(0)
+    assert load_drafter(folder).config == CFG

@@ -1,0 +1,98 @@
+"""The target daemon as a real process: streaming, fairness, cancellation, bad requests."""
+
+import time
+
+import pytest
+import zmq
+from helpers import greedy, tiny_target
+
+from launch.client import TargetClient
+from launch.local import daemon
+from protocol import ProtocolError, decode, encode
+from protocol.transport import dealer, receive
+from target_node.target import TargetModel
+
+PROMPT = [5, 17, 42, 99, 3, 7]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-target")
+    tiny_target("llama", seed=5).model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def address(model_dir, tmp_path_factory):
+    address = f"ipc://{tmp_path_factory.mktemp('sock')}/target.sock"
+    with daemon(
+        "target daemon", "launch.target_daemon", address, ["--model", str(model_dir), "--proposer", "ngram"], 120
+    ):
+        yield address
+
+
+def test_streamed_tokens_equal_greedy(model_dir, address):
+    want = greedy(TargetModel.load(model_dir), PROMPT, 30)
+    client = TargetClient(address, timeout_s=60)
+    replies = list(client.stream(token_ids=PROMPT, max_new_tokens=30))
+    client.close()
+    chunks, done = replies[:-1], replies[-1]
+    assert done.type == "done" and done["token_ids"] == want
+    assert [t for c in chunks for t in c["token_ids"]] == want
+    assert done["stats"]["proposer"] == "ngram" and done["stats"]["new_tokens"] == len(want)
+
+
+def test_bad_requests_get_errors_and_the_daemon_carries_on(address):
+    client = TargetClient(address, timeout_s=60)
+    with pytest.raises(ProtocolError, match="outside the vocabulary"):
+        client.generate(token_ids=[1, 10**6], max_new_tokens=4)
+    with pytest.raises(ProtocolError, match="no tokenizer"):
+        client.generate(messages=[{"role": "user", "content": "hi"}], max_new_tokens=4)
+    with pytest.raises(ProtocolError, match="temperature"):
+        client.generate(token_ids=PROMPT, max_new_tokens=4, sampling={"temperature": -1.0})
+    with pytest.raises(ProtocolError, match="exceeds this daemon's limit"):
+        client.generate(token_ids=PROMPT, max_new_tokens=100_000)
+    assert client.generate(token_ids=PROMPT, max_new_tokens=4)["finish_reason"] in ("length", "eos")
+    client.close()
+
+
+def test_requests_are_served_round_robin_and_none_is_lost(address):
+    """Client A queues three requests, client B one: B must not wait for all of A's."""
+    context = zmq.Context.instance()
+    a, b = dealer(context, address), dealer(context, address)
+    try:
+        for i in range(3):
+            a.send_multipart(encode("generate", 100 + i, {"token_ids": PROMPT, "max_new_tokens": 40, "stream": False}))
+        time.sleep(0.2)  # let A's requests reach the queue first
+        b.send_multipart(encode("generate", 200, {"token_ids": PROMPT, "max_new_tokens": 40, "stream": False}))
+        finished = []
+        poller = zmq.Poller()
+        poller.register(a, zmq.POLLIN)
+        poller.register(b, zmq.POLLIN)
+        deadline = time.monotonic() + 120
+        while len(finished) < 4 and time.monotonic() < deadline:
+            for sock, _ in poller.poll(1000):
+                reply = decode(sock.recv_multipart())
+                assert reply.type == "done"
+                finished.append((reply.id, time.monotonic()))
+        order = [i for i, _ in finished]
+        assert sorted(order) == [100, 101, 102, 200]
+        assert order.index(200) < order.index(102)
+    finally:
+        a.close(0)
+        b.close(0)
+
+
+def test_cancel_stops_a_running_request(address):
+    sock = dealer(zmq.Context.instance(), address)
+    try:
+        sock.send_multipart(encode("generate", 7, {"token_ids": PROMPT, "max_new_tokens": 3000}))
+        first = receive(sock, 7, time.monotonic() + 60)
+        assert first.type == "chunk"
+        sock.send_multipart(encode("cancel", 7, {}))
+        reply = first
+        while reply.type != "done":
+            reply = receive(sock, 7, time.monotonic() + 60)
+        assert reply["finish_reason"] == "cancelled" and len(reply["token_ids"]) < 3000
+    finally:
+        sock.close(0)
