@@ -16,7 +16,6 @@ import torch
 import zmq
 
 from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError, encode
-from protocol.tensors import wire_dtype_of
 from protocol.transport import dealer, receive
 from target_node.proposers import DrafterUnavailable
 from target_node.target import TargetModel
@@ -132,9 +131,8 @@ class RemoteDraftBackend:
             info = reply["drafter"]
             self._check_fits(info)
             self.info = info
-            # fp32 targets ship fp32 unless told otherwise: the lossless tests rely on bit-exact drafts.
-            own = wire_dtype_of(target.model.get_input_embeddings().weight)
-            self.wire_dtype = self.wire_request or (own if own in reply["wire_dtypes"] else reply["wire_dtype"])
+            # The drafter's own dtype, unless the operator chose: wider only costs bytes.
+            self.wire_dtype = self.wire_request or reply["wire_dtype"]
             self._call("open", {"session": self.session}, timeout_s=timeout_s)
             self.attached = True
         except DrafterUnavailable:
