@@ -1,9 +1,13 @@
-"""The speculative decoding loop (greedy): draft, verify in one forward pass, keep what agrees.
+"""The speculative decoding loop: draft, verify in one forward pass, keep what the target stands by.
 
 Every step runs `[last_tok, d1..dk]` through the target. Row i's argmax is the token the
 target itself would emit after d_i, so the longest prefix of drafts matching those argmaxes,
 plus the argmax after it (the bonus), is exactly what plain greedy decoding would emit.
 Whatever the drafter says, the output is the target's own.
+
+With a temperature, the same forward pass feeds speculative sampling instead (see sampling.py):
+drafts are drawn from the drafter's q and accepted by the rejection rule, so the output is
+distributed exactly as sampling from the target alone.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from target_node.proposers import Proposer
+from target_node.sampling import Sampler, SamplingParams
 from target_node.target import TargetModel
 from target_node.text import TextStream
 
@@ -95,7 +100,9 @@ def generate(
     on_commit: OnCommit | None = None,
     cancel: threading.Event | None = None,
     stop_on_eos: bool = True,
+    sampling: SamplingParams | None = None,
 ) -> Result:
+    """Decode up to max_new_tokens; `sampling` None or temperature 0 is exact greedy decoding."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     if max_new_tokens < 1:
@@ -106,6 +113,7 @@ def generate(
     eos = target.eos_ids if stop_on_eos else frozenset()
     output: list[int] = []
     finish = "length"
+    sampler = None if sampling is None or sampling.is_greedy else Sampler(sampling, target.device)
 
     def commit(new: list[int]) -> bool:
         """Emit tokens, cut at EOS, a stop string or the budget; True when generation is over."""
@@ -132,7 +140,7 @@ def generate(
     proposer.begin(target)
     logits, features = target.forward(prompt)
     target.keep(0, len(prompt), features)
-    done = commit([int(logits[-1].argmax())])
+    done = commit([int(logits[-1].argmax()) if sampler is None else sampler.pick(logits[-1])])
     stats.ttft_s = time.perf_counter() - start
     while not done:
         if cancel is not None and cancel.is_set():
@@ -142,10 +150,16 @@ def generate(
         position = len(tokens) - 1  # where last_tok goes
         budget = max_new_tokens - len(output) - 1  # the bonus token always comes on top
         proposal = proposer.propose(target, tokens, budget)
-        drafts = _apply_hints(proposal.tokens, hints, len(output), budget)
+        guesses, q = (proposal.tokens, None) if sampler is None else sampler.draft(proposal.tokens, proposal.logits)
+        ahead = hints[len(output) : len(output) + budget]
+        drafts = _apply_hints(guesses, ahead)
         logits, features = target.forward([tokens[-1]] + drafts)
-        choices = logits.argmax(-1).tolist()
-        accepted = accept_length(drafts, choices)
+        if sampler is None:
+            choices = logits.argmax(-1).tolist()
+            accepted = accept_length(drafts, choices)
+            after = choices[accepted]
+        else:
+            accepted, after = sampler.verify(logits, drafts, q, fixed=len(ahead))
         target.keep(position, accepted + 1, features)
         stats.steps += 1
         stats.plain_steps += not drafts
@@ -154,7 +168,7 @@ def generate(
         if drafts:
             stats.histogram[accepted] += 1
             stats.sources[proposal.source or "hint"] += 1
-        done = commit(drafts[:accepted] + [choices[accepted]])
+        done = commit(drafts[:accepted] + [after])
     stats.new_tokens = len(output)
     stats.decode_s = time.perf_counter() - start - stats.ttft_s
     if stream.stopped:
@@ -162,9 +176,8 @@ def generate(
     return Result(output, stream.text, finish, stats)
 
 
-def _apply_hints(drafts: list[int], hints: list[int], done: int, budget: int) -> list[int]:
+def _apply_hints(drafts: list[int], ahead: list[int]) -> list[int]:
     """Known upcoming tokens replace guesses at their positions; they are verified like any draft."""
-    ahead = hints[done : done + budget]
     if not ahead:
         return drafts
     length = max(len(drafts), len(ahead))

@@ -1,0 +1,187 @@
+"""Sampling at any temperature that stays exact under speculation.
+
+Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): a draft x drawn from q is
+accepted with probability min(1, p(x)/q(x)); at the first rejection the token is drawn from the
+normalized residual max(0, p - q). Either way the committed token is distributed exactly as p,
+whatever q is, so a drafter only changes speed, never the output distribution. A one-hot q (an
+n-gram guess, a hint) is the same rule: accept with probability p(x), else draw from p without x.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+SEED_LIMIT = 2**63  # torch generators take 64-bit seeds; stay inside what every client's ints can carry
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling options; temperature 0 means greedy decoding."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        temperature, top_p = _number("temperature", self.temperature), _number("top_p", self.top_p)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {top_p}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 keeps every token), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
+        # Clients may send 1 for 1.0; store floats so equal requests compare and serialize equal.
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping | None) -> SamplingParams:
+        """Read a request's `sampling` map; missing keys take defaults, unknown keys are refused, not ignored."""
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise ValueError(f"sampling must be a map of options, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(key) for key in data if key not in known)
+        if unknown:
+            raise ValueError(f"unknown sampling options {unknown}; expected some of {sorted(known)}")
+        return cls(**data)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+    """The one source of randomness for a request, so a seed replays the whole request."""
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+@torch.no_grad()
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed distribution over the last axis: temperature, then top-k, then top-p (as transformers orders them).
+
+    Target and drafter rows both go through here, so p and q are shaped by the same options.
+    """
+    logits = logits.float()
+    if params.is_greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        # Exactly k survive, even on ties, so top_k=1 is greedy.
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep.scatter_(-1, logits.topk(params.top_k, dim=-1).indices, True)
+        logits = logits.masked_fill(~keep, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        probs = _nucleus(probs, params.top_p)
+    return probs
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest most-likely set whose mass reaches top_p; the top token always survives."""
+    ordered, order = probs.sort(-1, descending=True)
+    mass_before = ordered.cumsum(-1) - ordered
+    drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
+    probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token index per row of `probs` [..., vocab]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What p has left over q, unnormalized; p itself if rounding left nothing (then p == q and rejection is moot)."""
+    left = (p - q).clamp_min(0)
+    return left if float(left.sum()) > 0 else p
+
+
+@torch.no_grad()
+def verify_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator) -> tuple[int, int]:
+    """Speculative sampling over one block: how many drafts survive, and the token that follows them.
+
+    p [k+1, vocab]: the target's processed distributions after last_tok, d1..dk.
+    q [k, vocab]: the distributions the drafts were drawn from (one-hot rows for fixed guesses).
+    Always draws k coins then one token, so a seed replays the same draws whatever gets accepted.
+    """
+    k = len(drafts)
+    accepted = 0
+    if k:
+        rows = torch.arange(k, device=p.device)
+        chosen = torch.tensor(drafts, device=p.device)
+        coins = torch.rand(k, generator=generator, device=p.device)
+        # coin < p/q without dividing: accepts with probability min(1, p/q), rejects when p(x) == 0.
+        keep = coins * q[rows, chosen] < p[rows, chosen]
+        accepted = int(keep.long().cumprod(0).sum())
+    final = p[k] if accepted == k else residual(p[accepted], q[accepted])
+    return accepted, int(sample(final, generator))
+
+
+def one_hot_drafts(drafts: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """q for guesses that were not drawn from a distribution: all mass on the guess."""
+    q = torch.zeros(len(drafts), vocab, device=device)
+    if drafts:
+        q[torch.arange(len(drafts), device=device), torch.tensor(drafts, device=device)] = 1.0
+    return q
+
+
+class Sampler:
+    """One request's sampling: its options, and the generator every draw comes from."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+        self.params = params
+        self.generator = make_generator(params, device)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The token after a prefill: a plain draw from the processed target distribution."""
+        return int(sample(probabilities(logits, self.params), self.generator))
+
+    def draft(self, tokens: list[int], logits: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
+        """Drafts drawn from the drafter's processed distribution q; guesses without logits stay one-hot."""
+        if logits is None or not tokens:
+            return tokens, None
+        q = probabilities(logits[: len(tokens)], self.params)
+        return sample(q, self.generator).tolist(), q
+
+    def verify(
+        self, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, fixed: int = 0
+    ) -> tuple[int, int]:
+        """Accept drafts against the target's logits [k+1, vocab].
+
+        The first `fixed` drafts were forced (hints), not drawn from q, so their q is one-hot:
+        using the drafter's q there would over-accept them.
+        """
+        full = one_hot_drafts(drafts, logits.shape[-1], logits.device)
+        if q is not None:
+            end = min(len(drafts), q.shape[0])
+            if fixed < end:
+                full[fixed:end] = q[fixed:end].to(full.device)
+        return verify_sampled(probabilities(logits, self.params), full, drafts, self.generator)
