@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> None:
         "--ring-capacity", type=int, default=4096, help="feature ring positions (remote: taken from the drafter)"
     )
     parser.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    parser.add_argument(
+        "--always-draft",
+        action="store_true",
+        help="draft every step, even while measured speculation is slower than plain decoding",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("-v", "--verbose", action="store_true")
     add_model_args(parser, "target model")
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     stop = stop_on_signals()
     target = TargetModel.load(resolve_model(args.model), args.device, DTYPES[args.dtype], args.ring_capacity)
-    service = TargetService(target, build_proposer(args, target), args.max_new_tokens_limit)
+    service = TargetService(target, build_proposer(args, target), args.max_new_tokens_limit, not args.always_draft)
     service.serve(args.bind, stop)
 
 

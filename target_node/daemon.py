@@ -33,8 +33,11 @@ class Job:
 
 
 class TargetService:
-    def __init__(self, target: TargetModel, proposer: Proposer, max_new_tokens_limit: int = 4096) -> None:
+    def __init__(
+        self, target: TargetModel, proposer: Proposer, max_new_tokens_limit: int = 4096, adaptive: bool = True
+    ) -> None:
         self.target = target
+        self.adaptive = adaptive
         self.proposer = proposer
         self.max_new_tokens_limit = max_new_tokens_limit
         self.queues: OrderedDict[bytes, deque[Job]] = OrderedDict()
@@ -166,6 +169,7 @@ class TargetService:
                 on_commit=on_commit,
                 cancel=job.cancel,
                 sampling=sampling,
+                adaptive=self.adaptive,
             )
             stats = result.stats.to_dict()
             stats["proposer"] = self.proposer.name

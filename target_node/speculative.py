@@ -18,7 +18,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from target_node.proposers import Proposer
+from target_node.governor import Governor
+from target_node.proposers import EMPTY, Proposer
 from target_node.sampling import Sampler, SamplingParams
 from target_node.target import TargetModel
 from target_node.text import TextStream
@@ -38,6 +39,7 @@ class Stats:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     sources: Counter = field(default_factory=Counter)
+    governor: dict = field(default_factory=dict)
 
     @property
     def tau(self) -> float:
@@ -64,6 +66,7 @@ class Stats:
             "decode_s": round(self.decode_s, 4),
             "decode_tok_s": round(self.decode_tok_s, 2),
             "sources": dict(self.sources),
+            "governor": self.governor,
         }
 
     def line(self) -> str:
@@ -101,8 +104,12 @@ def generate(
     cancel: threading.Event | None = None,
     stop_on_eos: bool = True,
     sampling: SamplingParams | None = None,
+    adaptive: bool = True,
 ) -> Result:
-    """Decode up to max_new_tokens; `sampling` None or temperature 0 is exact greedy decoding."""
+    """Decode up to max_new_tokens; `sampling` None or temperature 0 is exact greedy decoding.
+
+    `adaptive` lets a Governor switch to plain steps while drafting does not pay for itself.
+    """
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     if max_new_tokens < 1:
@@ -114,6 +121,7 @@ def generate(
     output: list[int] = []
     finish = "length"
     sampler = None if sampling is None or sampling.is_greedy else Sampler(sampling, target.device)
+    governor = Governor() if adaptive else None
 
     def commit(new: list[int]) -> bool:
         """Emit tokens, cut at EOS, a stop string or the budget; True when generation is over."""
@@ -149,7 +157,9 @@ def generate(
         tokens = prompt + output
         position = len(tokens) - 1  # where last_tok goes
         budget = max_new_tokens - len(output) - 1  # the bonus token always comes on top
-        proposal = proposer.propose(target, tokens, budget)
+        began = time.perf_counter()
+        drafting = governor is None or governor.should_draft()
+        proposal = proposer.propose(target, tokens, budget) if drafting else EMPTY
         guesses, q = (proposal.tokens, None) if sampler is None else sampler.draft(proposal.tokens, proposal.logits)
         ahead = hints[len(output) : len(output) + budget]
         drafts = _apply_hints(guesses, ahead)
@@ -168,7 +178,10 @@ def generate(
         if drafts:
             stats.histogram[accepted] += 1
             stats.sources[proposal.source or "hint"] += 1
+        if governor is not None:
+            governor.record(bool(proposal.tokens), accepted + 1, time.perf_counter() - began)
         done = commit(drafts[:accepted] + [after])
+    stats.governor = governor.to_dict() if governor is not None else {}
     stats.new_tokens = len(output)
     stats.decode_s = time.perf_counter() - start - stats.ttft_s
     if stream.stopped:

@@ -119,11 +119,11 @@ def test_prompt_of_one_token(target):
 
 
 def test_rollback_after_full_and_zero_acceptance(target, reference):
-    result = generate(target, PROMPT, oracle(target, reference), 30, stop_on_eos=False)
+    result = generate(target, PROMPT, oracle(target, reference), 30, stop_on_eos=False, adaptive=False)
     assert result.stats.histogram[BLOCK - 1] >= 2  # full acceptance
     assert target.length == len(PROMPT) + 30 - 1  # the last token is never run
     wrong = DFlashProposer(OracleBackend(target, PROMPT + [(t + 1) % 300 for t in reference], BLOCK))
-    result = generate(target, PROMPT, wrong, 30, stop_on_eos=False)
+    result = generate(target, PROMPT, wrong, 30, stop_on_eos=False, adaptive=False)
     assert result.tokens == reference[:30]
     assert result.stats.accepted == 0
     assert result.stats.histogram[0] == result.stats.steps - result.stats.plain_steps

@@ -43,7 +43,8 @@ def test_oracle_drafter_accepts_nearly_everything(target, block_size):
     for prompt in PROMPTS:
         want = greedy(target, prompt, MAX_NEW, stop_on_eos=False)
         oracle = OracleBackend(target, prompt + want, block_size, target_layer_ids=(0, 2))
-        result = generate(target, prompt, DFlashProposer(oracle), MAX_NEW, stop_on_eos=False)
+        # adaptive=False: this test counts steps, so no plain-step measurements may interleave.
+        result = generate(target, prompt, DFlashProposer(oracle), MAX_NEW, stop_on_eos=False, adaptive=False)
         assert result.tokens == want
         assert result.stats.accepted == result.stats.proposed
         # Every step but the budget-limited last one commits a full block.

@@ -40,8 +40,9 @@ def test_remote_equals_local_equals_greedy(target, checkpoint, address):
         remote = DFlashProposer(backend)
         for prompt in PROMPTS:
             want = greedy(target, prompt, MAX_NEW)
-            local_result = generate(target, prompt, local, MAX_NEW)
-            remote_result = generate(target, prompt, remote, MAX_NEW)
+            # adaptive=False: the same steps in both runs, so their histograms can be compared.
+            local_result = generate(target, prompt, local, MAX_NEW, adaptive=False)
+            remote_result = generate(target, prompt, remote, MAX_NEW, adaptive=False)
             assert_lossless(target, prompt, local_result.tokens, want)
             assert remote_result.tokens == local_result.tokens
             # fp32 on the wire: the remote drafter proposes exactly what the local one does.
@@ -84,7 +85,8 @@ def test_two_targets_share_one_draft_daemon(checkpoint, tmp_path):
             backend = RemoteDraftBackend(address, targets[i], name=f"session-{i}")
             proposer = DFlashProposer(backend)
             prompt = PROMPTS[i]
-            results[i] = (generate(targets[i], prompt, proposer, MAX_NEW), greedy(targets[i], prompt, MAX_NEW))
+            result = generate(targets[i], prompt, proposer, MAX_NEW, adaptive=False)
+            results[i] = (result, greedy(targets[i], prompt, MAX_NEW))
         except Exception as exc:  # surfaced below
             errors.append(exc)
 
@@ -116,12 +118,12 @@ def test_daemon_killed_mid_generation_then_restarted(target, checkpoint, tmp_pat
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
 
-        result = generate(target, prompt, proposer, MAX_NEW, on_commit=kill_after_a_few)
+        result = generate(target, prompt, proposer, MAX_NEW, on_commit=kill_after_a_few, adaptive=False)
     assert_lossless(target, prompt, result.tokens, want)
     assert result.stats.sources["dflash"] > 0 and backend.counters["timeouts"] >= 1
     assert result.stats.steps > result.stats.sources["dflash"]  # the rest ran on the fallback
     with draft_daemon(address, checkpoint):  # restarted: the next request drafts remotely again
-        result = generate(target, prompt, proposer, MAX_NEW)
+        result = generate(target, prompt, proposer, MAX_NEW, adaptive=False)
         assert_lossless(target, prompt, result.tokens, want)
         assert result.stats.sources == {"dflash": result.stats.steps - result.stats.plain_steps}
     backend.close()

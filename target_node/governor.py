@@ -1,0 +1,84 @@
+"""Speculate only while it pays: compare measured throughput of draft+verify steps with plain steps.
+
+A drafter that accepts little makes every step slower than a plain one (a wider verify, a
+draft round trip, a projection). Per request, the governor keeps a rolling estimate of
+tokens per second for both kinds of step; when speculation falls behind plain decoding
+it switches to plain steps and re-probes the drafter now and then, backing off while the
+probes keep failing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Governor:
+    window: int = 6  # speculative steps in the rolling estimate
+    min_spec_steps: int = 3  # before judging speculation at all
+    probe_every: int = 8  # plain steps before re-probing; doubles while probes fail
+    max_probe_every: int = 128
+    margin: float = 1.0  # speculate while spec_rate >= margin * plain_rate
+    # Above this many tokens per step a verify step (at most ~3 plain steps' cost on CPU, far
+    # less on GPU) always pays, so plain steps are not even measured.
+    sure_tau: float = 3.0
+    spec: deque = field(default_factory=deque)  # (tokens, seconds) of recent speculative steps
+    plain: deque = field(default_factory=deque)  # seconds of recent plain steps
+    drafting: bool = True
+    plain_streak: int = 0
+    backoff: int = 0
+    switches: int = 0
+    probes: int = 0
+
+    def should_draft(self) -> bool:
+        if self.drafting:
+            # Measure a couple of plain steps once, so there is something to compare against.
+            if len(self.spec) >= self.min_spec_steps and len(self.plain) < 2 and self.spec_tau() < self.sure_tau:
+                return False
+            return True
+        if self.plain_streak >= self.backoff:
+            self.probes += 1
+            self.drafting = True
+            self.spec.clear()  # judge the drafter afresh, on what it does now
+        return self.drafting
+
+    def record(self, drafted: bool, tokens: int, seconds: float) -> None:
+        if drafted:
+            self.spec.append((tokens, seconds))
+            while len(self.spec) > self.window:
+                self.spec.popleft()
+            self.plain_streak = 0
+        else:
+            self.plain.append(seconds)
+            while len(self.plain) > self.window:
+                self.plain.popleft()
+            self.plain_streak += 1
+        if drafted and len(self.spec) >= self.min_spec_steps and self.plain:
+            if self.spec_rate() < self.margin * self.plain_rate():
+                self.drafting = False
+                self.switches += 1
+                self.backoff = min(self.max_probe_every, self.backoff * 2 if self.backoff else self.probe_every)
+            else:
+                self.backoff = 0
+
+    def spec_tau(self) -> float:
+        return sum(t for t, _ in self.spec) / len(self.spec) if self.spec else 0.0
+
+    def spec_rate(self) -> float:
+        tokens = sum(t for t, _ in self.spec)
+        seconds = sum(s for _, s in self.spec)
+        return tokens / seconds if seconds > 0 else 0.0
+
+    def plain_rate(self) -> float:
+        seconds = sum(self.plain)
+        return len(self.plain) / seconds if seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "drafting": self.drafting,
+            "switches_to_plain": self.switches,
+            "probes": self.probes,
+            "spec_tok_s": round(self.spec_rate(), 2),
+            "plain_tok_s": round(self.plain_rate(), 2),
+        }
