@@ -51,7 +51,8 @@ class RemoteDraftBackend:
         self.wire_dtype = "float32"
         self.attached = False  # session open on the daemon we are talking to
         self.retry_at = 0.0
-        self.counters = {"round_trips": 0, "timeouts": 0, "errors": 0, "bytes_out": 0, "bytes_in": 0, "draft_ms": 0.0}
+        self.counters = dict.fromkeys(["round_trips", "timeouts", "errors", "bytes_out", "bytes_in", "proposals"], 0)
+        self.counters.update(draft_ms=0.0, propose_rtt_ms=0.0)
         self.attach(self.timeout_s)
         if self.info is None:
             raise DrafterUnavailable(f"no drafter answered at {address} within {self.timeout_s:.1f} s")
@@ -168,12 +169,15 @@ class RemoteDraftBackend:
 
     def draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> torch.Tensor:
         self.ensure()
+        began = time.perf_counter()
         reply = self._call(
             "propose",
             {"session": self.session, "start": start, "position": position, "rows": rows},
             {"features": features, "noise": noise},
         )
         self.counters["draft_ms"] += reply["draft_ms"]
+        self.counters["propose_rtt_ms"] += (time.perf_counter() - began) * 1000
+        self.counters["proposals"] += 1
         return reply.tensor("hidden", self.target.device, torch.float32)
 
     def close(self) -> None:

@@ -40,6 +40,8 @@ class Stats:
     decode_s: float = 0.0
     sources: Counter = field(default_factory=Counter)
     governor: dict = field(default_factory=dict)
+    propose_s: float = 0.0  # drafting: features + noise out, draft, projection back
+    verify_s: float = 0.0  # target forward over [last_tok, drafts] and the rollback
 
     @property
     def tau(self) -> float:
@@ -67,6 +69,8 @@ class Stats:
             "decode_tok_s": round(self.decode_tok_s, 2),
             "sources": dict(self.sources),
             "governor": self.governor,
+            "propose_ms_per_step": round(1000 * self.propose_s / self.steps, 3) if self.steps else 0.0,
+            "verify_ms_per_step": round(1000 * self.verify_s / self.steps, 3) if self.steps else 0.0,
         }
 
     def line(self) -> str:
@@ -108,7 +112,8 @@ def generate(
 ) -> Result:
     """Decode up to max_new_tokens; `sampling` None or temperature 0 is exact greedy decoding.
 
-    `adaptive` lets a Governor switch to plain steps while drafting does not pay for itself.
+    `adaptive` lets a Governor switch to plain steps while drafting does not pay for itself
+    (not for seeded sampling, which must reproduce exactly).
     """
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
@@ -121,7 +126,10 @@ def generate(
     output: list[int] = []
     finish = "length"
     sampler = None if sampling is None or sampling.is_greedy else Sampler(sampling, target.device)
-    governor = Governor() if adaptive else None
+    # The governor decides from wall-clock timings; a seeded sampled run must replay the same
+    # draws, so it drafts every step instead (greedy output never depends on the governor).
+    seeded = sampler is not None and sampling.seed is not None
+    governor = Governor() if adaptive and not seeded else None
 
     def commit(new: list[int]) -> bool:
         """Emit tokens, cut at EOS, a stop string or the budget; True when generation is over."""
@@ -146,9 +154,9 @@ def generate(
     start = time.perf_counter()
     target.reset()
     proposer.begin(target)
-    logits, features = target.forward(prompt)
+    hidden, features = target.forward(prompt)
     target.keep(0, len(prompt), features)
-    done = commit([int(logits[-1].argmax()) if sampler is None else sampler.pick(logits[-1])])
+    done = commit([target.greedy(hidden[-1:])[0] if sampler is None else sampler.pick(target.logits(hidden[-1:])[0])])
     stats.ttft_s = time.perf_counter() - start
     while not done:
         if cancel is not None and cancel.is_set():
@@ -163,14 +171,18 @@ def generate(
         guesses, q = (proposal.tokens, None) if sampler is None else sampler.draft(proposal.tokens, proposal.logits)
         ahead = hints[len(output) : len(output) + budget]
         drafts = _apply_hints(guesses, ahead)
-        logits, features = target.forward([tokens[-1]] + drafts)
+        proposed_at = time.perf_counter()
+        hidden, features = target.forward([tokens[-1]] + drafts)
         if sampler is None:
-            choices = logits.argmax(-1).tolist()
+            choices = target.greedy(hidden)
             accepted = accept_length(drafts, choices)
             after = choices[accepted]
         else:
-            accepted, after = sampler.verify(logits, drafts, q, fixed=len(ahead))
+            accepted, after = sampler.verify(target.logits(hidden), drafts, q, fixed=len(ahead))
         target.keep(position, accepted + 1, features)
+        verified_at = time.perf_counter()
+        stats.propose_s += proposed_at - began
+        stats.verify_s += verified_at - proposed_at
         stats.steps += 1
         stats.plain_steps += not drafts
         stats.proposed += len(drafts)
@@ -179,7 +191,7 @@ def generate(
             stats.histogram[accepted] += 1
             stats.sources[proposal.source or "hint"] += 1
         if governor is not None:
-            governor.record(bool(proposal.tokens), accepted + 1, time.perf_counter() - began)
+            governor.record(bool(proposal.tokens), accepted + 1, verified_at - began)
         done = commit(drafts[:accepted] + [after])
     stats.governor = governor.to_dict() if governor is not None else {}
     stats.new_tokens = len(output)

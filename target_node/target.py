@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from target_node.feature_ring import FeatureRing
+from target_node.greedy_head import ExactArgmaxHead
 
 
 class TargetModel:
@@ -24,6 +25,11 @@ class TargetModel:
         self.ring: FeatureRing | None = None
         self.cache: DynamicCache | None = None
         self.eos_ids = self._eos_ids()
+        self.body = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        if getattr(self.head, "bias", None) is not None:
+            raise ValueError("LM heads with a bias are not supported")
+        self.greedy_head = ExactArgmaxHead(self.head.weight)
 
     @classmethod
     def load(
@@ -83,18 +89,42 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run tokens at the next positions; return logits [k, vocab] and tapped features [k, width].
+        """Run tokens at the next positions; return final hidden states [k, hidden] and tapped features.
 
-        Nothing is committed: the caller keeps what it accepts with `keep`.
+        The LM head is left to the caller (`greedy` or `logits`), which needs far less of it
+        than the full logits for every row. Nothing is committed: the caller keeps what it
+        accepts with `keep`.
         """
         if self.cache is None:
             self.cache = DynamicCache(config=self.config)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=bool(self.tap_layers))
+        out = self.body(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=bool(self.tap_layers))
         features = None
         if self.tap_layers:
             features = torch.cat([out.hidden_states[layer + 1][0] for layer in self.tap_layers], -1)
-        return out.logits[0].float(), features
+        return out.last_hidden_state[0], features
+
+    def greedy(self, hidden: torch.Tensor) -> list[int]:
+        """The target's greedy choice after each row: the exact fp32 argmax of its logits."""
+        return self.greedy_head(hidden)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full fp32 logits [k, vocab], for sampling."""
+        return self._final_scaling(self.head(hidden).float())
+
+    def _final_scaling(self, logits: torch.Tensor) -> torch.Tensor:
+        """What some families apply after the LM head; none of it moves the argmax."""
+        scale = getattr(self.config, "logit_scale", None)  # Cohere-style
+        if scale:
+            logits = logits * scale
+        divide = getattr(self.config, "logits_scaling", None)  # Granite-style
+        if divide:
+            logits = logits / divide
+        cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma-style
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def keep(self, start: int, count: int, features: torch.Tensor | None) -> None:
         """Commit `count` tokens run from position `start`: drop the rest from the KV cache, ring their features."""
@@ -114,9 +144,12 @@ class TargetModel:
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits: the drafter's hidden states through the target's own LM head."""
-        head = self.model.get_output_embeddings()
-        return head(hidden.to(device=self.device, dtype=head.weight.dtype)).float()
+        """Draft logits: the drafter's hidden states through the target's own LM head.
+
+        Drafts need not be exact (verification is), so this runs the bf16 copy of the head.
+        """
+        screen = self.greedy_head.screen
+        return self._final_scaling((hidden.to(device=self.device, dtype=screen.dtype) @ screen.T).float())
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if self.tokenizer is None:
