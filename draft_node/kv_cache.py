@@ -65,5 +65,7 @@ class DraftKVCache:
         """Block hidden states for a noise block whose slot 0 is the token at `position`."""
         if position != self.length:
             raise OutOfOrderError(f"noise block at position {position} but the context ends at {self.length}")
-        kv = [(self.keys[i], self.values[i]) for i in range(len(self.drafter.layers))]
-        return self.drafter.forward_block(noise.to(self.drafter.device), position, kv, self.positions)
+        # Before the ring wraps, slot == position: attend over the filled slots only.
+        live = min(self.length, self.capacity)
+        kv = [(self.keys[i, :live], self.values[i, :live]) for i in range(len(self.drafter.layers))]
+        return self.drafter.forward_block(noise.to(self.drafter.device), position, kv, self.positions[:live])

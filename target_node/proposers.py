@@ -7,6 +7,7 @@ proposal makes the loop take a plain one-token step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -146,6 +147,7 @@ class LocalDraftBackend:
             cfg.target_layer_ids,
         )
         self.cache = DraftKVCache(drafter, capacity)
+        self.counters = {"proposals": 0, "draft_ms": 0.0}
 
     def begin_request(self) -> None:
         pass
@@ -154,5 +156,9 @@ class LocalDraftBackend:
         self.cache.reset(position)
 
     def draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> torch.Tensor:
+        began = time.perf_counter()
         self.cache.append(start, features)
-        return self.cache.draft(noise, position)[1 : 1 + rows]
+        hidden = self.cache.draft(noise, position)[1 : 1 + rows]
+        self.counters["proposals"] += 1
+        self.counters["draft_ms"] += (time.perf_counter() - began) * 1000
+        return hidden

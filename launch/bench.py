@@ -1,0 +1,374 @@
+"""Benchmarks, measured side by side in one run; prints tables and writes JSON (and a PNG plot).
+
+1. Generation: plain greedy vs the local DFlash drafter vs the remote one (a real draft
+   daemon over tcp loopback) vs n-gram lookup, same prompts and model: tok/s, tau, and
+   each step split into drafting (draft compute + wire + projection) and verification.
+2. Protocol overhead: a propose round trip of a real step's size (encode, send, decode,
+   reply) against a raw ZeroMQ round trip of the same bytes: the physical floor.
+3. Draft step time against context length, cached context K/V vs recomputing them.
+
+`--quick` runs a tiny random model only, with few tokens: the test suite uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import zmq
+
+from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
+from draft_node.kv_cache import DraftKVCache
+from launch.common import DEFAULT_DRAFTER_DIR, ensure_default_drafter, resolve_model
+from launch.local import daemon, free_address
+from protocol import decode, encode
+from protocol.transport import dealer, receive, router
+from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
+from target_node.remote import RemoteDraftBackend
+from target_node.speculative import generate
+from target_node.target import TargetModel
+
+DEFAULT_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome, with a docstring.",
+    "Explain in three sentences why the sky is blue.",
+    "List five countries in Europe and their capitals.",
+]
+
+
+def tiny_target(seed: int = 0) -> TargetModel:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    )
+    return TargetModel(LlamaForCausalLM(config).eval())
+
+
+def median_ms(fn, repeats: int) -> float:  # noqa: ANN001
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - began) * 1000)
+    return statistics.median(times)
+
+
+# --- 1. generation ------------------------------------------------------------
+
+
+def bench_generation(
+    target: TargetModel, prompts: list[list[int]], checkpoint: Path, max_new: int, threads: int
+) -> list[dict]:
+    drafter = load_drafter(checkpoint, dtype=target.model.dtype)
+    local = LocalDraftBackend(drafter, 4096)
+    address = free_address()
+    rows = []
+    with daemon(
+        "draft daemon",
+        "launch.draft_daemon",
+        address,
+        ["--checkpoint", str(checkpoint), "--threads", str(threads)],
+        180,
+    ):
+        remote = RemoteDraftBackend(address, target)
+        modes = [
+            ("plain", NoProposer(), True),
+            ("ngram", NGramProposer(), True),
+            ("dflash-local (every step)", DFlashProposer(local), False),
+            ("dflash-remote (every step)", DFlashProposer(remote), False),
+            ("dflash-local (adaptive)", DFlashProposer(local), True),
+            ("dflash-remote (adaptive)", DFlashProposer(remote), True),
+        ]
+        generate(target, prompts[0], NoProposer(), 4)  # warm-up
+        for name, proposer, adaptive in modes:
+            backend = getattr(proposer, "backend", None)
+            before = dict(getattr(backend, "counters", {}))
+            tokens = steps = accepted = 0
+            seconds = propose_s = verify_s = 0.0
+            for prompt in prompts:
+                result = generate(target, prompt, proposer, max_new, adaptive=adaptive)
+                s = result.stats
+                tokens += s.new_tokens - 1
+                steps += s.steps
+                accepted += s.accepted
+                seconds += s.decode_s
+                propose_s += s.propose_s
+                verify_s += s.verify_s
+            row = {
+                "mode": name,
+                "tok_s": tokens / seconds if seconds else 0.0,
+                "tau": (accepted + steps) / steps if steps else 0.0,
+                "steps": steps,
+                "propose_ms": 1000 * propose_s / steps,
+                "verify_ms": 1000 * verify_s / steps,
+            }
+            if backend is not None:
+                after = backend.counters
+                proposals = after["proposals"] - before.get("proposals", 0)
+                if proposals:
+                    row["draft_compute_ms"] = (after["draft_ms"] - before.get("draft_ms", 0)) / proposals
+                    if "propose_rtt_ms" in after:
+                        rtt = (after["propose_rtt_ms"] - before["propose_rtt_ms"]) / proposals
+                        row["wire_ms"] = rtt - row["draft_compute_ms"]
+                        row["bytes_per_step"] = (
+                            after["bytes_out"] - before["bytes_out"] + after["bytes_in"] - before["bytes_in"]
+                        ) / proposals
+            rows.append(row)
+        remote.close()
+    plain = rows[0]["tok_s"]
+    by_name = {r["mode"]: r for r in rows}
+    for row in rows:
+        row["vs_plain"] = row["tok_s"] / plain if plain else 0.0
+    for kind in ("every step", "adaptive"):
+        local_row, remote_row = by_name[f"dflash-local ({kind})"], by_name[f"dflash-remote ({kind})"]
+        remote_row["remote_vs_local"] = remote_row["tok_s"] / local_row["tok_s"] if local_row["tok_s"] else 0.0
+    return rows
+
+
+# --- 2. protocol overhead -------------------------------------------------------
+
+
+def _serve(sock: zmq.Socket, stop: threading.Event, reply_fn) -> None:  # noqa: ANN001
+    while not stop.is_set():
+        if sock.poll(50):
+            identity, *frames = sock.recv_multipart(copy=False)
+            sock.send_multipart([identity, *reply_fn(frames)], copy=False)
+
+
+def _protocol_round_trip(client: zmq.Socket, features: torch.Tensor, noise: torch.Tensor, counter) -> None:  # noqa: ANN001
+    rid = next(counter)
+    fields = {"session": "s", "start": 0, "position": features.shape[0]}
+    client.send_multipart(encode("propose", rid, fields, {"features": features, "noise": noise}), copy=False)
+    receive(client, rid, time.monotonic() + 5).tensor("hidden")
+
+
+def _raw_round_trip(client: zmq.Socket, frames: list[bytes]) -> None:
+    client.send_multipart(frames, copy=False)
+    client.recv_multipart()
+
+
+def _protocol_reply(reply_hidden: torch.Tensor, frames: list) -> list:
+    msg = decode(frames)
+    msg.tensor("features")
+    msg.tensor("noise")
+    return encode("proposal", msg.id, {"draft_ms": 0.0}, {"hidden": reply_hidden})
+
+
+def bench_protocol(feature_rows: int, feature_width: int, block: int, hidden: int, repeats: int) -> dict:
+    """Same bytes both ways: a propose/proposal pair through the codec vs raw frames echoed."""
+    context = zmq.Context.instance()
+    features = torch.randn(feature_rows, feature_width)
+    noise = torch.randn(block, hidden)
+    reply_hidden = torch.zeros(block - 1, hidden)
+    request_bytes = features.numel() * 4 + noise.numel() * 4
+    reply_bytes = reply_hidden.numel() * 4
+    raw_reply = [b"r", bytes(reply_bytes)]
+    servers = {
+        "protocol": partial(_protocol_reply, reply_hidden),
+        "raw": lambda frames: raw_reply,
+    }
+    results = {}
+    for name, reply_fn in servers.items():
+        address = free_address()
+        server = router(context, address)
+        stop = threading.Event()
+        thread = threading.Thread(target=_serve, args=(server, stop, reply_fn), daemon=True)
+        thread.start()
+        client = dealer(context, address)
+        if name == "protocol":
+            step = partial(_protocol_round_trip, client, features, noise, iter(range(1, 10**9)))
+        else:
+            step = partial(_raw_round_trip, client, [b"q", bytes(request_bytes)])
+        results[f"{name}_rtt_ms"] = median_ms(step, repeats)
+        client.close(0)
+        stop.set()
+        thread.join()
+        server.close(0)
+    results.update(
+        request_tensor_bytes=request_bytes,
+        reply_tensor_bytes=reply_bytes,
+        overhead_ratio=results["protocol_rtt_ms"] / results["raw_rtt_ms"],
+        feature_rows=feature_rows,
+    )
+    return results
+
+
+# --- 3. draft step time vs context ------------------------------------------------
+
+
+def _cached_step(cache: DraftKVCache, features: torch.Tensor, noise: torch.Tensor) -> None:
+    """A typical step: two newly committed rows arrive, then the block is drafted."""
+    p = cache.length
+    cache.append(p, features[p : p + 2])
+    cache.draft(noise, p + 2)
+
+
+def bench_context(drafter, contexts: list[int], repeats: int) -> list[dict]:  # noqa: ANN001
+    cfg = drafter.config
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for n in contexts:
+        features = torch.randn(n + 2 * (repeats + 2), cfg.feature_width, generator=g).to(drafter.dtype)
+        noise = torch.randn(cfg.block_size, cfg.hidden_size, generator=g).to(drafter.dtype)
+        cache = DraftKVCache(drafter, max(contexts) + 4 * (repeats + 2))
+        cache.append(0, features[:n])
+        recompute = partial(drafter, features[:n], torch.arange(n), noise, n)
+        rows.append(
+            {
+                "context": n,
+                "cached_ms": median_ms(partial(_cached_step, cache, features, noise), repeats),
+                "recompute_ms": median_ms(recompute, max(2, repeats // 4)),
+            }
+        )
+    base = rows[0]["cached_ms"]
+    for row in rows:
+        row["cached_vs_first"] = row["cached_ms"] / base
+    return rows
+
+
+# --- reporting -------------------------------------------------------------------
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    def fmt(v) -> str:  # noqa: ANN001
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in columns]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(fmt(r.get(c, "")).ljust(w) for c, w in zip(columns, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def plot(context_rows: dict[str, list[dict]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for model, rows in context_rows.items():
+        xs = [r["context"] for r in rows]
+        ax.plot(xs, [r["cached_ms"] for r in rows], marker="o", label=f"{model}: cached K/V ring")
+        ax.plot(xs, [r["recompute_ms"] for r in rows], marker="x", linestyle="--", label=f"{model}: recompute")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("draft step time (ms)")
+    ax.set_title("DFlash draft step time vs context")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"threads": args.threads, "max_new_tokens": args.max_new_tokens, "models": {}}
+    contexts = [128, 256] if args.quick else [128, 256, 512, 1024, 2048, 4096]
+    repeats = 3 if args.quick else args.repeats
+    targets = [("tiny", None)] if args.quick else [("tiny", None), ("smollm2", resolve_model(args.model))]
+    context_rows = {}
+    for name, folder in targets:
+        if folder is None:
+            target = tiny_target()
+            cfg = config_for_target(target.config, block_size=8, num_taps=3)
+            checkpoint = save_drafter(random_drafter(cfg), out / "tiny-drafter")
+            prompts = [[1 + (7 * i + j) % 500 for j in range(24)] for i in range(len(DEFAULT_PROMPTS))]
+        else:
+            target = TargetModel.load(folder)
+            checkpoint = Path(args.drafter) if args.drafter else ensure_default_drafter(folder)
+            prompts = [target.encode_chat([{"role": "user", "content": p}]) for p in DEFAULT_PROMPTS]
+        drafter = load_drafter(checkpoint)
+        cfg = drafter.config
+        generation = bench_generation(target, prompts, checkpoint, args.max_new_tokens, args.threads)
+        remote = next(r for r in generation if r["mode"] == "dflash-remote (every step)")
+        rows_per_step = max(1, round(remote["tau"]))
+        protocol = bench_protocol(rows_per_step, cfg.feature_width, cfg.block_size, cfg.hidden_size, repeats * 10)
+        protocol["bytes_per_step_measured"] = remote.get("bytes_per_step", 0.0)
+        protocol["minimum_bytes_per_step"] = protocol["request_tensor_bytes"] + protocol["reply_tensor_bytes"]
+        context_rows[name] = bench_context(drafter, contexts, repeats)
+        report["models"][name] = {
+            "drafter": str(checkpoint),
+            "generation": generation,
+            "protocol": protocol,
+            "context": context_rows[name],
+        }
+        setting = f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.threads} threads"
+        print(f"\n== {name}: generation ({setting})")
+        print(
+            table(
+                generation,
+                [
+                    "mode",
+                    "tok_s",
+                    "vs_plain",
+                    "tau",
+                    "propose_ms",
+                    "verify_ms",
+                    "draft_compute_ms",
+                    "wire_ms",
+                    "bytes_per_step",
+                    "remote_vs_local",
+                ],
+            )
+        )
+        print(f"== {name}: protocol round trip vs raw ZeroMQ, same bytes")
+        print(
+            table(
+                [protocol],
+                [
+                    "feature_rows",
+                    "protocol_rtt_ms",
+                    "raw_rtt_ms",
+                    "overhead_ratio",
+                    "bytes_per_step_measured",
+                    "minimum_bytes_per_step",
+                ],
+            )
+        )
+        print(f"== {name}: draft step vs context")
+        print(table(context_rows[name], ["context", "cached_ms", "recompute_ms", "cached_vs_first"]))
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    if not args.quick and plot(context_rows, out / "draft_step_vs_context.png"):
+        report["plot"] = str(out / "draft_step_vs_context.png")
+    print(f"\nwrote {out / 'bench.json'}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="dflash-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny model only, few tokens (for the test suite)")
+    parser.add_argument("--model", help="target folder for the real-model part (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", help=f"drafter checkpoint for the real model (default: {DEFAULT_DRAFTER_DIR})")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=12, help="timed repetitions per micro-benchmark")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in this process and the draft daemon")
+    parser.add_argument("--out", default="bench_results", help="folder for bench.json and the plot")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.max_new_tokens = min(args.max_new_tokens, 24)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

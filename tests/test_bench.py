@@ -1,0 +1,27 @@
+"""The benchmark runs end to end in quick mode and writes well-formed results (no timing asserted)."""
+
+import json
+import math
+
+from launch import bench
+
+
+def test_quick_benchmark_produces_well_formed_results(tmp_path):
+    args = bench.argparse.Namespace(
+        quick=True, model=None, drafter=None, max_new_tokens=12, repeats=3, threads=1, out=str(tmp_path)
+    )
+    report = bench.run(args)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved == json.loads(json.dumps(report))
+    tiny = saved["models"]["tiny"]
+    modes = [row["mode"] for row in tiny["generation"]]
+    assert modes[:2] == ["plain", "ngram"] and any("remote" in m for m in modes) and any("local" in m for m in modes)
+    for row in tiny["generation"]:
+        assert row["tok_s"] > 0 and row["tau"] >= 1.0 and math.isfinite(row["verify_ms"])
+    remote = next(r for r in tiny["generation"] if r["mode"] == "dflash-remote (every step)")
+    assert remote["bytes_per_step"] > 0 and remote["wire_ms"] == remote["wire_ms"]
+    protocol = tiny["protocol"]
+    assert protocol["protocol_rtt_ms"] > 0 and protocol["raw_rtt_ms"] > 0
+    assert protocol["minimum_bytes_per_step"] == protocol["request_tensor_bytes"] + protocol["reply_tensor_bytes"]
+    assert [r["context"] for r in tiny["context"]] == [128, 256]
+    assert all(r["cached_ms"] > 0 and r["recompute_ms"] > 0 for r in tiny["context"])
