@@ -19,7 +19,7 @@ def test_quick_benchmark_produces_well_formed_results(tmp_path):
     for row in tiny["generation"]:
         assert row["tok_s"] > 0 and row["tau"] >= 1.0 and math.isfinite(row["verify_ms"])
     remote = next(r for r in tiny["generation"] if r["mode"] == "dflash-remote (every step)")
-    assert remote["bytes_per_step"] > 0 and remote["wire_ms"] == remote["wire_ms"]
+    assert remote["bytes_per_step"] > 0 and math.isfinite(remote["wire_ms"])
     protocol = tiny["protocol"]
     assert protocol["protocol_rtt_ms"] > 0 and protocol["raw_rtt_ms"] > 0
     assert protocol["minimum_bytes_per_step"] == protocol["request_tensor_bytes"] + protocol["reply_tensor_bytes"]

@@ -96,3 +96,20 @@ def test_cancel_stops_a_running_request(address):
         assert reply["finish_reason"] == "cancelled" and len(reply["token_ids"]) < 3000
     finally:
         sock.close(0)
+
+
+def test_sampling_options_pass_through_the_daemon(model_dir, address):
+    from target_node.proposers import NGramProposer
+    from target_node.sampling import SamplingParams
+    from target_node.speculative import generate
+
+    options = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234}
+    local = TargetModel.load(model_dir)
+    want = generate(local, PROMPT, NGramProposer(), 30, sampling=SamplingParams.from_dict(options)).tokens
+    client = TargetClient(address, timeout_s=60)
+    got = [client.generate(token_ids=PROMPT, max_new_tokens=30, sampling=options)["token_ids"] for _ in range(2)]
+    other = client.generate(token_ids=PROMPT, max_new_tokens=30, sampling=dict(options, seed=99))["token_ids"]
+    client.close()
+    assert got[0] == got[1] == want  # same seed, model and proposer: the same sample, remote or local
+    assert other != want
+    assert want != greedy(local, PROMPT, 30)
