@@ -23,8 +23,17 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 def add_model_args(parser: argparse.ArgumentParser, what: str) -> None:
+    """Device, dtype, threads and verbosity: what every daemon asks for."""
     parser.add_argument("--device", default="cpu", help=f"torch device for the {what}, e.g. cpu, cuda:0, cuda:1")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help=f"{what} weights dtype")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def apply_runtime_args(args: argparse.Namespace) -> None:
+    setup_logging(args.verbose)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
 
 def resolve_model(folder: str | None) -> Path:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-import torch
-
 from draft_node.checkpoint import load_drafter
 from draft_node.daemon import DraftService, serve
-from launch.common import DRAFT_ADDRESS, DTYPES, add_model_args, ensure_default_drafter, setup_logging
+from launch.common import DRAFT_ADDRESS, DTYPES, add_model_args, apply_runtime_args, ensure_default_drafter
 from protocol.transport import stop_on_signals
 
 
@@ -24,13 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ring-capacity", type=int, default=4096, help="context positions kept per session")
     parser.add_argument("--max-sessions", type=int, default=64)
     parser.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session is evicted")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("-v", "--verbose", action="store_true")
     add_model_args(parser, "drafter")
     args = parser.parse_args(argv)
-    setup_logging(args.verbose)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_runtime_args(args)
     stop = stop_on_signals()
     drafter = load_drafter(args.checkpoint or ensure_default_drafter(), args.device, DTYPES[args.dtype])
     service = DraftService(drafter, args.ring_capacity, args.max_sessions, args.idle_timeout)

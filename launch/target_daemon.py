@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from launch.common import DRAFT_ADDRESS, DTYPES, TARGET_ADDRESS, add_model_args, resolve_model, setup_logging
+from launch.common import DRAFT_ADDRESS, DTYPES, TARGET_ADDRESS, add_model_args, apply_runtime_args, resolve_model
 from protocol.transport import stop_on_signals
 from target_node.daemon import TargetService
 from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposer
@@ -70,13 +68,9 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="draft every step, even while measured speculation is slower than plain decoding",
     )
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("-v", "--verbose", action="store_true")
     add_model_args(parser, "target model")
     args = parser.parse_args(argv)
-    setup_logging(args.verbose)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_runtime_args(args)
     stop = stop_on_signals()
     target = TargetModel.load(resolve_model(args.model), args.device, DTYPES[args.dtype], args.ring_capacity)
     service = TargetService(target, build_proposer(args, target), args.max_new_tokens_limit, not args.always_draft)

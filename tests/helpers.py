@@ -38,6 +38,27 @@ def tiny_target(arch: str = "llama", seed: int = 0, layers: int = 4, vocab: int 
     return TargetModel(model.float().eval(), tokenizer=None, ring_capacity=512)
 
 
+def drafter_config(**overrides):
+    """A small drafter config for a 4-layer target with hidden size 32."""
+    from draft_node.config import DFlashConfig
+
+    base = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        target_layer_ids=(0, 2),
+        block_size=4,
+        mask_token_id=7,
+        num_target_layers=4,
+        rope_theta=10000.0,
+    )
+    base.update(overrides)
+    return DFlashConfig(**base)
+
+
 def greedy(target: TargetModel, prompt: list[int], max_new: int, **kw) -> list[int]:
     return generate(target, prompt, NoProposer(), max_new, **kw).tokens
 

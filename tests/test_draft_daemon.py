@@ -6,26 +6,14 @@ import msgpack
 import pytest
 import torch
 import zmq
-from helpers import draft_daemon
+from helpers import draft_daemon, drafter_config
 
 from draft_node.checkpoint import load_drafter, random_drafter, save_drafter
-from draft_node.config import DFlashConfig
 from draft_node.daemon import DraftService
 from protocol import PROTOCOL_VERSION, decode, encode
 from protocol.transport import dealer, receive
 
-CFG = DFlashConfig(
-    hidden_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    target_layer_ids=(0, 2),
-    block_size=4,
-    mask_token_id=7,
-    num_target_layers=4,
-)
+CFG = drafter_config(num_hidden_layers=1, rope_theta=1_000_000.0)
 TARGET = {"hidden_size": 32, "num_hidden_layers": 4, "vocab_size": 100}
 
 

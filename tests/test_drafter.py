@@ -4,29 +4,12 @@ import json
 
 import pytest
 import torch
+from helpers import drafter_config
 from safetensors.torch import load_file, save_file
 
 from draft_node.checkpoint import load_config, load_drafter, random_drafter, save_drafter
-from draft_node.config import FULL, SLIDING, CheckpointError, DFlashConfig
+from draft_node.config import FULL, SLIDING, CheckpointError
 from draft_node.kv_cache import DraftKVCache, OutOfOrderError
-
-
-def make_config(**overrides) -> DFlashConfig:
-    base = dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        target_layer_ids=(0, 2),
-        block_size=4,
-        mask_token_id=7,
-        num_target_layers=4,
-        rope_theta=10000.0,
-    )
-    base.update(overrides)
-    return DFlashConfig(**base)
 
 
 def inputs(cfg, context=12, seed=0):
@@ -37,7 +20,7 @@ def inputs(cfg, context=12, seed=0):
 
 
 def test_checkpoint_round_trip_is_bit_identical(tmp_path):
-    cfg = make_config(layer_types=(FULL, SLIDING), sliding_window=5)
+    cfg = drafter_config(layer_types=(FULL, SLIDING), sliding_window=5)
     drafter = random_drafter(cfg, seed=1, std=0.3)
     folder = save_drafter(drafter, tmp_path / "ckpt")
     loaded = load_drafter(folder)
@@ -47,7 +30,7 @@ def test_checkpoint_round_trip_is_bit_identical(tmp_path):
 
 
 def test_public_layout_with_five_layers_has_58_tensors(tmp_path):
-    folder = save_drafter(random_drafter(make_config(num_hidden_layers=5)), tmp_path / "c")
+    folder = save_drafter(random_drafter(drafter_config(num_hidden_layers=5)), tmp_path / "c")
     names = set(load_file(str(folder / "model.safetensors")))
     assert len(names) == 58
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.4.self_attn.q_norm.weight"} <= names
@@ -69,7 +52,7 @@ def _rewrite(folder, change):
     ],
 )
 def test_loader_names_what_is_wrong(tmp_path, change, message):
-    folder = save_drafter(random_drafter(make_config()), tmp_path / "bad")
+    folder = save_drafter(random_drafter(drafter_config()), tmp_path / "bad")
     _rewrite(folder, change)
     with pytest.raises(CheckpointError, match=message):
         load_drafter(folder)
@@ -78,7 +61,7 @@ def test_loader_names_what_is_wrong(tmp_path, change, message):
 def test_loader_refuses_missing_files_and_fields(tmp_path):
     with pytest.raises(CheckpointError, match="no config.json"):
         load_drafter(tmp_path)
-    folder = save_drafter(random_drafter(make_config()), tmp_path / "c")
+    folder = save_drafter(random_drafter(drafter_config()), tmp_path / "c")
     raw = json.loads((folder / "config.json").read_text())
     del raw["dflash_config"]["block_size"]
     (folder / "config.json").write_text(json.dumps(raw))
@@ -92,12 +75,12 @@ def test_loader_refuses_missing_files_and_fields(tmp_path):
 
 
 def test_dflash_config_wins_over_top_level_and_top_level_is_the_fallback(tmp_path):
-    folder = save_drafter(random_drafter(make_config()), tmp_path / "c")
+    folder = save_drafter(random_drafter(drafter_config()), tmp_path / "c")
     raw = json.loads((folder / "config.json").read_text())
     dflash = raw.pop("dflash_config")
     raw.update(dflash)  # all three fields at the top level only
     (folder / "config.json").write_text(json.dumps(raw))
-    assert load_config(folder) == make_config()
+    assert load_config(folder) == drafter_config()
     raw["dflash_config"] = {"block_size": 16, "mask_token_id": 3}  # these win; target_layer_ids falls back
     raw["rope_parameters"] = {"rope_theta": 10000.0}
     del raw["rope_theta"]
@@ -108,14 +91,14 @@ def test_dflash_config_wins_over_top_level_and_top_level_is_the_fallback(tmp_pat
 
 def test_config_validation_names_the_problem():
     with pytest.raises(CheckpointError, match="sliding_window"):
-        make_config(layer_types=(FULL, SLIDING))
+        drafter_config(layer_types=(FULL, SLIDING))
     with pytest.raises(CheckpointError, match=r"target_layer_ids \[9\]"):
-        make_config(target_layer_ids=(0, 9))
+        drafter_config(target_layer_ids=(0, 9))
 
 
 def test_sliding_layer_ignores_context_outside_its_window():
     window = 4
-    cfg = make_config(num_hidden_layers=1, layer_types=(SLIDING,), sliding_window=window)
+    cfg = drafter_config(num_hidden_layers=1, layer_types=(SLIDING,), sliding_window=window)
     drafter = random_drafter(cfg, std=0.3)
     features, positions, noise, n = inputs(cfg)
     base = drafter(features, positions, noise, n)
@@ -133,7 +116,7 @@ def test_sliding_layer_ignores_context_outside_its_window():
 
 
 def test_full_layer_sees_all_context_and_the_whole_block():
-    cfg = make_config(num_hidden_layers=1)
+    cfg = drafter_config(num_hidden_layers=1)
     drafter = random_drafter(cfg, std=0.3)
     features, positions, noise, n = inputs(cfg)
     base = drafter(features, positions, noise, n)
@@ -149,7 +132,7 @@ def test_full_layer_sees_all_context_and_the_whole_block():
 def test_cached_drafter_equals_recompute(block_size):
     """Long run with rewinds and ring wrap-around, both layer types."""
     capacity = 24
-    cfg = make_config(block_size=block_size, layer_types=(FULL, SLIDING), sliding_window=6)
+    cfg = drafter_config(block_size=block_size, layer_types=(FULL, SLIDING), sliding_window=6)
     drafter = random_drafter(cfg, seed=2, std=0.3)
     g = torch.Generator().manual_seed(5)
     all_features = torch.randn(200, cfg.feature_width, generator=g)
@@ -176,7 +159,7 @@ def test_cached_drafter_equals_recompute(block_size):
 
 
 def test_cache_refuses_gaps_and_can_restart_later():
-    cfg = make_config()
+    cfg = drafter_config()
     cache = DraftKVCache(random_drafter(cfg), 16)
     features = torch.randn(10, cfg.feature_width)
     cache.append(0, features[:4])
