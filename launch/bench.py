@@ -29,6 +29,7 @@ from launch.common import DEFAULT_DRAFTER_DIR, ensure_default_drafter, resolve_m
 from launch.local import daemon, free_address
 from protocol import decode, encode
 from protocol.transport import dealer, receive, router
+from target_node.governor import Governor
 from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
 from target_node.remote import RemoteDraftBackend
 from target_node.speculative import generate
@@ -93,40 +94,46 @@ def bench_generation(
             ("dflash-local (adaptive)", DFlashProposer(local), True),
             ("dflash-remote (adaptive)", DFlashProposer(remote), True),
         ]
-        generate(target, prompts[0], NoProposer(), 4)  # warm-up
-        for name, proposer, adaptive in modes:
-            backend = getattr(proposer, "backend", None)
-            before = dict(getattr(backend, "counters", {}))
-            tokens = steps = accepted = 0
-            seconds = propose_s = verify_s = 0.0
-            for prompt in prompts:
-                result = generate(target, prompt, proposer, max_new, adaptive=adaptive)
-                s = result.stats
-                tokens += s.new_tokens - 1
-                steps += s.steps
-                accepted += s.accepted
-                seconds += s.decode_s
-                propose_s += s.propose_s
-                verify_s += s.verify_s
+        # Modes take turns on each prompt, so drift in machine load spreads over all of them.
+        totals = {
+            name: dict.fromkeys(["tokens", "steps", "accepted", "seconds", "propose_s", "verify_s"], 0)
+            for name, *_ in modes
+        }
+        governors = {name: Governor() for name, *_ in modes}  # as in the daemon: one per proposer
+        for _, proposer, _ in modes:
+            generate(target, prompts[0], proposer, 4, adaptive=False)  # warm-up
+        before = {name: dict(getattr(getattr(p, "backend", None), "counters", {})) for name, p, _ in modes}
+        for prompt in prompts:
+            for name, proposer, adaptive in modes:
+                s = generate(target, prompt, proposer, max_new, adaptive=adaptive, governor=governors[name]).stats
+                t = totals[name]
+                t["tokens"] += s.new_tokens - 1
+                t["steps"] += s.steps
+                t["accepted"] += s.accepted
+                t["seconds"] += s.decode_s
+                t["propose_s"] += s.propose_s
+                t["verify_s"] += s.verify_s
+        for name, proposer, _ in modes:
+            t = totals[name]
             row = {
                 "mode": name,
-                "tok_s": tokens / seconds if seconds else 0.0,
-                "tau": (accepted + steps) / steps if steps else 0.0,
-                "steps": steps,
-                "propose_ms": 1000 * propose_s / steps,
-                "verify_ms": 1000 * verify_s / steps,
+                "tok_s": t["tokens"] / t["seconds"] if t["seconds"] else 0.0,
+                "tau": (t["accepted"] + t["steps"]) / t["steps"] if t["steps"] else 0.0,
+                "steps": t["steps"],
+                "propose_ms": 1000 * t["propose_s"] / t["steps"],
+                "verify_ms": 1000 * t["verify_s"] / t["steps"],
             }
+            backend = getattr(proposer, "backend", None)
             if backend is not None:
-                after = backend.counters
-                proposals = after["proposals"] - before.get("proposals", 0)
+                b, after = before[name], backend.counters
+                proposals = after["proposals"] - b.get("proposals", 0)
                 if proposals:
-                    row["draft_compute_ms"] = (after["draft_ms"] - before.get("draft_ms", 0)) / proposals
+                    row["draft_compute_ms"] = (after["draft_ms"] - b.get("draft_ms", 0)) / proposals
                     if "propose_rtt_ms" in after:
-                        rtt = (after["propose_rtt_ms"] - before["propose_rtt_ms"]) / proposals
+                        rtt = (after["propose_rtt_ms"] - b["propose_rtt_ms"]) / proposals
                         row["wire_ms"] = rtt - row["draft_compute_ms"]
-                        row["bytes_per_step"] = (
-                            after["bytes_out"] - before["bytes_out"] + after["bytes_in"] - before["bytes_in"]
-                        ) / proposals
+                        sent = after["bytes_out"] - b["bytes_out"] + after["bytes_in"] - b["bytes_in"]
+                        row["bytes_per_step"] = sent / proposals
             rows.append(row)
         remote.close()
     plain = rows[0]["tok_s"]

@@ -17,6 +17,7 @@ import zmq
 
 from protocol import ErrorCode, Message, ProtocolError, decode, encode, encode_error
 from protocol.transport import router
+from target_node.governor import Governor
 from target_node.proposers import Proposer
 from target_node.sampling import SamplingParams
 from target_node.speculative import generate
@@ -38,6 +39,7 @@ class TargetService:
     ) -> None:
         self.target = target
         self.adaptive = adaptive
+        self.governor = Governor()  # one proposer, one governor: it learns across requests
         self.proposer = proposer
         self.max_new_tokens_limit = max_new_tokens_limit
         self.queues: OrderedDict[bytes, deque[Job]] = OrderedDict()
@@ -170,6 +172,7 @@ class TargetService:
                 cancel=job.cancel,
                 sampling=sampling,
                 adaptive=self.adaptive,
+                governor=self.governor,
             )
             stats = result.stats.to_dict()
             stats["proposer"] = self.proposer.name

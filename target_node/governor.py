@@ -3,8 +3,9 @@
 A drafter that accepts little makes every step slower than a plain one (a wider verify, a
 draft round trip, a projection). Per request, the governor keeps a rolling estimate of
 tokens per second for both kinds of step; when speculation falls behind plain decoding
-it switches to plain steps and re-probes the drafter now and then, backing off while the
-probes keep failing.
+it switches to plain steps and re-probes the drafter now and then (one step a probe),
+backing off while the probes keep failing. A daemon keeps one governor across requests,
+so a new request starts from what the last ones learned.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Governor:
     drafting: bool = True
     plain_streak: int = 0
     backoff: int = 0
+    probing: bool = False  # one speculative step decides whether a probe succeeded
     switches: int = 0
     probes: int = 0
 
@@ -39,7 +41,7 @@ class Governor:
             return True
         if self.plain_streak >= self.backoff:
             self.probes += 1
-            self.drafting = True
+            self.drafting = self.probing = True
             self.spec.clear()  # judge the drafter afresh, on what it does now
         return self.drafting
 
@@ -54,7 +56,9 @@ class Governor:
             while len(self.plain) > self.window:
                 self.plain.popleft()
             self.plain_streak += 1
-        if drafted and len(self.spec) >= self.min_spec_steps and self.plain:
+        enough = 1 if self.probing else self.min_spec_steps
+        if drafted and len(self.spec) >= enough and self.plain:
+            self.probing = False
             if self.spec_rate() < self.margin * self.plain_rate():
                 self.drafting = False
                 self.switches += 1

@@ -109,11 +109,13 @@ def generate(
     stop_on_eos: bool = True,
     sampling: SamplingParams | None = None,
     adaptive: bool = True,
+    governor: Governor | None = None,
 ) -> Result:
     """Decode up to max_new_tokens; `sampling` None or temperature 0 is exact greedy decoding.
 
-    `adaptive` lets a Governor switch to plain steps while drafting does not pay for itself
-    (not for seeded sampling, which must reproduce exactly).
+    `adaptive` lets a Governor (the caller's, to carry what it learned across requests, or
+    a fresh one) switch to plain steps while drafting does not pay for itself; not for
+    seeded sampling, which must reproduce exactly.
     """
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
@@ -129,7 +131,7 @@ def generate(
     # The governor decides from wall-clock timings; a seeded sampled run must replay the same
     # draws, so it drafts every step instead (greedy output never depends on the governor).
     seeded = sampler is not None and sampling.seed is not None
-    governor = Governor() if adaptive and not seeded else None
+    governor = (governor or Governor()) if adaptive and not seeded else None
 
     def commit(new: list[int]) -> bool:
         """Emit tokens, cut at EOS, a stop string or the budget; True when generation is over."""
