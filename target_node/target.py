@@ -29,7 +29,10 @@ class TargetModel:
         self.head = model.get_output_embeddings()
         if getattr(self.head, "bias", None) is not None:
             raise ValueError("LM heads with a bias are not supported")
-        self.greedy_head = ExactArgmaxHead(self.head.weight)
+        # On CPU in fp32 the head dominates a verify step and a bf16 screen halves it; on a GPU,
+        # or for a model already in reduced precision, the plain head is the right tool.
+        on_cpu_fp32 = self.head.weight.device.type == "cpu" and self.head.weight.dtype == torch.float32
+        self.greedy_head = ExactArgmaxHead(self.head.weight) if on_cpu_fp32 else None
 
     @classmethod
     def load(
@@ -106,7 +109,9 @@ class TargetModel:
 
     def greedy(self, hidden: torch.Tensor) -> list[int]:
         """The target's greedy choice after each row: the exact fp32 argmax of its logits."""
-        return self.greedy_head(hidden)
+        if self.greedy_head is not None:
+            return self.greedy_head(hidden)
+        return self.logits(hidden).argmax(-1).tolist()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -146,8 +151,10 @@ class TargetModel:
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits: the drafter's hidden states through the target's own LM head.
 
-        Drafts need not be exact (verification is), so this runs the bf16 copy of the head.
+        Drafts need not be exact (verification is), so on CPU this runs the bf16 copy of the head.
         """
+        if self.greedy_head is None:
+            return self._final_scaling(self.head(hidden.to(device=self.device, dtype=self.head.weight.dtype)).float())
         screen = self.greedy_head.screen
         return self._final_scaling((hidden.to(device=self.device, dtype=screen.dtype) @ screen.T).float())
 
