@@ -21,7 +21,9 @@ class DraftKVCache:
         cfg = drafter.config
         self.drafter = drafter
         self.capacity = capacity
-        shape = (len(drafter.layers), capacity, cfg.num_key_value_heads, cfg.head_dim)
+        # [layer, kv_head, slot, head_dim]: per layer, one contiguous run attention can read
+        # directly; block_size spare slots past the ring hold the block's own keys/values.
+        shape = (len(drafter.layers), cfg.num_key_value_heads, capacity + cfg.block_size, cfg.head_dim)
         self.keys = torch.zeros(shape, dtype=drafter.dtype, device=drafter.device)
         self.values = torch.zeros_like(self.keys)
         # positions[slot] is the position a slot holds, -1 when empty or stale.
@@ -55,8 +57,8 @@ class DraftKVCache:
         positions = torch.arange(start, start + rows, device=self.drafter.device)
         slots = positions % self.capacity
         for i, (k, v) in enumerate(self.drafter.context_kv(features.to(self.drafter.device), positions)):
-            self.keys[i, slots] = k
-            self.values[i, slots] = v
+            self.keys[i][:, slots] = k.transpose(0, 1)
+            self.values[i][:, slots] = v.transpose(0, 1)
         self.positions[slots] = positions
         self.length = start + rows
 
@@ -65,7 +67,8 @@ class DraftKVCache:
         """Block hidden states for a noise block whose slot 0 is the token at `position`."""
         if position != self.length:
             raise OutOfOrderError(f"noise block at position {position} but the context ends at {self.length}")
-        # Before the ring wraps, slot == position: attend over the filled slots only.
+        # Slots at and past `live` hold nothing valid (before the ring wraps, slot == position),
+        # so the block's keys/values go there, right after the context.
         live = min(self.length, self.capacity)
-        kv = [(self.keys[i, :live], self.values[i, :live]) for i in range(len(self.drafter.layers))]
+        kv = [(self.keys[i], self.values[i]) for i in range(len(self.drafter.layers))]
         return self.drafter.forward_block(noise.to(self.drafter.device), position, kv, self.positions[:live])

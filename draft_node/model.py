@@ -75,17 +75,33 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        ctx_k: torch.Tensor,
-        ctx_v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        ctx_len: int,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Block rows x [B, hidden] attend over [context rows, block rows] under mask [B, C+B]."""
-        q = rope(self.q_norm(self.q_proj(x).view(-1, self.heads, self.head_dim)), positions, self.theta)
+        """Block rows x [B, hidden] attend over [context rows, block rows] under mask [B, C+B].
+
+        k_buf/v_buf [kv_heads, >= C+B, head_dim] hold the context keys/values in their first
+        C slots; the block's own keys/values are written into the next B, so attention reads
+        one contiguous run with no concatenation.
+        """
+        block = x.shape[0]
+        q = rope(self.q_norm(self.q_proj(x).view(block, self.heads, self.head_dim)), positions, self.theta)
         blk_k, blk_v = self.keys_values(x, positions)
-        k = torch.cat([ctx_k, blk_k], 0).transpose(0, 1)
-        v = torch.cat([ctx_v, blk_v], 0).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
+        k_buf[:, ctx_len : ctx_len + block] = blk_k.transpose(0, 1)
+        v_buf[:, ctx_len : ctx_len + block] = blk_v.transpose(0, 1)
+        k, v = k_buf[:, : ctx_len + block], v_buf[:, : ctx_len + block]
+        # GQA without copying K/V per query head: each kv head serves its group's rows at once.
+        group = self.heads // self.kv_heads
+        q = (
+            q.view(block, self.kv_heads, group, self.head_dim)
+            .permute(1, 2, 0, 3)
+            .reshape(self.kv_heads, -1, self.head_dim)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1))
+        out = out.view(self.kv_heads, group, block, self.head_dim).permute(2, 0, 1, 3)
+        return self.o_proj(out.reshape(block, -1))
 
 
 class DraftLayer(nn.Module):
@@ -97,8 +113,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask) -> torch.Tensor:  # noqa: ANN001
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
+    def forward(self, x, positions, k_buf, v_buf, ctx_len, mask) -> torch.Tensor:  # noqa: ANN001
+        x = x + self.self_attn(self.input_layernorm(x), positions, k_buf, v_buf, ctx_len, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -145,16 +161,26 @@ class DFlashDrafter(nn.Module):
         self,
         noise: torch.Tensor,
         position: int,
-        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_buffers: list[tuple[torch.Tensor, torch.Tensor]],
         ctx_positions: torch.Tensor,
     ) -> torch.Tensor:
-        """Block hidden states [B, hidden] for noise embeddings [B, hidden] whose slot 0 sits at `position`."""
+        """Block hidden states [B, hidden] for noise embeddings [B, hidden] whose slot 0 sits at `position`.
+
+        kv_buffers: per layer, [kv_heads, >= C+B, head_dim] keys and values whose first C slots
+        hold the context at `ctx_positions` [C] (negative: an empty slot).
+        """
         x = noise.to(self.dtype)
-        block = x.shape[0]
+        block, ctx_len = x.shape[0], ctx_positions.shape[0]
         positions = torch.arange(position, position + block, device=x.device)
-        masks = {t: self.block_mask(t, ctx_positions, position, block) for t in set(self.config.layer_types)}
-        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, positions, k, v, masks[layer.layer_type])
+        # Additive float masks: SDPA converts a bool mask on every call otherwise.
+        masks = {
+            t: torch.zeros((), dtype=x.dtype, device=x.device).masked_fill(
+                ~self.block_mask(t, ctx_positions, position, block), float("-inf")
+            )
+            for t in set(self.config.layer_types)
+        }
+        for layer, (k, v) in zip(self.layers, kv_buffers, strict=True):
+            x = layer(x, positions, k, v, ctx_len, masks[layer.layer_type])
         return self.norm(x)
 
     @torch.inference_mode()
@@ -163,6 +189,11 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """Recompute path: context K/V from scratch for every row given. Slow, simple, the reference."""
         ctx_positions = ctx_positions.to(self.device)
-        return self.forward_block(
-            noise, position, self.context_kv(features.to(self.device), ctx_positions), ctx_positions
-        )
+        ctx_len, block = features.shape[0], noise.shape[0]
+        buffers = []
+        for k, v in self.context_kv(features.to(self.device), ctx_positions):
+            shape = (k.shape[1], ctx_len + block, k.shape[2])
+            k_buf, v_buf = k.new_empty(shape), v.new_empty(shape)
+            k_buf[:, :ctx_len], v_buf[:, :ctx_len] = k.transpose(0, 1), v.transpose(0, 1)
+            buffers.append((k_buf, v_buf))
+        return self.forward_block(noise, position, buffers, ctx_positions)
