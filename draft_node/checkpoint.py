@@ -53,7 +53,31 @@ def load_drafter(
         raise CheckpointError(f"checkpoint {folder} does not match its config.json: " + "; ".join(problems))
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(weights)
+    drafter.draft_vocab = load_draft_vocab(folder)
     return drafter.to(device=device, dtype=dtype).eval()
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def load_draft_vocab(folder: str | Path) -> list[int]:
+    """Our optional addition to the public layout: the token ids a drafter proposes from.
+
+    Public checkpoints have no such file and propose from the whole vocabulary ([]).
+    """
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return []
+    ids = json.loads(path.read_text())
+    if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise CheckpointError(f"{path} must hold a JSON list of token ids")
+    return ids
+
+
+def save_draft_vocab(folder: str | Path, token_ids: list[int]) -> Path:
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    path.write_text(json.dumps([int(i) for i in token_ids]) + "\n")
+    return path
 
 
 def save_drafter(drafter: DFlashDrafter, folder: str | Path) -> Path:

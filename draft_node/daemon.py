@@ -85,6 +85,8 @@ class DraftService:
             )
         if cfg.mask_token_id >= target["vocab_size"]:
             problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target's vocabulary")
+        if self.drafter.draft_vocab and max(self.drafter.draft_vocab) >= target["vocab_size"]:
+            problems.append("the drafter's draft vocabulary has ids outside the target's vocabulary")
         if problems:
             raise ProtocolError(ErrorCode.CONFIG_MISMATCH, "drafter does not fit this target: " + "; ".join(problems))
         offered = [d for d in msg["wire_dtypes"] if d in self.wire_dtypes]
@@ -102,6 +104,7 @@ class DraftService:
             "feature_width": cfg.feature_width,
             "ring_capacity": self.ring_capacity,
             "num_target_layers": cfg.num_target_layers,
+            "draft_vocab": self.drafter.draft_vocab,
         }
         log.info("hello from %r: wire dtype %s", msg["client"], chosen)
         return encode("hello_ok", msg.id, {"drafter": drafter, "wire_dtype": chosen, "wire_dtypes": self.wire_dtypes})

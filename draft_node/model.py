@@ -126,6 +126,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.draft_vocab: list[int] = []  # token ids it proposes from; [] = the whole vocabulary
 
     @property
     def device(self) -> torch.device:

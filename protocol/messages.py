@@ -86,7 +86,11 @@ DRAFTER_INFO = Struct(
         "feature_width": COUNT,
         "ring_capacity": COUNT,
         "num_target_layers": COUNT,
-    }
+    },
+    # Token ids the drafter's proposals are restricted to (its training vocabulary, most
+    # frequent first); empty means the whole vocabulary. Projecting onto fewer rows of the
+    # target's LM head is most of the cost of a draft on the target side.
+    optional={"draft_vocab": (List(Int(0, 2**31 - 1), 0, 1 << 17), [])},
 )
 
 MAX_PROMPT_CHARS = 512 * 1024

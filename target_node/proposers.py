@@ -81,6 +81,7 @@ class DraftBackend(Protocol):
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
+    draft_vocab: list[int]  # token ids drafts come from; [] = all
 
     def begin_request(self) -> None:
         """A new request starts."""
@@ -109,6 +110,7 @@ class DFlashProposer:
     def begin(self, target: TargetModel) -> None:
         target.set_taps(self.backend.target_layer_ids)
         target.check_token(self.backend.mask_token_id, "the drafter's mask_token_id")
+        target.set_draft_vocab(self.backend.draft_vocab)
         self.fallback.begin(target)
         self.backend.begin_request()
         self.synced = None
@@ -146,6 +148,7 @@ class LocalDraftBackend:
             cfg.mask_token_id,
             cfg.target_layer_ids,
         )
+        self.draft_vocab = drafter.draft_vocab
         self.cache = DraftKVCache(drafter, capacity)
         self.counters = {"proposals": 0, "draft_ms": 0.0}
 

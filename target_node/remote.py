@@ -71,6 +71,10 @@ class RemoteDraftBackend:
         return tuple(self.info["target_layer_ids"])
 
     @property
+    def draft_vocab(self) -> list[int]:
+        return self.info["draft_vocab"]
+
+    @property
     def ring_capacity(self) -> int:
         return self.info["ring_capacity"]
 

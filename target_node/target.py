@@ -33,6 +33,7 @@ class TargetModel:
         # or for a model already in reduced precision, the plain head is the right tool.
         on_cpu_fp32 = self.head.weight.device.type == "cpu" and self.head.weight.dtype == torch.float32
         self.greedy_head = ExactArgmaxHead(self.head.weight) if on_cpu_fp32 else None
+        self.draft_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids, their head rows)
 
     @classmethod
     def load(
@@ -147,12 +148,33 @@ class TargetModel:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return self.model.get_input_embeddings()(ids)
 
+    def set_draft_vocab(self, token_ids: list[int]) -> None:
+        """Restrict draft projections to these token ids (the drafter's vocabulary); [] = all."""
+        if self.draft_head is not None and self.draft_head[0].tolist() == list(token_ids):
+            return
+        if not token_ids:
+            self.draft_head = None
+            return
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"draft vocabulary ids {bad[:5]} are outside the target's vocabulary")
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        weight = self.head.weight.detach()[ids]
+        self.draft_head = (ids, weight.to(torch.bfloat16) if self.greedy_head is not None else weight)
+
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits: the drafter's hidden states through the target's own LM head.
+        """Draft logits [rows, vocab]: the drafter's hidden states through the target's own LM head.
 
-        Drafts need not be exact (verification is), so on CPU this runs the bf16 copy of the head.
+        Drafts need not be exact (verification is), so on CPU this runs a bf16 copy of the
+        head, and only over the drafter's vocabulary when it has one (-inf elsewhere).
         """
+        if self.draft_head is not None:
+            ids, weight = self.draft_head
+            sub = self._final_scaling((hidden.to(device=self.device, dtype=weight.dtype) @ weight.T).float())
+            logits = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))
+            logits[:, ids] = sub
+            return logits
         if self.greedy_head is None:
             return self._final_scaling(self.head(hidden.to(device=self.device, dtype=self.head.weight.dtype)).float())
         screen = self.greedy_head.screen

@@ -92,6 +92,7 @@ class OracleBackend:
     def __init__(self, target: TargetModel, reference: list[int], block_size: int, target_layer_ids=(0,)) -> None:
         self.target, self.reference = target, reference
         self.block_size, self.mask_token_id, self.target_layer_ids = block_size, 0, tuple(target_layer_ids)
+        self.draft_vocab = []
         self.length = 0
 
     def begin_request(self) -> None:

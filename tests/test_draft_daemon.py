@@ -43,6 +43,11 @@ def test_hello_describes_the_drafter_and_picks_a_wire_dtype(service):
     assert reply["drafter"]["feature_width"] == 64 and reply["drafter"]["block_size"] == 4
     assert reply["wire_dtype"] == "float32"  # the drafter's own dtype wins when offered
     assert call(service, "hello", wire_dtypes=["bfloat16"], target=TARGET)["wire_dtype"] == "bfloat16"
+    assert reply["drafter"]["draft_vocab"] == []
+    service.drafter.draft_vocab = [3, 1, 4]
+    assert call(service, "hello", wire_dtypes=["float32"], target=TARGET)["drafter"]["draft_vocab"] == [3, 1, 4]
+    service.drafter.draft_vocab = [100]
+    assert error_code(call(service, "hello", wire_dtypes=["float32"], target=TARGET)) == "config_mismatch"
 
 
 def test_hello_refuses_a_target_that_does_not_fit(service):

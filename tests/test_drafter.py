@@ -170,3 +170,15 @@ def test_cache_refuses_gaps_and_can_restart_later():
     cache.reset(6)  # a sender whose older rows are gone starts the context here
     cache.append(6, features[6:8])
     assert cache.length == 8 and sorted(cache.positions[cache.positions >= 0].tolist()) == [6, 7]
+
+
+def test_draft_vocabulary_file_round_trips_and_is_checked(tmp_path):
+    from draft_node.checkpoint import save_draft_vocab
+
+    folder = save_drafter(random_drafter(drafter_config()), tmp_path / "c")
+    assert load_drafter(folder).draft_vocab == []  # public checkpoints: the whole vocabulary
+    save_draft_vocab(folder, [5, 3, 9])
+    assert load_drafter(folder).draft_vocab == [5, 3, 9]
+    (folder / "draft_vocab.json").write_text('{"ids": [1]}')
+    with pytest.raises(CheckpointError, match="list of token ids"):
+        load_drafter(folder)

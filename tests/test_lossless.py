@@ -73,3 +73,19 @@ def test_the_near_tie_check_catches_a_real_divergence(target):
 def test_models_are_fp32_and_tiny(target):
     assert isinstance(target.model, LlamaForCausalLM) or "Qwen3" in type(target.model).__name__
     assert target.model.dtype == torch.float32
+
+
+def test_draft_vocabulary_restricts_proposals_and_stays_lossless(target):
+    cfg = config_for_target(target.config, block_size=8, num_taps=2)
+    drafter = random_drafter(cfg, seed=5)
+    drafter.draft_vocab = list(range(0, target.vocab_size, 3))
+    proposer = DFlashProposer(LocalDraftBackend(drafter))
+    seen = []
+    for prompt in PROMPTS:
+        result = generate(target, prompt, proposer, MAX_NEW, adaptive=False)
+        assert_lossless(target, prompt, result.tokens, greedy(target, prompt, MAX_NEW))
+        logits = target.project(torch.randn(4, target.hidden_size))
+        seen.extend(logits.argmax(-1).tolist())
+        assert torch.isinf(logits[:, 1]).all() and torch.isfinite(logits[:, 3]).all()
+    assert all(t % 3 == 0 for t in seen)
+    target.set_draft_vocab([])

@@ -32,6 +32,7 @@ DRAFTER = {
     "feature_width": WIDTH,
     "ring_capacity": 4096,
     "num_target_layers": 3,
+    "draft_vocab": [4, 8, 15],
 }
 
 # type -> (fields, tensors); every schema entry must appear here.

@@ -1,0 +1,365 @@
+"""Train a DFlash drafter on a frozen target's own answers.
+
+One forward pass trains many blocks per sequence: every anchor `a` gets a block
+`[tok[a], MASK, ...]` at positions a..a+B-1 that sees the context features of positions
+< a, its own block (bidirectionally in full-attention layers) and nothing else. Slot k
+predicts tok[a+k] through the target's frozen LM head; later slots weigh less
+(exp(-(k-1)/gamma)) because a draft is only worth something after all earlier slots matched.
+
+The tapped features have a few huge outlier channels, which makes fc learn slowly. We train
+with a fixed per-channel scale in front of fc and fold it into fc.weight on export, so the
+public checkpoint format (and inference) stay unchanged and exactly equivalent.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from draft_node.checkpoint import save_drafter
+from draft_node.config import SLIDING, DFlashConfig
+from draft_node.model import DFlashDrafter, rope
+from draft_node.train_data import AnswerStore, Record
+
+
+@dataclass
+class TrainOptions:
+    lr: float = 1e-3
+    warmup: int = 100
+    steps: int = 1000
+    minutes: float = 0.0  # wall-clock cap; 0 means run all steps
+    batch: int = 8
+    anchors: int = 24
+    max_len: int = 320
+    gamma: float = 4.0
+    seed: int = 0
+    val_answers: int = 60
+    val_anchors: int = 400
+    eval_every: int = 200
+    save_every: int = 200
+    weight_decay: float = 0.01
+    out_scale: float = 0.3  # initial output-norm weight
+    device: str = "cpu"
+    head_dtype: torch.dtype | None = None  # None: bf16 on CPU (2x faster matmuls), fp32 elsewhere
+    save_dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass
+class Batch:
+    features: torch.Tensor  # [S, T, W] context feature rows (zero past each sequence's end)
+    anchors: torch.Tensor  # [S, N] anchor positions (0 for padding anchors)
+    block_tokens: torch.Tensor  # [S, N, B] tok[a], then mask ids
+    labels: torch.Tensor  # [S, N, B] tok[a+k], -100 where no loss
+
+
+def init_drafter(cfg: DFlashConfig, seed: int, out_scale: float = 0.3) -> DFlashDrafter:
+    """Small random weights, and a small output norm so the first drafts are unsure, not wrong.
+
+    Starting the output norm at 1 (or at the target's own final norm) gives confident random
+    logits and a first phase spent only unlearning them; 0.3 measured lower loss on SmolLM2.
+    """
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+        drafter.norm.weight.fill_(out_scale)
+    return drafter
+
+
+def feature_scale(features: np.ndarray, rows: int = 20000, seed: int = 0) -> torch.Tensor:
+    """1 / per-channel RMS over a sample of rows: tames the outlier channels before fc."""
+    if len(features) == 0:
+        return torch.ones(features.shape[1])
+    idx = np.sort(np.random.default_rng(seed).choice(len(features), min(rows, len(features)), replace=False))
+    sample = torch.from_numpy(np.asarray(features[idx], dtype=np.float32))
+    # Median-clipped so the huge first-position rows don't set the scale.
+    norms = sample.pow(2).mean(1)
+    sample = sample[norms <= norms.median() * 10]
+    rms = sample.pow(2).mean(0).sqrt()
+    return 1.0 / rms.clamp_min(rms.median() * 1e-2)
+
+
+def export_drafter(drafter: DFlashDrafter, scale: torch.Tensor) -> DFlashDrafter:
+    """A plain drafter whose fc absorbs the feature scale: same outputs, public format."""
+    out = copy.deepcopy(drafter).float().cpu().eval()
+    with torch.no_grad():
+        out.fc.weight.mul_(scale.float().cpu()[None, :])
+    return out
+
+
+def make_batch(
+    records: list[Record], features: np.ndarray, cfg: DFlashConfig, anchors: int, max_len: int, gen: torch.Generator
+) -> Batch:
+    """Random anchors in each answer; a slot's label is the target's own token there."""
+    block, mask_id = cfg.block_size, cfg.mask_token_id
+    chosen = []
+    for r in records:
+        n = min(len(r.tokens), max_len)
+        lo, hi = r.prompt_len, n - 2  # anchors in the answer, with at least one label after
+        if hi < lo:
+            chosen.append(torch.zeros(0, dtype=torch.long))
+            continue
+        pick = torch.randperm(hi - lo + 1, generator=gen)[:anchors] + lo
+        chosen.append(pick.sort().values)
+    span = max([int(c.max()) for c in chosen if len(c)] + [1])  # context rows needed: < largest anchor
+    feats = torch.zeros(len(records), span, cfg.feature_width)
+    anc = torch.zeros(len(records), anchors, dtype=torch.long)
+    toks = torch.full((len(records), anchors, block), mask_id, dtype=torch.long)
+    labels = torch.full((len(records), anchors, block), -100, dtype=torch.long)
+    for i, (r, pick) in enumerate(zip(records, chosen, strict=True)):
+        rows = min(span, len(r.tokens) - 1)
+        feats[i, :rows] = torch.from_numpy(np.asarray(features[r.offset : r.offset + rows], dtype=np.float32))
+        n = min(len(r.tokens), max_len)
+        seq = torch.tensor(r.tokens[:n])
+        for j, a in enumerate(pick.tolist()):
+            anc[i, j] = a
+            toks[i, j, 0] = seq[a]
+            end = min(a + block, n)
+            labels[i, j, 1 : end - a] = seq[a + 1 : end]
+    return Batch(feats, anc, toks, labels)
+
+
+def attention_mask(cfg: DFlashConfig, layer_type: str, span: int, anchors: torch.Tensor) -> torch.Tensor:
+    """[S, 1, N*B, span+N*B]: context rows before the anchor, own block only."""
+    s, n = anchors.shape
+    b = cfg.block_size
+    row_anchor = anchors.repeat_interleave(b, 1)  # [S, N*B]
+    row_pos = row_anchor + torch.arange(b, device=anchors.device).repeat(n)
+    ctx_pos = torch.arange(span, device=anchors.device)
+    ctx = ctx_pos[None, None, :] < row_anchor[:, :, None]
+    block_id = torch.arange(n, device=anchors.device).repeat_interleave(b)
+    blk = (block_id[:, None] == block_id[None, :]).expand(s, -1, -1)
+    if layer_type == SLIDING:
+        ctx = ctx & (ctx_pos[None, None, :] > row_pos[:, :, None] - cfg.sliding_window)
+        slot = torch.arange(b, device=anchors.device).repeat(n)
+        blk = blk & (slot[None, :, None] >= slot[None, None, :])
+    return torch.cat([ctx, blk], 2)[:, None]
+
+
+def train_forward(drafter: DFlashDrafter, scale: torch.Tensor, batch: Batch, noise: torch.Tensor) -> torch.Tensor:
+    """Block hidden states [S, N, B, hidden] for every anchor at once; equal to DFlashDrafter.forward per block."""
+    cfg = drafter.config
+    s, n, b = batch.block_tokens.shape
+    span = batch.features.shape[1]
+    dev = drafter.device
+    ctx = drafter.hidden_norm(drafter.fc(batch.features.to(dev) * scale.to(dev)))  # [S, T, H]
+    ctx_positions = torch.arange(span, device=dev).repeat(s)
+    anchors = batch.anchors.to(dev)
+    positions = (anchors[:, :, None] + torch.arange(b, device=dev)).reshape(-1)  # [S*N*B]
+    masks = {t: attention_mask(cfg, t, span, anchors) for t in set(cfg.layer_types)}
+    x = noise.reshape(s * n * b, -1).to(dev)
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        ck, cv = attn.keys_values(ctx.reshape(s * span, -1), ctx_positions)
+        h = layer.input_layernorm(x)
+        q = rope(attn.q_norm(attn.q_proj(h).view(-1, attn.heads, attn.head_dim)), positions, attn.theta)
+        bk, bv = attn.keys_values(h, positions)
+
+        def heads(t: torch.Tensor, rows: int) -> torch.Tensor:
+            return t.view(s, rows, t.shape[-2], t.shape[-1]).transpose(1, 2)
+
+        k = torch.cat([heads(ck, span), heads(bk, n * b)], 2)
+        v = torch.cat([heads(cv, span), heads(bv, n * b)], 2)
+        out = F.scaled_dot_product_attention(heads(q, n * b), k, v, attn_mask=masks[layer.layer_type], enable_gqa=True)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(s * n * b, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.norm(x).view(s, n, b, -1)
+
+
+class Trainer:
+    """The drafter, its optimizer, the frozen target pieces, and a deterministic batch stream."""
+
+    def __init__(self, target, cfg: DFlashConfig, store: AnswerStore, opts: TrainOptions) -> None:  # noqa: ANN001
+        self.cfg, self.opts, self.store = cfg, opts, store
+        self.dev = torch.device(opts.device)
+        self.features = store.features()
+        records = [r for r in store.records if len(r.tokens) - r.prompt_len >= 2]
+        nval = min(opts.val_answers, len(records) // 5)
+        self.train_records, self.val_records = records[: len(records) - nval], records[len(records) - nval :]
+        head_dtype = opts.head_dtype or (torch.bfloat16 if self.dev.type == "cpu" else torch.float32)
+        model = target.model
+        self.embed = model.get_input_embeddings().weight.detach().to(self.dev, torch.float32)
+        self.head = model.get_output_embeddings().weight.detach().to(self.dev, head_dtype)
+        self.drafter = init_drafter(cfg, opts.seed, opts.out_scale).to(self.dev)
+        self.scale = feature_scale(self.features, seed=opts.seed).to(self.dev)
+        decay = [p for name, p in self.drafter.named_parameters() if not name.endswith("norm.weight")]
+        keep = [p for name, p in self.drafter.named_parameters() if name.endswith("norm.weight")]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": opts.weight_decay}, {"params": keep, "weight_decay": 0.0}],
+            lr=opts.lr,
+            betas=(0.9, 0.95),
+        )
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        k = torch.arange(cfg.block_size, dtype=torch.float32)
+        self.slot_weight = torch.where(k >= 1, torch.exp(-(k - 1) / opts.gamma), torch.zeros(())).to(self.dev)
+        self.step = 0
+        self.history: list[float] = []
+
+    def _lr_factor(self, step: int) -> float:
+        warm = max(self.opts.warmup, 1)
+        if step < warm:
+            return (step + 1) / warm
+        progress = min(1.0, (step - warm) / max(self.opts.steps - warm, 1))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def batch(self, step: int, records: list[Record] | None = None, count: int | None = None) -> Batch:
+        """The batch for a step depends only on (seed, step): resuming replays the same stream."""
+        gen = torch.Generator().manual_seed(self.opts.seed * 1_000_003 + step)
+        pool = records if records is not None else self.train_records
+        idx = torch.randint(len(pool), (count or self.opts.batch,), generator=gen).tolist()
+        return make_batch([pool[i] for i in idx], self.features, self.cfg, self.opts.anchors, self.opts.max_len, gen)
+
+    def logits(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits [rows, vocab] for the slots that carry a label, and those slots' mask [S, N, B].
+
+        Only labelled slots go through the LM head: at 49K vocab it is most of the step's cost.
+        """
+        noise = F.embedding(batch.block_tokens.to(self.dev), self.embed)
+        hidden = train_forward(self.drafter, self.scale, batch, noise)
+        labelled = batch.labels.to(self.dev) >= 0
+        return (hidden[labelled].to(self.head.dtype) @ self.head.T).float(), labelled
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        logits, labelled = self.logits(batch)
+        labels = batch.labels.to(self.dev)
+        weight = self.slot_weight.expand_as(labels)[labelled]
+        ce = F.cross_entropy(logits, labels[labelled], reduction="none")
+        return (ce * weight).sum() / weight.sum().clamp_min(1e-6)
+
+    def train_step(self) -> float:
+        self.drafter.train()
+        loss = self.loss(self.batch(self.step))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
+        self.optimizer.step()
+        self.schedule.step()
+        self.step += 1
+        value = float(loss.detach())
+        self.history.append(value)
+        return value
+
+    @torch.no_grad()
+    def evaluate(self, records: list[Record] | None = None, anchors: int | None = None) -> dict:
+        """Greedy-path acceptance on held-out answers: leading block slots whose argmax is the target's token.
+
+        tau is estimated as 1 + mean accepted drafts per block, counting only blocks whose
+        labels are all inside the answer (what a decoding step would see).
+        """
+        self.drafter.eval()
+        records = records if records is not None else self.val_records
+        if not records:
+            return {}
+        per_seq = anchors or max(1, self.opts.val_anchors // len(records))
+        accepted, losses, hist = [], [], torch.zeros(self.cfg.block_size, dtype=torch.long)
+        for start in range(0, len(records), self.opts.batch):
+            chunk = records[start : start + self.opts.batch]
+            gen = torch.Generator().manual_seed(12345 + start)
+            batch = make_batch(chunk, self.features, self.cfg, per_seq, self.opts.max_len, gen)
+            logits, labelled = self.logits(batch)
+            labels = batch.labels.to(self.dev)
+            weight = self.slot_weight.expand_as(labels)[labelled]
+            ce = F.cross_entropy(logits, labels[labelled], reduction="none")
+            losses.append(float((ce * weight).sum() / weight.sum().clamp_min(1e-6)))
+            guess = torch.full_like(labels, -1)
+            guess[labelled] = logits.argmax(-1)
+            guess, labels = guess[..., 1:], labels[..., 1:]
+            full = (labels >= 0).all(-1)
+            lead = (guess == labels).long().cumprod(-1).sum(-1)[full]
+            accepted.append(lead)
+            hist += torch.bincount(lead, minlength=self.cfg.block_size).cpu()
+        acc = torch.cat(accepted).float()
+        return {
+            "loss": sum(losses) / len(losses),
+            "tau": 1.0 + float(acc.mean()) if len(acc) else 1.0,
+            "histogram": hist.tolist(),
+        }
+
+    def state(self) -> dict:
+        return {
+            "step": self.step,
+            "drafter": self.drafter.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "scale": self.scale.cpu(),
+            "history": self.history,
+            "config": self.cfg.to_json(),
+            "train_answers": len(self.train_records),
+        }
+
+    def load_state(self, state: dict) -> None:
+        self.step = state["step"]
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.scale = state["scale"].to(self.dev)
+        self.history = list(state["history"])
+
+    def save(self, state_path: Path, out: Path | None) -> None:
+        tmp = state_path.with_suffix(".tmp")
+        torch.save(self.state(), tmp)
+        tmp.replace(state_path)
+        if out is not None:
+            save_drafter(export_drafter(self.drafter, self.scale).to(self.opts.save_dtype), out)
+
+
+def train(
+    target,  # noqa: ANN001 - a TargetModel (its embedding table and LM head are used frozen)
+    cfg: DFlashConfig,
+    store: AnswerStore,
+    opts: TrainOptions,
+    state_path: Path,
+    out: Path | None,
+    *,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+) -> Trainer:
+    """Train until opts.steps (or opts.minutes), saving state + the public checkpoint periodically."""
+    trainer = Trainer(target, cfg, store, opts)
+    if resume and state_path.exists():
+        trainer.load_state(torch.load(state_path, map_location=trainer.dev, weights_only=False))
+        log(f"resumed at step {trainer.step}")
+    log(
+        f"train: {len(trainer.train_records)} answers "
+        f"({sum(len(r.tokens) - r.prompt_len for r in trainer.train_records)} answer tokens), "
+        f"{len(trainer.val_records)} held out; {cfg.num_hidden_layers} layer(s), block {cfg.block_size}, "
+        f"taps {list(cfg.target_layer_ids)}, {sum(p.numel() for p in trainer.drafter.parameters())} params"
+    )
+    start = last = time.time()
+    window: list[float] = []
+    while trainer.step < opts.steps:
+        if opts.minutes and time.time() - start > opts.minutes * 60:
+            log("time budget reached")
+            break
+        window.append(trainer.train_step())
+        step = trainer.step
+        if step % 20 == 0 or step == 1:
+            lr = trainer.schedule.get_last_lr()[0]
+            log(
+                f"step {step} | loss {sum(window) / len(window):.4f} | lr {lr:.2e} | "
+                f"{(time.time() - last) / max(len(window), 1):.2f} s/step"
+            )
+            window, last = [], time.time()
+        if opts.eval_every and step % opts.eval_every == 0:
+            ev = trainer.evaluate()
+            if ev:
+                log(f"eval step {step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f} | hist {ev['histogram']}")
+        if opts.save_every and step % opts.save_every == 0:
+            trainer.save(state_path, out)
+    trainer.save(state_path, out)
+    ev = trainer.evaluate()
+    if ev:
+        log(f"final step {trainer.step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f}")
+    return trainer
