@@ -371,7 +371,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=12, help="timed repetitions per micro-benchmark")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in this process and the draft daemon")
     parser.add_argument("--out", default="bench_results", help="folder for bench.json and the plot")
+    parser.add_argument("--replot", metavar="JSON", help="only redraw the plot from an earlier bench.json")
     args = parser.parse_args(argv)
+    if args.replot:
+        report = json.loads(Path(args.replot).read_text())
+        path = Path(args.out) / "draft_step_vs_context.png"
+        rows = {name: model["context"] for name, model in report["models"].items()}
+        print(path if plot(rows, path) else "matplotlib is not installed: pip install matplotlib")
+        return
     if args.quick:
         args.max_new_tokens = min(args.max_new_tokens, 24)
     run(args)
