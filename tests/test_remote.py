@@ -140,3 +140,28 @@ def test_handshake_refuses_a_drafter_for_another_target(checkpoint, tmp_path):
 def test_no_daemon_at_start_is_a_clear_error(target, tmp_path):
     with pytest.raises(DrafterUnavailable, match="no drafter answered"):
         RemoteDraftBackend(f"ipc://{tmp_path}/nobody.sock", target, timeout_s=0.3)
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_reduced_precision_wire_is_close_and_still_lossless(target, checkpoint, tmp_path, wire):
+    address = f"ipc://{tmp_path}/{wire}.sock"
+    drafter = load_drafter(checkpoint)
+    cfg = drafter.config
+    g = torch.Generator().manual_seed(1)
+    features = torch.randn(12, cfg.feature_width, generator=g)
+    noise = torch.randn(cfg.block_size, cfg.hidden_size, generator=g)
+    with draft_daemon(address, checkpoint):
+        remote = RemoteDraftBackend(address, target, wire_dtype=wire)
+        assert remote.wire_dtype == wire
+        remote.reset(0)
+        got = remote.draft(0, features, noise, 12, cfg.block_size - 1)
+        local = LocalDraftBackend(drafter)
+        want = local.draft(0, features, noise, 12, cfg.block_size - 1)
+        assert got.dtype == torch.float32 and not torch.equal(got, want)
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+        half_bytes = remote.counters["bytes_out"]
+        prompt = PROMPTS[0]
+        result = generate(target, prompt, DFlashProposer(remote), MAX_NEW, adaptive=False)
+        assert_lossless(target, prompt, result.tokens, greedy(target, prompt, MAX_NEW))
+        remote.close()
+    assert half_bytes < features.numel() * 4  # the features really travelled at 2 bytes each
