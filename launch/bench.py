@@ -25,7 +25,7 @@ import zmq
 
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
 from draft_node.kv_cache import DraftKVCache
-from launch.common import DEFAULT_DRAFTER_DIR, ensure_default_drafter, resolve_model
+from launch.common import ensure_default_drafter, resolve_model
 from launch.local import daemon, free_address
 from protocol import decode, encode
 from protocol.transport import dealer, receive, router
@@ -366,7 +366,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="tiny model only, few tokens (for the test suite)")
     parser.add_argument("--model", help="target folder for the real-model part (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--drafter", help=f"drafter checkpoint for the real model (default: {DEFAULT_DRAFTER_DIR})")
+    parser.add_argument(
+        "--drafter", help="drafter checkpoint for the real model (default: the model's default drafter)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=12, help="timed repetitions per micro-benchmark")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in this process and the draft daemon")

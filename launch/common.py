@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 from pathlib import Path
 
 import torch
 
-from target_node.default_model import CACHE_ROOT, ensure_default_model
+from target_node.default_model import CACHE_ROOT, DEFAULT_MODEL_DIR, ensure_default_model
 
 DRAFT_ADDRESS = "tcp://127.0.0.1:5555"
 TARGET_ADDRESS = "tcp://127.0.0.1:5556"
-DEFAULT_DRAFTER_DIR = CACHE_ROOT / "drafters" / "smollm2-random-b8"
+SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
+RANDOM_DRAFTERS = CACHE_ROOT / "drafters" / "random-b8"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,14 +43,22 @@ def resolve_model(folder: str | None) -> Path:
     return Path(folder) if folder else ensure_default_model()
 
 
-def ensure_default_drafter(model_dir: Path | None = None, folder: Path = DEFAULT_DRAFTER_DIR) -> Path:
-    """Until a trained drafter ships, the default is a random-weight one written for SmolLM2."""
+def ensure_default_drafter(model_dir: Path | None = None) -> Path:
+    """The drafter to use when none is named.
+
+    For the default model: the trained drafter shipped in `drafters/smollm2/`. For any other
+    target (or if that folder is missing): a random-weight drafter shaped for it, written once
+    into the cache; it keeps output exact but accepts almost nothing.
+    """
+    model_dir = Path(model_dir or ensure_default_model()).resolve()
+    if model_dir == DEFAULT_MODEL_DIR.resolve() and (SHIPPED_DRAFTER / "config.json").is_file():
+        return SHIPPED_DRAFTER
+    folder = RANDOM_DRAFTERS / f"{model_dir.name}-{hashlib.sha1(str(model_dir).encode()).hexdigest()[:10]}"
     if (folder / "config.json").is_file():
         return folder
     from transformers import AutoConfig
 
     from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 
-    target_config = AutoConfig.from_pretrained(model_dir or ensure_default_model())
-    cfg = config_for_target(target_config, block_size=8, mask_token_id=0)
+    cfg = config_for_target(AutoConfig.from_pretrained(model_dir), block_size=8, mask_token_id=0)
     return save_drafter(random_drafter(cfg), folder)

@@ -25,7 +25,8 @@ def build_proposer(args: argparse.Namespace, target: TargetModel) -> Proposer:
         from draft_node.checkpoint import load_drafter
         from launch.common import ensure_default_drafter
 
-        drafter = load_drafter(args.drafter_checkpoint or ensure_default_drafter(), args.device, target.model.dtype)
+        checkpoint = args.drafter_checkpoint or ensure_default_drafter(resolve_model(args.model))
+        drafter = load_drafter(checkpoint, args.device, target.model.dtype)
         return DFlashProposer(LocalDraftBackend(drafter, args.ring_capacity), NGramProposer())
     from target_node.remote import RemoteDraftBackend
 
@@ -46,7 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--bind", default=TARGET_ADDRESS, help="ZeroMQ address clients connect to (default %(default)s)"
     )
-    parser.add_argument("--proposer", default="remote", choices=["remote", "local", "ngram", "none"])
+    parser.add_argument(
+        "--proposer", default="remote", choices=["remote", "local", "ngram", "none"], help="who drafts (see above)"
+    )
     parser.add_argument("--drafter", default=DRAFT_ADDRESS, help="draft daemon address for --proposer remote")
     parser.add_argument("--drafter-checkpoint", help="drafter folder for --proposer local")
     parser.add_argument(
