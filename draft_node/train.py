@@ -24,10 +24,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draft_node.checkpoint import save_drafter
+from draft_node.checkpoint import save_draft_vocab, save_drafter
 from draft_node.config import SLIDING, DFlashConfig
 from draft_node.model import DFlashDrafter, rope
-from draft_node.train_data import AnswerStore, Record
+from draft_node.train_data import AnswerStore, Record, draft_vocabulary
 
 
 @dataclass
@@ -50,6 +50,7 @@ class TrainOptions:
     device: str = "cpu"
     head_dtype: torch.dtype | None = None  # None: bf16 on CPU (2x faster matmuls), fp32 elsewhere
     save_dtype: torch.dtype = torch.bfloat16
+    draft_vocab: int = 8192  # most frequent answer tokens the drafter proposes from; 0 = all
 
 
 @dataclass
@@ -313,6 +314,8 @@ class Trainer:
         tmp.replace(state_path)
         if out is not None:
             save_drafter(export_drafter(self.drafter, self.scale).to(self.opts.save_dtype), out)
+            if self.opts.draft_vocab:
+                save_draft_vocab(out, draft_vocabulary(self.train_records, self.opts.draft_vocab))
 
 
 def train(
