@@ -73,7 +73,10 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     # Sampled answers differ between the two runs (different draws); only greedy ones must match.
-    extra = {"adaptive": args.adaptive, "sampling": sampling}
+    from target_node.governor import Governor
+
+    # One governor across prompts, as the target daemon keeps one across requests.
+    extra = {"adaptive": args.adaptive, "sampling": sampling, "governor": Governor()}
     totals = {"plain": [0, 0.0], "spec": [0, 0.0]}  # decode tokens (after the first), decode seconds
     hist: Counter = Counter()
     steps = accepted = mismatches = 0

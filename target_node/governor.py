@@ -29,6 +29,7 @@ class Governor:
     drafting: bool = True
     plain_streak: int = 0
     backoff: int = 0
+    accepted: deque = field(default_factory=lambda: deque(maxlen=32))  # drafts accepted per recent step
     probing: bool = False  # one speculative step decides whether a probe succeeded
     switches: int = 0
     probes: int = 0
@@ -47,6 +48,7 @@ class Governor:
 
     def record(self, drafted: bool, tokens: int, seconds: float) -> None:
         if drafted:
+            self.accepted.append(tokens - 1)
             self.spec.append((tokens, seconds))
             while len(self.spec) > self.window:
                 self.spec.popleft()
@@ -66,6 +68,20 @@ class Governor:
             else:
                 self.backoff = 0
 
+    def draft_limit(self, cap: int) -> int:
+        """How many drafts to verify: one more than the depth that is still reached often.
+
+        Every extra draft widens the verify step; drafts past the usual acceptance depth are
+        rarely accepted. If 10% of recent steps accepted all k drafts, k grows by one, so
+        the limit follows the drafter up again when it does better.
+        """
+        if len(self.accepted) < 4:
+            return cap
+        k = min(1, cap)
+        while k < cap and sum(a >= k for a in self.accepted) >= 0.1 * len(self.accepted):
+            k += 1
+        return k
+
     def spec_tau(self) -> float:
         return sum(t for t, _ in self.spec) / len(self.spec) if self.spec else 0.0
 
@@ -83,6 +99,7 @@ class Governor:
             "drafting": self.drafting,
             "switches_to_plain": self.switches,
             "probes": self.probes,
+            "draft_limit": self.draft_limit(1 << 30) if self.accepted else None,
             "spec_tok_s": round(self.spec_rate(), 2),
             "plain_tok_s": round(self.plain_rate(), 2),
         }

@@ -169,7 +169,8 @@ def generate(
         budget = max_new_tokens - len(output) - 1  # the bonus token always comes on top
         began = time.perf_counter()
         drafting = governor is None or governor.should_draft()
-        proposal = proposer.propose(target, tokens, budget) if drafting else EMPTY
+        limit = budget if governor is None else governor.draft_limit(budget)
+        proposal = proposer.propose(target, tokens, limit) if drafting else EMPTY
         guesses, q = (proposal.tokens, None) if sampler is None else sampler.draft(proposal.tokens, proposal.logits)
         ahead = hints[len(output) : len(output) + budget]
         drafts = _apply_hints(guesses, ahead)

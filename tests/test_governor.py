@@ -60,3 +60,15 @@ def test_a_drafter_that_does_not_help_does_not_cost_the_user():
     assert result.tokens == greedy(target, prompt, 60)
     assert result.stats.governor["switches_to_plain"] >= 1
     assert result.stats.plain_steps > 0.7 * result.stats.steps
+
+
+def test_draft_limit_follows_the_acceptance_depth():
+    gov = Governor()
+    assert gov.draft_limit(7) == 7  # no evidence yet: the whole block
+    for accepted in [0] * 20 + [1] * 8 + [2] * 2:
+        gov.record(True, accepted + 1, 0.01)
+    assert gov.draft_limit(7) == 2  # depth 1 is common, depth 2 still reached 1 in 15 steps
+    assert gov.draft_limit(1) == 1 and gov.draft_limit(0) == 0
+    for _ in range(32):  # the drafter now fills every block it is given
+        gov.record(True, gov.draft_limit(7) + 1, 0.01)
+    assert gov.draft_limit(7) == 7
