@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draft_node.checkpoint import save_draft_vocab, save_drafter
+from draft_node.checkpoint import random_drafter, save_draft_vocab, save_drafter
 from draft_node.config import SLIDING, DFlashConfig
 from draft_node.model import DFlashDrafter, rope
 from draft_node.train_data import AnswerStore, Record, draft_vocabulary
@@ -67,14 +67,8 @@ def init_drafter(cfg: DFlashConfig, seed: int, out_scale: float = 0.3) -> DFlash
     Starting the output norm at 1 (or at the target's own final norm) gives confident random
     logits and a first phase spent only unlearning them; 0.3 measured lower loss on SmolLM2.
     """
-    torch.manual_seed(seed)
-    drafter = DFlashDrafter(cfg)
+    drafter = random_drafter(cfg, seed=seed)
     with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
         drafter.norm.weight.fill_(out_scale)
     return drafter
 

@@ -32,13 +32,7 @@ RUNS = 800  # generations per end-to-end check
 PROMPT = [1, 4, 9, 2, 11, 6, 0, 13, 8, 3, 15, 5, 12, 7, 10, 14, 4, 9]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forward passes run faster on one thread, and far faster than two when the shared cores are busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- the checker --------------------------------------------------------------------------------

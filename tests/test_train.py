@@ -28,13 +28,7 @@ class _TokenTarget:
         return [int(t) for t in messages[0]["content"].split()]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls gain nothing from a second thread, and on a busy 2-core box they lose 10x waiting for it.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
