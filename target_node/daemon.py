@@ -42,7 +42,11 @@ class TargetService:
         self.governor = Governor()  # one proposer, one governor: it learns across requests
         self.proposer = proposer
         self.max_new_tokens_limit = max_new_tokens_limit
+        # The line of clients waiting, each with its jobs in order. A client whose job is
+        # running is parked and rejoins at the back when that job is done, so clients that
+        # arrived meanwhile go first.
         self.queues: OrderedDict[bytes, deque[Job]] = OrderedDict()
+        self.parked: dict[bytes, deque[Job]] = {}
         self.running: Job | None = None
         self.sock: zmq.Socket | None = None
         self.served = 0
@@ -64,7 +68,10 @@ class TargetService:
                 self.send(identity, encode_error(exc.request_id, exc.code, exc.message))
                 continue
             if msg.type == "generate":
-                self.queues.setdefault(identity, deque()).append(Job(identity, msg))
+                queue = self.parked.get(identity)
+                if queue is None:
+                    queue = self.queues.setdefault(identity, deque())
+                queue.append(Job(identity, msg))
             elif msg.type == "cancel":
                 self.cancel(identity, msg.id)
             elif msg.type == "ping":
@@ -80,13 +87,13 @@ class TargetService:
                 )
 
     def pending(self) -> int:
-        return sum(len(q) for q in self.queues.values())
+        return sum(len(q) for q in (*self.queues.values(), *self.parked.values()))
 
     def cancel(self, identity: bytes, request_id: int) -> None:
         if self.running and self.running.identity == identity and self.running.request.id == request_id:
             self.running.cancel.set()
             return
-        queue = self.queues.get(identity, deque())
+        queue = self.queues.get(identity) or self.parked.get(identity) or deque()
         for job in list(queue):
             if job.request.id == request_id:
                 queue.remove(job)
@@ -98,17 +105,18 @@ class TargetService:
                 )
 
     def next_job(self) -> Job | None:
-        """Round-robin over clients: take one job from the first client, then move it to the back."""
+        """Round-robin: the client at the front of the line gets one job run, then is parked."""
         while self.queues:
-            identity, queue = next(iter(self.queues.items()))
-            self.queues.move_to_end(identity)
+            identity, queue = self.queues.popitem(last=False)
             if queue:
-                job = queue.popleft()
-                if not queue:
-                    del self.queues[identity]
-                return job
-            del self.queues[identity]
+                self.parked[identity] = queue
+                return queue.popleft()
         return None
+
+    def unpark(self, identity: bytes) -> None:
+        queue = self.parked.pop(identity, deque())
+        if queue:
+            self.queues[identity] = queue
 
     def serve(self, address: str, stop: threading.Event) -> None:
         self.sock = router(zmq.Context.instance(), address)
@@ -119,6 +127,7 @@ class TargetService:
                 job = self.next_job()
                 if job is not None:
                     self.run(job)
+                    self.unpark(job.identity)
         finally:
             self.sock.close(0)
             log.info("target daemon stopped")

@@ -57,13 +57,12 @@ def test_bad_requests_get_errors_and_the_daemon_carries_on(address):
 
 
 def test_requests_are_served_round_robin_and_none_is_lost(address):
-    """Client A queues three requests, client B one: B must not wait for all of A's."""
+    """Client A queues three requests, client B one: B waits for at most one of A's."""
     context = zmq.Context.instance()
     a, b = dealer(context, address), dealer(context, address)
     try:
         for i in range(3):
             a.send_multipart(encode("generate", 100 + i, {"token_ids": PROMPT, "max_new_tokens": 40, "stream": False}))
-        time.sleep(0.2)  # let A's requests reach the queue first
         b.send_multipart(encode("generate", 200, {"token_ids": PROMPT, "max_new_tokens": 40, "stream": False}))
         finished = []
         poller = zmq.Poller()
@@ -77,7 +76,7 @@ def test_requests_are_served_round_robin_and_none_is_lost(address):
                 finished.append((reply.id, time.monotonic()))
         order = [i for i, _ in finished]
         assert sorted(order) == [100, 101, 102, 200]
-        assert order.index(200) < order.index(102)
+        assert order.index(200) <= 1
     finally:
         a.close(0)
         b.close(0)
