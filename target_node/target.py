@@ -139,7 +139,9 @@ class TargetModel:
             self.ring.write(start, features[:count])
 
     def reset(self) -> None:
+        """A new request: no KV cache, and no feature capture until a proposer asks (set_taps)."""
         self.cache = None
+        self.tap_layers = ()
         if self.ring is not None:
             self.ring.reset()
 
