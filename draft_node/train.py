@@ -186,7 +186,15 @@ class Trainer:
         head_dtype = opts.head_dtype or (torch.bfloat16 if self.dev.type == "cpu" else torch.float32)
         model = target.model
         self.embed = model.get_input_embeddings().weight.detach().to(self.dev, torch.float32)
-        self.head = model.get_output_embeddings().weight.detach().to(self.dev, head_dtype)
+        # The loss softmaxes over the drafter's vocabulary only, as inference projects onto it:
+        # the same objective the drafter is used for, at a fraction of the full head's cost.
+        full_head = model.get_output_embeddings().weight.detach()
+        ids = draft_vocabulary(self.train_records, opts.draft_vocab) if opts.draft_vocab else []
+        self.vocab = torch.tensor(ids, dtype=torch.long) if ids else torch.arange(full_head.shape[0])
+        self.head = full_head[self.vocab].to(self.dev, head_dtype)
+        self.vocab_slot = torch.full((full_head.shape[0],), -100, dtype=torch.long)
+        self.vocab_slot[self.vocab] = torch.arange(len(self.vocab))
+        self.vocab, self.vocab_slot = self.vocab.to(self.dev), self.vocab_slot.to(self.dev)
         self.drafter = init_drafter(cfg, opts.seed, opts.out_scale).to(self.dev)
         self.scale = feature_scale(self.features, seed=opts.seed).to(self.dev)
         decay = [p for name, p in self.drafter.named_parameters() if not name.endswith("norm.weight")]
@@ -216,22 +224,26 @@ class Trainer:
         idx = torch.randint(len(pool), (count or self.opts.batch,), generator=gen).tolist()
         return make_batch([pool[i] for i in idx], self.features, self.cfg, self.opts.anchors, self.opts.max_len, gen)
 
-    def logits(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft logits [rows, vocab] for the slots that carry a label, and those slots' mask [S, N, B].
+    def logits(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft logits [rows, draft vocab] for the labelled slots, their labels as draft-vocab
+        indices (-100 for tokens the drafter cannot propose), and the slots' mask [S, N, B].
 
-        Only labelled slots go through the LM head: at 49K vocab it is most of the step's cost.
+        Only labelled slots go through the LM head: it is most of the step's cost.
         """
         noise = F.embedding(batch.block_tokens.to(self.dev), self.embed)
         hidden = train_forward(self.drafter, self.scale, batch, noise)
-        labelled = batch.labels.to(self.dev) >= 0
-        return (hidden[labelled].to(self.head.dtype) @ self.head.T).float(), labelled
+        labels = batch.labels.to(self.dev)
+        labelled = labels >= 0
+        logits = (hidden[labelled].to(self.head.dtype) @ self.head.T).float()
+        return logits, self.vocab_slot[labels[labelled]], labelled
+
+    def _weighted_ce(self, logits: torch.Tensor, slots: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+        weight = self.slot_weight.expand_as(labelled)[labelled] * (slots >= 0)
+        ce = F.cross_entropy(logits, slots, reduction="none", ignore_index=-100)
+        return (ce * weight).sum() / weight.sum().clamp_min(1e-6)
 
     def loss(self, batch: Batch) -> torch.Tensor:
-        logits, labelled = self.logits(batch)
-        labels = batch.labels.to(self.dev)
-        weight = self.slot_weight.expand_as(labels)[labelled]
-        ce = F.cross_entropy(logits, labels[labelled], reduction="none")
-        return (ce * weight).sum() / weight.sum().clamp_min(1e-6)
+        return self._weighted_ce(*self.logits(batch))
 
     def train_step(self) -> float:
         self.drafter.train()
@@ -263,13 +275,11 @@ class Trainer:
             chunk = records[start : start + self.opts.batch]
             gen = torch.Generator().manual_seed(12345 + start)
             batch = make_batch(chunk, self.features, self.cfg, per_seq, self.opts.max_len, gen)
-            logits, labelled = self.logits(batch)
+            logits, slots, labelled = self.logits(batch)
+            losses.append(float(self._weighted_ce(logits, slots, labelled)))
             labels = batch.labels.to(self.dev)
-            weight = self.slot_weight.expand_as(labels)[labelled]
-            ce = F.cross_entropy(logits, labels[labelled], reduction="none")
-            losses.append(float((ce * weight).sum() / weight.sum().clamp_min(1e-6)))
             guess = torch.full_like(labels, -1)
-            guess[labelled] = logits.argmax(-1)
+            guess[labelled] = self.vocab[logits.argmax(-1)]  # a token outside the draft vocab is a miss
             guess, labels = guess[..., 1:], labels[..., 1:]
             full = (labels >= 0).all(-1)
             lead = (guess == labels).long().cumprod(-1).sum(-1)[full]
@@ -309,7 +319,7 @@ class Trainer:
         if out is not None:
             save_drafter(export_drafter(self.drafter, self.scale).to(self.opts.save_dtype), out)
             if self.opts.draft_vocab:
-                save_draft_vocab(out, draft_vocabulary(self.train_records, self.opts.draft_vocab))
+                save_draft_vocab(out, self.vocab.tolist())
 
 
 def train(

@@ -146,3 +146,28 @@ def test_draft_vocabulary_is_the_most_frequent_answer_tokens():
     # Prompt tokens (9) do not count: answers hold 5 x4, 7 x5, 1 x1.
     assert draft_vocabulary(records, 2) == [7, 5]
     assert draft_vocabulary(records, 10) == [7, 5, 1]
+
+
+def test_loss_is_over_the_draft_vocabulary_the_drafter_proposes_from(setup, tmp_path):
+    from draft_node.checkpoint import load_draft_vocab
+    from draft_node.train_data import draft_vocabulary
+
+    target, cfg, store = setup
+    trainer = Trainer(target, cfg, store, opts(draft_vocab=16))
+    assert trainer.vocab.tolist() == draft_vocabulary(trainer.train_records, 16)
+    batch = trainer.batch(0)
+    logits, slots, labelled = trainer.logits(batch)
+    assert logits.shape == (int(labelled.sum()), 16)
+    labels = batch.labels[labelled]
+    inside = torch.isin(labels, trainer.vocab)
+    assert (~inside).any() and inside.any()  # the tiny answers use more than 16 tokens
+    assert (slots[~inside] == -100).all()
+    assert (trainer.vocab[slots[inside]] == labels[inside]).all()
+    # Logits are the LM-head rows of exactly those tokens.
+    noise = torch.nn.functional.embedding(batch.block_tokens, trainer.embed)
+    hidden = train_forward(trainer.drafter, trainer.scale, batch, noise)[labelled].to(trainer.head.dtype)
+    full_head = target.model.get_output_embeddings().weight.to(trainer.head.dtype)
+    torch.testing.assert_close(logits, (hidden @ full_head.T).float()[:, trainer.vocab])
+    assert torch.isfinite(trainer.loss(batch))
+    trainer.save(tmp_path / "state.pt", tmp_path / "out")
+    assert load_draft_vocab(tmp_path / "out") == trainer.vocab.tolist()
