@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,17 @@ class Batch:
     anchors: torch.Tensor  # [S, N] anchor positions (0 for padding anchors)
     block_tokens: torch.Tensor  # [S, N, B] tok[a], then mask ids
     labels: torch.Tensor  # [S, N, B] tok[a+k], -100 where no loss
+
+
+def split_held_out(records: list[Record], count: int) -> tuple[list[Record], list[Record]]:
+    """(train, held out): the first `count` answers whose prompt hashes into a fixed bucket.
+
+    Chosen by prompt rather than by position, so the held-out set stays the same while a
+    generator keeps appending answers and a resumed run's estimates stay comparable.
+    """
+    count = min(count, len(records) // 5)
+    held = {id(r) for r in [r for r in records if zlib.crc32(r.prompt.encode()) % 8 == 0][:count]}
+    return [r for r in records if id(r) not in held], [r for r in records if id(r) in held]
 
 
 def init_drafter(cfg: DFlashConfig, seed: int, out_scale: float = 0.3) -> DFlashDrafter:
@@ -181,8 +193,7 @@ class Trainer:
         self.dev = torch.device(opts.device)
         self.features = store.features()
         records = [r for r in store.records if len(r.tokens) - r.prompt_len >= 2]
-        nval = min(opts.val_answers, len(records) // 5)
-        self.train_records, self.val_records = records[: len(records) - nval], records[len(records) - nval :]
+        self.train_records, self.val_records = split_held_out(records, opts.val_answers)
         head_dtype = opts.head_dtype or (torch.bfloat16 if self.dev.type == "cpu" else torch.float32)
         model = target.model
         self.embed = model.get_input_embeddings().weight.detach().to(self.dev, torch.float32)

@@ -171,3 +171,15 @@ def test_loss_is_over_the_draft_vocabulary_the_drafter_proposes_from(setup, tmp_
     assert torch.isfinite(trainer.loss(batch))
     trainer.save(tmp_path / "state.pt", tmp_path / "out")
     assert load_draft_vocab(tmp_path / "out") == trainer.vocab.tolist()
+
+
+def test_held_out_answers_stay_held_out_as_the_store_grows():
+    from draft_node.train import split_held_out
+    from draft_node.train_data import Record
+
+    records = [Record(f"prompt {i}", [1, 2, 3], 1, 2 * i) for i in range(400)]
+    train_a, held_a = split_held_out(records[:200], 10)
+    train_b, held_b = split_held_out(records, 10)
+    assert [r.prompt for r in held_a] == [r.prompt for r in held_b] and len(held_a) == 10
+    assert not {r.prompt for r in train_b} & {r.prompt for r in held_b}
+    assert len(train_b) + len(held_b) == 400
