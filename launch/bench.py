@@ -6,6 +6,8 @@
 2. Protocol overhead: a propose round trip of a real step's size (encode, send, decode,
    reply) against a raw ZeroMQ round trip of the same bytes: the physical floor.
 3. Draft step time against context length, cached context K/V vs recomputing them.
+4. Verify cost against its width (1 + drafts): what a step with k drafts costs next to a
+   plain step sets the acceptance (tau) a drafter needs just to break even.
 
 `--quick` runs a tiny random model only, with few tokens: the test suite uses it.
 """
@@ -247,6 +249,28 @@ def bench_context(drafter, contexts: list[int], repeats: int) -> list[dict]:  # 
     return rows
 
 
+# --- 4. verify cost vs width ------------------------------------------------------
+
+
+def _verify(target: TargetModel, committed: int, width: int) -> None:
+    hidden, _ = target.forward(list(range(3, 3 + width)))
+    target.greedy(hidden)
+    target.keep(committed, 0, None)
+
+
+def bench_verify(target: TargetModel, prompt: list[int], widths: list[int], repeats: int) -> list[dict]:
+    """Target step time by tokens verified at once, after the prompt, with no features tapped."""
+    target.reset()
+    target.forward(prompt)
+    committed = target.length
+    rows = [{"width": w, "verify_ms": median_ms(partial(_verify, target, committed, w), repeats)} for w in widths]
+    target.reset()
+    for row in rows:
+        # With no draft cost at all, a step this wide pays only above this many tokens per step.
+        row["break_even_tau"] = row["verify_ms"] / rows[0]["verify_ms"]
+    return rows
+
+
 # --- reporting -------------------------------------------------------------------
 
 
@@ -312,11 +336,13 @@ def run(args: argparse.Namespace) -> dict:
         protocol["bytes_per_step_measured"] = remote.get("bytes_per_step", 0.0)
         protocol["minimum_bytes_per_step"] = protocol["request_tensor_bytes"] + protocol["reply_tensor_bytes"]
         context_rows[name] = bench_context(drafter, contexts, repeats)
+        verify = bench_verify(target, prompts[0], list(range(1, cfg.block_size + 1)), repeats)
         report["models"][name] = {
             "drafter": str(checkpoint),
             "generation": generation,
             "protocol": protocol,
             "context": context_rows[name],
+            "verify": verify,
         }
         setting = f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.threads} threads"
         print(f"\n== {name}: generation ({setting})")
@@ -353,6 +379,8 @@ def run(args: argparse.Namespace) -> dict:
         )
         print(f"== {name}: draft step vs context")
         print(table(context_rows[name], ["context", "cached_ms", "recompute_ms", "cached_vs_first"]))
+        print(f"== {name}: verify step vs width (1 + drafts)")
+        print(table(verify, ["width", "verify_ms", "break_even_tau"]))
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     if not args.quick and plot(context_rows, out / "draft_step_vs_context.png"):
         report["plot"] = str(out / "draft_step_vs_context.png")
