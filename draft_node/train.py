@@ -69,8 +69,9 @@ def split_held_out(records: list[Record], count: int) -> tuple[list[Record], lis
     generator keeps appending answers and a resumed run's estimates stay comparable.
     """
     count = min(count, len(records) // 5)
-    held = {id(r) for r in [r for r in records if zlib.crc32(r.prompt.encode()) % 8 == 0][:count]}
-    return [r for r in records if id(r) not in held], [r for r in records if id(r) in held]
+    held = [r for r in records if zlib.crc32(r.prompt.encode()) % 8 == 0][:count]
+    held_ids = {id(r) for r in held}
+    return [r for r in records if id(r) not in held_ids], held
 
 
 def init_drafter(cfg: DFlashConfig, seed: int, out_scale: float = 0.3) -> DFlashDrafter:

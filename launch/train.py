@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -151,23 +152,10 @@ def main(argv: list[str] | None = None) -> None:
 
         if gen_bf16:  # the drafter trains against the fp32 embeddings and head that inference uses
             target = TargetModel.load(args.model, device=args.device, dtype=torch.float32)
-        opts = TrainOptions(
-            lr=args.lr,
-            warmup=args.warmup,
-            steps=args.steps,
-            minutes=args.minutes,
-            batch=args.batch,
-            anchors=args.anchors,
-            max_len=args.max_len,
-            gamma=args.gamma,
-            seed=args.seed,
-            val_answers=args.val_answers,
-            eval_every=args.eval_every,
-            save_every=args.save_every,
-            device=args.device,
-            save_dtype=torch.bfloat16 if args.save_dtype == "bf16" else torch.float32,
-            draft_vocab=args.draft_vocab,
-        )
+        # Every training flag is named after its TrainOptions field; only the dtype needs parsing.
+        given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if hasattr(args, f.name)}
+        given["save_dtype"] = torch.bfloat16 if args.save_dtype == "bf16" else torch.float32
+        opts = TrainOptions(**given)
         train(target, cfg, store, opts, work / "state.pt", Path(args.out), resume=args.resume, log=log)
 
 
