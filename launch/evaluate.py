@@ -61,10 +61,10 @@ def backend_for(args: argparse.Namespace, target):  # noqa: ANN001, ANN201
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    from draft_node.prompts import read_prompts
     from target_node.proposers import DFlashProposer, NoProposer
     from target_node.speculative import generate
     from target_node.target import TargetModel
+    from training.prompts import read_prompts
 
     target = TargetModel.load(resolve_model(args.model), device=args.device, dtype=DTYPES[args.dtype])
     prompts = read_prompts(args.prompts)[: args.limit or None]

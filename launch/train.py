@@ -1,12 +1,16 @@
-"""Train a DFlash drafter for a local target: generate self-distillation data, then train.
+"""Train a DFlash drafter for a local target on the target's own answers (self-distillation).
 
-    python -m launch.train --stage gen --gen-minutes 60      # answers + features, resumable
+    python -m launch.train --stage gen --gen-minutes 60      # self-instruct answers into data/answers (resumable)
+    python -m launch.train --stage features                  # features for answers that lack them (prefill)
     python -m launch.train --stage train --minutes 30 --out drafters/smollm2
-    python -m launch.train                                   # both, one after the other
+    python -m launch.train --stage variety                   # how varied the stored prompts are
+    python -m launch.train                                   # gen, features, train in turn
 
-Everything bulky (answers, features, optimizer state, logs) lives under
-~/.cache/dflash-split/train/<name>/, never in the repo; only the final public checkpoint
-(config.json + model.safetensors) is written to --out.
+The answer store (token ids, compressed) lives in the repository under data/answers and
+grows across machines: commit it. Features, optimizer state and logs are bulky and
+rebuildable, so they live under ~/.cache/dflash-split/, never in the repo; only the final
+public checkpoint (config.json + model.safetensors + draft_vocab.json) goes to --out.
+Recorded traffic (`dflash-target-daemon --record DIR`) is more data: `--data DIR`.
 """
 
 from __future__ import annotations
@@ -20,31 +24,36 @@ from pathlib import Path
 import torch
 
 from target_node.default_model import CACHE_ROOT, DEFAULT_MODEL_DIR
+from training.answer_store import STORE
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTER = ROOT.parent / "shared" / "prompts" / "train.jsonl"  # the starter prompts beside the repo
-EVAL = ROOT / "data" / "eval_prompts.jsonl"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="dflash-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local HF folder of the target")
     ap.add_argument("--name", default="smollm2", help="cache folder name under ~/.cache/dflash-split/train/")
     ap.add_argument(
         "--stage",
-        choices=["gen", "train", "all", "vocab"],
+        choices=["gen", "features", "train", "all", "vocab", "variety"],
         default="all",
-        help="vocab: only (re)write --out's draft vocabulary from the cached answers",
+        help="vocab: only (re)write --out's draft vocabulary from the stored answers",
     )
+    ap.add_argument("--cache", default=str(CACHE_ROOT), help="where features, state and logs go (default %(default)s)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     # data
-    ap.add_argument("--prompts", type=int, default=20000, help="size of the built prompt set")
-    ap.add_argument("--starter", default=str(STARTER), help="extra prompts file (jsonl), used first if present")
-    ap.add_argument("--gen-dtype", choices=["bf16", "fp32"], default="bf16", help="target dtype for generation")
-    ap.add_argument("--gen-batch", type=int, default=24)
-    ap.add_argument("--max-new", type=int, default=160)
+    ap.add_argument("--store", default=str(STORE), help="answer store folder (generation appends here)")
+    ap.add_argument("--data", action="append", default=[], help="more answer folders to train on (recorded traffic)")
+    ap.add_argument("--starter", default=str(STARTER), help="extra prompts file (jsonl), answered first if present")
+    ap.add_argument("--gen-dtype", choices=["bf16", "fp32"], default="fp32", help="target dtype for generation")
+    ap.add_argument("--gen-batch", type=int, default=48, help="rows decoded at once (finished rows are refilled)")
+    ap.add_argument("--max-new", type=int, default=192, help="answer token cap")
     ap.add_argument("--gen-minutes", type=float, default=60.0)
+    ap.add_argument("--gen-seed", type=int, default=0, help="seed of the self-instruct job stream")
     # drafter shape
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=8)
@@ -60,10 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-len", type=int, default=320, help="longest sequence used (tokens)")
     ap.add_argument("--gamma", type=float, default=4.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--val-answers", type=int, default=60, help="cached answers held out for acceptance estimates")
+    ap.add_argument("--val-answers", type=int, default=60, help="held-out answers for acceptance estimates")
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--resume", action="store_true", help="continue from the cache's state.pt")
+    ap.add_argument("--init", help="start from this drafter checkpoint's weights (same shape)")
     ap.add_argument("--out", default=str(ROOT / "drafters" / "smollm2"), help="public checkpoint folder")
     ap.add_argument("--save-dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument(
@@ -89,16 +99,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from draft_node.checkpoint import config_for_target
-    from draft_node.prompts import build_prompts, read_prompts
-    from draft_node.train_data import AnswerStore, generate_answers
     from target_node.target import TargetModel
+    from training.answer_store import AnswerStore
+    from training.features import FeatureCache
 
-    work = CACHE_ROOT / "train" / args.name
+    cache = Path(args.cache)
+    work = cache / "train" / args.name
     work.mkdir(parents=True, exist_ok=True)
     log = log_to(work / "train.log")
+    store = AnswerStore(args.store)
+    if args.stage == "variety":
+        from training.variety import report
+
+        print(json.dumps(report(store.answers), indent=2))
+        return
+
     gen_bf16 = args.gen_dtype == "bf16" and args.stage in ("gen", "all")
-    dtype = torch.bfloat16 if gen_bf16 else torch.float32
-    target = TargetModel.load(args.model, device=args.device, dtype=dtype)
+    target = TargetModel.load(args.model, device=args.device, dtype=torch.bfloat16 if gen_bf16 else torch.float32)
     taps = [int(x) for x in args.taps.split(",")] if args.taps else None
     cfg = config_for_target(
         target.config,
@@ -107,56 +124,61 @@ def main(argv: list[str] | None = None) -> None:
         target_layer_ids=taps,
         mask_token_id=args.mask_token_id,
     )
-    meta_path = work / "meta.json"
-    meta = {"model": str(args.model), "target_layer_ids": list(cfg.target_layer_ids), "max_new": args.max_new}
-    if meta_path.exists():
-        old = json.loads(meta_path.read_text())
-        if old["target_layer_ids"] != meta["target_layer_ids"]:
-            raise SystemExit(f"{work} holds features for taps {old['target_layer_ids']}; use another --name")
-    else:
-        meta_path.write_text(json.dumps(meta, indent=2) + "\n")
-    # Training alone opens the store read-only: a generator may still be appending to it.
-    store = AnswerStore(work / "data", cfg.feature_width, readonly=args.stage in ("train", "vocab"))
-
-    if args.stage == "vocab":
-        from draft_node.checkpoint import save_draft_vocab
-        from draft_node.train_data import draft_vocabulary
-
-        ids = draft_vocabulary(store.records, args.draft_vocab)
-        log(f"draft vocabulary: {len(ids)} tokens -> {save_draft_vocab(args.out, ids)}")
-        return
+    layers = "-".join(map(str, cfg.target_layer_ids))
+    features = FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{layers}", cfg.feature_width)
+    answers = list(store.answers)
+    for folder in args.data:
+        answers += [a for a in AnswerStore(folder).answers if a.key not in store.keys]
 
     if args.stage in ("gen", "all"):
-        held_out = set(read_prompts(EVAL)) if EVAL.exists() else set()
-        prompts = build_prompts(args.prompts, seed=args.seed, starter=args.starter, exclude=held_out)
+        from training.generate import generate
+        from training.prompts import jobs, read_prompts
+
         deadline = time.time() + args.gen_minutes * 60
+        starter = read_prompts(args.starter) if args.starter and Path(args.starter).is_file() else []
         log(
-            f"gen: {len(prompts)} prompts, taps {list(cfg.target_layer_ids)}, {args.gen_dtype}, "
-            f"batch {args.gen_batch}, max_new {args.max_new}, {args.threads} threads, until "
-            f"{time.strftime('%H:%M:%S', time.localtime(deadline))}"
+            f"gen: {args.gen_dtype}, batch {args.gen_batch}, max_new {args.max_new}, {args.threads} threads, "
+            f"taps {list(cfg.target_layer_ids)}, until {time.strftime('%H:%M:%S', time.localtime(deadline))}"
         )
-        generate_answers(
+        generate(
             target,
-            prompts,
             store,
-            cfg.target_layer_ids,
+            jobs(args.gen_seed, starter=starter),
+            seed=args.gen_seed,
             batch=args.gen_batch,
             max_new=args.max_new,
             deadline=deadline,
+            features=features if not gen_bf16 else None,
+            layer_ids=cfg.target_layer_ids,
             log=log,
         )
-        log(f"gen done: {len(store.records)} answers, {store.answer_tokens} answer tokens")
+        answers = list(store.answers) + [a for a in answers if a.key not in store.keys]
+        if gen_bf16:  # features come from the fp32 target that inference uses
+            target = TargetModel.load(args.model, device=args.device, dtype=torch.float32)
+
+    if args.stage in ("features", "train", "all"):
+        added = features.fill(answers, target.model, cfg.target_layer_ids, log=log)
+        log(f"features: {added} answers filled by prefill; {len(features)} cached")
+
+    if args.stage == "vocab":
+        from draft_node.checkpoint import save_draft_vocab
+        from training.trainer import draft_vocabulary, samples
+
+        ids = draft_vocabulary(samples([a for a in answers if not a.held_out], features), args.draft_vocab)
+        log(f"draft vocabulary: {len(ids)} tokens -> {save_draft_vocab(args.out, ids)}")
+        return
 
     if args.stage in ("train", "all"):
-        from draft_node.train import TrainOptions, train
+        from training.trainer import TrainOptions, train
 
-        if gen_bf16:  # the drafter trains against the fp32 embeddings and head that inference uses
-            target = TargetModel.load(args.model, device=args.device, dtype=torch.float32)
         # Every training flag is named after its TrainOptions field; only the dtype needs parsing.
         given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if hasattr(args, f.name)}
         given["save_dtype"] = torch.bfloat16 if args.save_dtype == "bf16" else torch.float32
         opts = TrainOptions(**given)
-        train(target, cfg, store, opts, work / "state.pt", Path(args.out), resume=args.resume, log=log)
+        train(
+            target, cfg, answers, features, opts, work / "state.pt", Path(args.out), resume=args.resume,
+            init=args.init, log=log,
+        )
 
 
 if __name__ == "__main__":

@@ -1,47 +1,78 @@
 """Drafter training: it learns, it round-trips, it resumes exactly, and it trains what inference runs."""
 
 import inspect
+import itertools
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import greedy, tiny_target
 
-from draft_node.checkpoint import config_for_target, load_drafter, random_drafter
+from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
 from draft_node.config import FULL, SLIDING
-from draft_node.prompts import EVAL_PROMPTS, build_prompts, read_prompts
-from draft_node.train import Trainer, TrainOptions, export_drafter, make_batch, train, train_forward
-from draft_node.train_data import AnswerStore, generate_answers
 from target_node.proposers import DFlashProposer, LocalDraftBackend
 from target_node.speculative import generate
-
-STARTER = Path("/work/shared/prompts/train.jsonl")
+from training.answer_store import Answer, AnswerStore
+from training.features import FeatureCache
+from training.generate import generate as generate_answers
+from training.prompts import Ask, HeldOut
+from training.trainer import (
+    Sample,
+    Trainer,
+    TrainOptions,
+    draft_vocabulary,
+    export_drafter,
+    make_batch,
+    train,
+    train_forward,
+)
 
 
 class _TokenTarget:
-    """Prompts are token-id strings, so the tiny tokenizer-less target can 'chat'."""
+    """Turns are token-id strings, so the tiny tokenizer-less target can 'chat'."""
+
+    class _Tokenizer:
+        @staticmethod
+        def decode(ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
 
     def __init__(self, target):
-        self.model, self.eos_ids = target.model, target.eos_ids
+        self.model, self.eos_ids, self.config = target.model, target.eos_ids, target.config
+        self.tokenizer = self._Tokenizer()
 
     def encode_chat(self, messages):
-        return [int(t) for t in messages[0]["content"].split()]
+        return [int(t) for m in messages for t in m["content"].split()]
+
+
+def _openings(count: int, seed: int = 0, follow_every: int = 0, held: int = 0) -> list[Ask]:
+    """`count` one-turn jobs of random token ids, the first `held` of them in the held-out split."""
+    gen = torch.Generator().manual_seed(seed)
+    names = (f"job-{seed}-{i}" for i in itertools.count())
+    held_names = [n for n in itertools.islice(names, 10_000) if Answer(n, n, "", [], [], 0).held_out][:held]
+    plain = (n for n in names if not Answer(n, n, "", [], [], 0).held_out)
+    out = []
+    for i in range(count):
+        ids = torch.randint(3, 300, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen).tolist()
+        then = "5 6 7" if follow_every and i % follow_every == 0 else ""
+        job = held_names[i] if i < len(held_names) else next(plain)
+        out.append(Ask(job, "answer", (("user", " ".join(map(str, ids))),), then))
+    return out
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+QUIET = dict(batch=8, max_new=48, held_out=HeldOut([]), log=lambda m: None)
 
 
 @pytest.fixture(scope="module")
 def setup(one_thread, tmp_path_factory):
     target = tiny_target(layers=4)
     cfg = config_for_target(target.config, num_layers=1, block_size=4, mask_token_id=0)
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 12, (48,), generator=gen).tolist()
-    prompts = [" ".join(map(str, torch.randint(3, 300, (n,), generator=gen).tolist())) for n in lengths]
-    store = AnswerStore(tmp_path_factory.mktemp("data"), cfg.feature_width)
-    quiet = dict(batch=8, max_new=48, log=lambda m: None)
-    generate_answers(_TokenTarget(target), prompts, store, cfg.target_layer_ids, **quiet)
-    return target, cfg, store
+    store = AnswerStore(tmp_path_factory.mktemp("answers"))
+    features = FeatureCache(tmp_path_factory.mktemp("features"), cfg.feature_width)
+    openings = _openings(56, held=8)
+    generate_answers(_TokenTarget(target), store, iter(openings), features=features,
+                     layer_ids=cfg.target_layer_ids, **QUIET)
+    return target, cfg, store, features
 
 
 def opts(**kw):
@@ -50,17 +81,70 @@ def opts(**kw):
     return TrainOptions(**base)
 
 
-def test_generation_is_resumable(setup, tmp_path):
-    target, cfg, store = setup
-    assert len(store.records) == 48
-    again = AnswerStore(store.folder, cfg.feature_width)  # reopening keeps every answer and row
-    assert len(again.records) == 48 and again.rows == store.rows
-    assert all(len(r.tokens) > r.prompt_len for r in store.records)
+def test_store_round_trips_resumes_and_keeps_its_split(setup, tmp_path):
+    target, cfg, store, features = setup
+    assert len(store) == 56 and all(a.answer_tokens >= 1 for a in store.answers)
+    again = AnswerStore(store.folder)  # reopening keeps every answer, byte for byte
+    assert [a.__dict__ for a in again.answers] == [a.__dict__ for a in store.answers]
+    held = {a.key for a in again.answers if a.held_out}
+    assert len(held) == 8
+    # Append more: a new shard, the old answers untouched, nothing done twice.
+    shards = sorted(store.folder.glob("*.jsonl.gz"))
+    more = _openings(56, held=8) + _openings(30, seed=1)
+    made = generate_answers(_TokenTarget(target), again, iter(more), **QUIET)
+    assert made == 30 and len(again) == 86
+    assert sorted(store.folder.glob("*.jsonl.gz"))[: len(shards)] == shards
+    grown = AnswerStore(store.folder)
+    assert len(grown) == 86
+    assert held == {a.key for a in grown.answers[:56] if a.held_out}  # an answer never changes sides
+    assert grown.answer_tokens == sum(len(a.tokens) - a.prompt_len for a in grown.answers)
+
+
+def test_a_crash_mid_conversation_resumes_with_its_next_turn(setup, tmp_path):
+    target, cfg, store, features = setup
+    tiny = _TokenTarget(target)
+    folder = tmp_path / "answers"
+    openings = _openings(12, seed=2, follow_every=3)  # jobs 0, 3, 6, 9 have a second turn
+    generate_answers(tiny, AnswerStore(folder), iter(openings), **QUIET)
+    full = AnswerStore(folder)
+    followups = [a for a in full.answers if a.stage == "followup"]
+    assert len(full) == 16 and len(followups) == 4
+    assert all(len(a.messages) == 3 and a.messages[1][0] == "assistant" for a in followups)
+    # Drop the follow-ups, as if generation died before they were answered: a resumed run
+    # with no new openings answers exactly those.
+    for path in folder.glob("*.jsonl.gz"):
+        path.unlink()
+    cut = AnswerStore(folder)
+    for a in full.answers:
+        if a.stage != "followup":
+            cut.add(a)
+    cut.flush()
+    resumed = AnswerStore(folder)
+    assert generate_answers(tiny, resumed, iter([]), **QUIET) == 4
+    assert {a.key for a in AnswerStore(folder).answers} == {a.key for a in full.answers}
+
+
+def test_features_recomputed_from_ids_equal_those_captured_in_generation(setup, tmp_path):
+    target, cfg, store, features = setup
+    assert len(features) == len(store)
+    again = FeatureCache(tmp_path / "fresh", cfg.feature_width)
+    some = store.answers[:40]
+    assert again.fill(some, target.model, cfg.target_layer_ids, batch_tokens=256, log=None) == 40
+    for a in some:
+        captured, recomputed = features.get(a.key), again.get(a.key)
+        assert captured.shape == recomputed.shape == (len(a.tokens) - 1, cfg.feature_width)
+        torch.testing.assert_close(recomputed, captured, atol=2e-3, rtol=2e-3)  # fp16 storage
+    # What serving taps for the same tokens is what training reads.
+    target.reset()
+    target.set_taps(cfg.target_layer_ids)
+    _, served = target.forward(some[0].tokens[:-1])
+    torch.testing.assert_close(features.get(some[0].key), served, atol=2e-3, rtol=2e-3)
 
 
 def test_training_lowers_loss_and_beats_a_random_drafter(setup, tmp_path):
-    target, cfg, store = setup
-    trainer = train(target, cfg, store, opts(), tmp_path / "state.pt", tmp_path / "out", log=lambda m: None)
+    target, cfg, store, features = setup
+    trainer = train(target, cfg, store.answers, features, opts(), tmp_path / "state.pt", tmp_path / "out",
+                    log=lambda m: None)
     first, last = sum(trainer.history[:20]) / 20, sum(trainer.history[-20:]) / 20
     assert last < first * 0.7, (first, last)
     trained = trainer.evaluate(trainer.train_records, anchors=8)
@@ -74,32 +158,47 @@ def test_training_lowers_loss_and_beats_a_random_drafter(setup, tmp_path):
     # Always draft (no governor), so acceptance measures the drafter.
     extra = {"adaptive": False} if "adaptive" in inspect.signature(generate).parameters else {}
     accepted = 0
-    for r in store.records[:4]:
-        prompt = r.tokens[: r.prompt_len]
+    for a in store.answers[:4]:
+        prompt = a.tokens[: a.prompt_len]
         result = generate(target, prompt, DFlashProposer(LocalDraftBackend(drafter)), 40, **extra)
         assert result.tokens == greedy(target, prompt, 40)
         accepted += result.stats.accepted
     assert accepted > 0
 
 
+def test_init_from_a_checkpoint_continues_where_it_left(setup, tmp_path):
+    target, cfg, store, features = setup
+    first = train(target, cfg, store.answers, features, opts(steps=150), tmp_path / "a.pt", tmp_path / "out",
+                  log=lambda m: None)
+    before = first.evaluate(first.val_records)
+    # A fresh run started from the exported checkpoint (scale folded in, bf16) predicts as well.
+    second = Trainer(target, cfg, store.answers, features, opts(steps=150))
+    second.init_from(load_drafter(tmp_path / "out"))
+    after = second.evaluate(second.val_records)
+    assert after["loss"] == pytest.approx(before["loss"], rel=0.02)
+    fresh = Trainer(target, cfg, store.answers, features, opts(steps=150)).evaluate()
+    assert after["loss"] < fresh["loss"] - 0.1
+
+
 def test_resume_replays_the_same_run(setup, tmp_path):
-    target, cfg, store = setup
+    target, cfg, store, features = setup
     o = opts(steps=12, warmup=4)
-    straight = Trainer(target, cfg, store, o)
+    straight = Trainer(target, cfg, store.answers, features, o)
     for _ in range(12):
         straight.train_step()
-    first = Trainer(target, cfg, store, o)
+    first = Trainer(target, cfg, store.answers, features, o)
     for _ in range(6):
         first.train_step()
     first.save(tmp_path / "state.pt", None)
-    resumed = train(target, cfg, store, o, tmp_path / "state.pt", None, resume=True, log=lambda m: None)
+    resumed = train(target, cfg, store.answers, features, o, tmp_path / "state.pt", None, resume=True,
+                    log=lambda m: None)
     assert resumed.step == 12
     assert resumed.history == pytest.approx(straight.history, rel=1e-6, abs=1e-7)
 
 
 @pytest.mark.parametrize("layer_types", [(FULL,), (FULL, SLIDING)])
 def test_train_forward_equals_inference_forward(setup, layer_types):
-    target, cfg0, store = setup
+    target, cfg0, store, features = setup
     cfg = config_for_target(
         target.config,
         num_layers=len(layer_types),
@@ -110,8 +209,9 @@ def test_train_forward_equals_inference_forward(setup, layer_types):
     )
     drafter = random_drafter(cfg, seed=1, std=0.2)
     scale = torch.rand(cfg.feature_width) + 0.5
-    records = store.records[:3]
-    batch = make_batch(records, store.features(), cfg, 5, 320, torch.Generator().manual_seed(0))
+    trainer = Trainer(target, cfg0, store.answers, features, opts())
+    records = trainer.train_records[:3]
+    batch = make_batch(records, trainer.features, cfg, 5, 320, torch.Generator().manual_seed(0))
     noise = torch.randn(*batch.block_tokens.shape, cfg.hidden_size)
     with torch.no_grad():
         rows = train_forward(drafter, scale, batch, noise)
@@ -128,21 +228,8 @@ def test_train_forward_equals_inference_forward(setup, layer_types):
     assert checked >= 6
 
 
-def test_eval_prompts_are_never_trained_on():
-    held_out = read_prompts(EVAL_PROMPTS)
-    assert len(held_out) >= 30 and len(set(held_out)) == len(held_out)
-    training = set(build_prompts(20000, seed=0, starter=STARTER))
-    if STARTER.is_file():
-        training |= set(read_prompts(STARTER))
-    assert not training & set(held_out)
-    lowered = {p.lower().strip(" .?") for p in training}
-    assert not lowered & {p.lower().strip(" .?") for p in held_out}
-
-
 def test_draft_vocabulary_is_the_most_frequent_answer_tokens():
-    from draft_node.train_data import Record, draft_vocabulary
-
-    records = [Record("p", [9, 9, 5, 5, 5, 7], 2, 0), Record("q", [9, 1, 5, 7, 7, 7, 7], 1, 5)]
+    records = [Sample([9, 9, 5, 5, 5, 7], 2, 0), Sample([9, 1, 5, 7, 7, 7, 7], 1, 5)]
     # Prompt tokens (9) do not count: answers hold 5 x4, 7 x5, 1 x1.
     assert draft_vocabulary(records, 2) == [7, 5]
     assert draft_vocabulary(records, 10) == [7, 5, 1]
@@ -150,10 +237,9 @@ def test_draft_vocabulary_is_the_most_frequent_answer_tokens():
 
 def test_loss_is_over_the_draft_vocabulary_the_drafter_proposes_from(setup, tmp_path):
     from draft_node.checkpoint import load_draft_vocab
-    from draft_node.train_data import draft_vocabulary
 
-    target, cfg, store = setup
-    trainer = Trainer(target, cfg, store, opts(draft_vocab=16))
+    target, cfg, store, features = setup
+    trainer = Trainer(target, cfg, store.answers, features, opts(draft_vocab=16))
     assert trainer.vocab.tolist() == draft_vocabulary(trainer.train_records, 16)
     batch = trainer.batch(0)
     logits, slots, labelled = trainer.logits(batch)
@@ -173,13 +259,32 @@ def test_loss_is_over_the_draft_vocabulary_the_drafter_proposes_from(setup, tmp_
     assert load_draft_vocab(tmp_path / "out") == trainer.vocab.tolist()
 
 
-def test_held_out_answers_stay_held_out_as_the_store_grows():
-    from draft_node.train import split_held_out
-    from draft_node.train_data import Record
+def test_held_out_answers_are_chosen_by_job_and_never_trained_on(setup):
+    target, cfg, store, features = setup
+    trainer = Trainer(target, cfg, store.answers, features, opts(val_answers=1000))
+    held = [a for a in store.answers if a.held_out]
+    assert len(trainer.val_records) == len(held) > 0
+    train_offsets = {r.offset for r in trainer.train_records}
+    assert not train_offsets & {r.offset for r in trainer.val_records}
+    # Every turn of a job lands on the same side.
+    a = Answer("k1", "job-7", "answer", [["user", "x"]], [1, 2, 3], 1)
+    b = Answer("k2", "job-7", "followup", [["user", "x"], ["assistant", "y"], ["user", "z"]], [1, 2, 3], 1)
+    assert a.held_out == b.held_out
 
-    records = [Record(f"prompt {i}", [1, 2, 3], 1, 2 * i) for i in range(400)]
-    train_a, held_a = split_held_out(records[:200], 10)
-    train_b, held_b = split_held_out(records, 10)
-    assert [r.prompt for r in held_a] == [r.prompt for r in held_b] and len(held_a) == 10
-    assert not {r.prompt for r in train_b} & {r.prompt for r in held_b}
-    assert len(train_b) + len(held_b) == 400
+
+def test_launch_train_runs_each_stage_on_a_saved_target(setup, tmp_path):
+    """The command users run: features by prefill for answers from elsewhere, a short training run, vocab."""
+    from launch.train import main
+
+    target, cfg, store, features = setup
+    model_dir = tmp_path / "model"
+    target.model.save_pretrained(model_dir)
+    out = tmp_path / "drafter"
+    common = ["--model", str(model_dir), "--store", str(store.folder), "--name", "tiny-test", "--block-size", "4",
+              "--out", str(out), "--threads", "1"]
+    main([*common, "--stage", "train", "--steps", "30", "--batch", "4", "--anchors", "4", "--eval-every", "0",
+          "--draft-vocab", "64", "--cache", str(tmp_path / "cache")])
+    drafter = load_drafter(out)
+    assert drafter.config.block_size == 4 and len(drafter.draft_vocab) == 64
+    save_drafter(drafter, tmp_path / "copy")  # the written checkpoint is the public format
+    assert Path(tmp_path / "copy" / "model.safetensors").is_file()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-import zlib
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +25,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draft_node.checkpoint import random_drafter, save_draft_vocab, save_drafter
+from draft_node.checkpoint import load_drafter, random_drafter, save_draft_vocab, save_drafter
 from draft_node.config import SLIDING, DFlashConfig
 from draft_node.model import DFlashDrafter, rope
-from draft_node.train_data import AnswerStore, Record, draft_vocabulary
+from training.answer_store import Answer
+from training.features import FeatureCache
 
 
 @dataclass
@@ -62,16 +63,36 @@ class Batch:
     labels: torch.Tensor  # [S, N, B] tok[a+k], -100 where no loss
 
 
-def split_held_out(records: list[Record], count: int) -> tuple[list[Record], list[Record]]:
-    """(train, held out): the first `count` answers whose prompt hashes into a fixed bucket.
+@dataclass(frozen=True)
+class Sample:
+    """One answer as training sees it: its tokens and where its feature rows start in the cache."""
 
-    Chosen by prompt rather than by position, so the held-out set stays the same while a
-    generator keeps appending answers and a resumed run's estimates stay comparable.
+    tokens: list[int]  # prompt + answer, cut to the rows the cache holds + 1
+    prompt_len: int
+    offset: int  # first feature row; the sample has len(tokens) - 1 rows
+
+
+def samples(answers: list[Answer], features: FeatureCache) -> list[Sample]:
+    """Answers with cached features and at least two answer tokens (one anchor, one label)."""
+    out = []
+    for a in answers:
+        if a.key not in features or a.answer_tokens < 2:
+            continue
+        offset, rows = features.index[a.key]
+        tokens = a.tokens[: rows + 1]
+        if len(tokens) - a.prompt_len >= 2:
+            out.append(Sample(tokens, a.prompt_len, offset))
+    return out
+
+
+def draft_vocabulary(records: list[Sample], size: int) -> list[int]:
+    """The `size` most frequent answer tokens, most frequent first: the drafter's vocabulary.
+
+    A drafter only ever learns to propose tokens it saw in answers; projecting its hidden
+    states onto just these rows of the target's LM head costs a fraction of the full head.
     """
-    count = min(count, len(records) // 5)
-    held = [r for r in records if zlib.crc32(r.prompt.encode()) % 8 == 0][:count]
-    held_ids = {id(r) for r in held}
-    return [r for r in records if id(r) not in held_ids], held
+    counts = Counter(t for r in records for t in r.tokens[r.prompt_len :])
+    return [token for token, _ in counts.most_common(size)]
 
 
 def init_drafter(cfg: DFlashConfig, seed: int, out_scale: float = 0.3) -> DFlashDrafter:
@@ -108,7 +129,7 @@ def export_drafter(drafter: DFlashDrafter, scale: torch.Tensor) -> DFlashDrafter
 
 
 def make_batch(
-    records: list[Record], features: np.ndarray, cfg: DFlashConfig, anchors: int, max_len: int, gen: torch.Generator
+    records: list[Sample], features: np.ndarray, cfg: DFlashConfig, anchors: int, max_len: int, gen: torch.Generator
 ) -> Batch:
     """Random anchors in each answer; a slot's label is the target's own token there."""
     block, mask_id = cfg.block_size, cfg.mask_token_id
@@ -189,12 +210,19 @@ def train_forward(drafter: DFlashDrafter, scale: torch.Tensor, batch: Batch, noi
 class Trainer:
     """The drafter, its optimizer, the frozen target pieces, and a deterministic batch stream."""
 
-    def __init__(self, target, cfg: DFlashConfig, store: AnswerStore, opts: TrainOptions) -> None:  # noqa: ANN001
-        self.cfg, self.opts, self.store = cfg, opts, store
+    def __init__(
+        self,
+        target,  # noqa: ANN001 - a TargetModel (its embedding table and LM head are used frozen)
+        cfg: DFlashConfig,
+        answers: list[Answer],
+        features: FeatureCache,
+        opts: TrainOptions,
+    ) -> None:
+        self.cfg, self.opts = cfg, opts
         self.dev = torch.device(opts.device)
-        self.features = store.features()
-        records = [r for r in store.records if len(r.tokens) - r.prompt_len >= 2]
-        self.train_records, self.val_records = split_held_out(records, opts.val_answers)
+        self.features = features.array()
+        self.train_records = samples([a for a in answers if not a.held_out], features)
+        self.val_records = samples([a for a in answers if a.held_out], features)[: opts.val_answers]
         head_dtype = opts.head_dtype or (torch.bfloat16 if self.dev.type == "cpu" else torch.float32)
         model = target.model
         self.embed = model.get_input_embeddings().weight.detach().to(self.dev, torch.float32)
@@ -229,7 +257,7 @@ class Trainer:
         progress = min(1.0, (step - warm) / max(self.opts.steps - warm, 1))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
-    def batch(self, step: int, records: list[Record] | None = None, count: int | None = None) -> Batch:
+    def batch(self, step: int, records: list[Sample] | None = None, count: int | None = None) -> Batch:
         """The batch for a step depends only on (seed, step): resuming replays the same stream."""
         gen = torch.Generator().manual_seed(self.opts.seed * 1_000_003 + step)
         pool = records if records is not None else self.train_records
@@ -271,7 +299,7 @@ class Trainer:
         return value
 
     @torch.no_grad()
-    def evaluate(self, records: list[Record] | None = None, anchors: int | None = None) -> dict:
+    def evaluate(self, records: list[Sample] | None = None, anchors: int | None = None) -> dict:
         """Greedy-path acceptance on held-out answers: leading block slots whose argmax is the target's token.
 
         tau is estimated as 1 + mean accepted drafts per block, counting only blocks whose
@@ -316,6 +344,14 @@ class Trainer:
             "train_answers": len(self.train_records),
         }
 
+    def init_from(self, drafter: DFlashDrafter) -> None:
+        """Start from a trained checkpoint: its weights, with the feature scale taken back out of fc."""
+        if drafter.config != self.cfg:
+            raise ValueError(f"--init drafter has config {drafter.config}, this run trains {self.cfg}")
+        with torch.no_grad():
+            self.drafter.load_state_dict({k: v.to(self.dev, torch.float32) for k, v in drafter.state_dict().items()})
+            self.drafter.fc.weight.div_(self.scale[None, :])
+
     def load_state(self, state: dict) -> None:
         self.step = state["step"]
         self.drafter.load_state_dict(state["drafter"])
@@ -337,19 +373,27 @@ class Trainer:
 def train(
     target,  # noqa: ANN001 - a TargetModel (its embedding table and LM head are used frozen)
     cfg: DFlashConfig,
-    store: AnswerStore,
+    answers: list[Answer],
+    features: FeatureCache,
     opts: TrainOptions,
     state_path: Path,
     out: Path | None,
     *,
     resume: bool = False,
+    init: str | Path | None = None,
     log: Callable[[str], None] = print,
 ) -> Trainer:
-    """Train until opts.steps (or opts.minutes), saving state + the public checkpoint periodically."""
-    trainer = Trainer(target, cfg, store, opts)
+    """Train until opts.steps (or opts.minutes), saving state + the public checkpoint periodically.
+
+    `resume` continues a run from its saved state; otherwise `init` starts from a checkpoint's weights.
+    """
+    trainer = Trainer(target, cfg, answers, features, opts)
     if resume and state_path.exists():
         trainer.load_state(torch.load(state_path, map_location=trainer.dev, weights_only=False))
         log(f"resumed at step {trainer.step}")
+    elif init:
+        trainer.init_from(load_drafter(init))
+        log(f"initialized from {init}")
     log(
         f"train: {len(trainer.train_records)} answers "
         f"({sum(len(r.tokens) - r.prompt_len for r in trainer.train_records)} answer tokens), "

@@ -1,0 +1,125 @@
+"""The answer store: the target's own answers as token ids, compressed, kept in the repository.
+
+Answers are what generation costs (the target decodes every token); features are not kept
+here at all: they are recomputed from the ids by batched prefill (features.py), far cheaper.
+So the store is small enough to commit, and it grows across machines and sessions:
+
+- `data/answers/*.jsonl.gz`: shards of JSON lines, one answer each. A generation run writes
+  its own shard, named by its start time and a random tag, rewriting it atomically as it goes (a crash
+  loses at most the last few answers) and starting a new one past `shard_records`.
+- Every answer has a `key` (a hash of the conversation it answers), so resuming skips what
+  is done, and two machines' shards merge by keeping the first copy of a key.
+- The held-out split is a function of the job an answer belongs to, so an answer never
+  changes side as the store grows, and a conversation never straddles the split.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+import uuid
+import zlib
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+STORE = Path(__file__).resolve().parent.parent / "data" / "answers"
+HELD_OUT_BUCKETS = 32  # one job in 32 is held out
+
+
+@dataclass
+class Answer:
+    key: str  # hash of the conversation answered
+    job: str  # the job it belongs to: split and resume follow it
+    stage: str  # what the turn was (questions, text, code, answer, followup, traffic, ...)
+    messages: list[list[str]]  # the conversation, [role, content] pairs, ending with the user turn
+    tokens: list[int]  # prompt ids + answer ids
+    prompt_len: int
+    finish: str = ""  # eos | length
+    then: str = ""  # the user's next message, when the conversation continues
+    model: str = ""
+
+    @property
+    def answer_tokens(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def held_out(self) -> bool:
+        return zlib.crc32(self.job.encode()) % HELD_OUT_BUCKETS == 0
+
+
+@dataclass
+class AnswerStore:
+    folder: Path = STORE
+    shard_records: int = 4000
+    answers: list[Answer] = field(default_factory=list)
+    keys: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.folder = Path(self.folder)
+        self._shard: Path | None = None
+        self._shard_answers: list[Answer] = []
+        self._flushed_at = time.monotonic()
+        for path in sorted(self.folder.glob("*.jsonl.gz")):
+            for answer in read_shard(path):
+                self._keep(answer)
+
+    def _keep(self, answer: Answer) -> bool:
+        if answer.key in self.keys:
+            return False
+        self.keys.add(answer.key)
+        self.answers.append(answer)
+        return True
+
+    def __len__(self) -> int:
+        return len(self.answers)
+
+    @property
+    def answer_tokens(self) -> int:
+        return sum(a.answer_tokens for a in self.answers)
+
+    def split(self) -> tuple[list[Answer], list[Answer]]:
+        """(train, held out)."""
+        train = [a for a in self.answers if not a.held_out]
+        return train, [a for a in self.answers if a.held_out]
+
+    def add(self, answer: Answer, flush_every_s: float = 60.0) -> bool:
+        """Append an answer (False if its key is already stored); written out at least every flush_every_s."""
+        if not self._keep(answer):
+            return False
+        if self._shard is None or len(self._shard_answers) >= self.shard_records:
+            self.flush()
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+            self._shard = self.folder / f"{stamp}-{uuid.uuid4().hex[:8]}.jsonl.gz"
+            self._shard_answers = []
+        self._shard_answers.append(answer)
+        if time.monotonic() - self._flushed_at > flush_every_s:
+            self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Rewrite the current shard atomically."""
+        self._flushed_at = time.monotonic()
+        if self._shard is None or not self._shard_answers:
+            return
+        write_shard(self._shard, self._shard_answers)
+
+
+def write_shard(path: Path, answers: Iterable[Answer]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    # mtime=0: the same answers always make the same bytes.
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as fh:
+        for answer in answers:
+            fh.write((json.dumps(asdict(answer), separators=(",", ":")) + "\n").encode())
+    tmp.replace(path)
+
+
+def read_shard(path: Path) -> list[Answer]:
+    out = []
+    with gzip.open(path, "rt") as fh:
+        for line in fh:
+            if line.strip():
+                out.append(Answer(**json.loads(line)))
+    return out

@@ -1,0 +1,124 @@
+"""The feature cache: tapped target features for stored answers, rebuilt from their token ids.
+
+Features are bulky (a row of len(taps) x hidden fp16 values per position: 5.8 KB for
+SmolLM2 with 5 taps) and belong to one target and one set of taps, so they live in the
+cache folder, never in the repository. Generation writes the features it captured on the
+way for free; anything else (answers from another machine, recorded traffic) is filled
+in by batched prefill of the target, through the same tap rule serving uses.
+
+features.f16 holds rows back to back; index.jsonl maps an answer key to its first row and
+row count. Rows are written before their index line, so a crash leaves at most an
+unreferenced tail, which the next open cuts off.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from target_node.taps import tap_features
+from training.answer_store import Answer
+
+
+class FeatureCache:
+    def __init__(self, folder: str | Path, width: int, readonly: bool = False) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.width = width
+        self.index_path = self.folder / "index.jsonl"
+        self.rows_path = self.folder / "features.f16"
+        self.index: dict[str, tuple[int, int]] = {}  # key -> (first row, rows)
+        self.rows = 0
+        if self.index_path.exists():
+            for line in self.index_path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a torn last line
+                self.index[entry["key"]] = (entry["offset"], entry["rows"])
+                self.rows = max(self.rows, entry["offset"] + entry["rows"])
+        if not readonly:
+            with open(self.rows_path, "ab") as fh:
+                fh.truncate(self.rows * width * 2)
+            self.index_path.write_text(
+                "".join(json.dumps({"key": k, "offset": o, "rows": r}) + "\n" for k, (o, r) in self.index.items())
+            )
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def add(self, key: str, features: torch.Tensor) -> None:
+        if key in self.index:
+            return
+        if features.ndim != 2 or features.shape[1] != self.width:
+            raise ValueError(f"feature rows must be [rows, {self.width}], got {list(features.shape)}")
+        with open(self.rows_path, "ab") as fh:
+            fh.write(features.detach().to(torch.float16).cpu().numpy().tobytes())
+        with open(self.index_path, "a") as fh:
+            fh.write(json.dumps({"key": key, "offset": self.rows, "rows": features.shape[0]}) + "\n")
+        self.index[key] = (self.rows, features.shape[0])
+        self.rows += features.shape[0]
+
+    def array(self) -> np.ndarray:
+        """Every row as a read-only memory map [rows, width] fp16."""
+        if self.rows == 0:
+            return np.zeros((0, self.width), dtype=np.float16)
+        return np.memmap(self.rows_path, dtype=np.float16, mode="r", shape=(self.rows, self.width))
+
+    def get(self, key: str) -> torch.Tensor:
+        offset, rows = self.index[key]
+        return torch.from_numpy(np.array(self.array()[offset : offset + rows], dtype=np.float32))
+
+    @torch.inference_mode()
+    def fill(
+        self,
+        answers: list[Answer],
+        model,  # noqa: ANN001 - the target's transformers causal LM
+        layer_ids: tuple[int, ...],
+        *,
+        max_rows: int = 1024,
+        batch_tokens: int = 4096,
+        log: Callable[[str], None] = print,
+    ) -> int:
+        """Compute features for answers that have none, by batched prefill; returns how many were added.
+
+        Sequences are right-padded: under causal attention no real position sees a pad, so
+        every row equals what the sequence alone would give (up to float noise).
+        """
+        todo = sorted((a for a in answers if a.key not in self.index), key=lambda a: len(a.tokens))
+        device = next(model.parameters()).device
+        began, done_rows = time.time(), 0
+
+        def span(answer: Answer) -> int:
+            return min(len(answer.tokens), max_rows + 1)
+
+        i = 0
+        while i < len(todo):
+            # Sorted by length, so the last one taken is the longest: it sets the padded width.
+            group = [todo[i]]
+            i += 1
+            while i < len(todo) and (len(group) + 1) * span(todo[i]) <= batch_tokens:
+                group.append(todo[i])
+                i += 1
+            length = span(group[-1])
+            ids = torch.zeros(len(group), length, dtype=torch.long)
+            for row, answer in enumerate(group):
+                seq = answer.tokens[:length]
+                ids[row, : len(seq)] = torch.tensor(seq)
+            out = model.get_decoder()(input_ids=ids.to(device), use_cache=False, output_hidden_states=True)
+            features = tap_features(out.hidden_states, layer_ids)
+            for row, answer in enumerate(group):
+                n = min(len(answer.tokens), length) - 1
+                self.add(answer.key, features[row, :n])
+                done_rows += n
+            if log and i % 200 < len(group):
+                log(f"features: {i}/{len(todo)} answers, {done_rows / max(time.time() - began, 1e-9):.0f} rows/s")
+        return len(todo)
