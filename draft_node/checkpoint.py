@@ -103,7 +103,7 @@ def random_drafter(cfg: DFlashConfig, seed: int = 0, std: float = 0.02) -> DFlas
 
 
 def config_for_target(
-    target_config,  # noqa: ANN001 - any transformers PretrainedConfig
+    target_config,  # any transformers PretrainedConfig
     *,
     num_layers: int = 1,
     block_size: int = 8,

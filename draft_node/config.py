@@ -110,3 +110,17 @@ class DFlashConfig:
             layer_types=tuple(layer_types),
             sliding_window=raw.get("sliding_window"),
         )
+
+
+def drafter_info(cfg: DFlashConfig, draft_vocab: list[int], ring_capacity: int) -> dict[str, Any]:
+    """What a target needs to know of a drafter (the wire's DRAFTER_INFO), wherever the drafter runs."""
+    return {
+        "block_size": cfg.block_size,
+        "hidden_size": cfg.hidden_size,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "mask_token_id": cfg.mask_token_id,
+        "feature_width": cfg.feature_width,
+        "ring_capacity": ring_capacity,
+        "num_target_layers": cfg.num_target_layers,
+        "draft_vocab": list(draft_vocab),
+    }

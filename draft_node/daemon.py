@@ -9,17 +9,19 @@ other sessions carry on.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
-import zmq
 
+from draft_node.config import drafter_info
 from draft_node.kv_cache import DraftKVCache, OutOfOrderError
 from draft_node.model import DFlashDrafter
-from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError, decode, encode, encode_error
+from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError, encode, encode_error
+from protocol.messages import fit_problems
 from protocol.tensors import wire_dtype_of
-from protocol.transport import router
+from protocol.transport import Server
 
 log = logging.getLogger("draft_daemon")
 
@@ -56,37 +58,31 @@ class DraftService:
         """The drafter's own dtype: anything wider only costs bytes, anything narrower costs accuracy."""
         return wire_dtype_of(self.drafter.fc.weight)
 
-    def handle(self, frames: list) -> list:
+    def handle(self, request: Message | ProtocolError) -> list:
+        """The reply to one request (or to what could not be decoded of one)."""
         self.counters["requests"] += 1
-        request: Message | None = None
+        if isinstance(request, ProtocolError):
+            self.counters["errors"] += 1
+            return encode_error(request.request_id, request.code, request.message)
         try:
-            request = decode(frames)
             return getattr(self, f"on_{request.type}", self.on_unexpected)(request)
         except ProtocolError as exc:
             self.counters["errors"] += 1
-            return encode_error(request.id if request else exc.request_id, exc.code, exc.message)
+            return encode_error(request.id, exc.code, exc.message)
         except Exception as exc:  # a bug must cost one reply, not the daemon
             self.counters["errors"] += 1
             log.exception("internal error")
-            return encode_error(request.id if request else None, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return encode_error(request.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    @property
+    def info(self) -> dict:
+        return drafter_info(self.config, self.drafter.draft_vocab, self.ring_capacity)
 
     def on_unexpected(self, msg: Message) -> list:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"the draft daemon does not serve '{msg.type}' requests")
 
     def on_hello(self, msg: Message) -> list:
-        cfg = self.config
-        target = msg["target"]
-        problems = []
-        if target["hidden_size"] != cfg.hidden_size:
-            problems.append(f"hidden size: target {target['hidden_size']}, drafter {cfg.hidden_size}")
-        if target["num_hidden_layers"] != cfg.num_target_layers:
-            problems.append(
-                f"layer count: target has {target['num_hidden_layers']}, drafter was built for {cfg.num_target_layers}"
-            )
-        if cfg.mask_token_id >= target["vocab_size"]:
-            problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target's vocabulary")
-        if self.drafter.draft_vocab and max(self.drafter.draft_vocab) >= target["vocab_size"]:
-            problems.append("the drafter's draft vocabulary has ids outside the target's vocabulary")
+        problems = fit_problems(self.info, msg["target"])
         if problems:
             raise ProtocolError(ErrorCode.CONFIG_MISMATCH, "drafter does not fit this target: " + "; ".join(problems))
         offered = [d for d in msg["wire_dtypes"] if d in self.wire_dtypes]
@@ -96,18 +92,8 @@ class DraftService:
                 f"no common wire dtype: target offers {msg['wire_dtypes']}, drafter {self.wire_dtypes}",
             )
         chosen = self.preferred_wire_dtype if self.preferred_wire_dtype in offered else offered[0]
-        drafter = {
-            "block_size": cfg.block_size,
-            "hidden_size": cfg.hidden_size,
-            "target_layer_ids": list(cfg.target_layer_ids),
-            "mask_token_id": cfg.mask_token_id,
-            "feature_width": cfg.feature_width,
-            "ring_capacity": self.ring_capacity,
-            "num_target_layers": cfg.num_target_layers,
-            "draft_vocab": self.drafter.draft_vocab,
-        }
         log.info("hello from %r: wire dtype %s", msg["client"], chosen)
-        return encode("hello_ok", msg.id, {"drafter": drafter, "wire_dtype": chosen, "wire_dtypes": self.wire_dtypes})
+        return encode("hello_ok", msg.id, {"drafter": self.info, "wire_dtype": chosen, "wire_dtypes": self.wire_dtypes})
 
     def on_open(self, msg: Message) -> list:
         name = msg["session"]
@@ -149,12 +135,6 @@ class DraftService:
                 f"noise block is {list(noise_spec.shape)}, the drafter wants [{cfg.block_size}, {cfg.hidden_size}]",
             )
         start, position, rows = msg["start"], msg["position"], msg["rows"] or cfg.block_size - 1
-        end = start + features_spec.shape[0]
-        if end != position:
-            raise ProtocolError(
-                ErrorCode.OUT_OF_ORDER,
-                f"feature rows end at {end} but the block starts at {position}: send [{start}, {position})",
-            )
         if rows > cfg.block_size - 1:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"rows {rows} > block_size - 1 = {cfg.block_size - 1}")
         began = time.perf_counter()
@@ -193,17 +173,17 @@ class DraftService:
             self.counters["evicted"] += 1
 
 
-def serve(service: DraftService, address: str, stop) -> None:  # noqa: ANN001 - a threading.Event
+def serve(service: DraftService, address: str, stop: threading.Event) -> None:
     """The poll loop: small, explicit, and it checks for shutdown at least every 100 ms."""
-    context = zmq.Context.instance()
-    sock = router(context, address)
+    server = Server(address)
     log.info("draft daemon serving on %s", address)
     try:
         while not stop.is_set():
-            if sock.poll(100):
-                identity, *frames = sock.recv_multipart(copy=False)
-                sock.send_multipart([identity, *service.handle(frames)], copy=False)
+            request = server.next(100)
+            if request is not None:
+                identity, message = request
+                server.send(identity, service.handle(message))
             service.evict_idle()
     finally:
-        sock.close(0)
+        server.close()
         log.info("draft daemon stopped")

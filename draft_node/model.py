@@ -53,6 +53,45 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def attention_mask(
+    layer_type: str,
+    window: int | None,
+    ctx_positions: torch.Tensor,
+    row_positions: torch.Tensor,
+    row_anchors: torch.Tensor,
+) -> torch.Tensor:
+    """Which keys each block row may see: [..., rows, context + rows], True = visible.
+
+    Keys are the context slots (at `ctx_positions`; negative marks an empty slot) followed by
+    the block rows themselves. A row at position p in the block whose slot 0 sits at anchor a
+    sees the context before a, and the rows of its own block: all of them in full-attention
+    layers, those at or before p in sliding layers (which also drop context older than the
+    window). One block at inference, many anchors per sequence in training: the same rule.
+    """
+    ctx = ctx_positions[..., None, :]
+    pos, anchor = row_positions[..., :, None], row_anchors[..., :, None]
+    sees_ctx = (ctx >= 0) & (ctx < anchor)
+    sees_row = anchor == row_anchors[..., None, :]
+    if layer_type == SLIDING:
+        sees_ctx = sees_ctx & (ctx > pos - window)
+        sees_row = sees_row & (row_positions[..., None, :] <= pos)
+    return torch.cat([sees_ctx, sees_row], -1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention without copying K/V per query head.
+
+    q [S, R, heads, d], k/v [S, kv_heads, L, d], mask [S, R, L] additive -> [S, R, heads * d].
+    Each kv head serves its group's rows in one call, so K/V are read where they lie.
+    """
+    s, rows, heads, d = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    q = q.view(s, rows, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(s, kv_heads, group * rows, d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, group, 1)[:, None])
+    return out.view(s, kv_heads, group, rows, d).permute(0, 3, 1, 2, 4).reshape(s, rows, heads * d)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
@@ -66,7 +105,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated keys and values [rows, kv_heads, head_dim] for rows x at their positions."""
+        """Rotated keys and values [rows, kv_heads, head_dim] for rows x [rows, hidden] at their positions."""
         k = self.k_norm(self.k_proj(x).view(-1, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim)
         return rope(k, positions, self.theta), v
@@ -80,28 +119,21 @@ class Attention(nn.Module):
         ctx_len: int,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Block rows x [B, hidden] attend over [context rows, block rows] under mask [B, C+B].
+        """Block rows x [S, R, hidden] at positions [S, R] attend over [context, block rows] under mask [S, R, C+R].
 
-        k_buf/v_buf [kv_heads, >= C+B, head_dim] hold the context keys/values in their first
-        C slots; the block's own keys/values are written into the next B, so attention reads
-        one contiguous run with no concatenation.
+        k_buf/v_buf [S, kv_heads, >= C+R, head_dim] hold the context keys/values in their first
+        C slots; the rows' own keys/values are written into the next R, so attention reads one
+        contiguous run with no concatenation.
         """
-        block = x.shape[0]
-        q = rope(self.q_norm(self.q_proj(x).view(block, self.heads, self.head_dim)), positions, self.theta)
-        blk_k, blk_v = self.keys_values(x, positions)
-        k_buf[:, ctx_len : ctx_len + block] = blk_k.transpose(0, 1)
-        v_buf[:, ctx_len : ctx_len + block] = blk_v.transpose(0, 1)
-        k, v = k_buf[:, : ctx_len + block], v_buf[:, : ctx_len + block]
-        # GQA without copying K/V per query head: each kv head serves its group's rows at once.
-        group = self.heads // self.kv_heads
-        q = (
-            q.view(block, self.kv_heads, group, self.head_dim)
-            .permute(1, 2, 0, 3)
-            .reshape(self.kv_heads, -1, self.head_dim)
-        )
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1))
-        out = out.view(self.kv_heads, group, block, self.head_dim).permute(2, 0, 1, 3)
-        return self.o_proj(out.reshape(block, -1))
+        s, rows, _ = x.shape
+        flat, where = x.reshape(s * rows, -1), positions.reshape(-1)
+        q = rope(self.q_norm(self.q_proj(flat).view(-1, self.heads, self.head_dim)), where, self.theta)
+        k, v = self.keys_values(flat, where)
+        k_buf[:, :, ctx_len : ctx_len + rows] = k.view(s, rows, self.kv_heads, -1).transpose(1, 2)
+        v_buf[:, :, ctx_len : ctx_len + rows] = v.view(s, rows, self.kv_heads, -1).transpose(1, 2)
+        end = ctx_len + rows
+        out = attend(q.view(s, rows, self.heads, -1), k_buf[:, :, :end], v_buf[:, :, :end], mask)
+        return self.o_proj(out)
 
 
 class DraftLayer(nn.Module):
@@ -113,7 +145,15 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, k_buf, v_buf, ctx_len, mask) -> torch.Tensor:  # noqa: ANN001
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        ctx_len: int,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, k_buf, v_buf, ctx_len, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -136,27 +176,45 @@ class DFlashDrafter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer context keys/values for feature rows [C, feature_width] at their positions.
+    def context_kv(
+        self, features: torch.Tensor, positions: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer context keys/values [C, kv_heads, head_dim] for feature rows [C, feature_width].
 
         The fused context goes straight into k_proj/v_proj, not through input_layernorm:
-        that is how the public checkpoints were trained.
+        that is how the public checkpoints were trained. `scale` (training only) multiplies
+        the features before fc; exporting folds it into fc.weight.
         """
-        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
+        features = features.to(self.dtype)
+        ctx = self.hidden_norm(self.fc(features if scale is None else features * scale))
         return [layer.self_attn.keys_values(ctx, positions) for layer in self.layers]
 
-    def block_mask(self, layer_type: str, ctx_positions: torch.Tensor, position: int, block: int) -> torch.Tensor:
-        """Which keys each block row may see. Context slots with a negative position are empty."""
-        rows = position + torch.arange(block, device=ctx_positions.device)
-        live = (ctx_positions >= 0) & (ctx_positions < position)
-        if layer_type == SLIDING:
-            window = self.config.sliding_window
-            ctx = live[None, :] & (ctx_positions[None, :] > rows[:, None] - window)
-            blk = torch.ones(block, block, dtype=torch.bool, device=rows.device).tril()
-        else:
-            ctx = live[None, :].expand(block, -1)
-            blk = torch.ones(block, block, dtype=torch.bool, device=rows.device)
-        return torch.cat([ctx, blk], 1)
+    def run_blocks(
+        self,
+        noise: torch.Tensor,
+        row_positions: torch.Tensor,
+        row_anchors: torch.Tensor,
+        kv_buffers: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx_positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states [S, R, hidden] of block rows (noise embeddings [S, R, hidden]).
+
+        kv_buffers: per layer, [S, kv_heads, >= C+R, head_dim] keys and values whose first C
+        slots hold the context at `ctx_positions` ([C] or [S, C]; negative: an empty slot).
+        """
+        x = noise.to(self.dtype)
+        # Additive float masks: SDPA converts a bool mask on every call otherwise.
+        masks = {
+            t: torch.zeros((), dtype=x.dtype, device=x.device).masked_fill(
+                ~attention_mask(t, self.config.sliding_window, ctx_positions, row_positions, row_anchors),
+                float("-inf"),
+            ).expand(x.shape[0], -1, -1)
+            for t in set(self.config.layer_types)
+        }
+        ctx_len = ctx_positions.shape[-1]
+        for layer, (k, v) in zip(self.layers, kv_buffers, strict=True):
+            x = layer(x, row_positions, k, v, ctx_len, masks[layer.layer_type])
+        return self.norm(x)
 
     def forward_block(
         self,
@@ -170,19 +228,10 @@ class DFlashDrafter(nn.Module):
         kv_buffers: per layer, [kv_heads, >= C+B, head_dim] keys and values whose first C slots
         hold the context at `ctx_positions` [C] (negative: an empty slot).
         """
-        x = noise.to(self.dtype)
-        block, ctx_len = x.shape[0], ctx_positions.shape[0]
-        positions = torch.arange(position, position + block, device=x.device)
-        # Additive float masks: SDPA converts a bool mask on every call otherwise.
-        masks = {
-            t: torch.zeros((), dtype=x.dtype, device=x.device).masked_fill(
-                ~self.block_mask(t, ctx_positions, position, block), float("-inf")
-            )
-            for t in set(self.config.layer_types)
-        }
-        for layer, (k, v) in zip(self.layers, kv_buffers, strict=True):
-            x = layer(x, positions, k, v, ctx_len, masks[layer.layer_type])
-        return self.norm(x)
+        block = noise.shape[0]
+        rows = torch.arange(position, position + block, device=noise.device)[None]
+        buffers = [(k[None], v[None]) for k, v in kv_buffers]
+        return self.run_blocks(noise[None], rows, torch.full_like(rows, position), buffers, ctx_positions)[0]
 
     @torch.inference_mode()
     def forward(
@@ -198,3 +247,27 @@ class DFlashDrafter(nn.Module):
             k_buf[:, :ctx_len], v_buf[:, :ctx_len] = k.transpose(0, 1), v.transpose(0, 1)
             buffers.append((k_buf, v_buf))
         return self.forward_block(noise, position, buffers, ctx_positions)
+
+    def forward_anchors(
+        self, features: torch.Tensor, anchors: torch.Tensor, noise: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Training: a block at every anchor of every sequence, in one pass.
+
+        features [S, T, feature_width] are the context rows at positions 0..T-1 of each sequence,
+        anchors [S, N] the blocks' slot-0 positions, noise [S, N, B, hidden] their embeddings.
+        Returns block hidden states [S, N, B, hidden], each equal to `forward` of that block alone.
+        """
+        s, span, _ = features.shape
+        n, block = noise.shape[1], noise.shape[2]
+        ctx_positions = torch.arange(span, device=self.device)
+        rows = (anchors[:, :, None] + torch.arange(block, device=self.device)).reshape(s, n * block)
+        buffers = []
+        for k, v in self.context_kv(features.reshape(s * span, -1), ctx_positions.repeat(s), scale):
+            shape = (s, k.shape[1], span + n * block, k.shape[2])
+            k_buf, v_buf = k.new_empty(shape), v.new_empty(shape)
+            k_buf[:, :, :span] = k.view(s, span, *k.shape[1:]).transpose(1, 2)
+            v_buf[:, :, :span] = v.view(s, span, *v.shape[1:]).transpose(1, 2)
+            buffers.append((k_buf, v_buf))
+        row_anchors = anchors.repeat_interleave(block, 1)
+        hidden = self.run_blocks(noise.reshape(s, n * block, -1), rows, row_anchors, buffers, ctx_positions)
+        return hidden.view(s, n, block, -1)

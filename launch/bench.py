@@ -35,7 +35,9 @@ from target_node.governor import Governor
 from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
 from target_node.remote import RemoteDraftBackend
 from target_node.speculative import generate
+from target_node.stats import Stats
 from target_node.target import TargetModel
+from target_node.tiny import tiny_target
 
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, with a docstring.",
@@ -44,23 +46,7 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def tiny_target(seed: int = 0) -> TargetModel:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-    )
-    return TargetModel(LlamaForCausalLM(config).eval())
-
-
-def median_ms(fn, repeats: int) -> float:  # noqa: ANN001
+def median_ms(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -97,33 +83,24 @@ def bench_generation(
             ("dflash-remote (adaptive)", DFlashProposer(remote), True),
         ]
         # Modes take turns on each prompt, so drift in machine load spreads over all of them.
-        totals = {
-            name: dict.fromkeys(["tokens", "steps", "accepted", "seconds", "propose_s", "verify_s"], 0)
-            for name, *_ in modes
-        }
+        totals = {name: Stats() for name, *_ in modes}
         governors = {name: Governor() for name, *_ in modes}  # as in the daemon: one per proposer
         for _, proposer, _ in modes:
             generate(target, prompts[0], proposer, 4, adaptive=False)  # warm-up
         before = {name: dict(getattr(getattr(p, "backend", None), "counters", {})) for name, p, _ in modes}
         for prompt in prompts:
             for name, proposer, adaptive in modes:
-                s = generate(target, prompt, proposer, max_new, adaptive=adaptive, governor=governors[name]).stats
-                t = totals[name]
-                t["tokens"] += s.new_tokens - 1
-                t["steps"] += s.steps
-                t["accepted"] += s.accepted
-                t["seconds"] += s.decode_s
-                t["propose_s"] += s.propose_s
-                t["verify_s"] += s.verify_s
+                stats = generate(target, prompt, proposer, max_new, adaptive=adaptive, governor=governors[name]).stats
+                totals[name].add(stats)
         for name, proposer, _ in modes:
             t = totals[name]
             row = {
                 "mode": name,
-                "tok_s": t["tokens"] / t["seconds"] if t["seconds"] else 0.0,
-                "tau": (t["accepted"] + t["steps"]) / t["steps"] if t["steps"] else 0.0,
-                "steps": t["steps"],
-                "propose_ms": 1000 * t["propose_s"] / t["steps"],
-                "verify_ms": 1000 * t["verify_s"] / t["steps"],
+                "tok_s": t.decode_tok_s,
+                "tau": t.tau,
+                "steps": t.steps,
+                "propose_ms": 1000 * t.propose_s / t.steps,
+                "verify_ms": 1000 * t.verify_s / t.steps,
             }
             backend = getattr(proposer, "backend", None)
             if backend is not None:
@@ -151,14 +128,14 @@ def bench_generation(
 # --- 2. protocol overhead -------------------------------------------------------
 
 
-def _serve(sock: zmq.Socket, stop: threading.Event, reply_fn) -> None:  # noqa: ANN001
+def _serve(sock: zmq.Socket, stop: threading.Event, reply_fn) -> None:
     while not stop.is_set():
         if sock.poll(50):
             identity, *frames = sock.recv_multipart(copy=False)
             sock.send_multipart([identity, *reply_fn(frames)], copy=False)
 
 
-def _protocol_round_trip(client: zmq.Socket, features: torch.Tensor, noise: torch.Tensor, counter) -> None:  # noqa: ANN001
+def _protocol_round_trip(client: zmq.Socket, features: torch.Tensor, noise: torch.Tensor, counter) -> None:
     rid = next(counter)
     fields = {"session": "s", "start": 0, "position": features.shape[0]}
     client.send_multipart(encode("propose", rid, fields, {"features": features, "noise": noise}), copy=False)
@@ -226,7 +203,7 @@ def _cached_step(cache: DraftKVCache, features: torch.Tensor, noise: torch.Tenso
     cache.draft(noise, p + 2)
 
 
-def bench_context(drafter, contexts: list[int], repeats: int) -> list[dict]:  # noqa: ANN001
+def bench_context(drafter, contexts: list[int], repeats: int) -> list[dict]:
     cfg = drafter.config
     rows = []
     g = torch.Generator().manual_seed(0)
@@ -255,7 +232,7 @@ def bench_context(drafter, contexts: list[int], repeats: int) -> list[dict]:  # 
 def _verify(target: TargetModel, committed: int, width: int) -> None:
     hidden, _ = target.forward(list(range(3, 3 + width)))
     target.greedy(hidden)
-    target.keep(committed, 0, None)
+    target.rollback(committed)
 
 
 def bench_verify(target: TargetModel, prompt: list[int], widths: list[int], repeats: int) -> list[dict]:
@@ -275,7 +252,7 @@ def bench_verify(target: TargetModel, prompt: list[int], widths: list[int], repe
 
 
 def table(rows: list[dict], columns: list[str]) -> str:
-    def fmt(v) -> str:  # noqa: ANN001
+    def fmt(v) -> str:
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
     widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in columns]
@@ -308,6 +285,20 @@ def plot(context_rows: dict[str, list[dict]], path: Path) -> bool:
     return True
 
 
+def print_model(name: str, entry: dict, setting: str) -> None:
+    """The four tables of one model."""
+    print(f"\n== {name}: generation ({setting})")
+    columns = ["mode", "tok_s", "vs_plain", "tau", "propose_ms", "verify_ms", "draft_compute_ms", "wire_ms"]
+    print(table(entry["generation"], [*columns, "bytes_per_step", "remote_vs_local"]))
+    print(f"== {name}: protocol round trip vs raw ZeroMQ, same bytes")
+    columns = ["feature_rows", "protocol_rtt_ms", "raw_rtt_ms", "overhead_ratio"]
+    print(table([entry["protocol"]], [*columns, "bytes_per_step_measured", "minimum_bytes_per_step"]))
+    print(f"== {name}: draft step vs context")
+    print(table(entry["context"], ["context", "cached_ms", "recompute_ms", "cached_vs_first"]))
+    print(f"== {name}: verify step vs width (1 + drafts)")
+    print(table(entry["verify"], ["width", "verify_ms", "break_even_tau"]))
+
+
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -319,7 +310,7 @@ def run(args: argparse.Namespace) -> dict:
     context_rows = {}
     for name, folder in targets:
         if folder is None:
-            target = tiny_target()
+            target = tiny_target(vocab=512)
             cfg = config_for_target(target.config, block_size=8, num_taps=3)
             checkpoint = save_drafter(random_drafter(cfg), out / "tiny-drafter")
             prompts = [[1 + (7 * i + j) % 500 for j in range(24)] for i in range(len(DEFAULT_PROMPTS))]
@@ -345,42 +336,7 @@ def run(args: argparse.Namespace) -> dict:
             "verify": verify,
         }
         setting = f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.threads} threads"
-        print(f"\n== {name}: generation ({setting})")
-        print(
-            table(
-                generation,
-                [
-                    "mode",
-                    "tok_s",
-                    "vs_plain",
-                    "tau",
-                    "propose_ms",
-                    "verify_ms",
-                    "draft_compute_ms",
-                    "wire_ms",
-                    "bytes_per_step",
-                    "remote_vs_local",
-                ],
-            )
-        )
-        print(f"== {name}: protocol round trip vs raw ZeroMQ, same bytes")
-        print(
-            table(
-                [protocol],
-                [
-                    "feature_rows",
-                    "protocol_rtt_ms",
-                    "raw_rtt_ms",
-                    "overhead_ratio",
-                    "bytes_per_step_measured",
-                    "minimum_bytes_per_step",
-                ],
-            )
-        )
-        print(f"== {name}: draft step vs context")
-        print(table(context_rows[name], ["context", "cached_ms", "recompute_ms", "cached_vs_first"]))
-        print(f"== {name}: verify step vs width (1 + drafts)")
-        print(table(verify, ["width", "verify_ms", "break_even_tau"]))
+        print_model(name, report["models"][name], setting)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     if not args.quick and plot(context_rows, out / "draft_step_vs_context.png"):
         report["plot"] = str(out / "draft_step_vs_context.png")

@@ -7,50 +7,44 @@ with a "prompt" key). They are sent as chat messages unless --raw is given.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import zmq
-
 from launch.common import TARGET_ADDRESS
-from protocol import Message, encode
-from protocol.transport import dealer, receive
+from protocol import Message
+from protocol.transport import Client
+from target_node.stats import stats_line
 
 
 class TargetClient:
-    """A DEALER client: one generate request at a time, with a deadline per reply."""
-
-    _ids = itertools.count(1)
+    """A target daemon's client: one generate request at a time, with a deadline per reply."""
 
     def __init__(self, address: str = TARGET_ADDRESS, timeout_s: float = 300.0) -> None:
-        self.sock = dealer(zmq.Context.instance(), address)
+        self.client = Client(address)
         self.timeout_s = timeout_s
 
-    def stream(self, **fields) -> Iterator[Message]:  # noqa: ANN003 - the generate fields
+    def stream(self, **fields: object) -> Iterator[Message]:
         """Yield `chunk` replies, then the final `done`; raise the daemon's error reply."""
-        request_id = next(self._ids)
-        self.sock.send_multipart(encode("generate", request_id, fields), copy=False)
+        request_id = self.client.send("generate", fields)
         while True:
-            reply = receive(self.sock, request_id, time.monotonic() + self.timeout_s)
+            reply = self.client.wait(request_id, "generate", self.timeout_s)
             if reply is None:
                 raise TimeoutError(f"no reply from the target daemon within {self.timeout_s:.0f} s")
-            reply.expect("chunk", "done")
+            reply.raise_if_error()
             yield reply
             if reply.type == "done":
                 return
 
-    def generate(self, **fields) -> Message:  # noqa: ANN003
+    def generate(self, **fields: object) -> Message:
         return list(self.stream(**fields))[-1]
 
     def cancel(self, request_id: int) -> None:
-        self.sock.send_multipart(encode("cancel", request_id, {}), copy=False)
+        self.client.send("cancel", {}, request_id=request_id)
 
     def close(self) -> None:
-        self.sock.close(0)
+        self.client.close()
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -76,7 +70,7 @@ def request_fields(prompt: str, args: argparse.Namespace) -> dict:
     return fields
 
 
-def run(args: argparse.Namespace, out=sys.stdout) -> list[dict]:  # noqa: ANN001
+def run(args: argparse.Namespace, out=sys.stdout) -> list[dict]:
     prompts = read_prompts(args)
     if not prompts:
         raise SystemExit("no prompts: give --prompt TEXT or --prompts-file FILE")
@@ -91,14 +85,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> list[dict]:  # noqa: ANN001
             if args.no_stream:
                 print(reply["text"], end="", file=out)
             stats = reply["stats"]
-            print(
-                f"\n[{reply['finish_reason']}] {stats.get('new_tokens', 0)} tokens | tau {stats.get('tau', 0):.2f} | "
-                f"accepted {stats.get('accepted', 0)}/{stats.get('proposed', 0)} | "
-                f"{stats.get('decode_tok_s', 0):.1f} tok/s | ttft {stats.get('ttft_s', 0) * 1000:.0f} ms | "
-                f"proposer {stats.get('proposer', '?')}",
-                file=out,
-                flush=True,
-            )
+            print(f"\n[{reply['finish_reason']}] {stats_line(stats)}", file=out, flush=True)
             results.append(
                 {"prompt": prompt, "text": reply["text"], "finish_reason": reply["finish_reason"], "stats": stats}
             )

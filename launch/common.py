@@ -1,4 +1,4 @@
-"""Pieces every entry point shares: defaults, dtype names, logging, the proposer choice."""
+"""Pieces every entry point shares: defaults, device and dtype flags, logging, the default drafter."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from pathlib import Path
 
 import torch
 
+from protocol import FLOAT_DTYPES
+from protocol.tensors import torch_dtype
 from target_node.default_model import CACHE_ROOT, DEFAULT_MODEL_DIR, ensure_default_model
 
 DRAFT_ADDRESS = "tcp://127.0.0.1:5555"
 TARGET_ADDRESS = "tcp://127.0.0.1:5556"
 SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
 RANDOM_DRAFTERS = CACHE_ROOT / "drafters" / "random-b8"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def setup_logging(verbose: bool = False) -> None:
@@ -27,7 +28,7 @@ def setup_logging(verbose: bool = False) -> None:
 def add_model_args(parser: argparse.ArgumentParser, what: str) -> None:
     """Device, dtype, threads and verbosity: what every daemon asks for."""
     parser.add_argument("--device", default="cpu", help=f"torch device for the {what}, e.g. cpu, cuda:0, cuda:1")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help=f"{what} weights dtype")
+    parser.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES, help=f"{what} weights dtype")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
@@ -62,3 +63,8 @@ def ensure_default_drafter(model_dir: Path | None = None) -> Path:
 
     cfg = config_for_target(AutoConfig.from_pretrained(model_dir), block_size=8, mask_token_id=0)
     return save_drafter(random_drafter(cfg), folder)
+
+
+def dtype_of(args: argparse.Namespace) -> torch.dtype:
+    """The torch dtype a `--dtype` flag names."""
+    return torch_dtype(args.dtype)

@@ -7,7 +7,7 @@ import logging
 
 from draft_node.checkpoint import load_drafter
 from draft_node.daemon import DraftService, serve
-from launch.common import DRAFT_ADDRESS, DTYPES, add_model_args, apply_runtime_args, ensure_default_drafter
+from launch.common import DRAFT_ADDRESS, add_model_args, apply_runtime_args, dtype_of, ensure_default_drafter
 from protocol.transport import stop_on_signals
 
 
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     apply_runtime_args(args)
     stop = stop_on_signals()
-    drafter = load_drafter(args.checkpoint or ensure_default_drafter(), args.device, DTYPES[args.dtype])
+    drafter = load_drafter(args.checkpoint or ensure_default_drafter(), args.device, dtype_of(args))
     service = DraftService(drafter, args.ring_capacity, args.max_sessions, args.idle_timeout)
     logging.getLogger("draft_daemon").info(
         "drafter: %d layers, block %d, taps %s on %s/%s",

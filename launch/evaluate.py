@@ -15,12 +15,12 @@ import argparse
 import json
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
 
-from launch.common import DTYPES, resolve_model
+from launch.common import dtype_of, resolve_model
+from protocol import FLOAT_DTYPES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts", default="data/eval_prompts.jsonl", help='jsonl of {"prompt": ...}')
     ap.add_argument("--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument(
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def backend_for(args: argparse.Namespace, target):  # noqa: ANN001, ANN201
+def backend_for(args: argparse.Namespace, target):
     from target_node.proposers import LocalDraftBackend
 
     if args.drafter_address:
@@ -57,16 +57,17 @@ def backend_for(args: argparse.Namespace, target):  # noqa: ANN001, ANN201
         return RemoteDraftBackend(args.drafter_address, target)
     from draft_node.checkpoint import load_drafter
 
-    return LocalDraftBackend(load_drafter(args.drafter, device=args.device, dtype=DTYPES[args.dtype]))
+    return LocalDraftBackend(load_drafter(args.drafter, device=args.device, dtype=dtype_of(args)))
 
 
 def evaluate(args: argparse.Namespace) -> dict:
     from target_node.proposers import DFlashProposer, NoProposer
     from target_node.speculative import generate
+    from target_node.stats import Stats
     from target_node.target import TargetModel
     from training.prompts import read_prompts
 
-    target = TargetModel.load(resolve_model(args.model), device=args.device, dtype=DTYPES[args.dtype])
+    target = TargetModel.load(resolve_model(args.model), device=args.device, dtype=dtype_of(args))
     prompts = read_prompts(args.prompts)[: args.limit or None]
     proposer = DFlashProposer(backend_for(args, target))
     from target_node.sampling import SamplingParams
@@ -77,9 +78,8 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     # One governor across prompts, as the target daemon keeps one across requests.
     extra = {"adaptive": args.adaptive, "sampling": sampling, "governor": Governor()}
-    totals = {"plain": [0, 0.0], "spec": [0, 0.0]}  # decode tokens (after the first), decode seconds
-    hist: Counter = Counter()
-    steps = accepted = mismatches = 0
+    plain_total, spec_total = Stats(), Stats()
+    mismatches = 0
     rows = []
     for i, text in enumerate(prompts):
         ids = target.encode_chat([{"role": "user", "content": text}])
@@ -87,11 +87,8 @@ def evaluate(args: argparse.Namespace) -> dict:
         spec = generate(target, ids, proposer, args.max_new_tokens, **extra)
         same = spec.tokens == plain.tokens or not sampling.is_greedy
         mismatches += not same
-        for key, res in (("plain", plain), ("spec", spec)):
-            totals[key][0] += max(res.stats.new_tokens - 1, 0)
-            totals[key][1] += res.stats.decode_s
-        steps, accepted = steps + spec.stats.steps, accepted + spec.stats.accepted
-        hist.update(spec.stats.histogram)
+        plain_total.add(plain.stats)
+        spec_total.add(spec.stats)
         rows.append(
             {
                 "prompt": text,
@@ -110,15 +107,14 @@ def evaluate(args: argparse.Namespace) -> dict:
             f"{'' if same else ' | OUTPUT DIFFERS'} | {text[:50]}",
             flush=True,
         )
-    plain_tps = totals["plain"][0] / totals["plain"][1] if totals["plain"][1] else 0.0
-    spec_tps = totals["spec"][0] / totals["spec"][1] if totals["spec"][1] else 0.0
+    plain_tps, spec_tps = plain_total.decode_tok_s, spec_total.decode_tok_s
     return {
         "drafter": args.drafter_address or str(args.drafter),
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "sampling": sampling.to_dict(),
-        "tau": round((accepted + steps) / steps, 4) if steps else 0.0,
-        "histogram": {str(k): v for k, v in sorted(hist.items())},
+        "tau": round(spec_total.tau, 4),
+        "histogram": {str(k): v for k, v in sorted(spec_total.histogram.items())},
         "plain_tok_s": round(plain_tps, 2),
         "spec_tok_s": round(spec_tps, 2),
         "speedup": round(spec_tps / plain_tps, 3) if plain_tps else 0.0,

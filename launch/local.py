@@ -17,6 +17,7 @@ from contextlib import ExitStack, contextmanager
 
 from launch import client
 from launch.common import ensure_default_drafter, resolve_model
+from protocol import FLOAT_DTYPES
 from protocol.transport import wait_ready
 
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafter-checkpoint", help="drafter folder (default: the default model's drafter)")
     parser.add_argument("--target-device", default="cpu")
     parser.add_argument("--draft-device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES, help="weights dtype of both models")
     parser.add_argument("--draft-address", help="where the draft daemon binds (default: a free 127.0.0.1 port)")
     parser.add_argument("--target-address", help="where the target daemon binds (default: a free 127.0.0.1 port)")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for each daemon")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from launch.common import DRAFT_ADDRESS, DTYPES, TARGET_ADDRESS, add_model_args, apply_runtime_args, resolve_model
+from launch.common import DRAFT_ADDRESS, TARGET_ADDRESS, add_model_args, apply_runtime_args, dtype_of, resolve_model
+from protocol import FLOAT_DTYPES
 from protocol.transport import stop_on_signals
 from target_node.daemon import TargetService
 from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposer
@@ -33,7 +34,6 @@ def build_proposer(args: argparse.Namespace, target: TargetModel) -> Proposer:
     backend = RemoteDraftBackend(
         args.drafter, target, timeout_s=args.draft_timeout, retry_s=args.draft_retry, wire_dtype=args.wire_dtype
     )
-    target.ring_capacity = backend.ring_capacity
     return DFlashProposer(backend, NGramProposer() if args.fallback == "ngram" else NoProposer())
 
 
@@ -59,11 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-retry", type=float, default=5.0, help="seconds between probes of a dead draft daemon")
     parser.add_argument(
         "--wire-dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=FLOAT_DTYPES,
         help="feature dtype on the wire (default: negotiated)",
     )
     parser.add_argument(
-        "--ring-capacity", type=int, default=4096, help="feature ring positions (remote: taken from the drafter)"
+        "--ring-capacity", type=int, default=4096, help="context positions a --proposer local drafter keeps"
     )
     parser.add_argument("--max-new-tokens-limit", type=int, default=4096)
     parser.add_argument(
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     apply_runtime_args(args)
     stop = stop_on_signals()
-    target = TargetModel.load(resolve_model(args.model), args.device, DTYPES[args.dtype], args.ring_capacity)
+    target = TargetModel.load(resolve_model(args.model), args.device, dtype_of(args))
     service = TargetService(target, build_proposer(args, target), args.max_new_tokens_limit, not args.always_draft)
     service.serve(args.bind, stop)
 

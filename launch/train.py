@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from protocol import FLOAT_DTYPES
+from protocol.tensors import torch_dtype
 from target_node.default_model import CACHE_ROOT, DEFAULT_MODEL_DIR
 from training.answer_store import STORE
 
@@ -49,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--store", default=str(STORE), help="answer store folder (generation appends here)")
     ap.add_argument("--data", action="append", default=[], help="more answer folders to train on (recorded traffic)")
     ap.add_argument("--starter", default=str(STARTER), help="extra prompts file (jsonl), answered first if present")
-    ap.add_argument("--gen-dtype", choices=["bf16", "fp32"], default="fp32", help="target dtype for generation")
+    ap.add_argument(
+        "--gen-dtype", choices=FLOAT_DTYPES, default="float32", help="target dtype for generation (bf16 on a GPU)"
+    )
     ap.add_argument("--gen-batch", type=int, default=48, help="rows decoded at once (finished rows are refilled)")
     ap.add_argument("--max-new", type=int, default=192, help="answer token cap")
     ap.add_argument("--gen-minutes", type=float, default=60.0)
@@ -75,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--resume", action="store_true", help="continue from the cache's state.pt")
     ap.add_argument("--init", help="start from this drafter checkpoint's weights (same shape)")
     ap.add_argument("--out", default=str(ROOT / "drafters" / "smollm2"), help="public checkpoint folder")
-    ap.add_argument("--save-dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--save-dtype", choices=FLOAT_DTYPES, default="bfloat16", help="checkpoint weights dtype")
     ap.add_argument(
         "--draft-vocab",
         type=int,
@@ -85,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def log_to(path: Path):  # noqa: ANN201
+def log_to(path: Path):
     def log(msg: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} {msg}"
         print(line, flush=True)
@@ -95,10 +99,46 @@ def log_to(path: Path):  # noqa: ANN201
     return log
 
 
+def generate_stage(args: argparse.Namespace, target, cfg, store, features, log) -> None:
+    """Self-instruct answers into the store, until --gen-minutes have passed."""
+    from training.generate import generate
+    from training.prompts import jobs, read_prompts
+
+    deadline = time.time() + args.gen_minutes * 60
+    starter = read_prompts(args.starter) if args.starter and Path(args.starter).is_file() else []
+    log(
+        f"gen: {target.model.dtype}, batch {args.gen_batch}, max_new {args.max_new}, {args.threads} threads, "
+        f"taps {list(cfg.target_layer_ids)}, until {time.strftime('%H:%M:%S', time.localtime(deadline))}"
+    )
+    generate(
+        target,
+        store,
+        jobs(args.gen_seed, starter=starter),
+        seed=args.gen_seed,
+        batch=args.gen_batch,
+        max_new=args.max_new,
+        deadline=deadline,
+        features=features,
+        layer_ids=cfg.target_layer_ids,
+        log=log,
+    )
+
+
+def train_stage(args: argparse.Namespace, target, cfg, answers, features, work: Path, log) -> None:
+    from training.trainer import TrainOptions, train
+
+    # Every training flag is named after its TrainOptions field; only the dtype needs parsing.
+    given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if hasattr(args, f.name)}
+    given["save_dtype"] = torch_dtype(args.save_dtype)
+    opts = TrainOptions(**given)
+    out = Path(args.out)
+    train(target, cfg, answers, features, opts, work / "state.pt", out, resume=args.resume, init=args.init, log=log)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from draft_node.checkpoint import config_for_target
+    from draft_node.checkpoint import config_for_target, save_draft_vocab
     from target_node.target import TargetModel
     from training.answer_store import AnswerStore
     from training.features import FeatureCache
@@ -114,8 +154,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(report(store.answers), indent=2))
         return
 
-    gen_bf16 = args.gen_dtype == "bf16" and args.stage in ("gen", "all")
-    target = TargetModel.load(args.model, device=args.device, dtype=torch.bfloat16 if gen_bf16 else torch.float32)
+    # Generation may run the target in reduced precision (a GPU); features and training use
+    # fp32, as inference does.
+    generating = args.stage in ("gen", "all")
+    target = TargetModel.load(args.model, args.device, torch_dtype(args.gen_dtype if generating else "float32"))
     taps = [int(x) for x in args.taps.split(",")] if args.taps else None
     cfg = config_for_target(
         target.config,
@@ -126,59 +168,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     layers = "-".join(map(str, cfg.target_layer_ids))
     features = FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{layers}", cfg.feature_width)
+    if generating:
+        full_precision = target.model.dtype == torch.float32
+        generate_stage(args, target, cfg, store, features if full_precision else None, log)
+        if not full_precision:
+            target = TargetModel.load(args.model, args.device, torch.float32)
     answers = list(store.answers)
     for folder in args.data:
         answers += [a for a in AnswerStore(folder).answers if a.key not in store.keys]
-
-    if args.stage in ("gen", "all"):
-        from training.generate import generate
-        from training.prompts import jobs, read_prompts
-
-        deadline = time.time() + args.gen_minutes * 60
-        starter = read_prompts(args.starter) if args.starter and Path(args.starter).is_file() else []
-        log(
-            f"gen: {args.gen_dtype}, batch {args.gen_batch}, max_new {args.max_new}, {args.threads} threads, "
-            f"taps {list(cfg.target_layer_ids)}, until {time.strftime('%H:%M:%S', time.localtime(deadline))}"
-        )
-        generate(
-            target,
-            store,
-            jobs(args.gen_seed, starter=starter),
-            seed=args.gen_seed,
-            batch=args.gen_batch,
-            max_new=args.max_new,
-            deadline=deadline,
-            features=features if not gen_bf16 else None,
-            layer_ids=cfg.target_layer_ids,
-            log=log,
-        )
-        answers = list(store.answers) + [a for a in answers if a.key not in store.keys]
-        if gen_bf16:  # features come from the fp32 target that inference uses
-            target = TargetModel.load(args.model, device=args.device, dtype=torch.float32)
-
     if args.stage in ("features", "train", "all"):
         added = features.fill(answers, target.model, cfg.target_layer_ids, log=log)
         log(f"features: {added} answers filled by prefill; {len(features)} cached")
-
     if args.stage == "vocab":
-        from draft_node.checkpoint import save_draft_vocab
         from training.trainer import draft_vocabulary, samples
 
         ids = draft_vocabulary(samples([a for a in answers if not a.held_out], features), args.draft_vocab)
         log(f"draft vocabulary: {len(ids)} tokens -> {save_draft_vocab(args.out, ids)}")
-        return
-
     if args.stage in ("train", "all"):
-        from training.trainer import TrainOptions, train
-
-        # Every training flag is named after its TrainOptions field; only the dtype needs parsing.
-        given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if hasattr(args, f.name)}
-        given["save_dtype"] = torch.bfloat16 if args.save_dtype == "bf16" else torch.float32
-        opts = TrainOptions(**given)
-        train(
-            target, cfg, answers, features, opts, work / "state.pt", Path(args.out), resume=args.resume,
-            init=args.init, log=log,
-        )
+        train_stage(args, target, cfg, answers, features, work, log)
 
 
 if __name__ == "__main__":

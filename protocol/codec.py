@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from .errors import ErrorCode, ProtocolError, describe
+from .fields import is_int
 from .messages import (
     MAX_ERROR_MESSAGE_LEN,
     PROTOCOL_VERSION,
@@ -217,7 +218,7 @@ def _decode(frames: Sequence[Any], max_frame_bytes: int) -> Message:
 
 def _check(header: dict[str, Any], payload: list[memoryview], max_frame_bytes: int) -> Message:
     version = header.get("v")
-    if not (_is_int(version) and version == PROTOCOL_VERSION):
+    if not (is_int(version) and version == PROTOCOL_VERSION):
         raise ProtocolError(
             ErrorCode.BAD_VERSION,
             f"protocol version mismatch: peer sent v={version!r}, this side speaks v={PROTOCOL_VERSION}",
@@ -262,13 +263,9 @@ def _check(header: dict[str, Any], payload: list[memoryview], max_frame_bytes: i
     )
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _readable_id(value: object) -> int | None:
     """The request id if it is a valid one, so error replies can echo it."""
-    if _is_int(value) and REQUEST_ID.lo <= value <= REQUEST_ID.hi:
+    if is_int(value) and REQUEST_ID.lo <= value <= REQUEST_ID.hi:
         return value
     return None
 

@@ -18,6 +18,11 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
 
+def is_int(value: object) -> bool:
+    """A real int: msgpack and JSON peers may send a bool where an int belongs."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def bad_field(path: str, expected: str, value: object) -> ProtocolError:
     return ProtocolError(ErrorCode.BAD_FIELD, f"{path}: expected {expected}, got {describe(value)}")
 
@@ -34,7 +39,7 @@ class Int:
     hi: int = INT64_MAX
 
     def check(self, path: str, value: Any) -> int:
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not is_int(value):
             raise bad_field(path, "int", value)
         if not self.lo <= value <= self.hi:
             raise bad_field(path, f"int in [{self.lo}, {self.hi}]", value)

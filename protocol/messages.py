@@ -58,14 +58,14 @@ def _check_generate(fields: Mapping[str, Any], tensors: Mapping[str, TensorSpec]
 
 
 def _check_propose(fields: Mapping[str, Any], tensors: Mapping[str, TensorSpec]) -> None:
-    """Feature rows [start, start+rows) must end at or before the block at n."""
-    rows = tensors["features"].shape[0]
-    end = fields["start"] + rows
-    if end > fields["position"]:
+    """Feature rows [start, start+rows) must end exactly where the block starts: the drafter
+    needs every context row up to it."""
+    end = fields["start"] + tensors["features"].shape[0]
+    if end != fields["position"]:
         raise ProtocolError(
             ErrorCode.BAD_FIELD,
-            f"propose: feature rows cover [{fields['start']}, {end}) which ends "
-            f"after position {fields['position']}; rows must end at or before it",
+            f"propose: feature rows cover [{fields['start']}, {end}) but the block starts at "
+            f"{fields['position']}; send rows [{fields['start']}, {fields['position']})",
         )
 
 
@@ -92,6 +92,39 @@ DRAFTER_INFO = Struct(
     # target's LM head is most of the cost of a draft on the target side.
     optional={"draft_vocab": (List(Int(0, 2**31 - 1), 0, 1 << 17), [])},
 )
+
+
+
+def fit_problems(drafter: Mapping[str, Any], target: Mapping[str, Any]) -> list[str]:
+    """Why a drafter (DRAFTER_INFO) cannot serve a target (TARGET_INFO); [] when it fits.
+
+    Both peers run this same check on the same wire structs: the draft daemon on `hello`,
+    the target on `hello_ok` and for a drafter in its own process.
+    """
+    problems = []
+    if drafter["hidden_size"] != target["hidden_size"]:
+        problems.append(f"hidden size: target {target['hidden_size']}, drafter {drafter['hidden_size']}")
+    if drafter["num_target_layers"] != target["num_hidden_layers"]:
+        problems.append(
+            f"layer count: target has {target['num_hidden_layers']}, "
+            f"drafter was built for {drafter['num_target_layers']}"
+        )
+    taps = drafter["target_layer_ids"]
+    outside = [layer for layer in taps if not 0 <= layer < target["num_hidden_layers"]]
+    if outside:
+        problems.append(f"drafter taps layers {outside}, the target has layers 0..{target['num_hidden_layers'] - 1}")
+    if drafter["feature_width"] != len(taps) * target["hidden_size"]:
+        problems.append(f"feature width {drafter['feature_width']} != {len(taps)} taps x {target['hidden_size']}")
+    if not 0 <= drafter["mask_token_id"] < target["vocab_size"]:
+        problems.append(
+            f"mask_token_id {drafter['mask_token_id']} is outside the target's embedding table "
+            f"({target['vocab_size']} rows); this drafter was built for a different vocabulary"
+        )
+    vocab = drafter.get("draft_vocab") or []
+    if vocab and max(vocab) >= target["vocab_size"]:
+        problems.append("the drafter's draft vocabulary has ids outside the target's vocabulary")
+    return problems
+
 
 MAX_PROMPT_CHARS = 512 * 1024
 CHAT_MESSAGE = Struct({"role": Str(1, 32), "content": Str(0, MAX_PROMPT_CHARS)})

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import ErrorCode, ProtocolError, describe
+from .fields import is_int
 
 if TYPE_CHECKING:
     import torch
 
-# Wire dtype -> bytes per element. Multi-byte values are little-endian.
+# Wire dtype -> bytes per element. Multi-byte values are little-endian. Each name is also
+# the name of the torch dtype it travels as (torch.float32, torch.bfloat16, ...).
 ITEMSIZE: dict[str, int] = {
     "float32": 4,
     "float16": 2,
@@ -82,11 +84,11 @@ class TensorSpec:
         if len(shape) > MAX_RANK:
             raise _bad(f"{where}: rank must be <= {MAX_RANK}, got shape {list(shape)}")
         for dim in shape:
-            if not _is_int(dim) or not 0 <= dim <= MAX_DIM:
+            if not is_int(dim) or not 0 <= dim <= MAX_DIM:
                 raise _bad(
                     f"{where}: shape entries must be ints in [0, {MAX_DIM}], got {describe(dim)} in shape {list(shape)}"
                 )
-        if not _is_int(self.nbytes):
+        if not is_int(self.nbytes):
             raise _bad(f"{where}: nbytes must be int, got {describe(self.nbytes)}")
         expected = math.prod(shape) * ITEMSIZE[self.dtype]
         if self.nbytes != expected:
@@ -96,37 +98,19 @@ class TensorSpec:
             )
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _torch_dtype(wire_dtype: str) -> torch.dtype:
+def torch_dtype(wire_dtype: str) -> torch.dtype:
+    """The torch dtype a wire dtype name stands for (the names are the same)."""
     import torch
 
-    table = {
-        "float32": torch.float32,
-        "float16": torch.float16,
-        "bfloat16": torch.bfloat16,
-        "int64": torch.int64,
-        "int32": torch.int32,
-    }
-    if wire_dtype not in table:
+    if wire_dtype not in ITEMSIZE:
         raise _bad(f"dtype must be one of {list(WIRE_DTYPES)}, got {describe(wire_dtype)}")
-    return table[wire_dtype]
+    return getattr(torch, wire_dtype)
 
 
 def wire_dtype_of(t: torch.Tensor) -> str | None:
     """The wire name of a tensor's own dtype, or None if it has none."""
-    import torch
-
-    names = {
-        torch.float32: "float32",
-        torch.float16: "float16",
-        torch.bfloat16: "bfloat16",
-        torch.int64: "int64",
-        torch.int32: "int32",
-    }
-    return names.get(t.dtype)
+    name = str(t.dtype).removeprefix("torch.")
+    return name if name in ITEMSIZE else None
 
 
 def tensor_to_frame(t: torch.Tensor, wire_dtype: str) -> tuple[str, tuple[int, ...], memoryview]:
@@ -139,7 +123,7 @@ def tensor_to_frame(t: torch.Tensor, wire_dtype: str) -> tuple[str, tuple[int, .
     """
     import torch
 
-    target = _torch_dtype(wire_dtype)
+    target = torch_dtype(wire_dtype)
     t = t.detach().to(device="cpu", dtype=target).contiguous()
     if target == torch.bfloat16:
         t = t.view(torch.int16)  # numpy has no bfloat16; same 2-byte layout
@@ -161,7 +145,7 @@ def frame_to_tensor(
     """
     import torch
 
-    wire = _torch_dtype(dtype)
+    wire = torch_dtype(dtype)
     shape = tuple(shape)
     view = as_bytes(buf)
     expected = math.prod(shape) * ITEMSIZE[dtype]

@@ -13,14 +13,12 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-import zmq
-
-from protocol import ErrorCode, Message, ProtocolError, decode, encode, encode_error
-from protocol.transport import router
+from protocol import ErrorCode, Message, ProtocolError, encode, encode_error
+from protocol.transport import Server
 from target_node.governor import Governor
 from target_node.proposers import Proposer
 from target_node.sampling import SamplingParams
-from target_node.speculative import generate
+from target_node.speculative import Result, generate
 from target_node.target import TargetModel
 
 log = logging.getLogger("target_daemon")
@@ -48,24 +46,21 @@ class TargetService:
         self.queues: OrderedDict[bytes, deque[Job]] = OrderedDict()
         self.parked: dict[bytes, deque[Job]] = {}
         self.running: Job | None = None
-        self.sock: zmq.Socket | None = None
+        self.server: Server | None = None
         self.served = 0
 
     # --- socket side -------------------------------------------------------
 
     def send(self, identity: bytes, frames: list) -> None:
-        self.sock.send_multipart([identity, *frames], copy=False)
+        self.server.send(identity, frames)
 
     def pump(self, timeout_ms: int = 0) -> None:
         """Take in everything waiting on the socket: queue requests, apply cancels, answer pings."""
-        while self.sock.poll(timeout_ms):
+        while (request := self.server.next(timeout_ms)) is not None:
             timeout_ms = 0
-            identity, *frames = self.sock.recv_multipart(copy=False)
-            identity = identity.bytes
-            try:
-                msg = decode(frames)
-            except ProtocolError as exc:
-                self.send(identity, encode_error(exc.request_id, exc.code, exc.message))
+            identity, msg = request
+            if isinstance(msg, ProtocolError):
+                self.send(identity, encode_error(msg.request_id, msg.code, msg.message))
                 continue
             if msg.type == "generate":
                 queue = self.parked.get(identity)
@@ -119,7 +114,7 @@ class TargetService:
             self.queues[identity] = queue
 
     def serve(self, address: str, stop: threading.Event) -> None:
-        self.sock = router(zmq.Context.instance(), address)
+        self.server = Server(address)
         log.info("target daemon serving on %s", address)
         try:
             while not stop.is_set():
@@ -129,7 +124,7 @@ class TargetService:
                     self.run(job)
                     self.unpark(job.identity)
         finally:
-            self.sock.close(0)
+            self.server.close()
             log.info("target daemon stopped")
 
     # --- model side --------------------------------------------------------
@@ -150,20 +145,30 @@ class TargetService:
             raise ProtocolError(ErrorCode.BAD_FIELD, "the prompt is empty")
         return ids
 
+    def sampling(self, msg: Message) -> SamplingParams:
+        if msg["max_new_tokens"] > self.max_new_tokens_limit:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"max_new_tokens {msg['max_new_tokens']} exceeds this daemon's limit {self.max_new_tokens_limit}",
+            )
+        try:
+            return SamplingParams.from_dict(msg["sampling"])
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"sampling: {exc}") from exc
+
+    def stats(self, result: Result) -> dict:
+        stats = result.stats.to_dict()
+        stats["proposer"] = self.proposer.name
+        backend = getattr(self.proposer, "backend", None)
+        if backend is not None and hasattr(backend, "counters"):
+            stats["drafter"] = dict(backend.counters)
+        return stats
+
     def run(self, job: Job) -> None:
         msg, identity = job.request, job.identity
         self.running = job
         try:
-            prompt = self.prompt_ids(msg)
-            if msg["max_new_tokens"] > self.max_new_tokens_limit:
-                raise ProtocolError(
-                    ErrorCode.BAD_FIELD,
-                    f"max_new_tokens {msg['max_new_tokens']} exceeds this daemon's limit {self.max_new_tokens_limit}",
-                )
-            try:
-                sampling = SamplingParams.from_dict(msg["sampling"])
-            except (TypeError, ValueError) as exc:
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"sampling: {exc}") from exc
+            prompt, sampling = self.prompt_ids(msg), self.sampling(msg)
 
             def on_commit(tokens: list[int], text: str) -> None:
                 if msg["stream"]:
@@ -183,24 +188,8 @@ class TargetService:
                 adaptive=self.adaptive,
                 governor=self.governor,
             )
-            stats = result.stats.to_dict()
-            stats["proposer"] = self.proposer.name
-            backend = getattr(self.proposer, "backend", None)
-            if backend is not None and hasattr(backend, "counters"):
-                stats["drafter"] = dict(backend.counters)
-            self.send(
-                identity,
-                encode(
-                    "done",
-                    msg.id,
-                    {
-                        "text": result.text,
-                        "token_ids": result.tokens,
-                        "finish_reason": result.finish_reason,
-                        "stats": stats,
-                    },
-                ),
-            )
+            done = {"text": result.text, "token_ids": result.tokens, "finish_reason": result.finish_reason}
+            self.send(identity, encode("done", msg.id, {**done, "stats": self.stats(result)}))
             self.served += 1
         except ProtocolError as exc:
             self.send(identity, encode_error(msg.id, exc.code, exc.message))

@@ -1,8 +1,8 @@
 """Speculate only while it pays: compare measured throughput of draft+verify steps with plain steps.
 
 A drafter that accepts little makes every step slower than a plain one (a wider verify, a
-draft round trip, a projection). Per request, the governor keeps a rolling estimate of
-tokens per second for both kinds of step; when speculation falls behind plain decoding
+draft round trip, a projection). The governor keeps a rolling estimate of tokens per second
+for both kinds of step; when speculation falls behind plain decoding
 it switches to plain steps and re-probes the drafter now and then (one step a probe),
 backing off while the probes keep failing. A daemon keeps one governor across requests,
 so a new request starts from what the last ones learned.

@@ -1,4 +1,4 @@
-"""Exact fp32 argmax of the LM head, computed mostly in bf16.
+"""The fp32 argmax of the LM head, computed mostly in bf16.
 
 On CPU the LM head (vocab x hidden) is most of what a verify step adds over a plain step.
 Greedy decoding needs only the argmax of each row, so: screen all logits in bf16 (about 2x
@@ -26,7 +26,7 @@ import torch
 U = 2.0**-8
 
 
-class ExactArgmaxHead:
+class ScreenedArgmaxHead:
     def __init__(self, weight: torch.Tensor, max_candidates: int = 2048) -> None:
         self.weight = weight.detach().float()
         self.screen = self.weight.to(torch.bfloat16)

@@ -2,7 +2,9 @@
 
 A proposer sees the committed tokens (prompt + output; the last one is `last_tok`, not yet
 run through the target) and returns up to `max_tokens` guesses for what follows. An empty
-proposal makes the loop take a plain one-token step.
+proposal makes the loop take a plain one-token step. A proposer that reads target features
+names the layers in `taps`; the loop hands it the committed positions' features through
+`commit`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from target_node.drafting import Drafting
 from target_node.target import TargetModel
 
 
@@ -30,26 +33,34 @@ EMPTY = Proposal([])
 
 class Proposer(Protocol):
     name: str
+    taps: tuple[int, ...]  # target layers whose outputs it reads; () for none
 
     def begin(self, target: TargetModel) -> None:
         """A new request starts: forget per-request state."""
 
-    def propose(self, target: TargetModel, tokens: list[int], max_tokens: int) -> Proposal: ...
+    def propose(self, tokens: list[int], max_tokens: int) -> Proposal: ...
+
+    def commit(self, start: int, features: torch.Tensor | None) -> None:
+        """The target committed positions [start, start + rows); `features` are their taps."""
 
 
 class NoProposer:
     """Plain greedy decoding through the same loop: the reference the others must equal."""
 
     name = "none"
+    taps: tuple[int, ...] = ()
 
     def begin(self, target: TargetModel) -> None:
         pass
 
-    def propose(self, target: TargetModel, tokens: list[int], max_tokens: int) -> Proposal:
+    def propose(self, tokens: list[int], max_tokens: int) -> Proposal:
         return EMPTY
 
+    def commit(self, start: int, features: torch.Tensor | None) -> None:
+        pass
 
-class NGramProposer:
+
+class NGramProposer(NoProposer):
     """Prompt lookup: continue the most recent earlier occurrence of the last n tokens."""
 
     name = "ngram"
@@ -57,10 +68,7 @@ class NGramProposer:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 8) -> None:
         self.max_ngram, self.min_ngram, self.max_draft = max_ngram, min_ngram, max_draft
 
-    def begin(self, target: TargetModel) -> None:
-        pass
-
-    def propose(self, target: TargetModel, tokens: list[int], max_tokens: int) -> Proposal:
+    def propose(self, tokens: list[int], max_tokens: int) -> Proposal:
         limit = min(self.max_draft, max_tokens)
         if limit <= 0:
             return EMPTY
@@ -78,10 +86,7 @@ class NGramProposer:
 class DraftBackend(Protocol):
     """A DFlash drafter, in process or across the wire."""
 
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]
-    draft_vocab: list[int]  # token ids drafts come from; [] = all
+    info: dict  # the drafter's description (DRAFTER_INFO)
 
     def begin_request(self) -> None:
         """A new request starts."""
@@ -102,53 +107,58 @@ class DFlashProposer:
 
     name = "dflash"
 
-    def __init__(self, backend: DraftBackend, fallback: Proposer | None = None) -> None:
+    def __init__(self, backend: DraftBackend, fallback: NoProposer | None = None) -> None:
         self.backend = backend
         self.fallback = fallback or NoProposer()
+        self.drafting: Drafting | None = None
         self.synced: int | None = None  # positions [.., synced) are with the drafter; None: unknown
 
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.drafting.taps if self.drafting is not None else ()
+
     def begin(self, target: TargetModel) -> None:
-        target.set_taps(self.backend.target_layer_ids)
-        target.check_token(self.backend.mask_token_id, "the drafter's mask_token_id")
-        target.set_draft_vocab(self.backend.draft_vocab)
-        self.fallback.begin(target)
         self.backend.begin_request()
+        info = self.backend.info
+        if self.drafting is None or self.drafting.target is not target or self.drafting.info != info:
+            self.drafting = Drafting(target, info)
+        self.drafting.ring.reset()
+        self.fallback.begin(target)
         self.synced = None
 
-    def propose(self, target: TargetModel, tokens: list[int], max_tokens: int) -> Proposal:
-        rows = min(self.backend.block_size - 1, max_tokens)
+    def commit(self, start: int, features: torch.Tensor | None) -> None:
+        if features is not None:
+            self.drafting.ring.write(start, features)
+
+    def propose(self, tokens: list[int], max_tokens: int) -> Proposal:
+        drafting = self.drafting
+        rows = min(drafting.block_size - 1, max_tokens)
         if rows <= 0:
             return EMPTY
         position = len(tokens) - 1
-        ring = target.ring
+        ring = drafting.ring
         try:
             if self.synced is None or self.synced < ring.oldest:
                 self.backend.reset(ring.oldest)
                 self.synced = ring.oldest
             features = ring.read(self.synced, position)
-            noise = target.embed([tokens[-1]] + [self.backend.mask_token_id] * (self.backend.block_size - 1))
-            hidden = self.backend.draft(self.synced, features, noise, position, rows)
+            hidden = self.backend.draft(self.synced, features, drafting.noise(tokens[-1]), position, rows)
         except DrafterUnavailable:
             self.synced = None
-            return self.fallback.propose(target, tokens, max_tokens)
+            return self.fallback.propose(tokens, max_tokens)
         self.synced = position
-        logits = target.project(hidden)
+        logits = drafting.project(hidden)
         return Proposal(logits.argmax(-1).tolist(), logits, self.name)
 
 
 class LocalDraftBackend:
     """The drafter in this process, with its context K/V ring."""
 
-    def __init__(self, drafter, capacity: int = 4096) -> None:  # noqa: ANN001 - a DFlashDrafter
+    def __init__(self, drafter, capacity: int = 4096) -> None:  # a DFlashDrafter
+        from draft_node.config import drafter_info
         from draft_node.kv_cache import DraftKVCache
 
-        cfg = drafter.config
-        self.block_size, self.mask_token_id, self.target_layer_ids = (
-            cfg.block_size,
-            cfg.mask_token_id,
-            cfg.target_layer_ids,
-        )
-        self.draft_vocab = drafter.draft_vocab
+        self.info = drafter_info(drafter.config, drafter.draft_vocab, capacity)
         self.cache = DraftKVCache(drafter, capacity)
         self.counters = {"proposals": 0, "draft_ms": 0.0}
 

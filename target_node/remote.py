@@ -13,18 +13,15 @@ import time
 import uuid
 
 import torch
-import zmq
 
-from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError, encode
-from protocol.transport import dealer, receive
+from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError
+from protocol.messages import fit_problems
+from protocol.transport import Client
+from target_node.drafting import DrafterMismatch
 from target_node.proposers import DrafterUnavailable
 from target_node.target import TargetModel
 
 log = logging.getLogger("remote_drafter")
-
-
-class DrafterMismatch(RuntimeError):
-    """The drafter at this address was built for a different target."""
 
 
 class RemoteDraftBackend:
@@ -44,10 +41,8 @@ class RemoteDraftBackend:
         self.timeout_s, self.probe_timeout_s, self.retry_s = timeout_s, probe_timeout_s, retry_s
         self.session = name or f"target-{uuid.uuid4().hex[:12]}"
         self.wire_request = wire_dtype
-        self.context = zmq.Context.instance()
-        self.sock: zmq.Socket | None = None
-        self.next_id = 0
-        self.info: dict | None = None  # the drafter's config, once a handshake succeeded
+        self.client = Client(address)
+        self.info: dict | None = None  # the drafter's description, once a handshake succeeded
         self.wire_dtype = "float32"
         self.attached = False  # session open on the daemon we are talking to
         self.retry_at = 0.0
@@ -57,42 +52,18 @@ class RemoteDraftBackend:
         if self.info is None:
             raise DrafterUnavailable(f"no drafter answered at {address} within {self.timeout_s:.1f} s")
 
-    # The loop reads these like a local drafter's config.
-    @property
-    def block_size(self) -> int:
-        return self.info["block_size"]
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.info["mask_token_id"]
-
-    @property
-    def target_layer_ids(self) -> tuple[int, ...]:
-        return tuple(self.info["target_layer_ids"])
-
-    @property
-    def draft_vocab(self) -> list[int]:
-        return self.info["draft_vocab"]
-
-    @property
-    def ring_capacity(self) -> int:
-        return self.info["ring_capacity"]
-
     def _call(self, type_: str, fields: dict, tensors: dict | None = None, timeout_s: float | None = None) -> Message:
-        if self.sock is None:
-            self.sock = dealer(self.context, self.address)
-        self.next_id += 1
-        frames = encode(type_, self.next_id, fields, tensors, wire_dtype=self.wire_dtype)
-        self.counters["bytes_out"] += sum(len(memoryview(f)) for f in frames)
-        self.sock.send_multipart(frames, copy=False)
+        timeout_s = timeout_s or self.timeout_s
         try:
-            reply = receive(self.sock, self.next_id, time.monotonic() + (timeout_s or self.timeout_s))
-        except ProtocolError as exc:  # a garbled reply: treat the peer as unreliable
+            sent = self.client.send(type_, fields, tensors, wire_dtype=self.wire_dtype)
+            self.counters["bytes_out"] = self.client.bytes_out
+            reply = self.client.wait(sent, type_, timeout_s)
+        except ProtocolError as exc:  # a garbled or out-of-place reply: treat the peer as unreliable
             self._drop(f"bad reply to {type_}: {exc.message}")
             raise DrafterUnavailable(exc.message) from exc
         if reply is None:
             self.counters["timeouts"] += 1
-            self._drop(f"{type_} timed out after {timeout_s or self.timeout_s:.2f} s")
+            self._drop(f"{type_} timed out after {timeout_s:.2f} s")
             raise DrafterUnavailable(f"draft daemon at {self.address} did not answer {type_}")
         self.counters["round_trips"] += 1
         self.counters["bytes_in"] += sum(spec.nbytes for spec, _ in reply.tensors.values())
@@ -109,9 +80,7 @@ class RemoteDraftBackend:
     def _drop(self, why: str) -> None:
         """Lazy pirate: a socket that missed a reply may hold a stale one; build a new one later."""
         log.warning("drafter unavailable (%s); falling back, retrying in %.1f s", why, self.retry_s)
-        if self.sock is not None:
-            self.sock.close(0)
-        self.sock = None
+        self.client.close()
         self.attached = False
         self.retry_at = time.monotonic() + self.retry_s
 
@@ -122,15 +91,7 @@ class RemoteDraftBackend:
         try:
             reply = self._call(
                 "hello",
-                {
-                    "wire_dtypes": offered,
-                    "target": {
-                        "hidden_size": target.hidden_size,
-                        "num_hidden_layers": target.config.num_hidden_layers,
-                        "vocab_size": target.vocab_size,
-                    },
-                    "client": self.session,
-                },
+                {"wire_dtypes": offered, "target": target.info, "client": self.session},
                 timeout_s=timeout_s,
             )
             info = reply["drafter"]
@@ -146,12 +107,9 @@ class RemoteDraftBackend:
     def _check_fits(self, info: dict) -> None:
         if self.info is not None and info != self.info:
             raise DrafterMismatch(f"the drafter at {self.address} changed its config after a restart")
-        width = len(info["target_layer_ids"]) * self.target.hidden_size
-        if info["hidden_size"] != self.target.hidden_size or info["feature_width"] != width:
-            raise DrafterMismatch(
-                f"drafter at {self.address} has hidden size {info['hidden_size']} / feature width "
-                f"{info['feature_width']}; this target needs {self.target.hidden_size} / {width}"
-            )
+        problems = fit_problems(info, self.target.info)
+        if problems:
+            raise DrafterMismatch(f"drafter at {self.address} does not fit this target: " + "; ".join(problems))
 
     def ensure(self) -> None:
         """Attach if we are not, without waiting long: the loop must not stall on a dead daemon."""
@@ -190,6 +148,4 @@ class RemoteDraftBackend:
                 self._call("close", {"session": self.session}, timeout_s=self.probe_timeout_s)
             except (DrafterUnavailable, ProtocolError):
                 pass
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
+        self.client.close()

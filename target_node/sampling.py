@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from protocol.fields import is_int
+
 SEED_LIMIT = 2**63  # torch generators take 64-bit seeds; stay inside what every client's ints can carry
 
 
@@ -33,9 +35,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {top_p}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 keeps every token), got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
         # Clients may send 1 for 1.0; store floats so equal requests compare and serialize equal.
         object.__setattr__(self, "temperature", temperature)
@@ -60,10 +62,6 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling options {unknown}; expected some of {sorted(known)}")
         return cls(**data)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _number(name: str, value: object) -> float:

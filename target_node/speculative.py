@@ -14,78 +14,30 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from target_node.governor import Governor
+from target_node.output import OnCommit, Output
 from target_node.proposers import EMPTY, Proposer
 from target_node.sampling import Sampler, SamplingParams
+from target_node.stats import Stats
 from target_node.target import TargetModel
-from target_node.text import TextStream
-
-OnCommit = Callable[[list[int], str], None]
 
 
 @dataclass
-class Stats:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    steps: int = 0  # target forward passes after the prefill
-    plain_steps: int = 0  # of which had nothing to verify
-    proposed: int = 0
-    accepted: int = 0
-    histogram: Counter = field(default_factory=Counter)  # accepted drafts per step -> count
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    sources: Counter = field(default_factory=Counter)
-    governor: dict = field(default_factory=dict)
-    propose_s: float = 0.0  # drafting: features + noise out, draft, projection back
-    verify_s: float = 0.0  # target forward over [last_tok, drafts] and the rollback
+class Step:
+    """What one target step committed, and what it cost."""
+
+    committed: list[int]  # the accepted drafts, then the target's own next token
+    drafts: int  # tokens verified after last_tok (the drafter's and hinted ones)
+    drafted: bool  # whether the proposer offered anything
+    source: str
+    propose_s: float
+    verify_s: float
 
     @property
-    def tau(self) -> float:
-        """Mean tokens committed per target step (1.0 = no speculation gain)."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        # The first token comes from the prefill; decode speed counts the rest.
-        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 and self.new_tokens > 1 else 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens,
-            "steps": self.steps,
-            "plain_steps": self.plain_steps,
-            "proposed": self.proposed,
-            "accepted": self.accepted,
-            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "tau": round(self.tau, 4),
-            "histogram": {str(k): v for k, v in sorted(self.histogram.items())},
-            "ttft_s": round(self.ttft_s, 4),
-            "decode_s": round(self.decode_s, 4),
-            "decode_tok_s": round(self.decode_tok_s, 2),
-            "sources": dict(self.sources),
-            "governor": self.governor,
-            "propose_ms_per_step": round(1000 * self.propose_s / self.steps, 3) if self.steps else 0.0,
-            "verify_ms_per_step": round(1000 * self.verify_s / self.steps, 3) if self.steps else 0.0,
-        }
-
-    def line(self) -> str:
-        return (
-            f"{self.new_tokens} tokens | tau {self.tau:.2f} | accepted {self.accepted}/{self.proposed} "
-            f"over {self.steps} steps | {self.decode_tok_s:.1f} tok/s | ttft {self.ttft_s * 1000:.0f} ms"
-        )
-
-
-@dataclass
-class Result:
-    tokens: list[int]
-    text: str
-    finish_reason: str  # "eos" | "length" | "stop" | "cancelled"
-    stats: Stats
+    def accepted(self) -> int:
+        return len(self.committed) - 1
 
 
 def accept_length(drafts: list[int], target_argmax: list[int]) -> int:
@@ -94,6 +46,51 @@ def accept_length(drafts: list[int], target_argmax: list[int]) -> int:
     while n < len(drafts) and drafts[n] == target_argmax[n]:
         n += 1
     return n
+
+
+def speculative_step(
+    target: TargetModel,
+    proposer: Proposer,
+    tokens: list[int],
+    limit: int,
+    sampler: Sampler | None = None,
+    hints: list[int] | None = None,
+) -> Step:
+    """One step from committed `tokens` (the target holds all but the last, last_tok, in its cache).
+
+    Up to `limit` drafts are verified, hinted tokens (known continuations) standing in for
+    the proposer's guesses where given; the target's cache and the proposer's features end
+    holding exactly the committed positions.
+    """
+    began = time.perf_counter()
+    position = len(tokens) - 1  # where last_tok goes
+    proposal = proposer.propose(tokens, limit) if limit > 0 else EMPTY
+    guesses, q = (proposal.tokens, None) if sampler is None else sampler.draft(proposal.tokens, proposal.logits)
+    hints = hints or []
+    drafts = [hints[i] if i < len(hints) else guesses[i] for i in range(max(len(guesses), len(hints)))]
+    proposed_at = time.perf_counter()
+    hidden, features = target.forward([tokens[-1]] + drafts, proposer.taps)
+    if sampler is None:
+        # Greedy: the longest prefix the target agrees with, then the target's own choice.
+        choices = target.greedy(hidden)
+        accepted = accept_length(drafts, choices)
+        bonus = choices[accepted]
+    else:
+        # Sampled: the rejection rule, which keeps the target's distribution exactly.
+        accepted, bonus = sampler.verify(target.logits(hidden), drafts, q, fixed=len(hints))
+    target.rollback(position + accepted + 1)
+    proposer.commit(position, None if features is None else features[: accepted + 1])
+    source = proposal.source or "hint"
+    return Step(drafts[:accepted] + [bonus], len(drafts), bool(proposal.tokens), source, proposed_at - began,
+                time.perf_counter() - proposed_at)
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "eos" | "length" | "stop" | "cancelled"
+    stats: Stats
 
 
 def generate(
@@ -119,94 +116,48 @@ def generate(
     """
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1")
-    stats = Stats(prompt_tokens=len(prompt))
-    stream = TextStream(target.tokenizer, stop_strings)
-    hints = list(hint_tokens or [])
     eos = target.eos_ids if stop_on_eos else frozenset()
-    output: list[int] = []
-    finish = "length"
+    output = Output(target.tokenizer, max_new_tokens, eos, stop_strings, hint_tokens, on_commit)
     sampler = None if sampling is None or sampling.is_greedy else Sampler(sampling, target.device)
     # The governor decides from wall-clock timings; a seeded sampled run must replay the same
     # draws, so it drafts every step instead (greedy output never depends on the governor).
     seeded = sampler is not None and sampling.seed is not None
     governor = (governor or Governor()) if adaptive and not seeded else None
-
-    def commit(new: list[int]) -> bool:
-        """Emit tokens, cut at EOS, a stop string or the budget; True when generation is over."""
-        nonlocal finish, hints
-        new = new[: max_new_tokens - len(output)]
-        done = len(output) + len(new) >= max_new_tokens
-        for i, tok in enumerate(new):
-            if tok in eos:
-                new, done, finish = new[: i + 1], True, "eos"
-                break
-        keep = stream.stop_token_count(new)
-        if keep is not None:
-            new, done, finish = new[:keep], True, "stop"
-        if hints and hints[len(output) : len(output) + len(new)] != new:
-            hints = []  # the output left the hinted path: later hints no longer line up
-        output.extend(new)
-        text = stream.push(new, final=done)
-        if on_commit is not None and (new or text):
-            on_commit(new, text)
-        return done
+    stats = Stats(prompt_tokens=len(prompt), requests=1)
 
     start = time.perf_counter()
     target.reset()
     proposer.begin(target)
-    hidden, features = target.forward(prompt)
-    target.keep(0, len(prompt), features)
-    done = commit([target.greedy(hidden[-1:])[0] if sampler is None else sampler.pick(target.logits(hidden[-1:])[0])])
+    hidden, features = target.forward(prompt, proposer.taps)
+    proposer.commit(0, features)
+    last = hidden[-1:]
+    output.commit([target.greedy(last)[0] if sampler is None else sampler.pick(target.logits(last)[0])])
     stats.ttft_s = time.perf_counter() - start
-    while not done:
+    while not output.done:
         if cancel is not None and cancel.is_set():
-            finish = "cancelled"
+            output.finish = "cancelled"
             break
-        tokens = prompt + output
-        position = len(tokens) - 1  # where last_tok goes
-        budget = max_new_tokens - len(output) - 1  # the bonus token always comes on top
-        began = time.perf_counter()
+        budget = output.budget - 1  # the target's own next token always comes on top
         drafting = governor is None or governor.should_draft()
-        limit = budget if governor is None else governor.draft_limit(budget)
-        proposal = proposer.propose(target, tokens, limit) if drafting else EMPTY
-        guesses, q = (proposal.tokens, None) if sampler is None else sampler.draft(proposal.tokens, proposal.logits)
-        ahead = hints[len(output) : len(output) + budget]
-        drafts = _apply_hints(guesses, ahead)
-        proposed_at = time.perf_counter()
-        hidden, features = target.forward([tokens[-1]] + drafts)
-        if sampler is None:
-            choices = target.greedy(hidden)
-            accepted = accept_length(drafts, choices)
-            after = choices[accepted]
-        else:
-            accepted, after = sampler.verify(target.logits(hidden), drafts, q, fixed=len(ahead))
-        target.keep(position, accepted + 1, features)
-        verified_at = time.perf_counter()
-        stats.propose_s += proposed_at - began
-        stats.verify_s += verified_at - proposed_at
-        stats.steps += 1
-        stats.plain_steps += not drafts
-        stats.proposed += len(drafts)
-        stats.accepted += accepted
-        if drafts:
-            stats.histogram[accepted] += 1
-            stats.sources[proposal.source or "hint"] += 1
+        limit = 0 if not drafting else budget if governor is None else governor.draft_limit(budget)
+        step = speculative_step(target, proposer, prompt + output.tokens, limit, sampler, output.hinted(budget))
+        _count(stats, step)
         if governor is not None:
-            governor.record(bool(proposal.tokens), accepted + 1, verified_at - began)
-        done = commit(drafts[:accepted] + [after])
+            governor.record(step.drafted, len(step.committed), step.propose_s + step.verify_s)
+        output.commit(step.committed)
     stats.governor = governor.to_dict() if governor is not None else {}
-    stats.new_tokens = len(output)
+    stats.new_tokens, stats.decode_tokens = len(output.tokens), max(len(output.tokens) - 1, 0)
     stats.decode_s = time.perf_counter() - start - stats.ttft_s
-    if stream.stopped:
-        finish = "stop"
-    return Result(output, stream.text, finish, stats)
+    return Result(output.tokens, output.text, output.finish, stats)
 
 
-def _apply_hints(drafts: list[int], ahead: list[int]) -> list[int]:
-    """Known upcoming tokens replace guesses at their positions; they are verified like any draft."""
-    if not ahead:
-        return drafts
-    length = max(len(drafts), len(ahead))
-    return [ahead[i] if i < len(ahead) else drafts[i] for i in range(length)]
+def _count(stats: Stats, step: Step) -> None:
+    stats.steps += 1
+    stats.plain_steps += not step.drafts
+    stats.proposed += step.drafts
+    stats.accepted += step.accepted
+    stats.propose_s += step.propose_s
+    stats.verify_s += step.verify_s
+    if step.drafts:
+        stats.histogram[step.accepted] += 1
+        stats.sources[step.source] += 1

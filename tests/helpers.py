@@ -3,39 +3,11 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from target_node.proposers import NoProposer
 from target_node.speculative import generate
 from target_node.target import TargetModel
-
-VOCAB = 320
-
-
-def tiny_target(arch: str = "llama", seed: int = 0, layers: int = 4, vocab: int = VOCAB) -> TargetModel:
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=vocab - 2,
-        bos_token_id=1,
-        tie_word_embeddings=arch == "llama",
-    )
-    if arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    # A larger init spread makes logits decisive, so greedy paths are not dominated by near-ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    return TargetModel(model.float().eval(), tokenizer=None, ring_capacity=512)
+from target_node.tiny import tiny_target  # noqa: F401 - the tests import it from here
 
 
 def drafter_config(**overrides):
@@ -91,8 +63,16 @@ class OracleBackend:
 
     def __init__(self, target: TargetModel, reference: list[int], block_size: int, target_layer_ids=(0,)) -> None:
         self.target, self.reference = target, reference
-        self.block_size, self.mask_token_id, self.target_layer_ids = block_size, 0, tuple(target_layer_ids)
-        self.draft_vocab = []
+        self.info = {
+            "block_size": block_size,
+            "hidden_size": target.hidden_size,
+            "target_layer_ids": list(target_layer_ids),
+            "mask_token_id": 0,
+            "feature_width": len(target_layer_ids) * target.hidden_size,
+            "ring_capacity": 4096,
+            "num_target_layers": target.config.num_hidden_layers,
+            "draft_vocab": [],
+        }
         self.length = 0
 
     def begin_request(self) -> None:
@@ -101,7 +81,7 @@ class OracleBackend:
     def reset(self, position: int) -> None:
         self.length = position
 
-    def draft(self, start, features, noise, position, rows):  # noqa: ANN001
+    def draft(self, start, features, noise, position, rows):
         assert start == self.length and start + features.shape[0] == position, "features out of order"
         self.length = position
         head = self.target.model.get_output_embeddings().weight
@@ -116,7 +96,7 @@ def free_tcp_address() -> str:
     return free_address()
 
 
-def draft_daemon(address: str, checkpoint, ready_timeout_s: float = 60.0):  # noqa: ANN001
+def draft_daemon(address: str, checkpoint, ready_timeout_s: float = 60.0):
     """A real draft daemon process on `address`, serving `checkpoint`; stopped on exit."""
     from launch.local import daemon
 

@@ -25,7 +25,7 @@ def service():
 
 
 def call(svc, type_, tensors=None, **fields):
-    return decode(svc.handle(encode(type_, 9, fields, tensors)))
+    return decode(svc.handle(decode(encode(type_, 9, fields, tensors))))
 
 
 def propose(svc, session="a", start=0, position=3, width=64, block=(4, 32), **extra):

@@ -84,8 +84,7 @@ def test_draft_vocabulary_restricts_proposals_and_stays_lossless(target):
     for prompt in PROMPTS:
         result = generate(target, prompt, proposer, MAX_NEW, adaptive=False)
         assert_lossless(target, prompt, result.tokens, greedy(target, prompt, MAX_NEW))
-        logits = target.project(torch.randn(4, target.hidden_size))
+        logits = proposer.drafting.project(torch.randn(4, target.hidden_size))
         seen.extend(logits.argmax(-1).tolist())
         assert torch.isinf(logits[:, 1]).all() and torch.isfinite(logits[:, 3]).all()
     assert all(t % 3 == 0 for t in seen)
-    target.set_draft_vocab([])

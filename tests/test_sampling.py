@@ -239,7 +239,7 @@ def exact_joint(target, prompt: list[int], params: SamplingParams, length: int) 
     return level
 
 
-class MirrorProposer:
+class MirrorProposer(NoProposer):
     """A near-perfect drafter: the target's own logits along its greedy continuation.
 
     So q == p for the first draft and q is close to p after it (equal when the earlier drafts
@@ -252,13 +252,13 @@ class MirrorProposer:
         self.block = block
 
     def begin(self, target) -> None:
-        pass
+        self.target = target
 
-    def propose(self, target, tokens: list[int], max_tokens: int) -> Proposal:
+    def propose(self, tokens: list[int], max_tokens: int) -> Proposal:
         path, rows = list(tokens), []
         with torch.inference_mode():
             for _ in range(min(self.block - 1, max_tokens)):
-                rows.append(target.model(torch.tensor([path])).logits[0, -1].float())
+                rows.append(self.target.model(torch.tensor([path])).logits[0, -1].float())
                 path.append(int(rows[-1].argmax()))
         return Proposal(path[len(tokens) :], torch.stack(rows), self.name) if rows else EMPTY
 

@@ -24,7 +24,6 @@ from training.trainer import (
     export_drafter,
     make_batch,
     train,
-    train_forward,
 )
 
 
@@ -136,8 +135,7 @@ def test_features_recomputed_from_ids_equal_those_captured_in_generation(setup, 
         torch.testing.assert_close(recomputed, captured, atol=2e-3, rtol=2e-3)  # fp16 storage
     # What serving taps for the same tokens is what training reads.
     target.reset()
-    target.set_taps(cfg.target_layer_ids)
-    _, served = target.forward(some[0].tokens[:-1])
+    _, served = target.forward(some[0].tokens[:-1], cfg.target_layer_ids)
     torch.testing.assert_close(features.get(some[0].key), served, atol=2e-3, rtol=2e-3)
 
 
@@ -214,7 +212,7 @@ def test_train_forward_equals_inference_forward(setup, layer_types):
     batch = make_batch(records, trainer.features, cfg, 5, 320, torch.Generator().manual_seed(0))
     noise = torch.randn(*batch.block_tokens.shape, cfg.hidden_size)
     with torch.no_grad():
-        rows = train_forward(drafter, scale, batch, noise)
+        rows = drafter.forward_anchors(batch.features, batch.anchors, noise, scale)
     plain = export_drafter(drafter, scale)
     checked = 0
     for i in range(len(records)):
@@ -251,7 +249,8 @@ def test_loss_is_over_the_draft_vocabulary_the_drafter_proposes_from(setup, tmp_
     assert (trainer.vocab[slots[inside]] == labels[inside]).all()
     # Logits are the LM-head rows of exactly those tokens.
     noise = torch.nn.functional.embedding(batch.block_tokens, trainer.embed)
-    hidden = train_forward(trainer.drafter, trainer.scale, batch, noise)[labelled].to(trainer.head.dtype)
+    hidden = trainer.drafter.forward_anchors(batch.features, batch.anchors, noise, trainer.scale)
+    hidden = hidden[labelled].to(trainer.head.dtype)
     full_head = target.model.get_output_embeddings().weight.to(trainer.head.dtype)
     torch.testing.assert_close(logits, (hidden @ full_head.T).float()[:, trainer.vocab])
     assert torch.isfinite(trainer.loss(batch))

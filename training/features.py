@@ -81,7 +81,7 @@ class FeatureCache:
     def fill(
         self,
         answers: list[Answer],
-        model,  # noqa: ANN001 - the target's transformers causal LM
+        model,  # the target's transformers causal LM
         layer_ids: tuple[int, ...],
         *,
         max_rows: int = 1024,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from target_node.taps import tap_features
@@ -35,13 +36,66 @@ class _Row:
     prompt_len: int
     features: list[torch.Tensor]
 
+    def finish(self, eos: frozenset[int], max_new: int) -> str:
+        """Why the row is done ("eos" or "length"), or "" while it goes on."""
+        if self.tokens[-1] in eos:
+            return "eos"
+        return "length" if len(self.tokens) - self.prompt_len >= max_new else ""
+
+
+class _SharedCache:
+    """One KV cache for rows of different lengths: left-aligned, with a padding mask."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
+
+    def add(self, one: DynamicCache, length: int) -> None:
+        """Append a row whose prompt (`length` positions) sits in its own cache `one`."""
+        width = self.mask.shape[1]
+        if self.cache is None:
+            self.cache, self.mask = one, torch.ones(1, length, dtype=torch.bool, device=self.mask.device)
+            return
+        if length > width:  # widen everyone on the left
+            for layer in self.cache.layers:
+                layer.keys = F.pad(layer.keys, (0, 0, length - width, 0))
+                layer.values = F.pad(layer.values, (0, 0, length - width, 0))
+            self.mask = F.pad(self.mask, (length - width, 0))
+            width = length
+        for mine, new in zip(self.cache.layers, one.layers, strict=True):
+            k = mine.keys.new_zeros((1, *mine.keys.shape[1:]))
+            v = mine.values.new_zeros((1, *mine.values.shape[1:]))
+            k[..., width - length :, :], v[..., width - length :, :] = new.keys, new.values
+            mine.keys, mine.values = torch.cat([mine.keys, k]), torch.cat([mine.values, v])
+        row = torch.zeros(1, width, dtype=torch.bool, device=self.mask.device)
+        row[0, width - length :] = True
+        self.mask = torch.cat([self.mask, row])
+
+    def remove(self, i: int) -> None:
+        keep = [j for j in range(self.mask.shape[0]) if j != i]
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+        self.mask = self.mask[keep]
+
+    def next_mask(self) -> torch.Tensor:
+        """Drop columns no row looks at any more, then open one for the next token."""
+        live = self.mask.any(0).nonzero()
+        first = int(live[0]) if len(live) else 0
+        if first:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
+            self.mask = self.mask[:, first:]
+        ones = torch.ones(self.mask.shape[0], 1, dtype=torch.bool, device=self.mask.device)
+        self.mask = torch.cat([self.mask, ones], 1)
+        return self.mask.long()
+
 
 class RefillGenerator:
     """Batched greedy decoding where finished rows are replaced by new prompts mid-flight."""
 
     def __init__(
         self,
-        model,  # noqa: ANN001 - a transformers causal LM
+        model,  # a transformers causal LM
         eos_ids: Iterable[int],
         batch: int,
         max_new: int,
@@ -52,8 +106,11 @@ class RefillGenerator:
         self.batch, self.max_new, self.layer_ids = batch, max_new, tuple(layer_ids)
         self.device = next(model.parameters()).device
 
-    def _features(self, out) -> torch.Tensor | None:  # noqa: ANN001
-        return tap_features(out.hidden_states, self.layer_ids) if self.layer_ids else None
+    def _run(self, **inputs: object) -> tuple[list[int], torch.Tensor | None]:
+        """The model on `inputs`: each row's greedy next token, and its tapped features if wanted."""
+        out = self.model(**inputs, use_cache=True, output_hidden_states=bool(self.layer_ids))
+        features = tap_features(out.hidden_states, self.layer_ids) if self.layer_ids else None
+        return out.logits[:, -1].argmax(-1).tolist(), features
 
     @torch.inference_mode()
     def run(
@@ -69,109 +126,98 @@ class RefillGenerator:
         `take` is called whenever a row is free, after on_done, so on_done may feed it new prompts.
         """
         rows: list[_Row] = []
-        cache: DynamicCache | None = None
-        mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+        shared = _SharedCache(self.device)
         finished = 0
-
-        def admit() -> bool:
-            nonlocal cache, mask
-            item = take()
-            if item is None:
-                return False
-            thing, ids = item
-            one = DynamicCache(config=self.model.config)
-            out = self.model(
-                input_ids=torch.tensor([ids], device=self.device),
-                cache=one,
-                use_cache=True,
-                logits_to_keep=1,
-                output_hidden_states=bool(self.layer_ids),
-            )
-            p, length = len(ids), mask.shape[1]
-            if cache is None:
-                cache, mask = one, torch.ones(1, p, dtype=torch.bool, device=self.device)
-            else:
-                if p > length:  # widen everyone on the left
-                    for layer in cache.layers:
-                        layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, p - length, 0))
-                        layer.values = torch.nn.functional.pad(layer.values, (0, 0, p - length, 0))
-                    mask = torch.nn.functional.pad(mask, (p - length, 0))
-                    length = p
-                for mine, new in zip(cache.layers, one.layers, strict=True):
-                    k = mine.keys.new_zeros((1, *mine.keys.shape[1:]))
-                    v = mine.values.new_zeros((1, *mine.values.shape[1:]))
-                    k[..., length - p :, :], v[..., length - p :, :] = new.keys, new.values
-                    mine.keys, mine.values = torch.cat([mine.keys, k]), torch.cat([mine.values, v])
-                row_mask = torch.zeros(1, length, dtype=torch.bool, device=self.device)
-                row_mask[0, length - p :] = True
-                mask = torch.cat([mask, row_mask])
-            features = self._features(out)
-            rows.append(
-                _Row(thing, list(ids) + [int(out.logits[0, -1].argmax())], p, [] if features is None else [features[0]])
-            )
-            return True
-
-        def retire(i: int, finish: str) -> None:
-            nonlocal mask
-            row = rows.pop(i)
-            keep = [j for j in range(mask.shape[0]) if j != i]
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[keep], layer.values[keep]
-            mask = mask[keep]
-            on_done(row.item, row.tokens, row.prompt_len, finish, torch.cat(row.features) if row.features else None)
-
         while True:
             for i in reversed(range(len(rows))):
                 row = rows[i]
-                if row.tokens[-1] in self.eos:
-                    retire(i, "eos")
-                    finished += 1
-                elif len(row.tokens) - row.prompt_len >= self.max_new:
-                    retire(i, "length")
+                if finish := row.finish(self.eos, self.max_new):
+                    rows.pop(i)
+                    shared.remove(i)
+                    features = torch.cat(row.features) if row.features else None
+                    on_done(row.item, row.tokens, row.prompt_len, finish, features)
                     finished += 1
             if deadline is not None and time.time() > deadline:
                 break
-            while len(rows) < self.batch and admit():
-                pass
+            while len(rows) < self.batch and (item := take()) is not None:
+                thing, ids = item
+                one = DynamicCache(config=self.model.config)
+                prompt = torch.tensor([ids], device=self.device)
+                (first,), features = self._run(input_ids=prompt, cache=one, logits_to_keep=1)
+                shared.add(one, len(ids))
+                rows.append(_Row(thing, [*ids, first], len(ids), [] if features is None else [features[0]]))
             if not rows:
                 break
-            live = mask.any(0).nonzero()
-            first_col = int(live[0]) if len(live) else 0
-            if first_col:  # nobody looks this far back any more
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[..., first_col:, :], layer.values[..., first_col:, :]
-                mask = mask[:, first_col:]
-            mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.bool, device=self.device)], 1)
-            out = self.model(
+            tokens, features = self._run(
                 input_ids=torch.tensor([[r.tokens[-1]] for r in rows], device=self.device),
-                attention_mask=mask.long(),
+                attention_mask=shared.next_mask(),
                 position_ids=torch.tensor([[len(r.tokens) - 1] for r in rows], device=self.device),
-                cache=cache,
-                use_cache=True,
-                output_hidden_states=bool(self.layer_ids),
+                cache=shared.cache,
             )
-            features = self._features(out)
-            for i, (row, token) in enumerate(zip(rows, out.logits[:, -1].argmax(-1).tolist(), strict=True)):
+            for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
                 row.tokens.append(token)
                 if features is not None:
                     row.features.append(features[i, -1:])
         return finished
 
 
-def pending_turns(
-    store: AnswerStore, seed: int, decode: Callable[[list[int]], str], held_out: HeldOut
-) -> list[Ask]:
-    """Turns that stored answers lead to but that are not answered yet (what a crash left open)."""
-    out = []
-    for answer in store.answers:
-        ask = Ask(answer.job, answer.stage, tuple((r, c) for r, c in answer.messages), answer.then)
-        text = decode(answer.tokens[answer.prompt_len :])
-        out += [t for t in next_turns(ask, text, seed, held_out) if t.key not in store.keys]
-    return out
+class Turns:
+    """The line of turns to answer: follow-ups first (so few conversations stay open), then openings.
+
+    On creation it re-queues the turns that stored answers lead to but that were never
+    answered (what a crash left open); each answer it records queues the turns it leads to.
+    """
+
+    def __init__(
+        self,
+        target,  # a TargetModel: chat template, tokenizer
+        store: AnswerStore,
+        openings: Iterator[Ask],
+        seed: int,
+        held_out: HeldOut,
+        max_prompt: int,
+    ) -> None:
+        self.target, self.store, self.openings = target, store, openings
+        self.seed, self.held_out, self.max_prompt = seed, held_out, max_prompt
+        self.follow: deque[Ask] = deque()
+        self.too_long = 0
+        for answer in store.answers:
+            ask = Ask(answer.job, answer.stage, tuple((r, c) for r, c in answer.messages), answer.then)
+            self.follow.extend(
+                t for t in self._next(ask, answer.tokens[answer.prompt_len :]) if t.key not in store.keys
+            )
+
+    def _next(self, ask: Ask, answer_ids: list[int]) -> list[Ask]:
+        text = self.target.tokenizer.decode(answer_ids, skip_special_tokens=True)
+        return next_turns(ask, text, self.seed, self.held_out)
+
+    def take(self) -> tuple[Ask, list[int]] | None:
+        """The next unanswered turn and its prompt ids; None when there is none."""
+        while True:
+            ask = self.follow.popleft() if self.follow else next(self.openings, None)
+            if ask is None:
+                return None
+            if ask.key in self.store.keys:
+                continue
+            ids = self.target.encode_chat(ask.chat())
+            if len(ids) > self.max_prompt:
+                self.too_long += 1
+                continue
+            return ask, ids
+
+    def answered(self, ask: Ask, tokens: list[int], prompt_len: int, finish: str) -> Answer | None:
+        """Store an answer and queue what follows it; None if it was already stored."""
+        messages = [list(m) for m in ask.messages]
+        model = Path(self.target.config.name_or_path).name
+        answer = Answer(ask.key, ask.job, ask.stage, messages, tokens, prompt_len, finish, ask.then, model)
+        if not self.store.add(answer):
+            return None
+        self.follow.extend(self._next(ask, tokens[prompt_len:]))
+        return answer
 
 
 def generate(
-    target,  # noqa: ANN001 - a TargetModel (model, tokenizer, chat template, eos ids)
+    target,  # a TargetModel (model, tokenizer, chat template, eos ids)
     store: AnswerStore,
     openings: Iterator[Ask],
     *,
@@ -191,62 +237,29 @@ def generate(
     With a feature cache and the drafter's `layer_ids`, the features the target computes on
     the way are kept too, so training needs no second pass over these answers.
     """
-
-    def decode(ids: list[int]) -> str:
-        return target.tokenizer.decode(ids, skip_special_tokens=True)
-
-    held_out = held_out if held_out is not None else HeldOut.load()
-    follow: deque[Ask] = deque(pending_turns(store, seed, decode, held_out))
-    skipped = {"too_long": 0}
-    log(f"generation: {len(store)} answers stored ({store.answer_tokens} answer tokens), {len(follow)} turns pending")
+    turns = Turns(target, store, openings, seed, held_out if held_out is not None else HeldOut.load(), max_prompt)
+    log(f"generation: {len(store)} answers stored ({store.answer_tokens} answer tokens), {len(turns.follow)} pending")
     started, made = time.time(), 0
-
-    def take() -> tuple[Ask, list[int]] | None:
-        """The next turn to answer: follow-ups first, so few conversations stay open."""
-        while True:
-            ask = follow.popleft() if follow else next(openings, None)
-            if ask is None:
-                return None
-            if ask.key in store.keys:
-                continue
-            ids = target.encode_chat(ask.chat())
-            if len(ids) > max_prompt:
-                skipped["too_long"] += 1
-                continue
-            return ask, ids
 
     def on_done(ask: Ask, tokens: list[int], prompt_len: int, finish: str, rows: torch.Tensor | None) -> None:
         nonlocal made
-        answer = Answer(
-            ask.key,
-            ask.job,
-            ask.stage,
-            [list(m) for m in ask.messages],
-            tokens,
-            prompt_len,
-            finish,
-            ask.then,
-            Path(target.config.name_or_path).name,
-        )
-        if store.add(answer):
-            if features is not None and rows is not None:
-                features.add(answer.key, rows[:max_feature_rows])
-            made += answer.answer_tokens
-            follow.extend(next_turns(ask, decode(tokens[prompt_len:]), seed, held_out))
-            if len(store) % 100 == 0:
-                rate = made / max(time.time() - started, 1e-9)
-                log(
-                    f"answers {len(store)} | answer tokens {store.answer_tokens} | {rate:.1f} tok/s | skipped {skipped}"
-                )
+        answer = turns.answered(ask, tokens, prompt_len, finish)
+        if answer is None:
+            return
+        if features is not None and rows is not None:
+            features.add(answer.key, rows[:max_feature_rows])
+        made += answer.answer_tokens
+        if len(store) % 100 == 0:
+            rate = made / max(time.time() - started, 1e-9)
+            log(f"answers {len(store)} | answer tokens {store.answer_tokens} | {rate:.1f} tok/s")
 
-    taps = layer_ids if features is not None else ()
-    generator = RefillGenerator(target.model, target.eos_ids, batch, max_new, taps)
+    generator = RefillGenerator(target.model, target.eos_ids, batch, max_new, layer_ids if features is not None else ())
     try:
-        done = generator.run(take, on_done, deadline)
+        done = generator.run(turns.take, on_done, deadline)
     finally:
         store.flush()
     log(
         f"generation stopped: {done} answered, {made} answer tokens in {time.time() - started:.0f} s; "
-        f"{len(store)} stored; skipped {skipped}"
+        f"{len(store)} stored; {turns.too_long} prompts too long"
     )
     return done

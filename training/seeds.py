@@ -308,7 +308,7 @@ def stdlib_functions(limit: int = 3000) -> tuple[tuple[str, str], ...]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 mod = importlib.import_module(mod_name)
-        except Exception:  # noqa: BLE001 - platform-specific or GUI modules just don't count
+        except Exception:  # platform-specific or GUI modules just don't count
             continue
         for attr, obj in sorted(vars(mod).items()):
             if attr.startswith("_") or getattr(obj, "__module__", None) != mod_name:

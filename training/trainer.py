@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from draft_node.checkpoint import load_drafter, random_drafter, save_draft_vocab, save_drafter
-from draft_node.config import SLIDING, DFlashConfig
-from draft_node.model import DFlashDrafter, rope
+from draft_node.config import DFlashConfig
+from draft_node.model import DFlashDrafter
 from training.answer_store import Answer
 from training.features import FeatureCache
 
@@ -160,59 +160,12 @@ def make_batch(
     return Batch(feats, anc, toks, labels)
 
 
-def attention_mask(cfg: DFlashConfig, layer_type: str, span: int, anchors: torch.Tensor) -> torch.Tensor:
-    """[S, 1, N*B, span+N*B]: context rows before the anchor, own block only."""
-    s, n = anchors.shape
-    b = cfg.block_size
-    row_anchor = anchors.repeat_interleave(b, 1)  # [S, N*B]
-    row_pos = row_anchor + torch.arange(b, device=anchors.device).repeat(n)
-    ctx_pos = torch.arange(span, device=anchors.device)
-    ctx = ctx_pos[None, None, :] < row_anchor[:, :, None]
-    block_id = torch.arange(n, device=anchors.device).repeat_interleave(b)
-    blk = (block_id[:, None] == block_id[None, :]).expand(s, -1, -1)
-    if layer_type == SLIDING:
-        ctx = ctx & (ctx_pos[None, None, :] > row_pos[:, :, None] - cfg.sliding_window)
-        slot = torch.arange(b, device=anchors.device).repeat(n)
-        blk = blk & (slot[None, :, None] >= slot[None, None, :])
-    return torch.cat([ctx, blk], 2)[:, None]
-
-
-def train_forward(drafter: DFlashDrafter, scale: torch.Tensor, batch: Batch, noise: torch.Tensor) -> torch.Tensor:
-    """Block hidden states [S, N, B, hidden] for every anchor at once; equal to DFlashDrafter.forward per block."""
-    cfg = drafter.config
-    s, n, b = batch.block_tokens.shape
-    span = batch.features.shape[1]
-    dev = drafter.device
-    ctx = drafter.hidden_norm(drafter.fc(batch.features.to(dev) * scale.to(dev)))  # [S, T, H]
-    ctx_positions = torch.arange(span, device=dev).repeat(s)
-    anchors = batch.anchors.to(dev)
-    positions = (anchors[:, :, None] + torch.arange(b, device=dev)).reshape(-1)  # [S*N*B]
-    masks = {t: attention_mask(cfg, t, span, anchors) for t in set(cfg.layer_types)}
-    x = noise.reshape(s * n * b, -1).to(dev)
-    for layer in drafter.layers:
-        attn = layer.self_attn
-        ck, cv = attn.keys_values(ctx.reshape(s * span, -1), ctx_positions)
-        h = layer.input_layernorm(x)
-        q = rope(attn.q_norm(attn.q_proj(h).view(-1, attn.heads, attn.head_dim)), positions, attn.theta)
-        bk, bv = attn.keys_values(h, positions)
-
-        def heads(t: torch.Tensor, rows: int) -> torch.Tensor:
-            return t.view(s, rows, t.shape[-2], t.shape[-1]).transpose(1, 2)
-
-        k = torch.cat([heads(ck, span), heads(bk, n * b)], 2)
-        v = torch.cat([heads(cv, span), heads(bv, n * b)], 2)
-        out = F.scaled_dot_product_attention(heads(q, n * b), k, v, attn_mask=masks[layer.layer_type], enable_gqa=True)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(s * n * b, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return drafter.norm(x).view(s, n, b, -1)
-
-
 class Trainer:
     """The drafter, its optimizer, the frozen target pieces, and a deterministic batch stream."""
 
     def __init__(
         self,
-        target,  # noqa: ANN001 - a TargetModel (its embedding table and LM head are used frozen)
+        target,  # a TargetModel (its embedding table and LM head are used frozen)
         cfg: DFlashConfig,
         answers: list[Answer],
         features: FeatureCache,
@@ -271,7 +224,8 @@ class Trainer:
         Only labelled slots go through the LM head: it is most of the step's cost.
         """
         noise = F.embedding(batch.block_tokens.to(self.dev), self.embed)
-        hidden = train_forward(self.drafter, self.scale, batch, noise)
+        features, anchors = batch.features.to(self.dev), batch.anchors.to(self.dev)
+        hidden = self.drafter.forward_anchors(features, anchors, noise, self.scale)
         labels = batch.labels.to(self.dev)
         labelled = labels >= 0
         logits = (hidden[labelled].to(self.head.dtype) @ self.head.T).float()
@@ -371,7 +325,7 @@ class Trainer:
 
 
 def train(
-    target,  # noqa: ANN001 - a TargetModel (its embedding table and LM head are used frozen)
+    target,  # a TargetModel (its embedding table and LM head are used frozen)
     cfg: DFlashConfig,
     answers: list[Answer],
     features: FeatureCache,

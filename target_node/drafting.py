@@ -1,0 +1,57 @@
+"""What drafting needs from the target, kept beside it rather than inside it.
+
+A DFlash drafter reads tapped target features of committed positions and returns hidden
+states the target projects through its own LM head. The bridge holds those pieces for one
+drafter: which layers to tap, the ring of committed features the drafter has not read yet
+(or may need again after a restart), the noise block's embeddings, and the draft head (the
+LM head's rows for the drafter's vocabulary, in bf16 on CPU: drafts need not be exact,
+verification is).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protocol.messages import fit_problems
+from target_node.feature_ring import FeatureRing
+from target_node.target import TargetModel
+
+
+class DrafterMismatch(ValueError):
+    """A drafter built for a different target."""
+
+
+class Drafting:
+    def __init__(self, target: TargetModel, drafter: dict) -> None:
+        """`drafter`: the drafter's description (the wire's DRAFTER_INFO), from wherever it runs."""
+        problems = fit_problems(drafter, target.info)
+        if problems:
+            raise DrafterMismatch("drafter does not fit this target: " + "; ".join(problems))
+        self.target, self.info = target, dict(drafter)
+        self.taps = tuple(drafter["target_layer_ids"])
+        self.block_size, self.mask_token_id = drafter["block_size"], drafter["mask_token_id"]
+        dtype = target.model.dtype
+        self.ring = FeatureRing(drafter["ring_capacity"], drafter["feature_width"], dtype, target.device)
+        self.mask_row = target.embed([self.mask_token_id])
+        weight = target.head.weight.detach()
+        vocab = drafter.get("draft_vocab") or []
+        self.vocab = torch.tensor(vocab, dtype=torch.long, device=target.device) if vocab else None
+        rows = weight[self.vocab] if self.vocab is not None else weight
+        cheap = weight.device.type == "cpu" and weight.dtype == torch.float32
+        self.head = rows.to(torch.bfloat16) if cheap else rows
+
+    def noise(self, last_token: int) -> torch.Tensor:
+        """The embedded block [last_tok, MASK, ..., MASK]."""
+        return torch.cat([self.target.embed([last_token]), self.mask_row.expand(self.block_size - 1, -1)])
+
+    @torch.inference_mode()
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [rows, vocab]: the drafter's hidden states through the target's own head
+        (-inf outside the drafter's vocabulary)."""
+        hidden = hidden.to(device=self.head.device, dtype=self.head.dtype)
+        sub = self.target.scale_logits((hidden @ self.head.T).float())
+        if self.vocab is None:
+            return sub
+        logits = sub.new_full((sub.shape[0], self.target.vocab_size), float("-inf"))
+        logits[:, self.vocab] = sub
+        return logits
