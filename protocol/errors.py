@@ -19,6 +19,8 @@ class ErrorCode(str, Enum):
     UNKNOWN_SESSION = "unknown_session"
     OUT_OF_ORDER = "out_of_order"
     CONFIG_MISMATCH = "config_mismatch"
+    CONTEXT_LENGTH = "context_length"  # prompt + max_new_tokens beyond what the model can hold
+    BUSY = "busy"  # a queue limit: try again later
     INTERNAL = "internal"
 
 
