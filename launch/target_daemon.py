@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ring-capacity", type=int, default=4096, help="context positions a --proposer local drafter keeps"
     )
-    parser.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    parser.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens accepted")
+    parser.add_argument("--max-queued", type=int, default=1024, help="requests queued over all clients (then: busy)")
+    parser.add_argument("--max-queued-per-client", type=int, default=64, help="requests one client may queue")
     parser.add_argument(
         "--always-draft",
         action="store_true",
@@ -76,7 +78,14 @@ def main(argv: list[str] | None = None) -> None:
     apply_runtime_args(args)
     stop = stop_on_signals()
     target = TargetModel.load(resolve_model(args.model), args.device, dtype_of(args))
-    service = TargetService(target, build_proposer(args, target), args.max_new_tokens_limit, not args.always_draft)
+    service = TargetService(
+        target,
+        build_proposer(args, target),
+        args.max_new_tokens_limit,
+        adaptive=not args.always_draft,
+        max_queued=args.max_queued,
+        max_queued_per_client=args.max_queued_per_client,
+    )
     service.serve(args.bind, stop)
 
 

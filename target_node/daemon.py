@@ -19,7 +19,7 @@ from target_node.governor import Governor
 from target_node.proposers import Proposer
 from target_node.sampling import SamplingParams
 from target_node.speculative import Result, generate
-from target_node.target import TargetModel
+from target_node.target import ContextLengthError, TargetModel
 
 log = logging.getLogger("target_daemon")
 
@@ -33,13 +33,20 @@ class Job:
 
 class TargetService:
     def __init__(
-        self, target: TargetModel, proposer: Proposer, max_new_tokens_limit: int = 4096, adaptive: bool = True
+        self,
+        target: TargetModel,
+        proposer: Proposer,
+        max_new_tokens_limit: int = 4096,
+        adaptive: bool = True,
+        max_queued: int = 1024,
+        max_queued_per_client: int = 64,
     ) -> None:
         self.target = target
         self.adaptive = adaptive
         self.governor = Governor()  # one proposer, one governor: it learns across requests
         self.proposer = proposer
         self.max_new_tokens_limit = max_new_tokens_limit
+        self.max_queued, self.max_queued_per_client = max_queued, max_queued_per_client
         # The line of clients waiting, each with its jobs in order. A client whose job is
         # running is parked and rejoins at the back when that job is done, so clients that
         # arrived meanwhile go first.
@@ -63,10 +70,7 @@ class TargetService:
                 self.send(identity, encode_error(msg.request_id, msg.code, msg.message))
                 continue
             if msg.type == "generate":
-                queue = self.parked.get(identity)
-                if queue is None:
-                    queue = self.queues.setdefault(identity, deque())
-                queue.append(Job(identity, msg))
+                self.enqueue(identity, msg)
             elif msg.type == "cancel":
                 self.cancel(identity, msg.id)
             elif msg.type == "ping":
@@ -80,6 +84,21 @@ class TargetService:
                     identity,
                     encode_error(msg.id, ErrorCode.UNKNOWN_TYPE, f"the target daemon does not serve '{msg.type}'"),
                 )
+
+    def enqueue(self, identity: bytes, msg: Message) -> None:
+        queue = self.parked.get(identity)
+        if queue is None:
+            queue = self.queues.get(identity, deque())
+        if len(queue) >= self.max_queued_per_client:
+            why = f"this client has {len(queue)} requests queued (limit {self.max_queued_per_client})"
+        elif self.pending() >= self.max_queued:
+            why = f"{self.pending()} requests are queued (limit {self.max_queued})"
+        else:
+            if identity not in self.parked:
+                self.queues[identity] = queue
+            queue.append(Job(identity, msg))
+            return
+        self.send(identity, encode_error(msg.id, ErrorCode.BUSY, why + "; retry later"))
 
     def pending(self) -> int:
         return sum(len(q) for q in (*self.queues.values(), *self.parked.values()))
@@ -193,6 +212,8 @@ class TargetService:
             self.served += 1
         except ProtocolError as exc:
             self.send(identity, encode_error(msg.id, exc.code, exc.message))
+        except ContextLengthError as exc:
+            self.send(identity, encode_error(msg.id, ErrorCode.CONTEXT_LENGTH, str(exc)))
         except Exception as exc:  # one bad request must not take the daemon down
             log.exception("request %s failed", msg.id)
             self.send(identity, encode_error(msg.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))

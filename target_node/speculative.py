@@ -116,6 +116,7 @@ def generate(
     """
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
+    target.check_length(len(prompt), max_new_tokens)
     eos = target.eos_ids if stop_on_eos else frozenset()
     output = Output(target.tokenizer, max_new_tokens, eos, stop_strings, hint_tokens, on_commit)
     sampler = None if sampling is None or sampling.is_greedy else Sampler(sampling, target.device)

@@ -17,6 +17,10 @@ from target_node.greedy_head import ScreenedArgmaxHead
 from target_node.taps import tap_features
 
 
+class ContextLengthError(ValueError):
+    """A request that needs more positions than the model has."""
+
+
 class TargetModel:
     def __init__(self, model, tokenizer=None) -> None:  # a transformers causal LM and its tokenizer
         self.model = model.eval()
@@ -65,6 +69,20 @@ class TargetModel:
             "num_hidden_layers": self.config.num_hidden_layers,
             "vocab_size": self.vocab_size,
         }
+
+    @property
+    def max_positions(self) -> int | None:
+        """Positions the model was built for (None when its config does not say)."""
+        return getattr(self.config, "max_position_embeddings", None)
+
+    def check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuse, before any work, a request that would run past the model's positions."""
+        limit = self.max_positions
+        if limit is not None and prompt_tokens + max_new_tokens > limit:
+            raise ContextLengthError(
+                f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) is "
+                f"{prompt_tokens + max_new_tokens} positions; this model holds {limit}"
+            )
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()

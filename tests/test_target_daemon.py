@@ -85,14 +85,14 @@ def test_requests_are_served_round_robin_and_none_is_lost(address):
 def test_cancel_stops_a_running_request(address):
     sock = dealer(zmq.Context.instance(), address)
     try:
-        sock.send_multipart(encode("generate", 7, {"token_ids": PROMPT, "max_new_tokens": 3000}))
+        sock.send_multipart(encode("generate", 7, {"token_ids": PROMPT, "max_new_tokens": 2000}))
         first = receive(sock, 7, time.monotonic() + 60)
         assert first.type == "chunk"
         sock.send_multipart(encode("cancel", 7, {}))
         reply = first
         while reply.type != "done":
             reply = receive(sock, 7, time.monotonic() + 60)
-        assert reply["finish_reason"] == "cancelled" and len(reply["token_ids"]) < 3000
+        assert reply["finish_reason"] == "cancelled" and len(reply["token_ids"]) < 2000
     finally:
         sock.close(0)
 
@@ -112,3 +112,41 @@ def test_sampling_options_pass_through_the_daemon(model_dir, address):
     assert got[0] == got[1] == want  # same seed, model and proposer: the same sample, remote or local
     assert other != want
     assert want != greedy(local, PROMPT, 30)
+
+
+def test_a_request_longer_than_the_model_is_refused_before_any_work(address):
+    client = TargetClient(address, timeout_s=60)
+    try:
+        began = time.monotonic()
+        with pytest.raises(ProtocolError, match=r"\(2000 tokens\) plus max_new_tokens \(100\).*holds 2048") as err:
+            client.generate(token_ids=[5] * 2000, max_new_tokens=100)
+        assert err.value.code.value == "context_length" and time.monotonic() - began < 5
+        assert client.generate(token_ids=PROMPT, max_new_tokens=4)["finish_reason"] in ("length", "eos")
+    finally:
+        client.close()
+
+
+def test_queue_limits_answer_busy_and_lose_nothing_accepted(model_dir, tmp_path):
+    address = f"ipc://{tmp_path}/busy.sock"
+    args = ["--model", str(model_dir), "--proposer", "none", "--max-queued-per-client", "2", "--max-queued", "3"]
+    with daemon("target daemon", "launch.target_daemon", address, args, 120):
+        context = zmq.Context.instance()
+        a, b = dealer(context, address), dealer(context, address)
+        try:
+            request = {"token_ids": PROMPT, "max_new_tokens": 200, "stream": False}
+            for i in range(6):
+                a.send_multipart(encode("generate", 10 + i, request))
+            replies = []
+            while len(replies) < 6 and a.poll(120_000):
+                replies.append(decode(a.recv_multipart()))
+            assert sorted(r.id for r in replies) == list(range(10, 16))
+            busy = [r for r in replies if r.type == "error"]
+            assert len(busy) >= 3 and all(r["code"] == "busy" and "limit 2" in r["message"] for r in busy)
+            want = greedy(TargetModel.load(model_dir), PROMPT, 200)
+            assert all(r["token_ids"] == want for r in replies if r.type == "done")
+            # Another client still gets in: the limit is per client first.
+            b.send_multipart(encode("generate", 99, dict(request, max_new_tokens=5)))
+            assert receive(b, 99, time.monotonic() + 120).type == "done"
+        finally:
+            a.close(0)
+            b.close(0)
