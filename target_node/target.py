@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from target_node.cache_policy import CachePolicy, policy_for
 from target_node.greedy_head import ScreenedArgmaxHead
 from target_node.taps import tap_features
 
@@ -27,6 +28,8 @@ class TargetModel:
         self.tokenizer = tokenizer
         self.config = model.config
         self.cache: DynamicCache | None = None
+        # Chosen from the layers of the model's own cache: refused here, not mid-request.
+        self.policy: CachePolicy = policy_for(self._new_cache())
         self.eos_ids = self._eos_ids()
         self.head = model.get_output_embeddings()
         if getattr(self.head, "bias", None) is not None:
@@ -102,6 +105,9 @@ class TargetModel:
         """A new request: an empty KV cache."""
         self.cache = None
 
+    def _new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
     @torch.inference_mode()
     def forward(self, tokens: list[int], taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run tokens at the next positions: final hidden states [k, hidden], and the tapped
@@ -111,14 +117,15 @@ class TargetModel:
         than the full logits of every row. The cache keeps all k positions until `rollback`.
         """
         if self.cache is None:
-            self.cache = DynamicCache(config=self.config)
+            self.cache = self._new_cache()
+        self.policy.prepare(self.cache, self.length, len(tokens))
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         out = self.model.get_decoder()(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=bool(taps))
         return out.last_hidden_state[0], tap_features(out.hidden_states, taps)[0] if taps else None
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` positions of the KV cache, dropping what was run after them."""
-        self.cache.crop(length - self.cache.get_seq_length())
+        self.policy.rollback(self.cache, length)
 
     # --- the head --------------------------------------------------------------
 
