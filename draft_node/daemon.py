@@ -29,6 +29,7 @@ log = logging.getLogger("draft_daemon")
 @dataclass
 class Session:
     cache: DraftKVCache
+    mask: torch.Tensor  # [1, hidden]: the mask token's embedding, filling block rows 1..
     last_used: float = field(default_factory=time.monotonic)
     steps: int = 0
     rows_in: int = 0
@@ -99,7 +100,12 @@ class DraftService:
         name = msg["session"]
         if name not in self.sessions and len(self.sessions) >= self.max_sessions:
             self.evict_idle(force_oldest=True)
-        self.sessions[name] = Session(DraftKVCache(self.drafter, self.ring_capacity))
+        spec = msg.tensors["mask"][0]
+        if tuple(spec.shape) != (1, self.config.hidden_size):
+            wanted = [1, self.config.hidden_size]
+            raise ProtocolError(ErrorCode.CONFIG_MISMATCH, f"mask row {list(spec.shape)}, drafter wants {wanted}")
+        mask = msg.tensor("mask", self.drafter.device, self.drafter.dtype)
+        self.sessions[name] = Session(DraftKVCache(self.drafter, self.ring_capacity), mask)
         return encode("ok", msg.id)
 
     def session(self, msg: Message) -> Session:
@@ -129,10 +135,10 @@ class DraftService:
                 ErrorCode.CONFIG_MISMATCH,
                 f"feature rows are {features_spec.shape[1]} wide, the drafter wants {cfg.feature_width}",
             )
-        if tuple(noise_spec.shape) != (cfg.block_size, cfg.hidden_size):
+        if tuple(noise_spec.shape) != (1, cfg.hidden_size):
             raise ProtocolError(
                 ErrorCode.CONFIG_MISMATCH,
-                f"noise block is {list(noise_spec.shape)}, the drafter wants [{cfg.block_size}, {cfg.hidden_size}]",
+                f"noise is {list(noise_spec.shape)}: send last_tok's embedding, [1, {cfg.hidden_size}]",
             )
         start, position, rows = msg["start"], msg["position"], msg["rows"] or cfg.block_size - 1
         if rows > cfg.block_size - 1:
@@ -142,9 +148,9 @@ class DraftService:
             session.cache.append(start, msg.tensor("features", self.drafter.device, self.drafter.dtype))
         except OutOfOrderError as exc:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{exc}; reset the session to {start} first") from exc
-        hidden = session.cache.draft(msg.tensor("noise", self.drafter.device, self.drafter.dtype), position)[
-            1 : 1 + rows
-        ]
+        last = msg.tensor("noise", self.drafter.device, self.drafter.dtype)
+        block = torch.cat([last, session.mask.expand(cfg.block_size - 1, -1)])
+        hidden = session.cache.draft(block, position)[1 : 1 + rows]
         if hidden.device.type == "cuda":
             torch.cuda.synchronize(hidden.device)
         draft_ms = (time.perf_counter() - began) * 1000

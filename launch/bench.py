@@ -158,7 +158,7 @@ def bench_protocol(feature_rows: int, feature_width: int, block: int, hidden: in
     """Same bytes both ways: a propose/proposal pair through the codec vs raw frames echoed."""
     context = zmq.Context.instance()
     features = torch.randn(feature_rows, feature_width)
-    noise = torch.randn(block, hidden)
+    noise = torch.randn(1, hidden)  # last_tok's embedding: the mask rows travel once, at open
     reply_hidden = torch.zeros(block - 1, hidden)
     request_bytes = features.numel() * 4 + noise.numel() * 4
     reply_bytes = reply_hidden.numel() * 4

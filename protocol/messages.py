@@ -14,7 +14,7 @@ from .errors import ErrorCode, ProtocolError
 from .fields import Bool, Float, Int, Json, List, Str, Struct
 from .tensors import FLOAT_DTYPES, TensorSpec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Header keys owned by the envelope; no message may use them as field names.
 RESERVED_KEYS = ("v", "type", "id", "tensors")
@@ -148,7 +148,9 @@ SCHEMAS: dict[str, Schema] = {
             }
         )
     ),
-    "open": Schema(SESSION_ONLY, replies=("ok",)),
+    # `mask`: the target's embedding of the drafter's mask token, the same for every block,
+    # so it travels once per session instead of block_size - 1 times per step.
+    "open": Schema(SESSION_ONLY, tensors=(TensorRule("mask", FLOAT_DTYPES, (1, 1)),), replies=("ok",)),
     "reset": Schema(Struct({"session": SESSION, "position": POSITION}), replies=("ok",)),
     "close": Schema(SESSION_ONLY, replies=("ok",)),
     "propose": Schema(

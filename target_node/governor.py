@@ -1,17 +1,74 @@
-"""Speculate only while it pays: compare measured throughput of draft+verify steps with plain steps.
+"""Speculate only while it pays, and verify as many drafts as pay, by measured cost.
 
-A drafter that accepts little makes every step slower than a plain one (a wider verify, a
-draft round trip, a projection). The governor keeps a rolling estimate of tokens per second
-for both kinds of step; when speculation falls behind plain decoding
-it switches to plain steps and re-probes the drafter now and then (one step a probe),
-backing off while the probes keep failing. A daemon keeps one governor across requests,
-so a new request starts from what the last ones learned.
+Two decisions, both from what this machine measures:
+
+- **Whether to draft.** A drafter that accepts little makes every step slower than a plain
+  one (a wider verify, a draft round trip, a projection). The governor keeps a rolling
+  estimate of tokens per second for both kinds of step; when speculation falls behind plain
+  decoding it switches to plain steps and re-probes the drafter now and then (one step a
+  probe), backing off while the probes keep failing.
+- **How many drafts to verify.** A verify step's cost is a measured table by width (on CPU
+  it is not even monotonic: 5 rows can be cheaper than 3), and the drafts' worth is the
+  expected number accepted: from the drafter's own probabilities (scaled by how well they
+  have predicted acceptance so far) when it has them, else from how often each depth was
+  accepted lately. The governor verifies the n that maximises expected tokens per second,
+  (1 + accepted(n)) / (draft cost + verify cost(n + 1)), and n may be 0.
+
+A daemon keeps one governor across requests, so a new request starts from what the last
+ones learned.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from target_node.tree import DraftTree
+
+
+@dataclass
+class VerifyCosts:
+    """Seconds a target step costs by width (tokens run at once), measured on this machine."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+    weight: float = 0.1  # of a new measurement in the running estimate
+
+    def update(self, width: int, seconds: float) -> None:
+        old = self.seconds.get(width)
+        self.seconds[width] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+
+    def __call__(self, width: int) -> float:
+        """The measured cost, or one interpolated from the nearest measured widths."""
+        if width in self.seconds:
+            return self.seconds[width]
+        if not self.seconds:
+            return 1.0 + 0.05 * (width - 1)  # nothing measured yet: assume verifying is nearly free
+        below = [w for w in self.seconds if w < width]
+        above = [w for w in self.seconds if w > width]
+        if below and above:
+            lo, hi = max(below), min(above)
+            t = (width - lo) / (hi - lo)
+            return (1 - t) * self.seconds[lo] + t * self.seconds[hi]
+        nearest = max(below) if below else min(above)
+        return self.seconds[nearest] * max(width, 1) / max(nearest, 1) if below else self.seconds[nearest]
+
+    def measure(self, target, widths: Sequence[int], context: int = 128, repeats: int = 3) -> None:  # a TargetModel
+        """Time target steps of each width after a `context`-token prefix (median of `repeats`)."""
+        target.reset()
+        target.forward([3 + i % 97 for i in range(context)])
+        for width in widths:
+            times = []
+            for _ in range(repeats + 1):  # the first run warms up
+                began = time.perf_counter()
+                hidden, _ = target.forward([5] * width)
+                target.greedy(hidden)
+                target.rollback(context)
+                times.append(time.perf_counter() - began)
+            self.seconds[width] = statistics.median(times[1:])
+        target.reset()
 
 
 @dataclass
@@ -24,15 +81,27 @@ class Governor:
     # Above this many tokens per step a verify step (at most ~3 plain steps' cost on CPU, far
     # less on GPU) always pays, so plain steps are not even measured.
     sure_tau: float = 3.0
+    max_nodes: int = 16  # the widest tree it considers verifying (verify width - 1)
+    costs: VerifyCosts = field(default_factory=VerifyCosts)
     spec: deque = field(default_factory=deque)  # (tokens, seconds) of recent speculative steps
     plain: deque = field(default_factory=deque)  # seconds of recent plain steps
     drafting: bool = True
     plain_streak: int = 0
     backoff: int = 0
-    accepted: deque = field(default_factory=lambda: deque(maxlen=32))  # drafts accepted per recent step
     probing: bool = False  # one speculative step decides whether a probe succeeded
     switches: int = 0
     probes: int = 0
+    draft_s: float = 0.0  # running estimate of what drafting costs a step
+    # Decayed sums: accepted drafts against what the drafter's probabilities predicted.
+    predicted: float = 0.0
+    actual: float = 0.0
+    # Decayed counts per depth k (1-based; index 0 unused): steps that verified depth k with
+    # depth k-1 accepted, and of those, how many accepted depth k. Starts at an even 1 in 2.
+    depth_tries: list[float] = field(default_factory=lambda: [2.0] * 32)
+    depth_hits: list[float] = field(default_factory=lambda: [1.0] * 32)
+    decay: float = 0.97
+
+    # --- whether to draft ---------------------------------------------------
 
     def should_draft(self) -> bool:
         if self.drafting:
@@ -46,9 +115,23 @@ class Governor:
             self.spec.clear()  # judge the drafter afresh, on what it does now
         return self.drafting
 
-    def record(self, drafted: bool, tokens: int, seconds: float) -> None:
+    def record(
+        self,
+        drafted: bool,
+        tokens: int,
+        seconds: float,
+        *,
+        width: int = 1,
+        draft_s: float = 0.0,
+        predicted: float | None = None,
+        chain: bool = True,
+    ) -> None:
+        """One step: whether it drafted, tokens committed, its seconds (draft_s of them drafting),
+        the width verified, and the accepted drafts the drafter's probabilities predicted (if any)."""
+        self.costs.update(width, seconds - draft_s)
         if drafted:
-            self.accepted.append(tokens - 1)
+            self.draft_s = draft_s if not self.spec else 0.8 * self.draft_s + 0.2 * draft_s
+            self._learn_acceptance(tokens - 1, width - 1, predicted, chain)
             self.spec.append((tokens, seconds))
             while len(self.spec) > self.window:
                 self.spec.popleft()
@@ -68,19 +151,40 @@ class Governor:
             else:
                 self.backoff = 0
 
-    def draft_limit(self, cap: int) -> int:
-        """How many drafts to verify: one more than the depth that is still reached often.
+    # --- how many drafts to verify ---------------------------------------------
 
-        Every extra draft widens the verify step; drafts past the usual acceptance depth are
-        rarely accepted. If 10% of recent steps accepted all k drafts, k grows by one, so
-        the limit follows the drafter up again when it does better.
-        """
-        if len(self.accepted) < 4:
-            return cap
-        k = min(1, cap)
-        while k < cap and sum(a >= k for a in self.accepted) >= 0.1 * len(self.accepted):
-            k += 1
-        return k
+    def _learn_acceptance(self, accepted: int, verified: int, predicted: float | None, chain: bool) -> None:
+        if predicted is not None:
+            self.predicted = self.decay * self.predicted + predicted
+            self.actual = self.decay * self.actual + accepted
+        if chain:
+            for k in range(1, min(verified, accepted + 1, len(self.depth_tries) - 1) + 1):
+                self.depth_tries[k] = self.decay * self.depth_tries[k] + 1
+                self.depth_hits[k] = self.decay * self.depth_hits[k] + (accepted >= k)
+
+    @property
+    def calibration(self) -> float:
+        """How many drafts were accepted per one the drafter's probabilities predicted."""
+        return min(2.0, max(0.05, (self.actual + 1) / (self.predicted + 1)))
+
+    def expected_accepted(self, tree: DraftTree, probabilities: bool) -> list[float]:
+        """Expected accepted drafts when verifying the first n nodes, n = 0..len(tree)."""
+        if probabilities:
+            return [self.calibration * e for e in tree.expected()]
+        out, reach = [0.0], 1.0
+        for k in tree.depths:  # a chain without probabilities: how deep recent steps got
+            k = min(k, len(self.depth_tries) - 1)
+            reach *= self.depth_hits[k] / self.depth_tries[k]
+            out.append(out[-1] + reach)
+        return out
+
+    def nodes(self, tree: DraftTree, probabilities: bool) -> int:
+        """How many of the tree's first nodes to verify: the most expected tokens per second."""
+        gains = self.expected_accepted(tree, probabilities)[: self.max_nodes + 1]
+        rates = [(1 + g) / (self.draft_s + self.costs(n + 1)) for n, g in enumerate(gains)]
+        return max(range(len(rates)), key=rates.__getitem__)
+
+    # --- reporting -----------------------------------------------------------
 
     def spec_tau(self) -> float:
         return sum(t for t, _ in self.spec) / len(self.spec) if self.spec else 0.0
@@ -99,7 +203,9 @@ class Governor:
             "drafting": self.drafting,
             "switches_to_plain": self.switches,
             "probes": self.probes,
-            "draft_limit": self.draft_limit(1 << 30) if self.accepted else None,
+            "calibration": round(self.calibration, 3),
+            "verify_ms_by_width": {str(w): round(s * 1000, 2) for w, s in sorted(self.costs.seconds.items())},
+            "draft_ms": round(self.draft_s * 1000, 2),
             "spec_tok_s": round(self.spec_rate(), 2),
             "plain_tok_s": round(self.plain_rate(), 2),
         }

@@ -99,7 +99,8 @@ class RemoteDraftBackend:
             self.info = info
             # The drafter's own dtype, unless the operator chose: wider only costs bytes.
             self.wire_dtype = self.wire_request or reply["wire_dtype"]
-            self._call("open", {"session": self.session}, timeout_s=timeout_s)
+            mask = target.embed([info["mask_token_id"]])
+            self._call("open", {"session": self.session}, {"mask": mask}, timeout_s=timeout_s)
             self.attached = True
         except DrafterUnavailable:
             pass
@@ -132,15 +133,16 @@ class RemoteDraftBackend:
     def draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> torch.Tensor:
         self.ensure()
         began = time.perf_counter()
+        # Rows 1.. of the noise block are the mask embedding the daemon holds since `open`.
         reply = self._call(
             "propose",
             {"session": self.session, "start": start, "position": position, "rows": rows},
-            {"features": features, "noise": noise},
+            {"features": features, "noise": noise[:1]},
         )
         self.counters["draft_ms"] += reply["draft_ms"]
         self.counters["propose_rtt_ms"] += (time.perf_counter() - began) * 1000
         self.counters["proposals"] += 1
-        return reply.tensor("hidden", self.target.device, torch.float32)
+        return reply.tensor("hidden", self.target.device)  # in the wire dtype: the projection casts once
 
     def close(self) -> None:
         if self.attached:

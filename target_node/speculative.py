@@ -16,12 +16,15 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from target_node.governor import Governor
 from target_node.output import OnCommit, Output
-from target_node.proposers import EMPTY, Proposer
+from target_node.proposers import EMPTY, Proposal, Proposer
 from target_node.sampling import Sampler, SamplingParams
 from target_node.stats import Stats
 from target_node.target import TargetModel
+from target_node.tree import DraftTree
 
 
 @dataclass
@@ -34,6 +37,8 @@ class Step:
     source: str
     propose_s: float
     verify_s: float
+    chain: bool = True  # one guess per position (else a tree)
+    predicted: float | None = None  # accepted drafts the drafter's probabilities predicted
 
     @property
     def accepted(self) -> int:
@@ -48,6 +53,31 @@ def accept_length(drafts: list[int], target_argmax: list[int]) -> int:
     return n
 
 
+def draft_tree(
+    proposal: Proposal, limit: int, hints: list[int], tree_nodes: int, governor: Governor | None
+) -> tuple[DraftTree, bool]:
+    """The drafts to verify for a greedy step, and whether their probabilities are the drafter's.
+
+    Hinted tokens (known continuations) stand in for guesses where given, as a chain. A
+    proposal with a distribution per position becomes a tree of up to `tree_nodes` nodes
+    (a chain when 0); the governor, if any, keeps the first nodes that pay.
+    """
+    if hints:
+        guesses = proposal.tokens
+        tokens = [hints[i] if i < len(hints) else guesses[i] for i in range(max(len(guesses), len(hints)))]
+        return DraftTree.chain(tokens[:limit]), False
+    if proposal.logits is not None and proposal.tokens:
+        logprobs = torch.log_softmax(proposal.logits.float(), dim=-1)
+        budget = tree_nodes or min(limit, logprobs.shape[0])
+        tree = DraftTree.best_first(logprobs, budget, limit, branching=8 if tree_nodes else 1)
+        probabilities = True
+    else:
+        tree, probabilities = DraftTree.chain(proposal.tokens[:limit]), False
+    if governor is not None:
+        tree = tree.prefix(governor.nodes(tree, probabilities))
+    return tree, probabilities
+
+
 def speculative_step(
     target: TargetModel,
     proposer: Proposer,
@@ -55,34 +85,55 @@ def speculative_step(
     limit: int,
     sampler: Sampler | None = None,
     hints: list[int] | None = None,
+    tree_nodes: int = 0,
+    governor: Governor | None = None,
 ) -> Step:
     """One step from committed `tokens` (the target holds all but the last, last_tok, in its cache).
 
-    Up to `limit` drafts are verified, hinted tokens (known continuations) standing in for
-    the proposer's guesses where given; the target's cache and the proposer's features end
-    holding exactly the committed positions.
+    Drafts at most `limit` deep are verified: greedy steps as a tree of up to `tree_nodes`
+    nodes when the proposer gives distributions and the target's cache can keep any rows
+    (else a chain), sampled steps as a chain. The target's cache and the proposer's
+    features end holding exactly the committed positions.
     """
     began = time.perf_counter()
     position = len(tokens) - 1  # where last_tok goes
     proposal = proposer.propose(tokens, limit) if limit > 0 else EMPTY
-    guesses, q = (proposal.tokens, None) if sampler is None else sampler.draft(proposal.tokens, proposal.logits)
     hints = hints or []
-    drafts = [hints[i] if i < len(hints) else guesses[i] for i in range(max(len(guesses), len(hints)))]
-    proposed_at = time.perf_counter()
-    hidden, features = target.forward([tokens[-1]] + drafts, proposer.taps)
     if sampler is None:
-        # Greedy: the longest prefix the target agrees with, then the target's own choice.
-        choices = target.greedy(hidden)
-        accepted = accept_length(drafts, choices)
-        bonus = choices[accepted]
+        trees = tree_nodes if target.policy.tree else 0
+        tree, probabilities = draft_tree(proposal, limit, hints, trees, governor)
+        predicted = tree.expected()[-1] if probabilities else None
     else:
-        # Sampled: the rejection rule, which keeps the target's distribution exactly.
-        accepted, bonus = sampler.verify(target.logits(hidden), drafts, q, fixed=len(hints))
-    target.rollback(position + accepted + 1)
-    proposer.commit(position, None if features is None else features[: accepted + 1])
-    source = proposal.source or "hint"
-    return Step(drafts[:accepted] + [bonus], len(drafts), bool(proposal.tokens), source, proposed_at - began,
-                time.perf_counter() - proposed_at)
+        drafts, q = sampler.draft(proposal.tokens, proposal.logits)
+        drafts = [hints[i] if i < len(hints) else drafts[i] for i in range(max(len(drafts), len(hints)))]
+        tree, predicted = DraftTree.chain(drafts), None
+        if governor is not None:
+            tree = tree.prefix(governor.nodes(tree, False))
+    proposed_at = time.perf_counter()
+    hidden, features = target.forward([tokens[-1]] + tree.tokens, proposer.taps, tree)
+    if sampler is None:
+        # Greedy: the deepest path the target agrees with, then the target's own choice after it.
+        choices = target.greedy(hidden)
+        path = tree.accept(choices)
+        bonus = choices[path[-1] if path else 0]
+    else:
+        # Sampled: the rejection rule on the chain, which keeps the target's distribution exactly.
+        accepted, bonus = sampler.verify(target.logits(hidden), tree.tokens, q, fixed=len(hints))
+        path = list(range(1, accepted + 1))
+    rows = [0, *path]
+    target.keep(position, rows)
+    proposer.commit(position, None if features is None else features[rows])
+    committed = [tree.tokens[node - 1] for node in path] + [bonus]
+    return Step(
+        committed,
+        len(tree),
+        bool(proposal.tokens),
+        proposal.source or "hint",
+        proposed_at - began,
+        time.perf_counter() - proposed_at,
+        tree.is_chain,
+        predicted,
+    )
 
 
 @dataclass
@@ -107,12 +158,14 @@ def generate(
     sampling: SamplingParams | None = None,
     adaptive: bool = True,
     governor: Governor | None = None,
+    tree_nodes: int = 0,
 ) -> Result:
     """Decode up to max_new_tokens; `sampling` None or temperature 0 is exact greedy decoding.
 
     `adaptive` lets a Governor (the caller's, to carry what it learned across requests, or
-    a fresh one) switch to plain steps while drafting does not pay for itself; not for
-    seeded sampling, which must reproduce exactly.
+    a fresh one) switch to plain steps while drafting does not pay for itself and choose how
+    many drafts to verify; not for seeded sampling, which must reproduce exactly.
+    `tree_nodes` > 0 verifies greedy drafts as a tree of up to that many nodes.
     """
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
@@ -139,12 +192,21 @@ def generate(
             output.finish = "cancelled"
             break
         budget = output.budget - 1  # the target's own next token always comes on top
-        drafting = governor is None or governor.should_draft()
-        limit = 0 if not drafting else budget if governor is None else governor.draft_limit(budget)
-        step = speculative_step(target, proposer, prompt + output.tokens, limit, sampler, output.hinted(budget))
+        limit = budget if governor is None or governor.should_draft() else 0
+        tokens = prompt + output.tokens
+        step = speculative_step(target, proposer, tokens, limit, sampler, output.hinted(budget), tree_nodes, governor)
         _count(stats, step)
         if governor is not None:
-            governor.record(step.drafted, len(step.committed), step.propose_s + step.verify_s)
+            seconds = step.propose_s + step.verify_s
+            governor.record(
+                step.drafted,
+                len(step.committed),
+                seconds,
+                width=step.drafts + 1,
+                draft_s=step.propose_s,
+                predicted=step.predicted,
+                chain=step.chain,
+            )
         output.commit(step.committed)
     stats.governor = governor.to_dict() if governor is not None else {}
     stats.new_tokens, stats.decode_tokens = len(output.tokens), max(len(output.tokens) - 1, 0)

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from target_node.cache_policy import CachePolicy, policy_for
 from target_node.greedy_head import ScreenedArgmaxHead
 from target_node.taps import tap_features
+from target_node.tree import DraftTree
 
 
 class ContextLengthError(ValueError):
@@ -109,23 +110,47 @@ class TargetModel:
         return DynamicCache(config=self.config)
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, tokens: list[int], taps: tuple[int, ...] = (), tree: DraftTree | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run tokens at the next positions: final hidden states [k, hidden], and the tapped
         layers' outputs [k, len(taps) * hidden] when `taps` names any.
 
+        With a `tree`, tokens are `[last_tok, *tree.tokens]`: each sits at the next position
+        plus its depth and sees the committed context and its own ancestors only.
         The LM head is left to the caller (`greedy` or `logits`), which needs far less of it
-        than the full logits of every row. The cache keeps all k positions until `rollback`.
+        than the full logits of every row. The cache keeps all k rows until `rollback` or `keep`.
         """
         if self.cache is None:
             self.cache = self._new_cache()
-        self.policy.prepare(self.cache, self.length, len(tokens))
+        start = self.length
+        self.policy.prepare(self.cache, start, len(tokens))
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        out = self.model.get_decoder()(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=bool(taps))
+        extra = {} if tree is None or tree.is_chain else self._tree_inputs(tree, start)
+        out = self.model.get_decoder()(
+            input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=bool(taps), **extra
+        )
         return out.last_hidden_state[0], tap_features(out.hidden_states, taps)[0] if taps else None
+
+    def _tree_inputs(self, tree: DraftTree, start: int) -> dict:
+        if not self.policy.tree:
+            raise ValueError(f"the {self.policy.name} cache policy cannot verify trees")
+        positions = torch.tensor([[start] + [start + d for d in tree.depths]], device=self.device)
+        rows = len(tree) + 1
+        allowed = torch.ones(rows, start + rows, dtype=torch.bool, device=self.device)
+        allowed[:, start:] = tree.visible(self.device)
+        dtype = self.model.dtype
+        mask = torch.zeros(1, 1, rows, start + rows, dtype=dtype, device=self.device)
+        return {"position_ids": positions, "attention_mask": mask.masked_fill(~allowed, torch.finfo(dtype).min)}
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` positions of the KV cache, dropping what was run after them."""
         self.policy.rollback(self.cache, length)
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """After a forward from `start`, keep only its rows `rows` (ascending offsets, 0 first),
+        moved to positions start, start + 1, ...: a tree step's accepted path."""
+        self.policy.keep(self.cache, start, rows)
 
     # --- the head --------------------------------------------------------------
 

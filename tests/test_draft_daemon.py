@@ -25,10 +25,12 @@ def service():
 
 
 def call(svc, type_, tensors=None, **fields):
+    if type_ == "open" and tensors is None:
+        tensors = {"mask": torch.randn(1, 32)}
     return decode(svc.handle(decode(encode(type_, 9, fields, tensors))))
 
 
-def propose(svc, session="a", start=0, position=3, width=64, block=(4, 32), **extra):
+def propose(svc, session="a", start=0, position=3, width=64, block=(1, 32), **extra):
     tensors = {"features": torch.randn(position - start, width), "noise": torch.randn(*block)}
     return call(svc, "propose", tensors, session=session, start=start, position=position, **extra)
 
@@ -62,7 +64,7 @@ def test_propose_happy_path_and_rows(service):
     reply = call(
         service,
         "propose",
-        {"features": torch.randn(2, 64), "noise": torch.randn(4, 32)},
+        {"features": torch.randn(2, 64), "noise": torch.randn(1, 32)},
         session="a",
         start=3,
         position=5,
@@ -122,7 +124,7 @@ def test_garbage_over_a_real_socket_gets_errors_and_the_daemon_lives(tmp_path):
                 ([b"\xc1not msgpack"], "malformed"),
                 ([msgpack.packb({"v": PROTOCOL_VERSION + 1, "type": "ping", "id": 5, "tensors": []})], "bad_version"),
                 ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "fly", "id": 6, "tensors": []})], "unknown_type"),
-                (encode("open", 7, {"session": "s"}) + [b"extra frame"], "bad_tensor"),
+                (encode("open", 7, {"session": "s"}, {"mask": torch.randn(1, 32)}) + [b"extra frame"], "bad_tensor"),
             ]
             for frames, code in cases:
                 sock.send_multipart(frames)

@@ -2,12 +2,15 @@
 
 import time
 
+import pytest
+import torch
 from helpers import greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
-from target_node.governor import Governor
+from target_node.governor import Governor, VerifyCosts
 from target_node.proposers import DFlashProposer, LocalDraftBackend
 from target_node.speculative import generate
+from target_node.tree import DraftTree
 
 
 def run(governor, steps, spec_tokens, spec_s, plain_s=0.010):
@@ -62,13 +65,49 @@ def test_a_drafter_that_does_not_help_does_not_cost_the_user():
     assert result.stats.plain_steps > 0.7 * result.stats.steps
 
 
-def test_draft_limit_follows_the_acceptance_depth():
-    gov = Governor()
-    assert gov.draft_limit(7) == 7  # no evidence yet: the whole block
-    for accepted in [0] * 20 + [1] * 8 + [2] * 2:
-        gov.record(True, accepted + 1, 0.01)
-    assert gov.draft_limit(7) == 2  # depth 1 is common, depth 2 still reached 1 in 15 steps
-    assert gov.draft_limit(1) == 1 and gov.draft_limit(0) == 0
-    for _ in range(32):  # the drafter now fills every block it is given
-        gov.record(True, gov.draft_limit(7) + 1, 0.01)
-    assert gov.draft_limit(7) == 7
+def _costs(**ms):
+    return VerifyCosts({int(k[1:]): v / 1000 for k, v in ms.items()})
+
+
+def test_verify_budget_is_the_arithmetic_best_even_when_cost_is_not_monotonic():
+    # A chain whose path probabilities halve: expected accepted 0, .5, .75, .875, .9375 for n = 0..4.
+    chain = DraftTree([7, 8, 9, 10], [0, 1, 2, 3], [1, 2, 3, 4], [0.5, 0.25, 0.125, 0.0625])
+    gov = Governor(costs=_costs(w1=10, w2=20, w3=30, w4=12, w5=12))
+    # Tokens per ms: n=0 1/10=.100, n=1 1.5/20=.075, n=2 1.75/30=.058, n=3 1.875/12=.156, n=4 1.9375/12=.161.
+    assert gov.nodes(chain, probabilities=True) == 4
+    gov.costs = _costs(w1=10, w2=20, w3=30, w4=12, w5=13)  # n=4 now 1.9375/13=.149 < n=3's .156
+    assert gov.nodes(chain, probabilities=True) == 3
+    gov.costs = _costs(w1=10, w2=40, w3=40, w4=40, w5=40)  # verifying is dear: .1 beats 1.9375/40
+    assert gov.nodes(chain, probabilities=True) == 0
+    gov.draft_s = 0.010  # 10 ms of drafting: n=0 1/20=.050 still beats n=4 1.9375/50=.039
+    assert gov.nodes(chain, probabilities=True) == 0
+    gov.costs = _costs(w1=10, w5=20)  # widths 2..4 interpolate: 12.5, 15, 17.5 ms
+    # With 10 ms of drafting: n=0 1/20=.050, n=1 1.5/22.5=.067, n=2 1.75/25=.070, n=3 1.875/27.5=.068, n=4 .065.
+    assert gov.nodes(chain, probabilities=True) == 2
+
+
+def test_a_tree_beats_a_chain_of_the_same_width_when_second_choices_are_likely():
+    logprobs = torch.log(torch.tensor([[0.5, 0.45, 0.05], [0.5, 0.45, 0.05]]))
+    tree = DraftTree.best_first(logprobs, budget=4, max_depth=2, branching=3)
+    chain = DraftTree.best_first(logprobs, budget=2, max_depth=2, branching=1)
+    # Tree: .5, .45 at depth 1, then .25 and .225 under the first: expected 1.425 for 4 nodes;
+    # the chain's 2 nodes expect .75; at equal widths the tree's first 2 nodes expect .95.
+    assert tree.expected()[-1] == pytest.approx(1.425) and tree.expected()[2] == pytest.approx(0.95)
+    assert chain.expected()[-1] == pytest.approx(0.75)
+    gov = Governor(costs=_costs(w1=10, w2=11, w3=12, w4=13, w5=14))
+    assert gov.nodes(tree, probabilities=True) == 4  # 2.425/14 beats every shorter prefix
+
+
+def test_acceptance_statistics_set_the_chain_budget_and_follow_the_drafter():
+    chain = DraftTree.chain([1, 2, 3])  # n-gram guesses: no probabilities
+    gov = Governor(costs=_costs(w1=10, w2=14, w3=16, w4=18))
+    for _ in range(100):  # nothing is ever accepted
+        gov.record(True, 1, 0.02, width=4)
+    assert gov.nodes(chain, probabilities=False) == 0
+    for _ in range(100):  # now every guess is
+        gov.record(True, 4, 0.02, width=4)
+    assert gov.nodes(chain, probabilities=False) == 3
+    # The drafter's probabilities are scaled by how well they predicted: here 4x too hopeful.
+    for _ in range(200):
+        gov.record(True, 2, 0.02, width=4, predicted=4.0, chain=False)
+    assert gov.calibration == pytest.approx(0.25, abs=0.02)

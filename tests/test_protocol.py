@@ -52,7 +52,7 @@ SAMPLES = {
         {"drafter": DRAFTER, "wire_dtype": "bfloat16", "wire_dtypes": ["bfloat16"]},
         {},
     ),
-    "open": ({"session": "s-1"}, {}),
+    "open": ({"session": "s-1"}, {"mask": torch.randn(1, HIDDEN)}),
     "reset": ({"session": "s-1", "position": 0}, {}),
     "close": ({"session": "s-1"}, {}),
     "propose": (
@@ -282,7 +282,7 @@ def test_version_must_be_the_int(version):
 
 
 def test_version_checked_before_type():
-    frames = tamper(propose_frames(), lambda h: h.update(v=2, type="future_msg"))
+    frames = tamper(propose_frames(), lambda h: h.update(v=PROTOCOL_VERSION + 1, type="future_msg"))
     assert code_of(frames) is ErrorCode.BAD_VERSION
 
 
@@ -343,7 +343,7 @@ def test_negative_position():
 
 
 def test_unexpected_extra_field():
-    frames = tamper(encode("open", 1, {"session": "s"}), lambda h: h.update(colour="red"))
+    frames = tamper(encode("open", 1, {"session": "s"}, {"mask": torch.randn(1, HIDDEN)}), lambda h: h.update(colour="red"))
     assert code_of(frames) is ErrorCode.BAD_FIELD
 
 
@@ -361,7 +361,7 @@ def test_unknown_wire_dtype_in_negotiation():
 
 @pytest.mark.parametrize("session", ["", "x" * 129, 7, None])
 def test_bad_session_id(session):
-    frames = tamper(encode("open", 1, {"session": "s"}), lambda h: h.update(session=session))
+    frames = tamper(encode("open", 1, {"session": "s"}, {"mask": torch.randn(1, HIDDEN)}), lambda h: h.update(session=session))
     assert code_of(frames) is ErrorCode.BAD_FIELD
 
 
@@ -420,7 +420,7 @@ def test_frame_too_large():
 
 
 def test_too_many_tensors():
-    frames = [msgpack.packb({"v": 1, "type": "ping", "id": 1, "tensors": []})]
+    frames = [msgpack.packb({"v": PROTOCOL_VERSION, "type": "ping", "id": 1, "tensors": []})]
     assert code_of(frames + [b"\x00" * 4] * 9) is ErrorCode.TOO_LARGE
 
 

@@ -333,7 +333,8 @@ def test_top_k_one_is_greedy(target, kind):
 
 def test_temperature_zero_is_the_greedy_path(target):
     proposer = proposer_for("random", target, 4)
-    plain = generate(target, PROMPT, proposer, 20, stop_on_eos=False)
-    zero = generate(target, PROMPT, proposer, 20, stop_on_eos=False, sampling=SamplingParams(seed=5))
+    # adaptive=False: the governor's choices follow wall-clock timings, so two runs may draft differently.
+    plain = generate(target, PROMPT, proposer, 20, stop_on_eos=False, adaptive=False)
+    zero = generate(target, PROMPT, proposer, 20, stop_on_eos=False, sampling=SamplingParams(seed=5), adaptive=False)
     assert zero.tokens == plain.tokens
     assert zero.stats.histogram == plain.stats.histogram

@@ -1,0 +1,104 @@
+"""Draft trees: more than one guess per position, verified in one target forward.
+
+A DFlash drafter's single block forward gives a distribution at every position; a weak
+drafter's second or third choice is often right where its first is wrong. A tree spends
+the verify width on the likeliest branches instead of one line: nodes are taken best
+first by the probability of their whole path (the product of the draft probabilities
+along it). A child's path is never likelier than its parent's, so the first n nodes taken
+always form a tree, and under the drafter's own distribution they are the n nodes that
+maximise the expected accepted length: the sum of their path probabilities.
+
+Node 0 is `last_tok` (the root, already known); nodes 1.. are drafts in the order taken,
+so every parent comes before its children. A chain is the tree with one child per node.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: list[int]  # of nodes 1..n
+    parents: list[int]  # of nodes 1..n: the node index of each parent (0 = the root)
+    depths: list[int]  # of nodes 1..n: 1 for children of the root
+    path_probs: list[float]  # of nodes 1..n: the drafter's probability of the whole path; 1.0 where unknown
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> DraftTree:
+        n = len(tokens)
+        return cls(list(tokens), list(range(n)), list(range(1, n + 1)), [1.0] * n)
+
+    @classmethod
+    def best_first(cls, logprobs: torch.Tensor, budget: int, max_depth: int, branching: int = 8) -> DraftTree:
+        """The `budget` likeliest nodes, from per-depth draft log-probabilities [depths, vocab]."""
+        max_depth = min(max_depth, logprobs.shape[0])
+        if budget <= 0 or max_depth <= 0:
+            return cls([], [], [], [])
+        k = min(branching, budget, logprobs.shape[1])
+        top_lp, top_ids = (t.tolist() for t in logprobs[:max_depth].float().topk(k, dim=-1))
+        tree = cls([], [], [], [])
+        # Candidates: (-path logprob, parent node, depth, rank among that depth's top-k).
+        heap = [(-top_lp[0][0], 0, 1, 0)]
+        path_lp = [0.0]  # by node index; the root's path is certain
+        while heap and len(tree) < budget:
+            neg, parent, depth, rank = heapq.heappop(heap)
+            if top_lp[depth - 1][rank] == float("-inf"):
+                break  # nothing likelier is left (e.g. outside the drafter's vocabulary)
+            tree.tokens.append(top_ids[depth - 1][rank])
+            tree.parents.append(parent)
+            tree.depths.append(depth)
+            path_lp.append(-neg)
+            node = len(tree)
+            tree.path_probs.append(math.exp(-neg))
+            if rank + 1 < k:  # the parent's next child
+                heapq.heappush(heap, (-(path_lp[parent] + top_lp[depth - 1][rank + 1]), parent, depth, rank + 1))
+            if depth < max_depth:  # this node's first child
+                heapq.heappush(heap, (-(path_lp[node] + top_lp[depth][0]), node, depth + 1, 0))
+        return tree
+
+    def prefix(self, n: int) -> DraftTree:
+        """The first n nodes: itself a tree (parents come first)."""
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.path_probs[:n])
+
+    def expected(self) -> list[float]:
+        """Expected accepted drafts when verifying the first n nodes, for n = 0..len: running sums
+        of path probabilities (meaningful only where the probabilities are known)."""
+        out = [0.0]
+        for p in self.path_probs:
+            out.append(out[-1] + p)
+        return out
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(len(self)))
+
+    def visible(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[n+1, n+1] bool, root included: which of the step's rows each row may attend to
+        (its ancestors and itself)."""
+        n = len(self)
+        seen = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        seen[0, 0] = True
+        for node, parent in enumerate(self.parents, start=1):
+            seen[node] = seen[parent]
+            seen[node, node] = True
+        return seen.to(device)
+
+    def accept(self, choices: list[int]) -> list[int]:
+        """The accepted path (node indices, root excluded): from the root, follow the child whose
+        token is the target's own choice at its parent, as deep as such a child exists."""
+        children: dict[int, dict[int, int]] = {}
+        for node, (parent, token) in enumerate(zip(self.parents, self.tokens, strict=True), start=1):
+            children.setdefault(parent, {}).setdefault(token, node)
+        path, node = [], 0
+        while (child := children.get(node, {}).get(choices[node])) is not None:
+            path.append(child)
+            node = child
+        return path
