@@ -31,7 +31,7 @@ from launch.common import ensure_default_drafter, resolve_model
 from launch.local import daemon, free_address
 from protocol import decode, encode
 from protocol.transport import dealer, receive, router
-from target_node.governor import Governor
+from target_node.governor import Governor, VerifyCosts
 from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
 from target_node.remote import RemoteDraftBackend
 from target_node.speculative import generate
@@ -229,19 +229,12 @@ def bench_context(drafter, contexts: list[int], repeats: int) -> list[dict]:
 # --- 4. verify cost vs width ------------------------------------------------------
 
 
-def _verify(target: TargetModel, committed: int, width: int) -> None:
-    hidden, _ = target.forward(list(range(3, 3 + width)))
-    target.greedy(hidden)
-    target.rollback(committed)
-
-
-def bench_verify(target: TargetModel, prompt: list[int], widths: list[int], repeats: int) -> list[dict]:
-    """Target step time by tokens verified at once, after the prompt, with no features tapped."""
-    target.reset()
-    target.forward(prompt)
-    committed = target.length
-    rows = [{"width": w, "verify_ms": median_ms(partial(_verify, target, committed, w), repeats)} for w in widths]
-    target.reset()
+def bench_verify(target: TargetModel, widths: list[int], repeats: int) -> list[dict]:
+    """Target step time by tokens verified at once, after a 128-token context, with no features
+    tapped: the same measurement the governor's cost table starts from."""
+    costs = VerifyCosts()
+    costs.measure(target, widths, repeats=repeats)
+    rows = [{"width": w, "verify_ms": costs.seconds[w] * 1000} for w in widths]
     for row in rows:
         # With no draft cost at all, a step this wide pays only above this many tokens per step.
         row["break_even_tau"] = row["verify_ms"] / rows[0]["verify_ms"]
@@ -327,7 +320,7 @@ def run(args: argparse.Namespace) -> dict:
         protocol["bytes_per_step_measured"] = remote.get("bytes_per_step", 0.0)
         protocol["minimum_bytes_per_step"] = protocol["request_tensor_bytes"] + protocol["reply_tensor_bytes"]
         context_rows[name] = bench_context(drafter, contexts, repeats)
-        verify = bench_verify(target, prompts[0], list(range(1, cfg.block_size + 1)), repeats)
+        verify = bench_verify(target, list(range(1, 2 * cfg.block_size + 1)), repeats)
         report["models"][name] = {
             "drafter": str(checkpoint),
             "generation": generation,

@@ -1,12 +1,20 @@
-"""Does a drafter earn its keep? Plain greedy vs speculative decoding over a prompt file.
+"""Does a drafter earn its keep? Plain greedy against speculative modes, side by side, over a prompt file.
 
     python -m launch.evaluate --drafter drafters/smollm2 --prompts data/eval_prompts.jsonl
+    python -m launch.evaluate --drafter-address tcp://127.0.0.1:5555 --modes chain,tree:4,tree:8,tree:16,adaptive
 
-Every prompt runs twice through the same loop: once with no proposer (the reference) and
-once with the DFlash drafter (in process, or a draft daemon via --drafter-address). The
-speculative output must equal the reference token for token; a mismatch is counted and
-reported, never hidden. Speed is decode tokens per second (prefill excluded), summed over
-all prompts, so long answers weigh what they cost.
+Every prompt runs first with no proposer (the reference), then in each mode, taking turns,
+so drift in machine load spreads over all of them. Modes:
+
+- `chain`: draft every step, verify the drafter's top choice at every position (the block);
+- `tree:N`: draft every step, verify a tree of N nodes built from the drafter's distributions;
+- `adaptive`: the default configuration: the governor decides whether to draft and how many
+  tree nodes (up to --tree-nodes) to verify, from verify costs measured here at start;
+- `adaptive-chain`: the same, verifying chains only.
+
+At temperature 0 every mode's output must equal the reference token for token; a mismatch
+is counted and reported, never hidden. Speed is decode tokens per second (prefill excluded),
+summed over all prompts, so long answers weigh what they cost.
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ from protocol import FLOAT_DTYPES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="dflash-evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--drafter", help="drafter checkpoint folder (config.json + model.safetensors)")
     ap.add_argument("--drafter-address", help="use a running draft daemon instead, e.g. tcp://127.0.0.1:5555")
     ap.add_argument("--prompts", default="data/eval_prompts.jsonl", help='jsonl of {"prompt": ...}')
@@ -33,16 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument(
-        "--adaptive",
-        action="store_true",
-        help="let the loop's governor skip drafting when it does not pay (default: always draft, "
-        "which measures the drafter itself)",
-    )
+    ap.add_argument("--modes", default="chain", help="comma-separated: chain, tree:N, adaptive, adaptive-chain")
+    ap.add_argument("--tree-nodes", type=int, default=16, help="the widest tree the adaptive mode may verify")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, checked token for token")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed (the same for both runs of a prompt)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every run of a prompt)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N prompts")
     ap.add_argument("--json", default="", help="where to save the results (default: next to the drafter)")
     return ap.parse_args(argv)
@@ -60,8 +66,24 @@ def backend_for(args: argparse.Namespace, target):
     return LocalDraftBackend(load_drafter(args.drafter, device=args.device, dtype=dtype_of(args)))
 
 
+def mode_options(mode: str, tree_nodes: int, costs) -> dict:  # costs: a measured VerifyCosts, shared
+    """generate() keywords for a mode name."""
+    from target_node.governor import Governor
+
+    if mode == "chain":
+        return {"adaptive": False, "tree_nodes": 0}
+    if mode.startswith("tree:"):
+        return {"adaptive": False, "tree_nodes": int(mode.split(":", 1)[1])}
+    if mode in ("adaptive", "adaptive-chain"):
+        governor = Governor(max_nodes=tree_nodes, costs=costs)
+        return {"adaptive": True, "governor": governor, "tree_nodes": tree_nodes if mode == "adaptive" else 0}
+    raise SystemExit(f"unknown mode {mode!r}: use chain, tree:N, adaptive or adaptive-chain")
+
+
 def evaluate(args: argparse.Namespace) -> dict:
+    from target_node.governor import VerifyCosts
     from target_node.proposers import DFlashProposer, NoProposer
+    from target_node.sampling import SamplingParams
     from target_node.speculative import generate
     from target_node.stats import Stats
     from target_node.target import TargetModel
@@ -70,67 +92,64 @@ def evaluate(args: argparse.Namespace) -> dict:
     target = TargetModel.load(resolve_model(args.model), device=args.device, dtype=dtype_of(args))
     prompts = read_prompts(args.prompts)[: args.limit or None]
     proposer = DFlashProposer(backend_for(args, target))
-    from target_node.sampling import SamplingParams
-
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    # Sampled answers differ between the two runs (different draws); only greedy ones must match.
-    from target_node.governor import Governor
-
-    # One governor across prompts, as the target daemon keeps one across requests.
-    extra = {"adaptive": args.adaptive, "sampling": sampling, "governor": Governor()}
-    plain_total, spec_total = Stats(), Stats()
-    mismatches = 0
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    costs = VerifyCosts()
+    if any(m.startswith("adaptive") for m in modes):
+        costs.measure(target, range(1, args.tree_nodes + 2))
+    options = {mode: mode_options(mode, args.tree_nodes, costs) for mode in modes}
+    totals = {mode: Stats() for mode in ["plain", *modes]}
+    mismatches = dict.fromkeys(modes, 0)
     rows = []
     for i, text in enumerate(prompts):
         ids = target.encode_chat([{"role": "user", "content": text}])
         plain = generate(target, ids, NoProposer(), args.max_new_tokens, sampling=sampling)
-        spec = generate(target, ids, proposer, args.max_new_tokens, **extra)
-        same = spec.tokens == plain.tokens or not sampling.is_greedy
-        mismatches += not same
-        plain_total.add(plain.stats)
-        spec_total.add(spec.stats)
-        rows.append(
-            {
-                "prompt": text,
-                "tokens": len(spec.tokens),
-                "tau": round(spec.stats.tau, 3),
-                "identical": same,
-                "steps": spec.stats.steps,
-                "plain_steps": spec.stats.plain_steps,
-                "plain_tok_s": round(plain.stats.decode_tok_s, 2),
-                "spec_tok_s": round(spec.stats.decode_tok_s, 2),
-            }
-        )
-        print(
-            f"[{i + 1}/{len(prompts)}] tau {spec.stats.tau:.2f} | {len(spec.tokens)} tok | "
-            f"{plain.stats.decode_tok_s:.1f} -> {spec.stats.decode_tok_s:.1f} tok/s"
-            f"{'' if same else ' | OUTPUT DIFFERS'} | {text[:50]}",
-            flush=True,
-        )
-    plain_tps, spec_tps = plain_total.decode_tok_s, spec_total.decode_tok_s
+        totals["plain"].add(plain.stats)
+        row = {"prompt": text, "tokens": len(plain.tokens), "plain_tok_s": round(plain.stats.decode_tok_s, 2)}
+        for mode in modes:
+            spec = generate(target, ids, proposer, args.max_new_tokens, sampling=sampling, **options[mode])
+            totals[mode].add(spec.stats)
+            # Sampled answers differ between runs (different draws); only greedy ones must match.
+            same = spec.tokens == plain.tokens or not sampling.is_greedy
+            mismatches[mode] += not same
+            row[mode] = {"tau": round(spec.stats.tau, 3), "tok_s": round(spec.stats.decode_tok_s, 2), "same": same}
+        rows.append(row)
+        summary = " | ".join(f"{m} tau {row[m]['tau']:.2f}{'' if row[m]['same'] else ' DIFFERS'}" for m in modes)
+        print(f"[{i + 1}/{len(prompts)}] {summary} | {text[:40]}", flush=True)
+    plain_tps = totals["plain"].decode_tok_s
+    table = {
+        mode: {
+            "tau": round(s.tau, 4),
+            "tok_s": round(s.decode_tok_s, 2),
+            "speedup": round(s.decode_tok_s / plain_tps, 3) if plain_tps and mode != "plain" else 1.0,
+            "nodes_per_step": round(s.proposed / s.steps, 2) if s.steps else 0.0,
+            "mismatches": mismatches.get(mode, 0),
+            "histogram": {str(k): v for k, v in sorted(s.histogram.items())},
+            "governor": s.governor,
+        }
+        for mode, s in totals.items()
+    }
     return {
         "drafter": args.drafter_address or str(args.drafter),
         "prompts": len(prompts),
+        "prompt_file": args.prompts,
         "max_new_tokens": args.max_new_tokens,
+        "threads": torch.get_num_threads(),
         "sampling": sampling.to_dict(),
-        "tau": round(spec_total.tau, 4),
-        "histogram": {str(k): v for k, v in sorted(spec_total.histogram.items())},
-        "plain_tok_s": round(plain_tps, 2),
-        "spec_tok_s": round(spec_tps, 2),
-        "speedup": round(spec_tps / plain_tps, 3) if plain_tps else 0.0,
-        "mismatches": mismatches,
+        "modes": table,
+        "mismatches": sum(mismatches.values()),
         "per_prompt": rows,
     }
 
 
 def print_table(result: dict) -> None:
-    width = max(result["histogram"].values(), default=1)
-    print(f"\n{'prompts':>14} {result['prompts']}\n{'tau':>14} {result['tau']:.3f}")
-    print(f"{'plain tok/s':>14} {result['plain_tok_s']:.1f}\n{'spec tok/s':>14} {result['spec_tok_s']:.1f}")
-    print(f"{'speedup':>14} {result['speedup']:.2f}x\n{'mismatches':>14} {result['mismatches']}")
-    print("accepted drafts per step:")
-    for k, v in result["histogram"].items():
-        print(f"{k:>14} {v:6d} {'#' * max(1, round(40 * v / width))}")
+    print(f"\n{result['prompts']} prompts x {result['max_new_tokens']} new tokens, {result['threads']} threads")
+    print(f"{'mode':>16} {'tau':>7} {'tok/s':>8} {'speedup':>8} {'nodes/step':>10} {'mismatches':>10}")
+    for mode, m in result["modes"].items():
+        print(
+            f"{mode:>16} {m['tau']:7.3f} {m['tok_s']:8.2f} {m['speedup']:7.2f}x {m['nodes_per_step']:10.2f} "
+            f"{m['mismatches']:10d}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,6 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-queued", type=int, default=1024, help="requests queued over all clients (then: busy)")
     parser.add_argument("--max-queued-per-client", type=int, default=64, help="requests one client may queue")
     parser.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=16,
+        help="verify greedy drafts as a tree of up to this many nodes (0: one chain of guesses); the "
+        "governor picks how many pay, from verify costs it measures at start",
+    )
+    parser.add_argument(
         "--always-draft",
         action="store_true",
         help="draft every step, even while measured speculation is slower than plain decoding",
@@ -85,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         adaptive=not args.always_draft,
         max_queued=args.max_queued,
         max_queued_per_client=args.max_queued_per_client,
+        tree_nodes=args.tree_nodes,
     )
     service.serve(args.bind, stop)
 

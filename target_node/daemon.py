@@ -40,10 +40,15 @@ class TargetService:
         adaptive: bool = True,
         max_queued: int = 1024,
         max_queued_per_client: int = 64,
+        tree_nodes: int = 16,
     ) -> None:
         self.target = target
         self.adaptive = adaptive
-        self.governor = Governor()  # one proposer, one governor: it learns across requests
+        self.tree_nodes = tree_nodes
+        # One proposer, one governor: it learns across requests, from verify costs measured here.
+        self.governor = Governor(max_nodes=max(tree_nodes, 1))
+        if adaptive:
+            self.governor.costs.measure(target, range(1, self.governor.max_nodes + 2), repeats=2)
         self.proposer = proposer
         self.max_new_tokens_limit = max_new_tokens_limit
         self.max_queued, self.max_queued_per_client = max_queued, max_queued_per_client
@@ -206,6 +211,7 @@ class TargetService:
                 sampling=sampling,
                 adaptive=self.adaptive,
                 governor=self.governor,
+                tree_nodes=self.tree_nodes,
             )
             done = {"text": result.text, "token_ids": result.tokens, "finish_reason": result.finish_reason}
             self.send(identity, encode("done", msg.id, {**done, "stats": self.stats(result)}))

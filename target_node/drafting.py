@@ -4,8 +4,8 @@ A DFlash drafter reads tapped target features of committed positions and returns
 states the target projects through its own LM head. The bridge holds those pieces for one
 drafter: which layers to tap, the ring of committed features the drafter has not read yet
 (or may need again after a restart), the noise block's embeddings, and the draft head (the
-LM head's rows for the drafter's vocabulary, in bf16 on CPU: drafts need not be exact,
-verification is).
+LM head's rows for the drafter's vocabulary, in bf16 where that is faster: drafts need not
+be exact, verification is).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class Drafting:
         vocab = drafter.get("draft_vocab") or []
         self.vocab = torch.tensor(vocab, dtype=torch.long, device=target.device) if vocab else None
         rows = weight[self.vocab] if self.vocab is not None else weight
-        cheap = weight.device.type == "cpu" and weight.dtype == torch.float32
-        self.head = rows.to(torch.bfloat16) if cheap else rows
+        # bf16 where the target found bf16 matmuls faster than fp32 ones (its screened head).
+        self.head = rows.to(torch.bfloat16) if target.greedy_head is not None else rows
 
     def noise(self, last_token: int) -> torch.Tensor:
         """The embedded block [last_tok, MASK, ..., MASK]."""

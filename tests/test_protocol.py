@@ -342,8 +342,12 @@ def test_negative_position():
     assert info.value.code is ErrorCode.BAD_FIELD and "-1" in info.value.message
 
 
+def open_frames():
+    return encode("open", 1, {"session": "s"}, {"mask": torch.randn(1, HIDDEN)})
+
+
 def test_unexpected_extra_field():
-    frames = tamper(encode("open", 1, {"session": "s"}, {"mask": torch.randn(1, HIDDEN)}), lambda h: h.update(colour="red"))
+    frames = tamper(open_frames(), lambda h: h.update(colour="red"))
     assert code_of(frames) is ErrorCode.BAD_FIELD
 
 
@@ -361,7 +365,7 @@ def test_unknown_wire_dtype_in_negotiation():
 
 @pytest.mark.parametrize("session", ["", "x" * 129, 7, None])
 def test_bad_session_id(session):
-    frames = tamper(encode("open", 1, {"session": "s"}, {"mask": torch.randn(1, HIDDEN)}), lambda h: h.update(session=session))
+    frames = tamper(open_frames(), lambda h: h.update(session=session))
     assert code_of(frames) is ErrorCode.BAD_FIELD
 
 
