@@ -8,12 +8,14 @@ no model) or `none` (plain greedy decoding).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from launch.common import DRAFT_ADDRESS, TARGET_ADDRESS, add_model_args, apply_runtime_args, dtype_of, resolve_model
-from protocol import FLOAT_DTYPES
+from protocol import FLOAT_DTYPES, Message
 from protocol.transport import stop_on_signals
 from target_node.daemon import TargetService
 from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposer
+from target_node.speculative import Result
 from target_node.target import TargetModel
 
 
@@ -35,6 +37,29 @@ def build_proposer(args: argparse.Namespace, target: TargetModel) -> Proposer:
         args.drafter, target, timeout_s=args.draft_timeout, retry_s=args.draft_retry, wire_dtype=args.wire_dtype
     )
     return DFlashProposer(backend, NGramProposer() if args.fallback == "ngram" else NoProposer())
+
+
+def traffic_recorder(folder: str, model_name: str):
+    """Record every served request (prompt and answer token ids, and the chat messages) as drafter
+    training data in the answer-store format, so `launch.train --data FOLDER` can learn from it."""
+    import hashlib
+    import json
+
+    from training.answer_store import Answer, AnswerStore
+
+    store = AnswerStore(Path(folder), shard_records=256)  # small shards: each answer is written out at once
+
+    def record(msg: Message, prompt: list[int], result: Result) -> None:
+        messages = [[m["role"], m["content"]] for m in msg["messages"]]
+        if not messages and msg["prompt"]:
+            messages = [["user", msg["prompt"]]]
+        tokens = prompt + result.tokens
+        key = hashlib.sha1(json.dumps([messages, tokens]).encode()).hexdigest()[:20]
+        finish = result.finish_reason
+        store.add(Answer(key, f"traffic-{key}", "traffic", messages, tokens, len(prompt), finish, "", model_name))
+        store.flush()
+
+    return record
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,6 +94,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-queued", type=int, default=1024, help="requests queued over all clients (then: busy)")
     parser.add_argument("--max-queued-per-client", type=int, default=64, help="requests one client may queue")
     parser.add_argument(
+        "--record",
+        metavar="DIR",
+        help="record every served request's prompt and answer (token ids and chat messages) into DIR as drafter "
+        "training data (`dflash-train --data DIR`). Off by default: these are your users' conversations, "
+        "kept in plain form on disk; enable it only where storing them is allowed",
+    )
+    parser.add_argument(
         "--tree-nodes",
         type=int,
         default=16,
@@ -93,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         max_queued=args.max_queued,
         max_queued_per_client=args.max_queued_per_client,
         tree_nodes=args.tree_nodes,
+        on_finished=traffic_recorder(args.record, Path(str(target.config.name_or_path)).name) if args.record else None,
     )
     service.serve(args.bind, stop)
 

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol import ErrorCode, Message, ProtocolError, encode, encode_error
@@ -41,7 +42,10 @@ class TargetService:
         max_queued: int = 1024,
         max_queued_per_client: int = 64,
         tree_nodes: int = 16,
+        on_finished: Callable[[Message, list[int], Result], None] | None = None,
     ) -> None:
+        """`on_finished(request, prompt ids, result)` sees every request served to its end (e.g. a recorder)."""
+        self.on_finished = on_finished
         self.target = target
         self.adaptive = adaptive
         self.tree_nodes = tree_nodes
@@ -216,6 +220,8 @@ class TargetService:
             done = {"text": result.text, "token_ids": result.tokens, "finish_reason": result.finish_reason}
             self.send(identity, encode("done", msg.id, {**done, "stats": self.stats(result)}))
             self.served += 1
+            if self.on_finished is not None and result.finish_reason != "cancelled":
+                self.on_finished(msg, prompt, result)
         except ProtocolError as exc:
             self.send(identity, encode_error(msg.id, exc.code, exc.message))
         except ContextLengthError as exc:

@@ -2,6 +2,7 @@
 
 import inspect
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -287,3 +288,35 @@ def test_launch_train_runs_each_stage_on_a_saved_target(setup, tmp_path):
     assert drafter.config.block_size == 4 and len(drafter.draft_vocab) == 64
     save_drafter(drafter, tmp_path / "copy")  # the written checkpoint is the public format
     assert Path(tmp_path / "copy" / "model.safetensors").is_file()
+
+
+def test_recorded_traffic_becomes_training_data(setup, tmp_path):
+    """A real target daemon run with --record; launch.train trains on what it recorded."""
+    from launch.client import TargetClient
+    from launch.local import daemon
+    from launch.train import main
+
+    target, cfg, store, features = setup
+    model_dir = tmp_path / "model"
+    target.model.save_pretrained(model_dir)
+    recorded = tmp_path / "traffic"
+    address = f"ipc://{tmp_path}/target.sock"
+    args = ["--model", str(model_dir), "--proposer", "none", "--record", str(recorded), "--threads", "1"]
+    prompts = [[5 + i, 17, 42, 99, 3, 7 + i] for i in range(12)]
+    with daemon("target daemon", "launch.target_daemon", address, args, 120):
+        client = TargetClient(address, timeout_s=60)
+        answers = [client.generate(token_ids=p, max_new_tokens=24, stream=False)["token_ids"] for p in prompts]
+        client.close()
+    traffic = AnswerStore(recorded)
+    assert len(traffic) == 12 and all(a.stage == "traffic" for a in traffic.answers)
+    assert [a.tokens for a in traffic.answers] == [p + a for p, a in zip(prompts, answers, strict=True)]
+    out = tmp_path / "drafter"
+    empty = tmp_path / "no-store"
+    main(["--model", str(model_dir), "--store", str(empty), "--data", str(recorded), "--stage", "train",
+          "--block-size", "4", "--steps", "5", "--batch", "2", "--anchors", "2", "--eval-every", "0",
+          "--draft-vocab", "0", "--out", str(out), "--cache", str(tmp_path / "cache"), "--threads", "1"])
+    assert load_drafter(out).config.block_size == 4
+    log = (tmp_path / "cache" / "train" / "smollm2" / "train.log").read_text()
+    assert "features: 12 answers filled by prefill" in log
+    trained, held = re.search(r"train: (\d+) answers .*, (\d+) held out", log).groups()
+    assert int(trained) + int(held) == 12 and int(trained) >= 9
