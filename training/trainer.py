@@ -176,6 +176,11 @@ class Trainer:
         self.features = features.array()
         self.train_records = samples([a for a in answers if not a.held_out], features)
         self.val_records = samples([a for a in answers if a.held_out], features)[: opts.val_answers]
+        if not self.train_records:
+            raise ValueError(
+                f"nothing to train on: of {len(answers)} answers none outside the held-out split has cached "
+                "features and two answer tokens (generate more, or run --stage features)"
+            )
         head_dtype = opts.head_dtype or (torch.bfloat16 if self.dev.type == "cpu" else torch.float32)
         model = target.model
         self.embed = model.get_input_embeddings().weight.detach().to(self.dev, torch.float32)

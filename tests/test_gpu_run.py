@@ -1,0 +1,34 @@
+"""The one-shot GPU script runs end to end on CPU in its tiny mode, and records every phase."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow  # it converts SmolLM2 once for its tokenizer, like the other real-model tests
+def test_tiny_mode_runs_every_phase(tmp_path):
+    env = dict(os.environ, DFLASH_GPU_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1", PYTHON=sys.executable)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(ROOT / "launch" / "gpu_run.sh"), str(out), "--tiny", "--device", "cpu", "--threads", "1",
+         "--minutes", "4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    phases = results["phases"]
+    assert list(phases) == ["tests", "bench", "gen", "train", "eval"]
+    assert all(p["ok"] for p in phases.values()), {k: p.get("error") for k, p in phases.items()}
+    assert phases["tests"]["returncode"] == 0  # on CPU: collected and skipped
+    assert phases["bench"]["mismatches"] == 0 and set(phases["bench"]["modes"]) >= {"plain", "chain", "adaptive"}
+    assert phases["gen"]["answers"] > 0 and list((out / "answers").glob("*.jsonl.gz"))
+    assert (out / "drafter" / "model.safetensors").is_file()
+    compared = {k: v for k, v in phases["eval"].items() if k in ("shipped", "new")}
+    assert len(compared) == 2 and all(m["mismatches"] == 0 and m["tau"] >= 1.0 for m in compared.values())
+    assert (out / "log.txt").read_text().count("== ") == 5
