@@ -41,19 +41,25 @@ class VerifyCosts:
         self.seconds[width] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
 
     def __call__(self, width: int) -> float:
-        """The measured cost, or one interpolated from the nearest measured widths."""
+        """The measured cost, or one interpolated between the nearest measured widths.
+
+        Past the widest measured, it is optimistic (nearly flat, as on a GPU): a width that
+        looks affordable gets tried, and then measured. A pessimistic guess would never be.
+        """
         if width in self.seconds:
             return self.seconds[width]
         if not self.seconds:
-            return 1.0 + 0.05 * (width - 1)  # nothing measured yet: assume verifying is nearly free
+            return 1.0 + 0.05 * (width - 1)
         below = [w for w in self.seconds if w < width]
         above = [w for w in self.seconds if w > width]
         if below and above:
             lo, hi = max(below), min(above)
             t = (width - lo) / (hi - lo)
             return (1 - t) * self.seconds[lo] + t * self.seconds[hi]
-        nearest = max(below) if below else min(above)
-        return self.seconds[nearest] * max(width, 1) / max(nearest, 1) if below else self.seconds[nearest]
+        if below:
+            nearest = max(below)
+            return self.seconds[nearest] * (1 + 0.05 * (width - nearest))
+        return self.seconds[min(above)]
 
     def measure(self, target, widths: Sequence[int], context: int = 128, repeats: int = 3) -> None:  # a TargetModel
         """Time target steps of each width after a `context`-token prefix (median of `repeats`)."""
