@@ -34,7 +34,14 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "gemma2": (
         "Gemma2",
         "sliding and full layers, attention and final logit softcaps",
-        dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW, layer_types=ALTERNATE),
+        # A final softcap low enough to bend these logits, so a head without it shows.
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            layer_types=ALTERNATE,
+            final_logit_softcapping=10.0,
+        ),
     ),
     "gpt_oss": (
         "GptOss",
