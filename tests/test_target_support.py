@@ -84,3 +84,9 @@ def test_layered_policies_roll_back_within_the_last_forward_and_keep_prefixes_on
         target.policy.keep(target.cache, 20, [0, 2])
     target.policy.keep(target.cache, 20, [0, 1])
     assert target.length == 22
+
+
+def test_a_saved_model_loads_with_the_cache_policy_asked_for(tmp_path):
+    tiny_target("mamba2", layers=2).model.save_pretrained(tmp_path)
+    assert TargetModel.load(tmp_path).policy.name == "replay"
+    assert TargetModel.load(tmp_path, cache_policy="capture").policy.name == "capture"
