@@ -28,12 +28,10 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from target_node.support import UnsupportedModel, agrees
+
 CAPTURE, REPLAY = "capture", "replay"
 CAPTURE_LIMIT = 64
-
-
-class UnsupportedRecurrence(ValueError):
-    """A model whose recurrent layers the chosen rollback cannot serve."""
 
 
 @dataclass
@@ -143,7 +141,7 @@ class RecurrentRollback:
         self._run([[1, 2]], probe)
         missing = sorted(set(self.layers) - set(found))
         if missing:
-            raise UnsupportedRecurrence(f"no module was seen writing the recurrent state of layers {missing}")
+            raise UnsupportedModel(f"no module was seen writing the recurrent state of layers {missing}")
         return found
 
     def _check_capture(self) -> None:
@@ -155,8 +153,8 @@ class RecurrentRollback:
         stepped = self._run(ids, probe)
         captured = self.state_at(len(ids[0])) is not None
         self.cache = None
-        if not captured or not torch.allclose(whole, stepped, rtol=1e-2, atol=1e-3 * float(whole.abs().max())):
-            raise UnsupportedRecurrence(
+        if not captured or not agrees(stepped, whole, next(self.decoder.parameters()).dtype):
+            raise UnsupportedModel(
                 "this model's recurrent mixers do not reproduce it when run token by token; use --cache-policy replay"
             )
 
