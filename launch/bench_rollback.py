@@ -59,15 +59,20 @@ def measure(target: TargetModel, context: int, width: int, steps: int, seed: int
     return row
 
 
-def run(families: list[str], context: int, width: int, steps: int) -> list[dict]:
+def run(families: list[str], context: int, width: int, steps: int, repeats: int) -> list[dict]:
+    """One row per family and policy; each number the median of `repeats` measurements, taken in
+    turn across the family's policies so a busy machine's slow spells fall on all of them."""
     rows = []
     for family in families:
         probe = tiny_target(family)
         recurrent = any(part in probe.policy.name for part in RECURRENT_POLICIES)
-        for policy in RECURRENT_POLICIES if recurrent else (None,):
-            target = probe if policy is None else tiny_target(family, cache_policy=policy)
+        targets = [probe] if not recurrent else [tiny_target(family, cache_policy=p) for p in RECURRENT_POLICIES]
+        for target in targets:
             measure(target, context, width, 2)  # warm-up
-            rows.append({"family": family, "policy": target.policy.name, **measure(target, context, width, steps)})
+        runs = [[measure(target, context, width, steps) for target in targets] for _ in range(repeats)]
+        for i, target in enumerate(targets):
+            row = {key: statistics.median(run[i][key] for run in runs) for key in runs[0][i]}
+            rows.append({"family": family, "policy": target.policy.name, **row})
             print(_line(rows[-1]), flush=True)
     return rows
 
@@ -100,12 +105,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=64, help="tokens before the measured steps")
     parser.add_argument("--width", type=int, default=8, help="tokens per verify (1 + drafts)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per row (the median is shown)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print("  ".join(COLUMNS))
-    rows = run(args.families, args.context, args.width, args.steps)
+    rows = run(args.families, args.context, args.width, args.steps, args.repeats)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 
