@@ -59,6 +59,9 @@ def test_plain_decoding_matches_transformers_generate(case):
         )
     assert_lossless(target, PROMPT, want, out[0, len(PROMPT) :].tolist())
     assert target.length == len(PROMPT) + MAX_NEW - 1
+    # A model that is not degenerate: finite logits, and a greedy path that goes somewhere.
+    assert torch.isfinite(target.model(torch.tensor([PROMPT + want])).logits).all()
+    assert len(set(want)) >= 8
 
 
 @pytest.mark.parametrize("keep", [1, 6, BLOCK - 1])
