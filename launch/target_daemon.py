@@ -66,9 +66,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ring-capacity", type=int, default=4096, help="context positions a --proposer local drafter keeps"
     )
-    parser.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens accepted")
-    parser.add_argument("--max-queued", type=int, default=1024, help="requests queued over all clients (then: busy)")
-    parser.add_argument("--max-queued-per-client", type=int, default=64, help="requests one client may queue")
     parser.add_argument(
         "--cache-policy",
         default=DEFAULT_RECURRENT,
@@ -77,6 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         "from the state before it, or capture the state at every verified position (default %(default)s; "
         "see target_node/recurrent.py)",
     )
+    parser.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens accepted")
+    parser.add_argument("--max-queued", type=int, default=1024, help="requests queued over all clients (then: busy)")
+    parser.add_argument("--max-queued-per-client", type=int, default=64, help="requests one client may queue")
     parser.add_argument(
         "--always-draft",
         action="store_true",
