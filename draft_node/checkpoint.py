@@ -114,9 +114,16 @@ def config_for_target(
     layer_types: list[str] | None = None,
 ) -> DFlashConfig:
     """A drafter shaped to fit a target: its hidden size, its depth, a mask id its vocabulary has."""
+    target_config = target_config.get_text_config(decoder=True)
     hidden = target_config.hidden_size
     depth = target_config.num_hidden_layers
-    heads = target_config.num_attention_heads
+    heads = getattr(target_config, "num_attention_heads", None)
+    if heads:
+        kv_heads = getattr(target_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(target_config, "head_dim", None) or hidden // heads
+    else:  # a target without attention (state-space layers only): a common attention shape
+        head_dim = 64 if hidden % 64 == 0 else hidden
+        heads = kv_heads = hidden // head_dim
     if target_layer_ids is None:
         taps = min(num_taps, depth)
         # Spread over depth, from layer 1 up to the second-to-last layer.
@@ -126,9 +133,9 @@ def config_for_target(
         hidden_size=hidden,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(target_config, "head_dim", None) or hidden // heads,
-        intermediate_size=target_config.intermediate_size,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=getattr(target_config, "intermediate_size", None) or 3 * hidden,
         target_layer_ids=tuple(target_layer_ids),
         block_size=block_size,
         mask_token_id=target_config.vocab_size - 1 if mask_token_id is None else mask_token_id,

@@ -8,6 +8,16 @@ from typing import Any
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
+# RoPE variants the drafter computes (through transformers' own frequency functions): fixed
+# frequencies, so context keys cached at one step stay right at every later step.
+ROPE_SCALINGS = {  # type -> the fields it needs
+    "linear": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+# Frequencies that change with the sequence length: cached context keys would go stale.
+ROPE_BY_LENGTH = ("dynamic", "longrope")
+
 
 class CheckpointError(ValueError):
     """A drafter checkpoint that cannot be loaded as it is; the message names what is wrong."""
@@ -29,6 +39,9 @@ class DFlashConfig:
     rope_theta: float = 1_000_000.0
     layer_types: tuple[str, ...] = field(default=())
     sliding_window: int | None = None
+    # A scaled RoPE's parameters (`rope_type` one of ROPE_SCALINGS, `factor`, ...); None: plain RoPE.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -50,6 +63,8 @@ class DFlashConfig:
         out_of_range = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if out_of_range:
             problems.append(f"target_layer_ids {out_of_range} outside the target's {self.num_target_layers} layers")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ROPE_SCALINGS:
+            problems.append(f"rope_scaling {self.rope_scaling} is none of {', '.join(ROPE_SCALINGS)}")
         if problems:
             raise CheckpointError("bad drafter config: " + "; ".join(problems))
 
@@ -64,6 +79,9 @@ class DFlashConfig:
         dflash = {k: body.pop(k) for k in ("target_layer_ids", "block_size", "mask_token_id")}
         dflash["target_layer_ids"] = list(dflash["target_layer_ids"])
         body["layer_types"] = list(body["layer_types"])
+        for optional in ("rope_scaling", "max_position_embeddings"):
+            if body[optional] is None:
+                del body[optional]
         body.update(
             architectures=["DFlashDraftModel"],
             model_type="qwen3",
@@ -89,8 +107,7 @@ class DFlashConfig:
 
         if raw.get("attention_bias"):
             raise CheckpointError("attention_bias=true drafters are not supported")
-        rope = raw.get("rope_parameters") or {}
-        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
+        rope_theta, rope_scaling = read_rope(raw)
         hidden = int(pick("hidden_size"))
         heads = int(pick("num_attention_heads"))
         layer_types = raw.get("layer_types") or ()
@@ -106,10 +123,40 @@ class DFlashConfig:
             mask_token_id=int(pick("mask_token_id")),
             num_target_layers=int(pick("num_target_layers")),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             layer_types=tuple(layer_types),
             sliding_window=raw.get("sliding_window"),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings"),
         )
+
+
+def read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """`rope_theta` and the scaling of a config.json, from transformers 5's `rope_parameters` or the
+    older `rope_theta` + `rope_scaling` (with `type` or `rope_type`); refuses what the drafter
+    cannot compute."""
+    params = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise CheckpointError("per-layer-type rope_parameters are not supported for drafters")
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", 1_000_000.0)))
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if kind == "default":
+        return theta, None
+    if kind in ROPE_BY_LENGTH:
+        raise CheckpointError(
+            f"rope type {kind!r} changes its frequencies with the sequence length, so cached context keys "
+            f"would go stale; supported: {', '.join(ROPE_SCALINGS)}"
+        )
+    if kind not in ROPE_SCALINGS:
+        raise CheckpointError(f"rope type {kind!r} is not supported; supported: {', '.join(ROPE_SCALINGS)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0 or params.get("mrope_section"):
+        raise CheckpointError("partial or multimodal rotary embeddings are not supported for drafters")
+    missing = [name for name in ROPE_SCALINGS[kind] if params.get(name) is None]
+    if missing:
+        raise CheckpointError(f"rope type {kind!r} needs {', '.join(missing)}")
+    return theta, {"rope_type": kind, **params}
 
 
 def drafter_info(cfg: DFlashConfig, draft_vocab: list[int], ring_capacity: int) -> dict[str, Any]:

@@ -30,13 +30,54 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class Rotary:
+    """The drafter's rotary frequencies: plain RoPE from theta, or a scaled variant (linear, YaRN,
+    Llama 3) whose frequencies and attention factor transformers' own RoPE functions compute."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        self.theta, self.scale = cfg.rope_theta, 1.0
+        self.scaled_inv_freq: torch.Tensor | None = None
+        if cfg.rope_scaling is not None:
+            from transformers import Qwen3Config
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            config = Qwen3Config(
+                hidden_size=cfg.hidden_size,
+                num_attention_heads=cfg.num_attention_heads,
+                head_dim=cfg.head_dim,
+                max_position_embeddings=cfg.max_position_embeddings or _scaled_length(cfg.rope_scaling),
+                rope_parameters={**cfg.rope_scaling, "rope_theta": cfg.rope_theta},
+            )
+            with torch.device("cpu"):  # real numbers even while a checkpoint's skeleton is built on meta
+                inv_freq, scale = ROPE_INIT_FUNCTIONS[cfg.rope_scaling["rope_type"]](config, torch.device("cpu"))
+            self.scaled_inv_freq, self.scale = inv_freq.float(), float(scale)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.scaled_inv_freq is None:
+            return rope(x, positions, self.theta)
+        return rotate(x, positions, self.scaled_inv_freq.to(x.device), self.scale)
+
+
+def _scaled_length(scaling: dict) -> int:
+    """The context a scaled RoPE was stretched to, where the config does not state it."""
+    return int(scaling.get("original_max_position_embeddings", 32768) * scaling["factor"])
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """NeoX rotate-half rotary embedding of x [..., rows, heads, head_dim] at absolute positions."""
     half = x.shape[-1] // 2
     inv_freq = 1.0 / (theta ** (torch.arange(0, half, device=x.device, dtype=torch.float32) / half))
+    return rotate(x, positions, inv_freq)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x rotated by `inv_freq` [head_dim / 2] at `positions`; cos and sin scaled by `scale` (YaRN)."""
+    half = x.shape[-1] // 2
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :]
     sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x32 = x.float()
     rotated = torch.cat([-x32[..., half:], x32[..., :half]], -1)
     return (x32 * cos + rotated * sin).to(x.dtype)
@@ -96,7 +137,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.theta = cfg.rope_theta
+        self.rotary = Rotary(cfg)
         self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
@@ -108,7 +149,7 @@ class Attention(nn.Module):
         """Rotated keys and values [rows, kv_heads, head_dim] for rows x [rows, hidden] at their positions."""
         k = self.k_norm(self.k_proj(x).view(-1, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim)
-        return rope(k, positions, self.theta), v
+        return self.rotary(k, positions), v
 
     def forward(
         self,
@@ -127,7 +168,7 @@ class Attention(nn.Module):
         """
         s, rows, _ = x.shape
         flat, where = x.reshape(s * rows, -1), positions.reshape(-1)
-        q = rope(self.q_norm(self.q_proj(flat).view(-1, self.heads, self.head_dim)), where, self.theta)
+        q = self.rotary(self.q_norm(self.q_proj(flat).view(-1, self.heads, self.head_dim)), where)
         k, v = self.keys_values(flat, where)
         k_buf[:, :, ctx_len : ctx_len + rows] = k.view(s, rows, self.kv_heads, -1).transpose(1, 2)
         v_buf[:, :, ctx_len : ctx_len + rows] = v.view(s, rows, self.kv_heads, -1).transpose(1, 2)

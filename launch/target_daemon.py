@@ -13,6 +13,7 @@ from pathlib import Path
 from launch.common import DRAFT_ADDRESS, TARGET_ADDRESS, add_model_args, apply_runtime_args, dtype_of, resolve_model
 from protocol import FLOAT_DTYPES, Message
 from protocol.transport import stop_on_signals
+from target_node.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES
 from target_node.daemon import TargetService
 from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposer
 from target_node.speculative import Result
@@ -90,6 +91,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ring-capacity", type=int, default=4096, help="context positions a --proposer local drafter keeps"
     )
+    parser.add_argument(
+        "--cache-policy",
+        default=DEFAULT_RECURRENT,
+        choices=RECURRENT_POLICIES,
+        help="how linear-attention and state-space layers roll back a verify: replay the accepted tokens "
+        "from the state before it, or capture the state at every verified position (default %(default)s; "
+        "see target_node/recurrent.py)",
+    )
     parser.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens accepted")
     parser.add_argument("--max-queued", type=int, default=1024, help="requests queued over all clients (then: busy)")
     parser.add_argument("--max-queued-per-client", type=int, default=64, help="requests one client may queue")
@@ -116,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     apply_runtime_args(args)
     stop = stop_on_signals()
-    target = TargetModel.load(resolve_model(args.model), args.device, dtype_of(args))
+    target = TargetModel.load(resolve_model(args.model), args.device, dtype_of(args), args.cache_policy)
     service = TargetService(
         target,
         build_proposer(args, target),

@@ -2,10 +2,21 @@
 
 A verify step runs `[last_tok, drafts...]` and keeps only what the target stands by; the
 cache must then hold exactly the committed positions, as if the rejected ones had never
-run. How to get there depends on the cache layer: a full-attention layer simply drops
-the tail (crop); a tree step keeps a chosen set of rows (gather, then crop). The policy is
-chosen from the model's own cache layers, never from the model's name; a layer type no
-policy serves is refused when the target loads, with the reason, not mid-request.
+run. How to get there depends on the cache layer, and a model's cache may mix them:
+
+- full attention (`DynamicLayer`): drop the tail (crop); a tree step keeps a chosen set of
+  rows (gather, then crop);
+- sliding window (`DynamicSlidingWindowLayer`): the layer keeps only its window, so it is
+  told to keep everything a verify adds until the rollback (`activate_past_recording`),
+  then the tail is cropped and the window restored;
+- linear attention / state space (`LinearAttentionLayer`, and the attention-plus-recurrent
+  `LinearAttentionAndFullAttentionLayer`): a recurrent state, which no crop rolls back; see
+  recurrent.py (restore the state before the verify and replay the accepted tokens, or
+  capture the state at every verified position);
+- no cache at all (`DummyLayer`, for layers of MLPs or experts only): nothing to roll back.
+
+The policy is chosen from the model's own cache layers, never from the model's name; a layer
+type no policy serves is refused when the target loads, with the reason, not mid-request.
 """
 
 from __future__ import annotations
@@ -13,8 +24,32 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionLayer,
+)
+
+from target_node.recurrent import CAPTURE, REPLAY, RecurrentRollback
+
+# Replay is the default: faster in 11 of 12 family x acceptance cells of launch.bench_rollback,
+# since capture gives up the mixers' chunked kernels on every verify, accepted or not.
+DEFAULT_RECURRENT = REPLAY
+RECURRENT_POLICIES = (REPLAY, CAPTURE)
+
+# Cache layer type -> (its attention part, whether it holds a recurrent state). Exact types only:
+# a subclass may keep more state than its parent rolls back.
+LAYER_KINDS: dict[type, tuple[str | None, bool]] = {
+    DynamicLayer: ("full", False),
+    DynamicSlidingWindowLayer: ("sliding", False),
+    LinearAttentionLayer: (None, True),
+    LinearAttentionAndFullAttentionLayer: ("full", True),
+    DummyLayer: (None, False),  # a layer that caches nothing (MLP or experts only)
+}
 
 
 class UnsupportedCache(ValueError):
@@ -34,6 +69,9 @@ class CachePolicy(Protocol):
     def keep(self, cache: DynamicCache, start: int, rows: list[int]) -> None:
         """After a forward from `start`: keep its rows `rows` (offsets, ascending, 0 first) at
         positions start, start + 1, ..., and drop every other row it ran."""
+
+    def length(self, cache: DynamicCache) -> int:
+        """Positions the cache holds (where `get_seq_length` cannot tell, e.g. recurrent layers only)."""
 
 
 class CropPolicy:
@@ -58,11 +96,87 @@ class CropPolicy:
             layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, index)], -2)
             layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, index)], -2)
 
+    def length(self, cache: DynamicCache) -> int:
+        return cache.get_seq_length()
 
-def policy_for(cache: DynamicCache) -> CachePolicy:
-    """The rollback policy this cache's layers need."""
+
+class LayeredPolicy:
+    """Each cache layer rolled back its own way, within the last forward: attention parts
+    cropped (sliding ones recording their past meanwhile), recurrent states put back.
+
+    Only a prefix of a forward can be kept (tree = False): sliding windows and recurrent
+    states hold no per-row entries to gather from."""
+
+    tree = False
+
+    def __init__(self, cache: DynamicCache, recurrent: RecurrentRollback | None) -> None:
+        kinds = [LAYER_KINDS[type(layer)] for layer in cache.layers]
+        self.full = [i for i, (attention, _) in enumerate(kinds) if attention == "full"]
+        self.sliding = [i for i, (attention, _) in enumerate(kinds) if attention == "sliding"]
+        self.recurrent = recurrent
+        parts = ["crop"] * bool(self.full) + ["window"] * bool(self.sliding)
+        self.name = "+".join(parts + ([recurrent.mode] if recurrent is not None else []))
+        self.cache: DynamicCache | None = None
+        self.start = self.end = 0  # the last forward ran positions [start, end) of `cache`
+
+    def prepare(self, cache: DynamicCache, start: int, count: int) -> None:
+        for i in self.sliding:
+            cache.layers[i].activate_past_recording()
+        if self.recurrent is not None:
+            self.recurrent.prepare(cache, count)
+        self.cache, self.start, self.end = cache, start, start + count
+
+    def rollback(self, cache: DynamicCache, length: int) -> None:
+        if cache is not self.cache or not self.start <= length <= self.end:
+            raise ValueError(
+                f"the {self.name} cache policy rolls back within the last forward only "
+                f"(positions {self.start}..{self.end}), not to {length}"
+            )
+        drop = self.end - length
+        if self.recurrent is not None and drop:
+            states = self.recurrent.state_at(length - self.start)
+            if states is None:  # not kept: back to the forward's start, then run the kept tokens again
+                self._crop(cache, self.end - self.start)
+                self.recurrent.load(cache, self.recurrent.state_at(0))
+                self.recurrent.replay(cache, length - self.start)
+                drop = 0
+            else:
+                self.recurrent.load(cache, states)
+        self._crop(cache, drop)
+        self.end = length
+
+    def _crop(self, cache: DynamicCache, drop: int) -> None:
+        """Drop the last `drop` positions of every attention part; sliding layers also go back to
+        their window (even when nothing is dropped)."""
+        for i in self.full:
+            DynamicLayer.crop(cache.layers[i], -drop)
+        for i in self.sliding:
+            DynamicSlidingWindowLayer.crop(cache.layers[i], -drop)
+
+    def keep(self, cache: DynamicCache, start: int, rows: list[int]) -> None:
+        if rows != list(range(len(rows))):
+            raise ValueError(f"the {self.name} cache policy keeps a prefix of a forward only (tree = False)")
+        self.rollback(cache, start + len(rows))
+
+    def length(self, cache: DynamicCache) -> int:
+        return self.end if cache is self.cache else 0
+
+
+def policy_for(cache: DynamicCache, model: nn.Module | None = None, recurrent: str | None = None) -> CachePolicy:
+    """The rollback policy this cache's layers need. `model` (whose decoder fills such caches) is
+    needed only by recurrent layers, whose rollback `recurrent` names (capture or replay)."""
+    if recurrent is not None and recurrent not in RECURRENT_POLICIES:
+        raise ValueError(f"unknown cache policy {recurrent!r}; choose one of {', '.join(RECURRENT_POLICIES)}")
+    unknown = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in LAYER_KINDS})
+    if unknown:
+        known = ", ".join(kind.__name__ for kind in LAYER_KINDS)
+        raise UnsupportedCache(f"cache layers {unknown} cannot be rolled back by any policy this project has ({known})")
     kinds = {type(layer) for layer in cache.layers}
     if kinds <= {DynamicLayer}:
         return CropPolicy()
-    names = sorted(k.__name__ for k in kinds - {DynamicLayer})
-    raise UnsupportedCache(f"cache layers {names} cannot be rolled back by any policy this project has")
+    rollback = None
+    if any(LAYER_KINDS[kind][1] for kind in kinds):
+        if model is None:
+            raise ValueError("recurrent cache layers need the model to roll back")
+        rollback = RecurrentRollback(model, lambda: DynamicCache(config=model.config), recurrent or DEFAULT_RECURRENT)
+    return LayeredPolicy(cache, rollback)

@@ -3,7 +3,11 @@
 A DFlash drafter taps the OUTPUT of target decoder layer `l` for each `l` in its
 `target_layer_ids`: Hugging Face's `hidden_states[l + 1]` (index 0 is the embeddings),
 before the final norm, concatenated along the feature axis in list order. Getting this
-offset wrong silently collapses acceptance.
+offset wrong silently collapses acceptance. A few families (Mamba2) leave the embeddings
+out of the tuple, so layer l sits at `l + 0`: the target measures its model's offset when
+it loads (`support.probe`). (The tuple's last entry is the final-norm output, so in most
+families "layer L-1" reads that, as the reference implementation does; drafters tap inner
+layers.)
 """
 
 from __future__ import annotations
@@ -11,6 +15,6 @@ from __future__ import annotations
 import torch
 
 
-def tap_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: tuple[int, ...]) -> torch.Tensor:
+def tap_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: tuple[int, ...], offset: int = 1) -> torch.Tensor:
     """[..., len(layer_ids) * hidden] from a model's `output_hidden_states` tuple."""
-    return torch.cat([hidden_states[layer + 1] for layer in layer_ids], -1)
+    return torch.cat([hidden_states[layer + offset] for layer in layer_ids], -1)

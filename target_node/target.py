@@ -16,8 +16,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from target_node.cache_policy import CachePolicy, policy_for
 from target_node.greedy_head import ScreenedArgmaxHead
+from target_node.support import check_structure, probe
 from target_node.taps import tap_features
 from target_node.tree import DraftTree
+
+# Where configs state the positions a model was built for, by family.
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len", "seq_length")
 
 
 class ContextLengthError(ValueError):
@@ -25,18 +29,21 @@ class ContextLengthError(ValueError):
 
 
 class TargetModel:
-    def __init__(self, model, tokenizer=None) -> None:  # a transformers causal LM and its tokenizer
+    def __init__(self, model, tokenizer=None, cache_policy: str | None = None) -> None:
+        """`model`: a transformers causal LM; `cache_policy`: how recurrent layers roll back
+        (`replay`, the default, or `capture`: see recurrent.py)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config
         self.cache: DynamicCache | None = None
-        # Chosen from the layers of the model's own cache: refused here, not mid-request.
-        self.policy: CachePolicy = policy_for(self._new_cache())
+        # What cannot be served is refused here, not mid-request; the rollback policy is chosen
+        # from the layers of the model's own cache.
+        decoder = check_structure(model)
+        self.policy: CachePolicy = policy_for(self._new_cache(), model, cache_policy)
         self.eos_ids = self._eos_ids()
         self.head = model.get_output_embeddings()
-        if getattr(self.head, "bias", None) is not None:
-            raise ValueError("LM heads with a bias are not supported")
         self.greedy_head = self._screened_head_if_faster()
+        self.tap_offset = probe(model, decoder, self._new_cache(), self.logits)  # where layer l's output sits
 
     def _screened_head_if_faster(self) -> ScreenedArgmaxHead | None:
         """On CPU in fp32 the head dominates a verify step, and a bf16 screen halves it where the
@@ -61,7 +68,13 @@ class TargetModel:
         return screened if best_of(screened) < plain else None
 
     @classmethod
-    def load(cls, folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> TargetModel:
+    def load(
+        cls,
+        folder: str | Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        cache_policy: str | None = None,
+    ) -> TargetModel:
         folder = Path(folder)
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
@@ -70,7 +83,7 @@ class TargetModel:
         has_tokenizer = any(
             (folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
         )
-        return cls(model, AutoTokenizer.from_pretrained(folder) if has_tokenizer else None)
+        return cls(model, AutoTokenizer.from_pretrained(folder) if has_tokenizer else None, cache_policy)
 
     @property
     def device(self) -> torch.device:
@@ -95,8 +108,14 @@ class TargetModel:
 
     @property
     def max_positions(self) -> int | None:
-        """Positions the model was built for (None when its config does not say)."""
-        return getattr(self.config, "max_position_embeddings", None)
+        """Positions the model was built for (None when its config does not say, as state-space
+        models' do not: they have no position limit)."""
+        text = self.config.get_text_config(decoder=True)
+        for name in POSITION_FIELDS:
+            value = getattr(text, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
 
     def check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Refuse, before any work, a request that would run past the model's positions."""
@@ -119,7 +138,7 @@ class TargetModel:
     @property
     def length(self) -> int:
         """Positions the KV cache holds."""
-        return 0 if self.cache is None else self.cache.get_seq_length()
+        return 0 if self.cache is None else self.policy.length(self.cache)
 
     def reset(self) -> None:
         """A new request: an empty KV cache."""
@@ -149,7 +168,7 @@ class TargetModel:
         out = self.model.get_decoder()(
             input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=bool(taps), **extra
         )
-        return out.last_hidden_state[0], tap_features(out.hidden_states, taps)[0] if taps else None
+        return out.last_hidden_state[0], tap_features(out.hidden_states, taps, self.tap_offset)[0] if taps else None
 
     def _tree_inputs(self, tree: DraftTree, start: int) -> dict:
         if not self.policy.tree:
@@ -193,6 +212,9 @@ class TargetModel:
         divide = getattr(self.config, "logits_scaling", None)  # Granite-style
         if divide:
             logits = logits / divide
+        multiplier = getattr(self.config, "lm_head_multiplier", None)  # Falcon-H1
+        if multiplier:
+            logits = logits * multiplier
         cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma-style
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -8,7 +8,7 @@ from helpers import drafter_config
 from safetensors.torch import load_file, save_file
 
 from draft_node.checkpoint import load_config, load_drafter, random_drafter, save_drafter
-from draft_node.config import FULL, SLIDING, CheckpointError
+from draft_node.config import FULL, SLIDING, CheckpointError, DFlashConfig
 from draft_node.kv_cache import DraftKVCache, OutOfOrderError
 
 
@@ -182,3 +182,75 @@ def test_draft_vocabulary_file_round_trips_and_is_checked(tmp_path):
     (folder / "draft_vocab.json").write_text('{"ids": [1]}')
     with pytest.raises(CheckpointError, match="list of token ids"):
         load_drafter(folder)
+
+
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+}
+
+
+@pytest.mark.parametrize("kind", [None, *ROPE_SCALINGS])
+def test_drafter_rope_matches_transformers(kind):
+    """Plain and scaled RoPE rotate queries and keys exactly as the transformers rotary embedding does."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+    from draft_node.model import Rotary
+
+    scaling = ROPE_SCALINGS.get(kind)
+    cfg = drafter_config(rope_scaling=scaling, max_position_embeddings=1024 if scaling else None)
+    hf = Qwen3Config(
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=1024,
+        rope_parameters={**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta},
+    )
+    positions = torch.tensor([0, 1, 7, 300, 1000])
+    x = torch.randn(len(positions), cfg.num_attention_heads, cfg.head_dim, generator=torch.Generator().manual_seed(0))
+    cos, sin = Qwen3RotaryEmbedding(hf)(x, positions[None])
+    want, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
+    assert torch.allclose(Rotary(cfg)(x, positions), want[0].transpose(0, 1), atol=1e-4)
+
+
+def test_rope_fields_are_read_in_every_spelling_and_round_trip(tmp_path):
+    raw = drafter_config().to_json()
+    del raw["rope_theta"]
+    raw["rope_scaling"] = {"type": "linear", "factor": 2.0}  # the older spelling
+    raw["rope_parameters"] = {"rope_theta": 5e5}
+    cfg = DFlashConfig.from_json(raw)
+    assert (cfg.rope_theta, cfg.rope_scaling) == (5e5, {"rope_type": "linear", "factor": 2.0})
+    raw.pop("rope_scaling")
+    raw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, **ROPE_SCALINGS["yarn"]}
+    cfg = DFlashConfig.from_json(raw)
+    assert cfg.rope_scaling == ROPE_SCALINGS["yarn"] and cfg.rope_theta == 1e6
+    folder = save_drafter(random_drafter(cfg), tmp_path / "yarn")
+    assert load_config(folder) == cfg
+    assert torch.isfinite(load_drafter(folder)(*inputs(cfg))).all()
+    assert DFlashConfig.from_json(drafter_config().to_json()).rope_scaling is None
+
+
+@pytest.mark.parametrize(
+    "rope, message",
+    [
+        ({"rope_type": "dynamic", "factor": 2.0}, "sequence length"),
+        ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "sequence length"),
+        ({"rope_type": "wavy", "factor": 2.0}, "'wavy' is not supported"),
+        ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial"),
+        ({"full_attention": {"rope_type": "default"}}, "per-layer"),
+        ({"rope_type": "yarn", "factor": 4.0}, "needs original_max_position_embeddings"),
+    ],
+)
+def test_unsupported_rope_is_refused_by_name(rope, message):
+    raw = drafter_config().to_json()
+    raw["rope_parameters"] = rope
+    with pytest.raises(CheckpointError, match=message):
+        DFlashConfig.from_json(raw)
