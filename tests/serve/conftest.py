@@ -2,12 +2,11 @@
 
 import pytest
 from helpers import tiny_target
+from serving import MODEL
 
 from launch.client import TargetClient
 from launch.local import daemon, free_port
 from launch.serve import front_end
-
-MODEL = "tiny-chat"
 
 
 @pytest.fixture(scope="session")

@@ -5,32 +5,13 @@ same request: the front end passes the target's greedy output through untouched.
 """
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from serving import CHAT, MODEL, daemon_stats, wait_for
 
-MODEL = "tiny-chat"  # the name the `server` fixture serves
-CHAT = [{"role": "user", "content": "Tell me about otters."}]
 GREEDY = {"temperature": 0.0}
-
-
-def daemon_stats(server: str) -> dict:
-    reply = requests.get(f"{server}/stats", timeout=30)
-    reply.raise_for_status()
-    return reply.json()
-
-
-def wait_for(condition, timeout_s: float = 60.0):
-    """Poll until `condition()` returns something truthy (a check, not a sleep); returns it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
 
 
 def test_chat_completion_equals_the_msgpack_client(openai_client, reference):
