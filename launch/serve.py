@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     def serve(address: str, model_name: str) -> None:
         app = create_app(TargetLink(address, args.daemon_timeout), model_name, args.default_max_tokens)
         print(f"[serve] http://{args.host}:{args.port} -> target daemon {address}", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        # Streams still open at shutdown get a few seconds, then are cut (their requests cancelled).
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
     if args.target:
         serve(args.target, name or "dflash-split")
