@@ -30,8 +30,9 @@ PAGE = Path(__file__).resolve().parent / "static" / "index.html"
 CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it
 
 
-def create_app(link: TargetLink, model_name: str, default_max_tokens: int = 512) -> FastAPI:
-    """The front end for the target daemon behind `link`, serving it as `model_name`."""
+def create_app(link: TargetLink, model_name: str | None = None, default_max_tokens: int = 512) -> FastAPI:
+    """The front end for the target daemon behind `link`, serving it as `model_name` (default: the
+    name of the daemon's model folder, asked when first needed)."""
     app = FastAPI(title="dflash-split", summary="OpenAI-compatible API over a dflash-split target daemon")
     registry = registry_for(lambda: _stats_or_none(link))
     started = int(time.time())
@@ -59,9 +60,15 @@ def create_app(link: TargetLink, model_name: str, default_max_tokens: int = 512)
             raise unreachable(f"the target daemon at {link.address} does not answer")
         return JSONResponse({"status": "ok"})
 
+    async def served_name() -> str | None:
+        return model_name or await link.model_name()
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {"id": model_name, "object": "model", "created": started, "owned_by": "dflash-split"}
+        name = await served_name()
+        if name is None:
+            raise unreachable(f"the target daemon at {link.address} does not answer, so its model is unknown")
+        card = {"id": name, "object": "model", "created": started, "owned_by": "dflash-split"}
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/metrics")
@@ -78,15 +85,18 @@ def create_app(link: TargetLink, model_name: str, default_max_tokens: int = 512)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await generate(body, request, Answer(True, model_name, body.include_usage))
+        return await generate(body, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await generate(body, request, Answer(False, model_name, body.include_usage))
+        return await generate(body, request, chat=False)
 
-    async def generate(body: ChatCompletionRequest | CompletionRequest, request: Request, answer: Answer) -> Response:
-        check_model(body.model, model_name)
+    async def generate(body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool) -> Response:
+        name = await served_name()
+        if name is not None:  # unknown only while the daemon is unreachable: then the request gets 503
+            check_model(body.model, name)
         body.check_supported()
+        answer = Answer(chat, name or body.model or "", body.include_usage)
         fields = body.to_daemon(default_max_tokens)
         try:
             call = link.generate(fields)

@@ -39,6 +39,7 @@ class TargetLink:
         self.daemon_timeout_s = daemon_timeout_s
         # Worker threads that may block on replies at once; a stream past the limit waits its turn.
         self.limiter = anyio.CapacityLimiter(max_waiting)
+        self.model: str | None = None  # the daemon's model name, once it said
 
     def call_sync(self, type_: str) -> Message | None:
         """One `ping` or `stats` on a fresh socket; None when the daemon does not answer in time."""
@@ -51,6 +52,14 @@ class TargetLink:
     async def stats(self) -> dict | None:
         reply = await to_thread.run_sync(self.call_sync, "stats", limiter=self.limiter)
         return None if reply is None else reply["stats"]
+
+    async def model_name(self) -> str | None:
+        """The daemon's model (its folder's name), asked once; None while the daemon does not answer."""
+        if self.model is None:
+            stats = await self.stats()
+            if stats is not None:
+                self.model = stats.get("model") or "dflash-split"
+        return self.model
 
     def generate(self, fields: dict) -> GenerateCall:
         """Send a generate request (ProtocolError if its fields break the protocol's limits)."""

@@ -25,7 +25,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 
 def wait_http_ready(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
@@ -50,7 +49,7 @@ def front_end(port: int, args: list[str], ready_timeout_s: float = 120.0) -> Ite
     proc = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
     try:
-        if not wait_http_ready(f"{url}/v1/models", ready_timeout_s, alive=lambda: proc.poll() is None):
+        if not wait_http_ready(f"{url}/", ready_timeout_s, alive=lambda: proc.poll() is None):
             raise RuntimeError(f"dflash-serve did not become ready at {url} (exit code {proc.poll()})")
         yield url
     finally:
@@ -74,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s)")
     parser.add_argument(
         "--served-model-name",
-        help="the model id clients name in requests (default: the --model folder's name, else dflash-split)",
+        help="the model id clients name in requests (default: the name of the target daemon's model folder)",
     )
     parser.add_argument(
         "--default-max-tokens", type=int, default=512, help="chat answers' token limit when a request gives none"
@@ -100,28 +99,21 @@ def main(argv: list[str] | None = None) -> None:
     from launch.local import local_daemons
     from protocol.transport import stop_on_signals
 
-    name = args.served_model_name or (Path(args.model).name if args.model else None)
     # uvicorn re-raises the signal that stopped it once it is done; with our handler in place
     # that only sets an event, so the daemons below are still stopped in order.
     stop_on_signals()
 
-    def serve(address: str, model_name: str) -> None:
-        app = create_app(TargetLink(address, args.daemon_timeout), model_name, args.default_max_tokens)
+    def serve(address: str) -> None:
+        app = create_app(TargetLink(address, args.daemon_timeout), args.served_model_name, args.default_max_tokens)
         print(f"[serve] http://{args.host}:{args.port} -> target daemon {address}", flush=True)
         # Streams still open at shutdown get a few seconds, then are cut (their requests cancelled).
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
     if args.target:
-        serve(args.target, name or "dflash-split")
+        serve(args.target)
         return
     with local_daemons(args) as address:
-        serve(address, name or default_model_name())
-
-
-def default_model_name() -> str:
-    from target_node.default_model import DEFAULT_MODEL_DIR
-
-    return DEFAULT_MODEL_DIR.name
+        serve(address)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from protocol import ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.transport import Server
@@ -108,6 +109,7 @@ class TargetService:
     def report(self) -> dict:
         """The `stats` reply: what was served since start, the queue now, and the drafter's state."""
         return {
+            "model": Path(self.target.config.name_or_path).name,  # the folder it was loaded from
             "served": self.served,
             "queued": self.pending(),
             "running": int(self.running is not None),
