@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from frontend.errors import APIError, from_daemon, from_validation, invalid, unreachable
@@ -93,10 +94,11 @@ def create_app(link: TargetLink, model_name: str | None = None, default_max_toke
 
     async def generate(body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool) -> Response:
         name = await served_name()
-        if name is not None:  # unknown only while the daemon is unreachable: then the request gets 503
-            check_model(body.model, name)
+        if name is None:
+            raise unreachable(f"the target daemon at {link.address} does not answer")
+        check_model(body.model, name)
         body.check_supported()
-        answer = Answer(chat, name or body.model or "", body.include_usage)
+        answer = Answer(chat, name, body.include_usage)
         fields = body.to_daemon(default_max_tokens)
         try:
             call = link.generate(fields)
@@ -117,7 +119,13 @@ def create_app(link: TargetLink, model_name: str | None = None, default_max_toke
         if not body.stream:
             await call.close()
             return JSONResponse(answer.complete(first["text"], first["finish_reason"], first["stats"]))
-        return EventSourceResponse(events(call, first, answer, body))
+        # The stream closes the call when it ends or is cancelled; the background task covers a
+        # client gone before the stream even started (closing twice is harmless).
+        return EventSourceResponse(
+            events(call, first, answer, body),
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},  # proxies: pass chunks on at once
+            background=BackgroundTask(call.close),
+        )
 
     return app
 
