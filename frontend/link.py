@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import anyio
+import zmq
 from anyio import to_thread
 
 from protocol import Message
@@ -40,14 +41,36 @@ class TargetLink:
         # Worker threads that may block on replies at once; a stream past the limit waits its turn.
         self.limiter = anyio.CapacityLimiter(max_waiting)
         self.model: str | None = None  # the daemon's model name, once it said
+        # Generate sockets take in every reply at once, however slowly their HTTP client reads:
+        # the daemon's ROUTER drops messages for a peer whose queue is full, so none may fill.
+        self.context = zmq.Context()
+        self.context.setsockopt(zmq.RCVHWM, 0)
+        self.heard = 0.0  # time.monotonic() of the daemon's last reply of any kind
+        self.probed = 0.0  # when the last ping ended
+        self.probing = anyio.Lock()
 
     def call_sync(self, type_: str) -> Message | None:
         """One `ping` or `stats` on a fresh socket; None when the daemon does not answer in time."""
         reply = request(self.address, type_, timeout_s=self.daemon_timeout_s)
-        return reply if reply is not None and reply.type != "error" else None
+        if reply is None or reply.type == "error":
+            return None
+        self.heard = time.monotonic()
+        return reply
 
     async def alive(self) -> bool:
-        return await to_thread.run_sync(self.call_sync, "ping", limiter=self.limiter) is not None
+        """Whether the daemon answered anything lately, else whether it answers a ping.
+
+        Streams that wait together share one ping: a busy daemon is streaming to someone and
+        needs none, a silent one gets one at a time, and its answer serves every waiter.
+        """
+        async with self.probing:
+            if time.monotonic() - self.heard < QUIET_S:
+                return True
+            if time.monotonic() - self.probed < QUIET_S:
+                return False  # a ping just went unanswered
+            answered = await to_thread.run_sync(self.call_sync, "ping", limiter=self.limiter) is not None
+            self.probed = time.monotonic()
+            return answered
 
     async def stats(self) -> dict | None:
         reply = await to_thread.run_sync(self.call_sync, "stats", limiter=self.limiter)
@@ -71,7 +94,7 @@ class GenerateCall:
 
     def __init__(self, link: TargetLink, fields: dict) -> None:
         self.link = link
-        self.client = Client(link.address)
+        self.client = Client(link.address, link.context)
         self.finished = False  # a `done` or `error` reply arrived
         try:
             self.id = self.client.send("generate", fields)
@@ -91,6 +114,7 @@ class GenerateCall:
                 self.client.wait, self.id, "generate", WAIT_SLICE_S, limiter=self.link.limiter
             )
             if reply is not None:
+                self.link.heard = time.monotonic()
                 self.finished = reply.type in ("done", "error")
                 return reply
             if gone is not None and await gone():
