@@ -62,6 +62,20 @@ def front_end(port: int, args: list[str], ready_timeout_s: float = 120.0) -> Ite
                 proc.wait()
 
 
+def exit_on_signals() -> None:
+    """SIGTERM and SIGINT end the process through SystemExit, so the daemons started below are stopped.
+
+    uvicorn handles both itself while it runs, and once it has shut down re-raises the one
+    that stopped it: this handler then unwinds the rest (during start-up too).
+    """
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGINT, leave)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from launch.local import add_daemon_args
 
@@ -97,11 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     from frontend.app import create_app
     from frontend.link import TargetLink
     from launch.local import local_daemons
-    from protocol.transport import stop_on_signals
 
-    # uvicorn re-raises the signal that stopped it once it is done; with our handler in place
-    # that only sets an event, so the daemons below are still stopped in order.
-    stop_on_signals()
+    exit_on_signals()
 
     def serve(address: str) -> None:
         app = create_app(TargetLink(address, args.daemon_timeout), args.served_model_name, args.default_max_tokens)
