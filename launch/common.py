@@ -6,12 +6,14 @@ import argparse
 import hashlib
 import logging
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from protocol import FLOAT_DTYPES
 from protocol.tensors import torch_dtype
 from target_node.default_model import CACHE_ROOT, DEFAULT_MODEL_DIR, ensure_default_model
+
+if TYPE_CHECKING:  # torch loads where a model runs, not in the HTTP front end that shares these flags
+    import torch
 
 DRAFT_ADDRESS = "tcp://127.0.0.1:5555"
 TARGET_ADDRESS = "tcp://127.0.0.1:5556"
@@ -36,6 +38,8 @@ def add_model_args(parser: argparse.ArgumentParser, what: str) -> None:
 def apply_runtime_args(args: argparse.Namespace) -> None:
     setup_logging(args.verbose)
     if args.threads:
+        import torch
+
         torch.set_num_threads(args.threads)
 
 

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 from launch import client
@@ -21,10 +22,14 @@ from protocol import FLOAT_DTYPES
 from protocol.transport import wait_ready
 
 
-def free_address() -> str:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        return s.getsockname()[1]
+
+
+def free_address() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 @contextmanager
@@ -47,10 +52,8 @@ def daemon(name: str, module: str, address: str, args: list[str], ready_timeout_
                 proc.wait()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="dflash-local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_daemon_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `local_daemons`: models, devices, addresses."""
     parser.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter-checkpoint", help="drafter folder (default: the default model's drafter)")
     parser.add_argument("--target-device", default="cpu")
@@ -60,9 +63,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target-address", help="where the target daemon binds (default: a free 127.0.0.1 port)")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for each daemon")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads per daemon (0: torch's default)")
-    client.add_client_args(parser)
-    args = parser.parse_args(argv)
 
+
+@contextmanager
+def local_daemons(args: argparse.Namespace) -> Iterator[str]:
+    """The draft daemon and the target daemon as subprocesses; yields the target daemon's address."""
     model = resolve_model(args.model)  # convert once, before two processes race to do it
     checkpoint = args.drafter_checkpoint or str(ensure_default_drafter(model))
     draft_address = args.draft_address or free_address()
@@ -97,6 +102,17 @@ def main(argv: list[str] | None = None) -> None:
                 args.ready_timeout,
             )
         )
+        yield target_address
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="dflash-local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_daemon_args(parser)
+    client.add_client_args(parser)
+    args = parser.parse_args(argv)
+    with local_daemons(args) as target_address:
         args.address = target_address
         client.run(args)
 

@@ -13,10 +13,12 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from protocol import ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.transport import Server
 from target_node.governor import Governor
+from target_node.metrics import RequestClock, ServedMetrics, drafter_state
 from target_node.proposers import Proposer
 from target_node.sampling import SamplingParams
 from target_node.speculative import Result, generate
@@ -30,6 +32,7 @@ class Job:
     identity: bytes
     request: Message
     cancel: threading.Event = field(default_factory=threading.Event)
+    received: float = field(default_factory=time.monotonic)
 
 
 class TargetService:
@@ -64,6 +67,7 @@ class TargetService:
         self.running: Job | None = None
         self.server: Server | None = None
         self.served = 0
+        self.metrics = ServedMetrics()  # what was served, for the `stats` reply
 
     # --- socket side -------------------------------------------------------
 
@@ -85,9 +89,7 @@ class TargetService:
             elif msg.type == "ping":
                 self.send(identity, encode("pong", msg.id, {"time": time.time(), "sessions": self.pending()}))
             elif msg.type == "stats":
-                self.send(
-                    identity, encode("stats_ok", msg.id, {"stats": {"served": self.served, "queued": self.pending()}})
-                )
+                self.send(identity, encode("stats_ok", msg.id, {"stats": self.report()}))
             else:
                 self.send(
                     identity,
@@ -107,10 +109,23 @@ class TargetService:
                 self.queues[identity] = queue
             queue.append(Job(identity, msg))
             return
+        self.metrics.refuse(ErrorCode.BUSY.value)
         self.send(identity, encode_error(msg.id, ErrorCode.BUSY, why + "; retry later"))
 
     def pending(self) -> int:
         return sum(len(q) for q in (*self.queues.values(), *self.parked.values()))
+
+    def report(self) -> dict:
+        """The `stats` reply: what was served since start, the queue now, and the drafter's state."""
+        return {
+            "model": Path(self.target.config.name_or_path).name,  # the folder it was loaded from
+            "served": self.served,
+            "queued": self.pending(),
+            "running": int(self.running is not None),
+            "proposer": self.proposer.name,
+            "drafter": drafter_state(self.proposer),
+            **self.metrics.to_dict(),
+        }
 
     def cancel(self, identity: bytes, request_id: int) -> None:
         if self.running and self.running.identity == identity and self.running.request.id == request_id:
@@ -120,6 +135,7 @@ class TargetService:
         for job in list(queue):
             if job.request.id == request_id:
                 queue.remove(job)
+                self.metrics.finish("cancelled")
                 self.send(
                     identity,
                     encode(
@@ -195,10 +211,12 @@ class TargetService:
     def run(self, job: Job) -> None:
         msg, identity = job.request, job.identity
         self.running = job
+        clock = RequestClock(job.received)
         try:
             prompt, sampling = self.prompt_ids(msg), self.sampling(msg)
 
             def on_commit(tokens: list[int], text: str) -> None:
+                clock.commit()
                 if msg["stream"]:
                     self.send(identity, encode("chunk", msg.id, {"text": text, "token_ids": tokens}))
                 self.pump()  # cancels and new requests arrive between steps
@@ -218,16 +236,20 @@ class TargetService:
                 tree_nodes=self.tree_nodes,
             )
             done = {"text": result.text, "token_ids": result.tokens, "finish_reason": result.finish_reason}
+            self.metrics.finish(result.finish_reason, result.stats, clock)
             self.send(identity, encode("done", msg.id, {**done, "stats": self.stats(result)}))
             self.served += 1
             if self.on_finished is not None and result.finish_reason != "cancelled":
                 self.on_finished(msg, prompt, result)
         except ProtocolError as exc:
+            self.metrics.refuse(exc.code.value)
             self.send(identity, encode_error(msg.id, exc.code, exc.message))
         except ContextLengthError as exc:
+            self.metrics.refuse(ErrorCode.CONTEXT_LENGTH.value)
             self.send(identity, encode_error(msg.id, ErrorCode.CONTEXT_LENGTH, str(exc)))
         except Exception as exc:  # one bad request must not take the daemon down
             log.exception("request %s failed", msg.id)
+            self.metrics.refuse(ErrorCode.INTERNAL.value)
             self.send(identity, encode_error(msg.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
         finally:
             self.running = None

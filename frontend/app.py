@@ -1,0 +1,169 @@
+"""The routes: OpenAI's /v1 API, /health, /metrics, /stats and the live page at /.
+
+A generate request is sent to the daemon at once and its first reply awaited before the
+HTTP answer starts, so every refusal (busy, too long, unreachable) still gets its own HTTP
+status; after that the answer streams. A client that leaves cancels its request in the
+daemon (`GenerateCall.close`), streaming or not.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from anyio import to_thread
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.sse import EventSourceResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+
+from frontend.errors import APIError, from_daemon, from_validation, invalid, unreachable
+from frontend.link import ClientGone, DaemonUnreachable, GenerateCall, TargetLink
+from frontend.metrics import registry_for
+from frontend.responses import DONE_EVENT, Answer, sse
+from frontend.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, check_model
+from protocol import Message, ProtocolError
+
+PAGE = Path(__file__).resolve().parent / "static" / "index.html"
+CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it
+
+
+def create_app(link: TargetLink, model_name: str | None = None, default_max_tokens: int = 512) -> FastAPI:
+    """The front end for the target daemon behind `link`, serving it as `model_name` (default: the
+    name of the daemon's model folder, asked when first needed)."""
+    app = FastAPI(title="dflash-split", summary="OpenAI-compatible API over a dflash-split target daemon")
+    registry = registry_for(lambda: _stats_or_none(link))
+    started = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(exc.errors()).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(PAGE, media_type="text/html")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not await link.alive():
+            raise unreachable(f"the target daemon at {link.address} does not answer")
+        return JSONResponse({"status": "ok"})
+
+    async def served_name() -> str | None:
+        return model_name or await link.model_name()
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        name = await served_name()
+        if name is None:
+            raise unreachable(f"the target daemon at {link.address} does not answer, so its model is unknown")
+        card = {"id": name, "object": "model", "created": started, "owned_by": "dflash-split"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await to_thread.run_sync(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats() -> JSONResponse:
+        """The daemon's stats reply as JSON: the live page's source."""
+        figures = await link.stats()
+        if figures is None:
+            raise unreachable(f"the target daemon at {link.address} does not answer")
+        return JSONResponse(figures)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await generate(body, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await generate(body, request, chat=False)
+
+    async def generate(body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool) -> Response:
+        name = await served_name()
+        if name is None:
+            raise unreachable(f"the target daemon at {link.address} does not answer")
+        check_model(body.model, name)
+        body.check_supported()
+        answer = Answer(chat, name, body.include_usage)
+        fields = body.to_daemon(default_max_tokens)
+        try:
+            call = link.generate(fields)
+        except ProtocolError as exc:  # beyond what the wire carries (a stop string over 256 chars, ...)
+            raise invalid(exc.message) from exc
+        try:
+            first = await call.next(gone=request.is_disconnected)
+            check(first, body)
+        except ClientGone:
+            await call.close()
+            return Response(status_code=CLIENT_CLOSED)
+        except DaemonUnreachable as exc:
+            await call.close()
+            raise unreachable(str(exc)) from exc
+        except BaseException:
+            await call.close()
+            raise
+        if not body.stream:
+            await call.close()
+            return JSONResponse(answer.complete(first["text"], first["finish_reason"], first["stats"]))
+        # The stream closes the call when it ends or is cancelled; the background task covers a
+        # client gone before the stream even started (closing twice is harmless).
+        return EventSourceResponse(
+            events(call, first, answer, body),
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},  # proxies: pass chunks on at once
+            background=BackgroundTask(call.close),
+        )
+
+    return app
+
+
+def check(reply: Message, body: GenerationRequest) -> None:
+    """A daemon `error` reply as the HTTP error it means."""
+    if reply.type == "error":
+        raise from_daemon(reply["code"], reply["message"], body.prompt_param)
+
+
+async def events(call: GenerateCall, reply: Message, answer: Answer, body: GenerationRequest):
+    """The SSE stream from the first reply on, ending with `data: [DONE]`.
+
+    Leaving early (the client went away: Starlette cancels this generator) cancels the
+    request in the daemon through `call.close`.
+    """
+    try:
+        if answer.chat:
+            yield sse(answer.chunk(first=True))
+        while True:
+            if reply.type == "error":
+                yield sse(from_daemon(reply["code"], reply["message"], body.prompt_param).body())
+                break
+            if reply.type == "chunk" and reply["text"]:
+                yield sse(answer.chunk(reply["text"]))
+            if reply.type == "done":
+                yield sse(answer.chunk(None if answer.chat else "", reply["finish_reason"]))
+                if answer.include_usage:
+                    yield sse(answer.usage_chunk(reply["stats"]))
+                break
+            reply = await call.next()
+    except DaemonUnreachable as exc:
+        yield sse(unreachable(str(exc)).body())
+    finally:
+        await call.close()
+    yield DONE_EVENT
+
+
+def _stats_or_none(link: TargetLink) -> dict | None:
+    reply = link.call_sync("stats")
+    return None if reply is None else reply["stats"]

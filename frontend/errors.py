@@ -1,0 +1,83 @@
+"""Errors as the OpenAI API words them: `{"error": {message, type, param, code}}` with an HTTP status.
+
+Every failure a client can cause or meet ends here, so clients written for OpenAI (the
+official one raises BadRequestError, RateLimitError, ... from the status) read ours as theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fastapi.responses import JSONResponse
+
+from protocol import ErrorCode
+
+# The daemon's error codes that mean the request itself was wrong (HTTP 400).
+CLIENT_FAULTS = {ErrorCode.BAD_FIELD, ErrorCode.BAD_TENSOR, ErrorCode.TOO_LARGE, ErrorCode.MALFORMED}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unreachable(message: str) -> APIError:
+    return APIError(503, message, type_="service_unavailable_error", code="target_unreachable")
+
+
+def from_daemon(code: str, message: str, prompt_param: str) -> APIError:
+    """The target daemon's `error` reply, as the status an HTTP client expects."""
+    if code == ErrorCode.BUSY.value:
+        return APIError(429, message, type_="rate_limit_error", code="rate_limit_exceeded")
+    if code == ErrorCode.CONTEXT_LENGTH.value:
+        return APIError(400, message, param=prompt_param, code="context_length_exceeded")
+    if code in {c.value for c in CLIENT_FAULTS}:
+        return invalid(message)
+    return APIError(500, f"the target daemon failed: {message}", type_="server_error", code=code)
+
+
+def from_validation(errors: Sequence[dict]) -> APIError:
+    """pydantic's (or FastAPI's) complaint about a request body, naming the parameter."""
+    if not errors:
+        return invalid("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return invalid(f"the request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    param = _param(first.get("loc", ()))
+    if first.get("type") == "extra_forbidden":
+        return invalid(f"unrecognized request argument supplied: {param}", param, "unknown_parameter")
+    # A value that fits no member of a union gets one complaint per member: say them together.
+    reasons = list(dict.fromkeys(e.get("msg", "invalid value") for e in errors if _param(e.get("loc", ())) == param))
+    message = " or ".join(reasons)
+    if param is None:
+        return invalid(f"the request body must be a JSON object (Content-Type: application/json): {message}")
+    return invalid(f"{param}: {message}", param)
+
+
+def _param(loc: Sequence) -> str | None:
+    """`messages.0.content` from pydantic's location, without its "body" root and union member tags."""
+    parts = [str(p) for p in loc if p != "body" and not _is_union_tag(p)]
+    return ".".join(parts) or None
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict"})

@@ -1,0 +1,150 @@
+"""The front end's line to the target daemon: the client protocol, one DEALER socket per request.
+
+A socket per generate request makes its cancel unambiguous (the daemon matches a cancel by
+the sending identity and the request id), and lets the daemon's per-client round robin see
+concurrent HTTP requests as the separate clients they are. Waiting for a reply blocks, so it
+runs in a worker thread one short slice at a time: between slices the caller can notice a
+client that went away, and a long silence is checked with a ping, which the daemon answers
+between decode steps even while busy. A daemon that does not answer one is unreachable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import anyio
+import zmq
+from anyio import to_thread
+
+from protocol import Message
+from protocol.transport import Client, request
+
+WAIT_SLICE_S = 0.2  # longest a worker thread blocks on one reply
+QUIET_S = 0.5  # silence after which the daemon is pinged
+
+
+class DaemonUnreachable(RuntimeError):
+    """The target daemon did not answer a ping in time."""
+
+
+class ClientGone(RuntimeError):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+class TargetLink:
+    """Where the target daemon is and how long it may stay silent before it counts as gone."""
+
+    def __init__(self, address: str, daemon_timeout_s: float = 5.0, max_waiting: int = 512) -> None:
+        self.address = address
+        self.daemon_timeout_s = daemon_timeout_s
+        # Worker threads that may block on replies at once; a stream past the limit waits its turn.
+        self.limiter = anyio.CapacityLimiter(max_waiting)
+        self.model: str | None = None  # the daemon's model name, once it said
+        # Generate sockets take in every reply at once, however slowly their HTTP client reads:
+        # the daemon's ROUTER drops messages for a peer whose queue is full, so none may fill.
+        self.context = zmq.Context()
+        self.context.setsockopt(zmq.RCVHWM, 0)
+        self.heard = 0.0  # time.monotonic() of the daemon's last reply of any kind
+        self.probed = 0.0  # when the last ping ended
+        self.probing = anyio.Lock()
+
+    def call_sync(self, type_: str) -> Message | None:
+        """One `ping` or `stats` on a fresh socket; None when the daemon does not answer in time."""
+        reply = request(self.address, type_, timeout_s=self.daemon_timeout_s)
+        if reply is None or reply.type == "error":
+            return None
+        self.heard = time.monotonic()
+        return reply
+
+    async def alive(self) -> bool:
+        """Whether the daemon answered anything lately, else whether it answers a ping.
+
+        Streams that wait together share one ping: a busy daemon is streaming to someone and
+        needs none, a silent one gets one at a time, and its answer serves every waiter.
+        """
+        async with self.probing:
+            if time.monotonic() - self.heard < QUIET_S:
+                return True
+            if time.monotonic() - self.probed < QUIET_S:
+                return False  # a ping just went unanswered
+            answered = await to_thread.run_sync(self.call_sync, "ping", limiter=self.limiter) is not None
+            self.probed = time.monotonic()
+            return answered
+
+    async def stats(self) -> dict | None:
+        reply = await to_thread.run_sync(self.call_sync, "stats", limiter=self.limiter)
+        return None if reply is None else reply["stats"]
+
+    async def model_name(self) -> str | None:
+        """The daemon's model (its folder's name), asked once; None while the daemon does not answer."""
+        if self.model is None:
+            stats = await self.stats()
+            if stats is not None:
+                self.model = stats.get("model") or "dflash-split"
+        return self.model
+
+    def generate(self, fields: dict) -> GenerateCall:
+        """Send a generate request (ProtocolError if its fields break the protocol's limits)."""
+        return GenerateCall(self, fields)
+
+
+class GenerateCall:
+    """One generate request in flight: its replies in order, and its cancel on the same socket."""
+
+    def __init__(self, link: TargetLink, fields: dict) -> None:
+        self.link = link
+        self.client = Client(link.address, link.context)
+        self.finished = False  # a `done` or `error` reply arrived
+        try:
+            self.id = self.client.send("generate", fields)
+        except Exception:
+            self.client.close()
+            raise
+
+    async def next(self, gone: Callable[[], Awaitable[bool]] | None = None) -> Message:
+        """The next `chunk`, `done` or `error` reply.
+
+        Raises ClientGone when `gone()` says the HTTP client left, DaemonUnreachable when the
+        daemon stays silent and does not answer a ping either.
+        """
+        quiet_since = time.monotonic()
+        while True:
+            reply = await to_thread.run_sync(
+                self.client.wait, self.id, "generate", WAIT_SLICE_S, limiter=self.link.limiter
+            )
+            if reply is not None:
+                self.link.heard = time.monotonic()
+                self.finished = reply.type in ("done", "error")
+                return reply
+            if gone is not None and await gone():
+                raise ClientGone("the client disconnected")
+            if time.monotonic() - quiet_since >= QUIET_S:
+                if not await self.link.alive():
+                    self.finished = True  # nobody left to cancel with
+                    raise DaemonUnreachable(
+                        f"the target daemon at {self.link.address} did not answer within "
+                        f"{self.link.daemon_timeout_s:g} s"
+                    )
+                quiet_since = time.monotonic()
+
+    async def close(self) -> None:
+        """Cancel the request if it is still running, wait for the daemon to confirm, drop the socket.
+
+        Shielded: it runs when the HTTP client has gone and the request's task is being cancelled.
+        """
+        with anyio.CancelScope(shield=True):
+            if not self.finished:
+                await to_thread.run_sync(self._cancel_and_drain, limiter=self.link.limiter)
+            self.client.close()
+
+    def _cancel_and_drain(self) -> None:
+        # The socket drops unsent messages when it closes, so wait for the cancelled `done`:
+        # it proves the cancel arrived and the daemon stopped generating for us.
+        self.client.send("cancel", {}, request_id=self.id)
+        deadline = time.monotonic() + self.link.daemon_timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            reply = self.client.wait(self.id, "generate", min(left, WAIT_SLICE_S))
+            if reply is not None and reply.type in ("done", "error"):
+                break
+        self.finished = True

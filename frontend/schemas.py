@@ -1,0 +1,191 @@
+"""OpenAI request bodies: what is accepted, refused with the parameter named, and sent on to the daemon.
+
+Types are strict (a string is not a number, a bool is not an int), unknown parameters are
+refused rather than ignored, and OpenAI parameters this server does not implement are
+accepted only at their neutral value, so no request is quietly answered as something else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from frontend.errors import APIError, invalid
+
+STRICT = ConfigDict(extra="forbid", strict=True)
+MAX_STOP = 16  # the daemon's limit (OpenAI's is 4)
+SEED_LIMIT = 2**63
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None  # accepted; chat templates have no place for it
+
+    def to_daemon(self) -> dict[str, str]:
+        content = self.content or ""
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        # Chat templates know the system role; OpenAI's newer name for it is developer.
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class GenerationRequest(BaseModel):
+    """What both endpoints share: sampling, stops, streaming, and the parameters they refuse."""
+
+    model_config = STRICT
+    # OpenAI parameters this server does not implement, with the values that ask for nothing (or None).
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        "n": (1,),
+        "presence_penalty": (0,),
+        "frequency_penalty": (0,),
+        "logit_bias": ({},),
+    }
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)  # not OpenAI's; as vLLM, for clients that want it
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, not used
+    n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+
+    def check_supported(self) -> None:
+        """Refuse what this server would otherwise answer differently from what was asked."""
+        for name, neutral in self.NEUTRAL.items():
+            value = getattr(self, name)
+            if not is_neutral(value, neutral):
+                code = "unsupported_value" if name == "n" else "unsupported_parameter"
+                raise invalid(f"{name}={value!r} is not supported by this server", name, code)
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
+        if len(self.stop_list) > MAX_STOP:
+            raise invalid(f"at most {MAX_STOP} stop sequences are supported", "stop")
+        if any(not s for s in self.stop_list):
+            raise invalid("stop sequences must not be empty", "stop")
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self) -> dict:
+        # OpenAI's default temperature is 1; send 0 for greedy (exactly the target's own output).
+        sampling = {"temperature": 1.0 if self.temperature is None else self.temperature}
+        if self.top_p is not None:
+            sampling["top_p"] = self.top_p
+        if self.top_k is not None:
+            sampling["top_k"] = self.top_k
+        if self.seed is not None:
+            sampling["seed"] = self.seed
+        return sampling
+
+    def common_fields(self, max_tokens: int) -> dict:
+        """The daemon's generate fields that do not depend on the endpoint."""
+        return {
+            "max_new_tokens": max_tokens,
+            "stop": self.stop_list,
+            "stream": self.stream,
+            "sampling": self.sampling(),
+        }
+
+
+class ChatCompletionRequest(GenerationRequest):
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        **GenerationRequest.NEUTRAL,
+        "logprobs": (False,),
+        "top_logprobs": (0,),
+        "tools": ([],),
+        "tool_choice": ("none",),
+        "functions": ([],),
+        "function_call": ("none",),
+        "response_format": ({"type": "text"},),
+        "parallel_tool_calls": (False, True),
+    }
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    parallel_tool_calls: Any = None
+
+    prompt_param: ClassVar[str] = "messages"
+
+    def to_daemon(self, default_max_tokens: int) -> dict:
+        limit = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        return {**self.common_fields(limit), "messages": [m.to_daemon() for m in self.messages]}
+
+
+class CompletionRequest(GenerationRequest):
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        **GenerationRequest.NEUTRAL,
+        "logprobs": (0,),
+        "echo": (False,),
+        "best_of": (1,),
+        "suffix": ("",),
+    }
+    DEFAULT_MAX_TOKENS: ClassVar[int] = 16  # OpenAI's default for this endpoint
+
+    prompt: str | list[str] | list[int]
+    logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    prompt_param: ClassVar[str] = "prompt"
+
+    def to_daemon(self, default_max_tokens: int) -> dict:
+        fields = self.common_fields(self.max_tokens or self.DEFAULT_MAX_TOKENS)
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return {**fields, "token_ids": list(prompt)}
+        if isinstance(prompt, list):
+            if len(prompt) > 1:
+                raise invalid("one prompt per request is supported", "prompt", "unsupported_value")
+            prompt = prompt[0] if prompt else ""
+        if not prompt:
+            raise invalid("the prompt is empty", "prompt")
+        return {**fields, "prompt": prompt}
+
+
+def is_neutral(value: Any, neutral: tuple) -> bool:
+    """None, or equal to a neutral value (a bool is not taken for 0 or 1)."""
+    return value is None or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(
+            404,
+            f"the model '{requested}' does not exist; this server serves '{served}'",
+            param="model",
+            code="model_not_found",
+        )

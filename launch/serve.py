@@ -1,0 +1,131 @@
+"""Serve an OpenAI-compatible HTTP API, Prometheus metrics and a live page.
+
+Two ways to start it:
+
+  standalone   dflash-serve --target tcp://127.0.0.1:5556
+               the front end alone, as one more client of a running target daemon
+  all in one   dflash-serve [--model DIR] [--threads N] ...
+               also starts the draft daemon and the target daemon as subprocesses
+               (like dflash-local) and stops them on exit
+
+Then: POST /v1/chat/completions and /v1/completions (stream with "stream": true),
+GET /v1/models, /health, /metrics (Prometheus), /stats (the daemon's stats as JSON) and
+the live page at / (chat, tokens/s, tau, acceptance per draft position).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+def wait_http_ready(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
+    """GET `url` until it answers 200: a readiness check, not a sleep. `alive` aborts early."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as reply:
+                if reply.status == 200:
+                    return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.1)
+    return False
+
+
+@contextmanager
+def front_end(port: int, args: list[str], ready_timeout_s: float = 120.0) -> Iterator[str]:
+    """Run `python -m launch.serve` on 127.0.0.1:`port` with `args`; yields its base URL, stops it on exit."""
+    command = [sys.executable, "-m", "launch.serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    proc = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if not wait_http_ready(f"{url}/", ready_timeout_s, alive=lambda: proc.poll() is None):
+            raise RuntimeError(f"dflash-serve did not become ready at {url} (exit code {proc.poll()})")
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def exit_on_signals() -> None:
+    """SIGTERM and SIGINT end the process through SystemExit, so the daemons started below are stopped.
+
+    uvicorn handles both itself while it runs, and once it has shut down re-raises the one
+    that stopped it: this handler then unwinds the rest (during start-up too).
+    """
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGINT, leave)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from launch.local import add_daemon_args
+
+    parser = argparse.ArgumentParser(
+        prog="dflash-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", help="a running target daemon's address (standalone); omit to start both daemons")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP interface to listen on (default %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s)")
+    parser.add_argument(
+        "--served-model-name",
+        help="the model id clients name in requests (default: the name of the target daemon's model folder)",
+    )
+    parser.add_argument(
+        "--default-max-tokens", type=int, default=512, help="chat answers' token limit when a request gives none"
+    )
+    parser.add_argument(
+        "--daemon-timeout",
+        type=float,
+        default=5.0,
+        help="seconds the target daemon may leave a ping unanswered before requests get 503 (default %(default)s)",
+    )
+    parser.add_argument("--log-level", default="info", help="uvicorn's log level (default %(default)s)")
+    group = parser.add_argument_group("all in one (without --target)")
+    add_daemon_args(group)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    import uvicorn
+
+    from frontend.app import create_app
+    from frontend.link import TargetLink
+    from launch.local import local_daemons
+
+    exit_on_signals()
+
+    def serve(address: str) -> None:
+        app = create_app(TargetLink(address, args.daemon_timeout), args.served_model_name, args.default_max_tokens)
+        print(f"[serve] http://{args.host}:{args.port} -> target daemon {address}", flush=True)
+        # Streams still open at shutdown get a few seconds, then are cut (their requests cancelled).
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+
+    if args.target:
+        serve(args.target)
+        return
+    with local_daemons(args) as address:
+        serve(address)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""What the target daemon has served since it started: the aggregate its `stats` reply carries.
+
+Monitoring (the HTTP front end's /metrics and live page) translates these figures and keeps
+none of its own, so there is one bookkeeping: the daemon's, updated once per finished
+request. Timings are taken here too, where the request is queued and its tokens leave: time
+to first token counts from arrival (queue wait included), gaps between commits are the
+inter-token latency a streaming client sees, and end to end runs from arrival to `done`.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections import Counter
+
+from target_node.stats import Stats
+
+# Upper bounds in seconds (Prometheus `le`); one more bucket holds everything above the last.
+LATENCY_BOUNDS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REQUEST_BOUNDS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class LatencyHistogram:
+    """Counts per bucket and their sum: what a Prometheus histogram is rebuilt from."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1  # a value equal to a bound is in it (le)
+        self.sum += seconds
+
+    def to_dict(self) -> dict:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum, "count": sum(self.counts)}
+
+
+class RequestClock:
+    """One request's timings as the daemon sees them, from its arrival to its `done`."""
+
+    def __init__(self, received: float) -> None:
+        self.received = received  # time.monotonic() when the request was queued
+        self.first: float | None = None  # seconds from arrival to the first committed tokens
+        self.gaps: list[float] = []  # seconds between consecutive commits
+        self.last: float | None = None
+
+    def commit(self) -> None:
+        now = time.monotonic()
+        if self.last is None:
+            self.first = now - self.received
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.received
+
+
+class ServedMetrics:
+    """Totals over every request the daemon finished, and refusals by error code."""
+
+    def __init__(self) -> None:
+        self.finished: Counter = Counter()  # finish_reason -> requests
+        self.refused: Counter = Counter()  # error code -> requests
+        self.total = Stats()
+        self.ttft = LatencyHistogram(LATENCY_BOUNDS)
+        self.inter_token = LatencyHistogram(LATENCY_BOUNDS)
+        self.end_to_end = LatencyHistogram(REQUEST_BOUNDS)
+
+    def finish(self, finish_reason: str, stats: Stats | None = None, clock: RequestClock | None = None) -> None:
+        """A request answered with `done` (a queued request cancelled before it ran has no stats)."""
+        self.finished[finish_reason] += 1
+        if stats is not None:
+            self.total.add(stats)
+        if clock is not None:
+            if clock.first is not None:
+                self.ttft.observe(clock.first)
+            for gap in clock.gaps:
+                self.inter_token.observe(gap)
+            self.end_to_end.observe(clock.elapsed())
+
+    def refuse(self, code: str) -> None:
+        """A request answered with an error (busy, context_length, bad_field, internal)."""
+        self.refused[code] += 1
+
+    def to_dict(self) -> dict:
+        total = self.total
+        return {
+            "requests": dict(self.finished),
+            "refused": dict(self.refused),
+            "prompt_tokens": total.prompt_tokens,
+            "generation_tokens": total.new_tokens,
+            "steps": total.steps,
+            "plain_steps": total.plain_steps,
+            "proposed": total.proposed,
+            "accepted": total.accepted,
+            "tau": total.tau,
+            "accepted_per_step": {str(k): v for k, v in sorted(total.histogram.items())},
+            "accepted_at_position": accepted_at_position(total.histogram),
+            "drafted_steps": dict(total.sources),
+            "ttft_s": self.ttft.to_dict(),
+            "inter_token_s": self.inter_token.to_dict(),
+            "e2e_s": self.end_to_end.to_dict(),
+        }
+
+
+def accepted_at_position(histogram: Counter) -> dict[str, int]:
+    """Draft position k (1-based) was accepted in every step that accepted at least k drafts."""
+    deepest = max((k for k, n in histogram.items() if n), default=0)
+    return {str(k): sum(n for a, n in histogram.items() if a >= k) for k in range(1, deepest + 1)}
+
+
+def drafter_state(proposer: object) -> dict:
+    """Whether the drafter answers, and its failure counters, for whichever proposer serves.
+
+    Only a DFlash proposer has a backend; a remote one knows whether it is `attached` and
+    counts timeouts and errors (each one a step that fell back), a local one is always there.
+    """
+    backend = getattr(proposer, "backend", None)
+    if backend is None:
+        return {}
+    counters = getattr(backend, "counters", {}) or {}
+    state = {"reachable": bool(getattr(backend, "attached", True))}
+    state.update({k: counters[k] for k in ("timeouts", "errors", "proposals") if k in counters})
+    return state

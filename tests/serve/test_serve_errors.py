@@ -1,0 +1,129 @@
+"""Every refusal has its HTTP status and an OpenAI-shaped body, and the server serves on afterwards."""
+
+import threading
+
+import openai
+import pytest
+import requests
+from serving import CHAT, MODEL, daemon_stats, wait_for
+
+from launch.local import daemon, free_port
+from launch.serve import front_end
+
+ASK = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0}
+
+CHAT_PATH, TEXT_PATH = "/v1/chat/completions", "/v1/completions"
+CASES = {  # name: (path, body, HTTP status, the parameter named, OpenAI error code)
+    "bad JSON": (CHAT_PATH, b'{"model": "tiny-chat", "messages": [', 400, None, "invalid_json"),
+    "wrong type": (CHAT_PATH, {**ASK, "temperature": "hot"}, 400, "temperature", "invalid_value"),
+    "bool for int": (CHAT_PATH, {**ASK, "max_tokens": True}, 400, "max_tokens", "invalid_value"),
+    "out of range": (CHAT_PATH, {**ASK, "top_p": 0}, 400, "top_p", "invalid_value"),
+    "bad message": (CHAT_PATH, {**ASK, "messages": [{"role": "robot"}]}, 400, "messages.0.role", "invalid_value"),
+    "no messages": (CHAT_PATH, {**ASK, "messages": []}, 400, "messages", "invalid_value"),
+    "n > 1": (CHAT_PATH, {**ASK, "n": 2}, 400, "n", "unsupported_value"),
+    "tools": (CHAT_PATH, {**ASK, "tools": [{"type": "function"}]}, 400, "tools", "unsupported_parameter"),
+    "logprobs": (CHAT_PATH, {**ASK, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+    "unknown": (CHAT_PATH, {**ASK, "frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
+    "usage without stream": (
+        CHAT_PATH,
+        {**ASK, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "invalid_value",
+    ),
+    "unknown model": (CHAT_PATH, {**ASK, "model": "gpt-4"}, 404, "model", "model_not_found"),
+    "too long (chat)": (CHAT_PATH, {**ASK, "max_tokens": 2040}, 400, "messages", "context_length_exceeded"),
+    "too long (prompt)": (
+        TEXT_PATH,
+        {"model": MODEL, "prompt": "otter " * 2100, "max_tokens": 4},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    "two prompts": (TEXT_PATH, {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "unsupported_value"),
+}
+
+
+def assert_openai_error(reply: requests.Response, status: int, param, code) -> dict:
+    assert reply.status_code == status, reply.text
+    assert reply.headers["content-type"] == "application/json"
+    body = reply.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    error = body["error"]
+    assert error["message"] and error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_requests_get_their_status_and_the_server_serves_on(server, case):
+    path, body, status, param, code = CASES[case]
+    raw = {"data": body, "headers": {"Content-Type": "application/json"}}
+    send = raw if isinstance(body, bytes) else {"json": body}
+    error = assert_openai_error(requests.post(f"{server}{path}", timeout=60, **send), status, param, code)
+    assert error["type"] == "invalid_request_error"
+    reply = requests.post(f"{server}/v1/chat/completions", json=ASK, timeout=60)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+
+
+def test_the_openai_client_raises_its_own_error_types(openai_client):
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.chat.completions.create(model=MODEL, messages=CHAT, n=2)
+    assert err.value.param == "n" and err.value.code == "unsupported_value"
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2040, stream=True)
+    assert err.value.code == "context_length_exceeded" and "2048" in err.value.message
+    with pytest.raises(openai.NotFoundError):
+        openai_client.chat.completions.create(model="gpt-4", messages=CHAT)
+
+
+@pytest.fixture(scope="module")
+def lonely(tmp_path_factory):
+    """A front end whose target daemon address has no daemon (until a test starts one there)."""
+    address = f"ipc://{tmp_path_factory.mktemp('nobody')}/target.sock"
+    args = ["--target", address, "--served-model-name", MODEL, "--daemon-timeout", "1"]
+    with front_end(free_port(), args) as url:
+        yield url, address
+
+
+def busy_daemon(model_dir, address):
+    """One request running and one queued is all this daemon takes."""
+    args = ["--model", str(model_dir), "--proposer", "none", "--threads", "1"]
+    return daemon("target daemon", "launch.target_daemon", address, [*args, "--max-queued", "1"], 120)
+
+
+def test_an_unreachable_daemon_is_503_and_the_front_end_serves_on(lonely):
+    url, address = lonely
+    for stream in (False, True):
+        reply = requests.post(f"{url}/v1/chat/completions", json={**ASK, "stream": stream}, timeout=60)
+        error = assert_openai_error(reply, 503, None, "target_unreachable")
+        assert address in error["message"]
+    assert_openai_error(requests.get(f"{url}/health", timeout=60), 503, None, "target_unreachable")
+    assert "dflash_target_daemon_up 0.0" in requests.get(f"{url}/metrics", timeout=60).text
+    assert requests.get(f"{url}/v1/models", timeout=60).status_code == 200
+
+
+def test_a_full_queue_is_429_and_loses_nothing_accepted(lonely, chat_model_dir):
+    url, address = lonely
+    with busy_daemon(chat_model_dir, address):
+        # This front end started before any daemon was there: it serves once one is.
+        assert requests.get(f"{url}/health", timeout=60).status_code == 200
+        long = {**ASK, "max_tokens": 1900, "stream": True}
+        with requests.post(f"{url}/v1/chat/completions", json=long, stream=True, timeout=60) as running:
+            lines = running.iter_lines()  # held: dropping the iterator would close the connection
+            assert next(lines)  # the first request is generating
+            queued = {}
+            waiter = threading.Thread(
+                target=lambda: queued.update(reply=requests.post(f"{url}/v1/chat/completions", json=ASK, timeout=120))
+            )
+            waiter.start()
+            wait_for(lambda: daemon_stats(url)["queued"] == 1)
+            for stream in (False, True):
+                reply = requests.post(f"{url}/v1/chat/completions", json={**ASK, "stream": stream}, timeout=60)
+                error = assert_openai_error(reply, 429, None, "rate_limit_exceeded")
+                assert error["type"] == "rate_limit_error" and "limit 1" in error["message"]
+        waiter.join(120)  # leaving the stream cancelled the running request; the queued one runs
+        assert queued["reply"].status_code == 200 and queued["reply"].json()["usage"]["completion_tokens"] == 2
+        reply = requests.post(f"{url}/v1/chat/completions", json=ASK, timeout=60)
+        assert reply.status_code == 200

@@ -1,0 +1,125 @@
+"""The live page at / in a real headless browser (Debian's chromium and chromedriver), on SmolLM2.
+
+The target daemon drafts with the shipped DFlash drafter on every step (`--always-draft`),
+so each answer moves the acceptance-per-position histogram the page draws.
+"""
+
+import shutil
+import tempfile
+import time
+
+import pytest
+import requests
+from serving import daemon_stats
+
+from launch.client import TargetClient
+from launch.local import daemon, free_port
+from launch.serve import front_end
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "What is the capital of France? Answer in two sentences."
+MAX_TOKENS = 40
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--no-first-run",
+    "--disable-background-networking",  # this closed network refuses the browser's own connections
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_address(tmp_path_factory):
+    from target_node.default_model import ensure_default_model
+
+    address = f"ipc://{tmp_path_factory.mktemp('page')}/target.sock"
+    args = ["--model", str(ensure_default_model()), "--proposer", "local", "--always-draft", "--threads", "1"]
+    with daemon("target daemon", "launch.target_daemon", address, args, 180):
+        yield address
+
+
+@pytest.fixture(scope="module")
+def page_server(smollm2_address):
+    with front_end(free_port(), ["--target", smollm2_address, "--served-model-name", "SmolLM2"]) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
+    if chromium is None or chromedriver is None:
+        pytest.skip("no chromium/chromedriver here, and launch/test.sh could not install them (needs apt-get)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    with tempfile.TemporaryDirectory(prefix="dflash-chromium-") as profile:
+        for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={profile}"]:
+            options.add_argument(flag)
+        driver = webdriver.Chrome(options=options, service=Service(executable_path=chromedriver))
+        try:
+            yield driver
+        finally:
+            driver.quit()
+
+
+def wait_until(condition, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("the page did not get there in time")
+
+
+def test_the_page_streams_an_answer_and_updates_the_histogram(browser, page_server, smollm2_address):
+    from selenium.webdriver.common.by import By
+
+    browser.get(page_server + "/")
+    find = browser.find_element
+    wait_until(lambda: find(By.ID, "daemon").get_attribute("class") == "up")
+    assert find(By.ID, "model").text == "SmolLM2"
+    steps_before = int(find(By.ID, "hist").get_attribute("data-steps"))
+    max_tokens = find(By.ID, "max-tokens")
+    max_tokens.clear()
+    max_tokens.send_keys(str(MAX_TOKENS))
+    find(By.ID, "prompt").send_keys(PROMPT)
+    find(By.ID, "send").click()
+
+    answer = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, ".msg.assistant"))[0]
+    seen = set()  # the answer's lengths as the page showed them while it streamed
+    while answer.get_attribute("data-state") in ("waiting", "streaming"):
+        if answer.get_attribute("data-state") == "streaming":
+            seen.add(len(answer.get_property("textContent")))
+    assert answer.get_attribute("data-state") == "done", answer.get_property("textContent")
+    text = answer.get_property("textContent")
+    assert len(seen - {0, len(text)}) >= 1, "the text should appear piece by piece"
+    assert int(answer.get_attribute("data-chunks")) > 1
+
+    client = TargetClient(smollm2_address, timeout_s=120)
+    try:
+        messages = [{"role": "user", "content": PROMPT}]
+        want = client.generate(messages=messages, max_new_tokens=MAX_TOKENS, sampling={"temperature": 0.0})
+    finally:
+        client.close()
+    assert text == want["text"] != ""  # temperature 0 on the page: the target's own greedy answer
+
+    # The histogram follows the daemon's stats: more drafted steps, the bars as the daemon counts them.
+    stats = daemon_stats(page_server)
+    drafted = sum(stats["drafted_steps"].values())
+    wait_until(lambda: int(find(By.ID, "hist").get_attribute("data-steps")) == drafted > steps_before)
+    bars = {
+        b.get_attribute("id"): int(b.get_attribute("data-count"))
+        for b in find(By.ID, "hist").find_elements(By.CLASS_NAME, "bar")
+    }
+    assert bars == {f"pos-{k}": n for k, n in stats["accepted_at_position"].items()}
+    assert bars.get("pos-1", 0) > 0, "the shipped drafter should get some first drafts accepted"
+    assert float(find(By.ID, "tau").text) >= 1.0 and find(By.ID, "tok-s").text != "–"
+    assert "tokens in" in find(By.ID, "last").text
+    assert requests.get(page_server + "/health", timeout=60).status_code == 200

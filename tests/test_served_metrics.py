@@ -1,0 +1,72 @@
+"""The target daemon's aggregate of what it served, and its Prometheus translation, as units."""
+
+from collections import Counter
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from frontend.metrics import registry_for
+from target_node.metrics import LatencyHistogram, RequestClock, ServedMetrics, accepted_at_position, drafter_state
+from target_node.proposers import DFlashProposer, NGramProposer
+from target_node.stats import Stats
+
+
+def test_a_position_counts_every_step_that_accepted_at_least_that_far():
+    assert accepted_at_position(Counter({0: 5, 1: 3, 3: 2})) == {"1": 5, "2": 2, "3": 2}
+    assert accepted_at_position(Counter({0: 4})) == {}
+
+
+def test_histogram_buckets_hold_values_up_to_and_including_their_bound():
+    histogram = LatencyHistogram((0.1, 1.0))
+    for seconds in (0.05, 0.1, 0.5, 1.0, 7.0):
+        histogram.observe(seconds)
+    assert histogram.to_dict() == {"bounds": [0.1, 1.0], "counts": [2, 2, 1], "sum": pytest.approx(8.65), "count": 5}
+
+
+def test_finished_requests_add_up_and_translate_to_prometheus():
+    metrics = ServedMetrics()
+    clock = RequestClock(received=0.0)  # arrived long ago: time to first token lands in the top bucket
+    for _ in range(3):
+        clock.commit()
+    metrics.finish(
+        "length", Stats(prompt_tokens=7, new_tokens=5, steps=3, proposed=6, accepted=2, histogram=Counter({2: 1, 0: 1}))
+    )
+    metrics.finish("eos", Stats(prompt_tokens=3, new_tokens=2, steps=1), clock)
+    metrics.finish("cancelled")  # cancelled while queued: no figures
+    metrics.refuse("busy")
+    figures = metrics.to_dict()
+    assert figures["requests"] == {"length": 1, "eos": 1, "cancelled": 1} and figures["refused"] == {"busy": 1}
+    assert (figures["prompt_tokens"], figures["generation_tokens"], figures["steps"]) == (10, 7, 4)
+    assert figures["tau"] == (2 + 4) / 4 and figures["accepted_at_position"] == {"1": 1, "2": 1}
+    assert figures["ttft_s"]["count"] == 1 and figures["inter_token_s"]["count"] == 2
+
+    stats = {**figures, "queued": 2, "running": 1, "proposer": "ngram", "drafter": {}, "served": 2}
+    text = generate_latest(registry_for(lambda: stats)).decode()
+    samples = {
+        (s.name, tuple(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples
+    }
+    assert samples[("dflash_requests_total", (("finish_reason", "length"),))] == 1
+    assert samples[("dflash_request_errors_total", (("code", "busy"),))] == 1
+    assert samples[("dflash_draft_accepted_at_position_total", (("position", "2"),))] == 1
+    assert samples[("dflash_time_to_first_token_seconds_bucket", (("le", "60.0"),))] == 0
+    assert samples[("dflash_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == 1
+    assert samples[("dflash_queue_depth", ())] == 2 and samples[("dflash_mean_tokens_per_step", ())] == 1.5
+    assert ("dflash_drafter_reachable", ()) not in samples  # n-gram lookup has no drafter to reach
+
+    down = generate_latest(registry_for(lambda: None)).decode()
+    assert [f.name for f in text_string_to_metric_families(down)] == ["dflash_target_daemon_up"]
+
+
+class Backend:
+    """A remote backend's visible state: attached or not, and its counters."""
+
+    attached = False
+    counters = {"round_trips": 9, "timeouts": 2, "errors": 1, "proposals": 6}
+
+
+def test_drafter_state_reads_whatever_the_proposer_has():
+    assert drafter_state(NGramProposer()) == {}
+    assert drafter_state(DFlashProposer(Backend())) == {"reachable": False, "timeouts": 2, "errors": 1, "proposals": 6}
+    local = type("Local", (), {"counters": {"proposals": 3}})()  # an in-process drafter is always there
+    assert drafter_state(DFlashProposer(local)) == {"reachable": True, "proposals": 3}
