@@ -9,12 +9,11 @@ from pathlib import Path
 
 import torch
 
+from launch.net import DRAFT_ADDRESS, TARGET_ADDRESS  # noqa: F401 - entry points import them from here
 from protocol import FLOAT_DTYPES
 from protocol.tensors import torch_dtype
 from target_node.default_model import CACHE_ROOT, DEFAULT_MODEL_DIR, ensure_default_model
 
-DRAFT_ADDRESS = "tcp://127.0.0.1:5555"
-TARGET_ADDRESS = "tcp://127.0.0.1:5556"
 SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
 RANDOM_DRAFTERS = CACHE_ROOT / "drafters" / "random-b8"
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import argparse
 
-from launch.common import DRAFT_ADDRESS, TARGET_ADDRESS, add_model_args, apply_runtime_args, dtype_of, resolve_model
+from launch.common import (
+    DRAFT_ADDRESS,
+    TARGET_ADDRESS,
+    add_model_args,
+    apply_runtime_args,
+    dtype_of,
+    resolve_model,
+)
+from launch.net import add_server_security_args, client_security, server_security
 from protocol import FLOAT_DTYPES
 from protocol.transport import stop_on_signals
 from target_node.daemon import TargetService
@@ -17,7 +25,7 @@ from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramPropos
 from target_node.target import TargetModel
 
 
-def build_proposer(args: argparse.Namespace, target: TargetModel) -> Proposer:
+def build_proposer(args: argparse.Namespace, target: TargetModel, drafter_keys=None) -> Proposer:
     if args.proposer == "none":
         return NoProposer()
     if args.proposer == "ngram":
@@ -32,7 +40,12 @@ def build_proposer(args: argparse.Namespace, target: TargetModel) -> Proposer:
     from target_node.remote import RemoteDraftBackend
 
     backend = RemoteDraftBackend(
-        args.drafter, target, timeout_s=args.draft_timeout, retry_s=args.draft_retry, wire_dtype=args.wire_dtype
+        args.drafter,
+        target,
+        timeout_s=args.draft_timeout,
+        retry_s=args.draft_retry,
+        wire_dtype=args.wire_dtype,
+        curve=drafter_keys,
     )
     return DFlashProposer(backend, NGramProposer() if args.fallback == "ngram" else NoProposer())
 
@@ -80,21 +93,41 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="draft every step, even while measured speculation is slower than plain decoding",
     )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="prompt tokens per prefill forward; between chunks the daemon serves its socket (0: one forward)",
+    )
+    parser.add_argument(
+        "--max-messages-per-step",
+        type=int,
+        default=64,
+        help="messages taken in between two decode steps (bounds what a flood from one peer costs the others)",
+    )
+    parser.add_argument(
+        "--drafter-key", help="the draft daemon's public key (NAME.key): CURVE on the drafter link, needs --curve-key"
+    )
+    add_server_security_args(parser)
     add_model_args(parser, "target model")
     args = parser.parse_args(argv)
+    curve = server_security(parser, args, key_serves_links_out=True)
+    drafter_keys = client_security(parser, args.curve_key, args.drafter_key, "--drafter-key")
     apply_runtime_args(args)
     stop = stop_on_signals()
     target = TargetModel.load(resolve_model(args.model), args.device, dtype_of(args))
     service = TargetService(
         target,
-        build_proposer(args, target),
+        build_proposer(args, target, drafter_keys),
         args.max_new_tokens_limit,
         adaptive=not args.always_draft,
         max_queued=args.max_queued,
         max_queued_per_client=args.max_queued_per_client,
         tree_nodes=args.tree_nodes,
+        prefill_chunk=args.prefill_chunk,
+        max_messages_per_step=args.max_messages_per_step,
     )
-    service.serve(args.bind, stop)
+    service.serve(args.bind, stop, curve, args.insecure_plaintext)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,11 @@ def _check_generate(fields: Mapping[str, Any], tensors: Mapping[str, TensorSpec]
             ErrorCode.BAD_FIELD,
             f"generate: give exactly one of 'messages', 'prompt' or 'token_ids' (got {given or 'none'})",
         )
+    if 0 < fields["heartbeat_s"] < MIN_HEARTBEAT_S:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"generate: heartbeat_s is 0 (none) or at least {MIN_HEARTBEAT_S} s, got {fields['heartbeat_s']}",
+        )
 
 
 def _check_propose(fields: Mapping[str, Any], tensors: Mapping[str, TensorSpec]) -> None:
@@ -133,6 +138,7 @@ MAX_PROMPT_CHARS = 512 * 1024
 # A generate request with `heartbeat_s` > 0 is cancelled when its client has sent nothing
 # (heartbeats, or anything else) for this many intervals: the client is gone or stuck.
 HEARTBEAT_MISSES = 3
+MIN_HEARTBEAT_S = 0.05
 CHAT_MESSAGE = Struct({"role": Str(1, 32), "content": Str(0, MAX_PROMPT_CHARS)})
 
 SESSION_ONLY = Struct({"session": SESSION})
