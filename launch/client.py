@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from launch.net import TARGET_ADDRESS, client_security
-from protocol import Message
+from protocol import Message, ProtocolError
 from protocol.keys import ClientKeys
 from protocol.transport import CONTROL_MAX_FRAME, Client
 from target_node.stats import stats_line
@@ -41,6 +41,7 @@ class TargetClient:
         self.client = Client(address, curve=curve, max_message_bytes=CONTROL_MAX_FRAME)
         self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
         self.in_flight: int | None = None
+        self.cancelled: int | None = None  # a request cancelled whose `done` has not been seen
 
     def stream(self, **fields: object) -> Iterator[Message]:
         """Yield `chunk` replies, then the final `done`; raise the daemon's error reply."""
@@ -77,15 +78,26 @@ class TargetClient:
 
     def cancel(self, request_id: int) -> None:
         self.client.send("cancel", {}, request_id=request_id)
+        self.cancelled = request_id
         if self.in_flight == request_id:
             self.in_flight = None
 
     def close(self) -> None:
-        """Cancel what is in flight, giving the last messages (that cancel) half a second to leave."""
+        """Cancel what is in flight and wait up to a second for the daemon to confirm (its `done`),
+        so the request stops as cancelled rather than when a reply finds the client gone."""
         if self.in_flight is not None:
             self.cancel(self.in_flight)
+        if self.cancelled is not None:
+            deadline = time.monotonic() + 1.0
+            try:
+                while (left := deadline - time.monotonic()) > 0:
+                    reply = self.client.wait(self.cancelled, "generate", left)
+                    if reply is None or reply.type != "chunk":
+                        break
+            except ProtocolError:
+                pass
+            self.cancelled = None
         self.client.close(linger_ms=500)
-
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])

@@ -7,13 +7,7 @@ import logging
 
 from draft_node.checkpoint import load_drafter
 from draft_node.daemon import DraftService, serve
-from launch.common import (
-    DRAFT_ADDRESS,
-    add_model_args,
-    apply_runtime_args,
-    dtype_of,
-    ensure_default_drafter,
-)
+from launch.common import DRAFT_ADDRESS, add_model_args, apply_runtime_args, dtype_of, ensure_default_drafter
 from launch.net import add_server_security_args, server_security
 from protocol.transport import stop_on_signals
 

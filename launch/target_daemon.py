@@ -1,31 +1,25 @@
 """Start the target daemon: load a causal LM on a device and serve generate requests.
 
 Proposers: `remote` (a draft daemon at --drafter, falling back to n-gram lookup while it
-is unreachable), `local` (a drafter checkpoint in this process), `ngram` (prompt lookup,
-no model) or `none` (plain greedy decoding).
+is unreachable, before it first starts too), `local` (a drafter checkpoint in this
+process), `ngram` (prompt lookup, no model) or `none` (plain greedy decoding).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from launch.common import (
-    DRAFT_ADDRESS,
-    TARGET_ADDRESS,
-    add_model_args,
-    apply_runtime_args,
-    dtype_of,
-    resolve_model,
-)
+from launch.common import DRAFT_ADDRESS, TARGET_ADDRESS, add_model_args, apply_runtime_args, dtype_of, resolve_model
 from launch.net import add_server_security_args, client_security, server_security
 from protocol import FLOAT_DTYPES
+from protocol.keys import ClientKeys
 from protocol.transport import stop_on_signals
 from target_node.daemon import TargetService
 from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposer
 from target_node.target import TargetModel
 
 
-def build_proposer(args: argparse.Namespace, target: TargetModel, drafter_keys=None) -> Proposer:
+def build_proposer(args: argparse.Namespace, target: TargetModel, drafter_keys: ClientKeys | None = None) -> Proposer:
     if args.proposer == "none":
         return NoProposer()
     if args.proposer == "ngram":

@@ -10,12 +10,15 @@ import pytest
 import torch
 import zmq
 from fuzz import Fuzzer, Template, rss_mb, run
-from helpers import assert_lossless, free_tcp_address, greedy, tiny_target
+from helpers import assert_lossless, drafter_config, free_tcp_address, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
+from draft_node.daemon import DraftService
+from launch.draft_daemon import main as draft_daemon_main
 from launch.local import daemon
+from protocol import decode, encode
 from protocol.keys import client_keys, create_keypair
-from protocol.transport import Client, dealer, request
+from protocol.transport import Client, InsecureBind, Server, dealer, is_local, request
 from target_node.proposers import DFlashProposer, NGramProposer
 from target_node.remote import RemoteDraftBackend
 from target_node.speculative import generate
@@ -209,3 +212,49 @@ def test_a_stopped_daemon_costs_one_stall_and_drafts_again_once_continued(target
     assert_lossless(target, PROMPT, result.tokens, want)
     assert result.stats.sources.get("dflash", 0) > 0
     assert request(drafter.address, "ping", timeout_s=10, curve=link(keys, "other")).type == "pong"
+
+
+@pytest.mark.parametrize(
+    "address, local",
+    [
+        ("ipc:///tmp/d.sock", True),
+        ("inproc://d", True),
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://lo:5555", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://*:5555", False),
+        ("tcp://10.77.0.2:5555", False),
+        ("tcp://eth0:5555", False),
+    ],
+)
+def test_only_loopback_and_local_sockets_count_as_local(address, local):
+    assert is_local(address) is local
+
+
+def test_plaintext_beyond_loopback_is_refused_unless_asked_for(caplog, capsys):
+    address = free_tcp_address().replace("127.0.0.1", "0.0.0.0")
+    with pytest.raises(InsecureBind, match="--insecure-plaintext"):
+        Server(address)
+    Server(address, insecure_plaintext=True).close()
+    assert "in plaintext: anyone who can reach it" in caplog.text
+    # The daemon refuses while parsing its flags, before it loads anything.
+    with pytest.raises(SystemExit) as refused:
+        draft_daemon_main(["--bind", address, "--checkpoint", "/nowhere"])
+    assert refused.value.code == 2 and "--insecure-plaintext" in capsys.readouterr().err
+
+
+def test_without_curve_a_session_belongs_to_the_connection_that_opened_it():
+    service = DraftService(random_drafter(drafter_config(num_hidden_layers=1)), ring_capacity=16)
+
+    def call(peer, type_, tensors=None, **fields):
+        msg = decode(encode(type_, 1, fields, tensors))
+        msg.peer = peer  # what the transport sets: the routing id without CURVE
+        return decode(service.handle(msg))
+
+    assert call("aa", "open", {"mask": torch.randn(1, 32)}, session="s").type == "ok"
+    assert call("bb", "reset", session="s", position=0)["code"] == "unknown_session"
+    assert call("bb", "stats")["stats"]["per_session"] == {}
+    assert list(call("aa", "stats")["stats"]["per_session"]) == ["s"]
+    assert call("aa", "reset", session="s", position=0).type == "ok"
