@@ -1,9 +1,10 @@
 """The draft daemon: one drafter, many target sessions, one ROUTER socket.
 
 Each session is one target stream with its own context K/V ring (the draft-side mirror of
-the target's feature ring, kept as the keys/values those features produce). Anything a
-peer gets wrong is answered with an error reply naming the problem; the daemon and the
-other sessions carry on.
+the target's feature ring, kept as the keys/values those features produce). A session
+belongs to the peer that opened it (its CURVE public key, or its connection's routing id):
+to any other peer it does not exist. Anything a peer gets wrong is answered with an error
+reply naming the problem; the daemon and the other sessions carry on.
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ import torch
 from draft_node.config import drafter_info
 from draft_node.kv_cache import DraftKVCache, OutOfOrderError
 from draft_node.model import DFlashDrafter
-from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError, encode, encode_error
+from protocol import FLOAT_DTYPES, MAX_HEADER_BYTES, ErrorCode, Message, ProtocolError, encode, encode_error
+from protocol.keys import ServerKeys
 from protocol.messages import fit_problems
-from protocol.tensors import wire_dtype_of
-from protocol.transport import Server
+from protocol.tensors import ITEMSIZE, wire_dtype_of
+from protocol.transport import FRAME_OVERHEAD, Server
 
 log = logging.getLogger("draft_daemon")
 
 
 @dataclass
 class Session:
+    owner: str  # the peer that opened it
     cache: DraftKVCache
     mask: torch.Tensor  # [1, hidden]: the mask token's embedding, filling block rows 1..
     last_used: float = field(default_factory=time.monotonic)
@@ -44,13 +47,17 @@ class DraftService:
         ring_capacity: int = 4096,
         max_sessions: int = 64,
         idle_timeout_s: float = 600.0,
+        reclaim_after_s: float = 30.0,
     ) -> None:
         self.drafter = drafter
         self.config = drafter.config
         self.ring_capacity = ring_capacity
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
-        self.sessions: dict[str, Session] = {}
+        # A full daemon takes a slot from another peer only if that session has been idle this
+        # long: a live target touches its session every step.
+        self.reclaim_after_s = reclaim_after_s
+        self.sessions: dict[tuple[str, str], Session] = {}  # (owner, name) -> session
         self.wire_dtypes = list(FLOAT_DTYPES)
         self.counters = {"requests": 0, "errors": 0, "proposals": 0, "evicted": 0, "draft_ms": 0.0}
 
@@ -58,6 +65,13 @@ class DraftService:
     def preferred_wire_dtype(self) -> str:
         """The drafter's own dtype: anything wider only costs bytes, anything narrower costs accuracy."""
         return wire_dtype_of(self.drafter.fc.weight)
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest frame a target needs to send: a header, or a propose carrying a full ring
+        of fp32 feature rows (what a target resends after a restart). Larger ones are dropped."""
+        features = self.ring_capacity * self.config.feature_width * ITEMSIZE["float32"]
+        return max(MAX_HEADER_BYTES, features) + FRAME_OVERHEAD
 
     def handle(self, request: Message | ProtocolError) -> list:
         """The reply to one request (or to what could not be decoded of one)."""
@@ -97,19 +111,34 @@ class DraftService:
         return encode("hello_ok", msg.id, {"drafter": self.info, "wire_dtype": chosen, "wire_dtypes": self.wire_dtypes})
 
     def on_open(self, msg: Message) -> list:
-        name = msg["session"]
-        if name not in self.sessions and len(self.sessions) >= self.max_sessions:
-            self.evict_idle(force_oldest=True)
         spec = msg.tensors["mask"][0]
         if tuple(spec.shape) != (1, self.config.hidden_size):
             wanted = [1, self.config.hidden_size]
             raise ProtocolError(ErrorCode.CONFIG_MISMATCH, f"mask row {list(spec.shape)}, drafter wants {wanted}")
-        mask = msg.tensor("mask", self.drafter.device, self.drafter.dtype)
-        self.sessions[name] = Session(DraftKVCache(self.drafter, self.ring_capacity), mask)
+        mask = finite(msg, "mask", self.drafter)
+        key = (msg.peer, msg["session"])
+        if key not in self.sessions and len(self.sessions) >= self.max_sessions:
+            self.make_room(msg.peer)
+        self.sessions[key] = Session(msg.peer, DraftKVCache(self.drafter, self.ring_capacity), mask)
         return encode("ok", msg.id)
 
+    def make_room(self, peer: str) -> None:
+        """Free a slot for `peer`: an expired session, else its own least recently used one, else
+        another peer's long-idle one. A daemon full of live sessions answers busy."""
+        self.evict_idle()
+        if len(self.sessions) < self.max_sessions:
+            return
+        now = time.monotonic()
+        own = [k for k in self.sessions if k[0] == peer]
+        idle = [k for k, s in self.sessions.items() if now - s.last_used > self.reclaim_after_s]
+        candidates = own or idle
+        if not candidates:
+            raise ProtocolError(ErrorCode.BUSY, f"all {self.max_sessions} sessions belong to live targets; retry later")
+        self.evict(min(candidates, key=lambda k: self.sessions[k].last_used))
+
     def session(self, msg: Message) -> Session:
-        found = self.sessions.get(msg["session"])
+        # Another peer's session answers exactly as one that does not exist.
+        found = self.sessions.get((msg.peer, msg["session"]))
         if found is None:
             raise ProtocolError(
                 ErrorCode.UNKNOWN_SESSION, f"no session {msg['session']!r} (never opened, closed or evicted): open it"
@@ -123,11 +152,10 @@ class DraftService:
 
     def on_close(self, msg: Message) -> list:
         self.session(msg)
-        del self.sessions[msg["session"]]
+        del self.sessions[(msg.peer, msg["session"])]
         return encode("ok", msg.id)
 
     def on_propose(self, msg: Message) -> list:
-        session = self.session(msg)
         cfg = self.config
         features_spec, noise_spec = msg.tensors["features"][0], msg.tensors["noise"][0]
         if features_spec.shape[1] != cfg.feature_width:
@@ -144,11 +172,12 @@ class DraftService:
         if rows > cfg.block_size - 1:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"rows {rows} > block_size - 1 = {cfg.block_size - 1}")
         began = time.perf_counter()
+        features, last = finite(msg, "features", self.drafter), finite(msg, "noise", self.drafter)
+        session = self.session(msg)
         try:
-            session.cache.append(start, msg.tensor("features", self.drafter.device, self.drafter.dtype))
+            session.cache.append(start, features)
         except OutOfOrderError as exc:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{exc}; reset the session to {start} first") from exc
-        last = msg.tensor("noise", self.drafter.device, self.drafter.dtype)
         block = torch.cat([last, session.mask.expand(cfg.block_size - 1, -1)])
         hidden = session.cache.draft(block, position)[1 : 1 + rows]
         if hidden.device.type == "cuda":
@@ -165,24 +194,45 @@ class DraftService:
 
     def on_stats(self, msg: Message) -> list:
         stats = dict(self.counters, sessions=len(self.sessions), block_size=self.config.block_size)
-        stats["per_session"] = {k: {"steps": s.steps, "rows_in": s.rows_in} for k, s in self.sessions.items()}
+        # Per session, the asking peer's own only: other peers' session names are not shown.
+        mine = {name: s for (owner, name), s in self.sessions.items() if owner == msg.peer}
+        stats["per_session"] = {name: {"steps": s.steps, "rows_in": s.rows_in} for name, s in mine.items()}
         return encode("stats_ok", msg.id, {"stats": stats})
 
-    def evict_idle(self, force_oldest: bool = False) -> None:
+    def evict_idle(self) -> None:
         now = time.monotonic()
-        stale = [k for k, s in self.sessions.items() if now - s.last_used > self.idle_timeout_s]
-        if force_oldest and not stale and self.sessions:
-            stale = [min(self.sessions, key=lambda k: self.sessions[k].last_used)]
-        for name in stale:
-            log.info("evicting idle session %r", name)
-            del self.sessions[name]
-            self.counters["evicted"] += 1
+        for key in [k for k, s in self.sessions.items() if now - s.last_used > self.idle_timeout_s]:
+            self.evict(key)
+
+    def evict(self, key: tuple[str, str]) -> None:
+        log.info("evicting session %r", key[1])
+        del self.sessions[key]
+        self.counters["evicted"] += 1
 
 
-def serve(service: DraftService, address: str, stop: threading.Event) -> None:
+def finite(msg: Message, name: str, drafter: DFlashDrafter) -> torch.Tensor:
+    """A tensor on the drafter's device and dtype, refused if it holds NaN or Inf: one such
+    row would poison every later draft of its session."""
+    tensor = msg.tensor(name, drafter.device, drafter.dtype)
+    bad = ~torch.isfinite(tensor)
+    if bad.any():
+        rows = bad.reshape(tensor.shape[0], -1).any(-1).nonzero().flatten().tolist()
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor {name!r} holds NaN or Inf (rows {rows[:8]})")
+    return tensor
+
+
+def serve(
+    service: DraftService,
+    address: str,
+    stop: threading.Event,
+    curve: ServerKeys | None = None,
+    insecure_plaintext: bool = False,
+) -> None:
     """The poll loop: small, explicit, and it checks for shutdown at least every 100 ms."""
-    server = Server(address)
-    log.info("draft daemon serving on %s", address)
+    server = Server(
+        address, curve=curve, insecure_plaintext=insecure_plaintext, max_message_bytes=service.max_message_bytes
+    )
+    log.info("draft daemon serving on %s%s", address, " (CURVE)" if curve else "")
     try:
         while not stop.is_set():
             request = server.next(100)

@@ -246,10 +246,12 @@ class DFlashDrafter(nn.Module):
         x = noise.to(self.dtype)
         # Additive float masks: SDPA converts a bool mask on every call otherwise.
         masks = {
-            t: torch.zeros((), dtype=x.dtype, device=x.device).masked_fill(
+            t: torch.zeros((), dtype=x.dtype, device=x.device)
+            .masked_fill(
                 ~attention_mask(t, self.config.sliding_window, ctx_positions, row_positions, row_anchors),
                 float("-inf"),
-            ).expand(x.shape[0], -1, -1)
+            )
+            .expand(x.shape[0], -1, -1)
             for t in set(self.config.layer_types)
         }
         ctx_len = ctx_positions.shape[-1]

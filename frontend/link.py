@@ -18,6 +18,7 @@ import zmq
 from anyio import to_thread
 
 from protocol import Message
+from protocol.keys import ClientKeys
 from protocol.transport import Client, request
 
 WAIT_SLICE_S = 0.2  # longest a worker thread blocks on one reply
@@ -35,8 +36,11 @@ class ClientGone(RuntimeError):
 class TargetLink:
     """Where the target daemon is and how long it may stay silent before it counts as gone."""
 
-    def __init__(self, address: str, daemon_timeout_s: float = 5.0, max_waiting: int = 512) -> None:
+    def __init__(
+        self, address: str, daemon_timeout_s: float = 5.0, max_waiting: int = 512, curve: ClientKeys | None = None
+    ) -> None:
         self.address = address
+        self.curve = curve  # CURVE keys for the daemon link, where the daemon requires them
         self.daemon_timeout_s = daemon_timeout_s
         # Worker threads that may block on replies at once; a stream past the limit waits its turn.
         self.limiter = anyio.CapacityLimiter(max_waiting)
@@ -51,7 +55,7 @@ class TargetLink:
 
     def call_sync(self, type_: str) -> Message | None:
         """One `ping` or `stats` on a fresh socket; None when the daemon does not answer in time."""
-        reply = request(self.address, type_, timeout_s=self.daemon_timeout_s)
+        reply = request(self.address, type_, timeout_s=self.daemon_timeout_s, curve=self.curve)
         if reply is None or reply.type == "error":
             return None
         self.heard = time.monotonic()
@@ -94,7 +98,7 @@ class GenerateCall:
 
     def __init__(self, link: TargetLink, fields: dict) -> None:
         self.link = link
-        self.client = Client(link.address, link.context)
+        self.client = Client(link.address, link.context, curve=link.curve)
         self.finished = False  # a `done` or `error` reply arrived
         try:
             self.id = self.client.send("generate", fields)

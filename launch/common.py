@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from launch.net import DRAFT_ADDRESS, TARGET_ADDRESS  # noqa: F401 - entry points import them from here
 from protocol import FLOAT_DTYPES
 from protocol.tensors import torch_dtype
 from target_node.default_model import CACHE_ROOT, DEFAULT_MODEL_DIR, ensure_default_model
@@ -15,8 +16,6 @@ from target_node.default_model import CACHE_ROOT, DEFAULT_MODEL_DIR, ensure_defa
 if TYPE_CHECKING:  # torch loads where a model runs, not in the HTTP front end that shares these flags
     import torch
 
-DRAFT_ADDRESS = "tcp://127.0.0.1:5555"
-TARGET_ADDRESS = "tcp://127.0.0.1:5556"
 SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
 RANDOM_DRAFTERS = CACHE_ROOT / "drafters" / "random-b8"
 

@@ -8,6 +8,7 @@ import logging
 from draft_node.checkpoint import load_drafter
 from draft_node.daemon import DraftService, serve
 from launch.common import DRAFT_ADDRESS, add_model_args, apply_runtime_args, dtype_of, ensure_default_drafter
+from launch.net import add_server_security_args, server_security
 from protocol.transport import stop_on_signals
 
 
@@ -22,12 +23,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ring-capacity", type=int, default=4096, help="context positions kept per session")
     parser.add_argument("--max-sessions", type=int, default=64)
     parser.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session is evicted")
+    parser.add_argument(
+        "--reclaim-after",
+        type=float,
+        default=30.0,
+        help="when all sessions are taken, another target's session idle this many seconds may be evicted",
+    )
+    add_server_security_args(parser)
     add_model_args(parser, "drafter")
     args = parser.parse_args(argv)
+    curve = server_security(parser, args)
     apply_runtime_args(args)
     stop = stop_on_signals()
     drafter = load_drafter(args.checkpoint or ensure_default_drafter(), args.device, dtype_of(args))
-    service = DraftService(drafter, args.ring_capacity, args.max_sessions, args.idle_timeout)
+    service = DraftService(drafter, args.ring_capacity, args.max_sessions, args.idle_timeout, args.reclaim_after)
     logging.getLogger("draft_daemon").info(
         "drafter: %d layers, block %d, taps %s on %s/%s",
         drafter.config.num_hidden_layers,
@@ -36,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         args.device,
         args.dtype,
     )
-    serve(service, args.bind, stop)
+    serve(service, args.bind, stop, curve, args.insecure_plaintext)
 
 
 if __name__ == "__main__":

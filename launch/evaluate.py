@@ -60,7 +60,10 @@ def backend_for(args: argparse.Namespace, target):
     if args.drafter_address:
         from target_node.remote import RemoteDraftBackend
 
-        return RemoteDraftBackend(args.drafter_address, target)
+        backend = RemoteDraftBackend(args.drafter_address, target)
+        if backend.info is None:  # an evaluation of the drafter needs the drafter, not the fallback
+            raise SystemExit(f"no draft daemon answered at {args.drafter_address}")
+        return backend
     from draft_node.checkpoint import load_drafter
 
     return LocalDraftBackend(load_drafter(args.drafter, device=args.device, dtype=dtype_of(args)))

@@ -13,12 +13,16 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 from launch import client
 from launch.common import ensure_default_drafter, resolve_model
+from launch.keys import LocalKeys
 from protocol import FLOAT_DTYPES
+from protocol.keys import ClientKeys
 from protocol.transport import wait_ready
 
 
@@ -33,12 +37,22 @@ def free_address() -> str:
 
 
 @contextmanager
-def daemon(name: str, module: str, address: str, args: list[str], ready_timeout_s: float):
-    """Run `python -m module`, wait until it answers a ping, stop it with SIGTERM on exit."""
+def daemon(
+    name: str,
+    module: str,
+    address: str,
+    args: list[str],
+    ready_timeout_s: float,
+    curve: ClientKeys | None = None,
+    log: Path | None = None,
+):
+    """Run `python -m module`, wait until it answers a ping (sent with `curve` keys when it
+    speaks CURVE), stop it with SIGTERM on exit. `log`: a file for its output."""
     command = [sys.executable, "-m", module, "--bind", address, *args]
-    proc = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    out = open(log, "ab") if log is not None else None
+    proc = subprocess.Popen(command, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=out, stderr=out)
     try:
-        if not wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None):
+        if not wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None, curve=curve):
             raise SystemExit(f"{name} did not become ready at {address} (exit code {proc.poll()})")
         print(f"[local] {name} ready at {address} (pid {proc.pid})", flush=True)
         yield proc
@@ -50,6 +64,8 @@ def daemon(name: str, module: str, address: str, args: list[str], ready_timeout_
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if out is not None:
+            out.close()
 
 
 def add_daemon_args(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +79,9 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-address", help="where the target daemon binds (default: a free 127.0.0.1 port)")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for each daemon")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads per daemon (0: torch's default)")
+    parser.add_argument(
+        "--curve", action="store_true", help="CURVE on both links, with throwaway keys made for this run"
+    )
 
 
 @contextmanager
@@ -74,13 +93,17 @@ def local_daemons(args: argparse.Namespace) -> Iterator[str]:
     target_address = args.target_address or free_address()
     threads = ["--threads", str(args.threads)]
     with ExitStack() as stack:
+        keys = LocalKeys(stack.enter_context(tempfile.TemporaryDirectory())) if args.curve else None
+        args.client_keys = keys.client_to_target if keys else None
         stack.enter_context(
             daemon(
                 "draft daemon",
                 "launch.draft_daemon",
                 draft_address,
-                ["--checkpoint", checkpoint, "--device", args.draft_device, "--dtype", args.dtype, *threads],
+                ["--checkpoint", checkpoint, "--device", args.draft_device, "--dtype", args.dtype, *threads]
+                + (keys.draft_args if keys else []),
                 args.ready_timeout,
+                keys.client_to_draft if keys else None,
             )
         )
         stack.enter_context(
@@ -98,8 +121,10 @@ def local_daemons(args: argparse.Namespace) -> Iterator[str]:
                     "--dtype",
                     args.dtype,
                     *threads,
+                    *(keys.target_args if keys else []),
                 ],
                 args.ready_timeout,
+                args.client_keys,
             )
         )
         yield target_address

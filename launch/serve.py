@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dflash-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--target", help="a running target daemon's address (standalone); omit to start both daemons")
+    parser.add_argument("--curve-key", help="with --target: this server's key pair (NAME.key_secret from dflash-keys)")
+    parser.add_argument(
+        "--server-key", help="with --target: the target daemon's public key (NAME.key): CURVE, needs --curve-key"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="HTTP interface to listen on (default %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s)")
     parser.add_argument(
@@ -105,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    from launch.net import client_security
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.client_keys = client_security(parser, args.curve_key, args.server_key, "--server-key")
     import uvicorn
 
     from frontend.app import create_app
@@ -115,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     exit_on_signals()
 
     def serve(address: str) -> None:
-        app = create_app(TargetLink(address, args.daemon_timeout), args.served_model_name, args.default_max_tokens)
+        link = TargetLink(address, args.daemon_timeout, curve=args.client_keys)  # local_daemons sets its own keys
+        app = create_app(link, args.served_model_name, args.default_max_tokens)
         print(f"[serve] http://{args.host}:{args.port} -> target daemon {address}", flush=True)
         # Streams still open at shutdown get a few seconds, then are cut (their requests cancelled).
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

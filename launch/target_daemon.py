@@ -1,8 +1,8 @@
 """Start the target daemon: load a causal LM on a device and serve generate requests.
 
 Proposers: `remote` (a draft daemon at --drafter, falling back to n-gram lookup while it
-is unreachable), `local` (a drafter checkpoint in this process), `ngram` (prompt lookup,
-no model) or `none` (plain greedy decoding).
+is unreachable, before it first starts too), `local` (a drafter checkpoint in this
+process), `ngram` (prompt lookup, no model) or `none` (plain greedy decoding).
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import argparse
 from pathlib import Path
 
 from launch.common import DRAFT_ADDRESS, TARGET_ADDRESS, add_model_args, apply_runtime_args, dtype_of, resolve_model
+from launch.net import add_server_security_args, client_security, server_security
 from protocol import FLOAT_DTYPES, Message
+from protocol.keys import ClientKeys
 from protocol.transport import stop_on_signals
 from target_node.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES
 from target_node.daemon import TargetService
@@ -20,7 +22,7 @@ from target_node.speculative import Result
 from target_node.target import TargetModel
 
 
-def build_proposer(args: argparse.Namespace, target: TargetModel) -> Proposer:
+def build_proposer(args: argparse.Namespace, target: TargetModel, drafter_keys: ClientKeys | None = None) -> Proposer:
     if args.proposer == "none":
         return NoProposer()
     if args.proposer == "ngram":
@@ -35,7 +37,12 @@ def build_proposer(args: argparse.Namespace, target: TargetModel) -> Proposer:
     from target_node.remote import RemoteDraftBackend
 
     backend = RemoteDraftBackend(
-        args.drafter, target, timeout_s=args.draft_timeout, retry_s=args.draft_retry, wire_dtype=args.wire_dtype
+        args.drafter,
+        target,
+        timeout_s=args.draft_timeout,
+        retry_s=args.draft_retry,
+        wire_dtype=args.wire_dtype,
+        curve=drafter_keys,
     )
     return DFlashProposer(backend, NGramProposer() if args.fallback == "ngram" else NoProposer())
 
@@ -121,22 +128,42 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="draft every step, even while measured speculation is slower than plain decoding",
     )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="prompt tokens per prefill forward; between chunks the daemon serves its socket (0: one forward)",
+    )
+    parser.add_argument(
+        "--max-messages-per-step",
+        type=int,
+        default=64,
+        help="messages taken in between two decode steps (bounds what a flood from one peer costs the others)",
+    )
+    parser.add_argument(
+        "--drafter-key", help="the draft daemon's public key (NAME.key): CURVE on the drafter link, needs --curve-key"
+    )
+    add_server_security_args(parser)
     add_model_args(parser, "target model")
     args = parser.parse_args(argv)
+    curve = server_security(parser, args, key_serves_links_out=True)
+    drafter_keys = client_security(parser, args.curve_key, args.drafter_key, "--drafter-key")
     apply_runtime_args(args)
     stop = stop_on_signals()
     target = TargetModel.load(resolve_model(args.model), args.device, dtype_of(args), args.cache_policy)
     service = TargetService(
         target,
-        build_proposer(args, target),
+        build_proposer(args, target, drafter_keys),
         args.max_new_tokens_limit,
         adaptive=not args.always_draft,
         max_queued=args.max_queued,
         max_queued_per_client=args.max_queued_per_client,
         tree_nodes=args.tree_nodes,
         on_finished=traffic_recorder(args.record, Path(str(target.config.name_or_path)).name) if args.record else None,
+        prefill_chunk=args.prefill_chunk,
+        max_messages_per_step=args.max_messages_per_step,
     )
-    service.serve(args.bind, stop)
+    service.serve(args.bind, stop, curve, args.insecure_plaintext)
 
 
 if __name__ == "__main__":

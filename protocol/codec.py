@@ -55,6 +55,9 @@ class Message:
     id: int
     fields: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, tuple[TensorSpec, memoryview]] = field(default_factory=dict)
+    # Who sent it, as the transport knows the sender (never on the wire): a CURVE client's
+    # public key, or the connection's routing id. Sessions and queues belong to a peer.
+    peer: str = ""
 
     def __getitem__(self, key: str) -> Any:
         return self.fields[key]

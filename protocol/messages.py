@@ -14,7 +14,7 @@ from .errors import ErrorCode, ProtocolError
 from .fields import Bool, Float, Int, Json, List, Str, Struct
 from .tensors import FLOAT_DTYPES, TensorSpec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Header keys owned by the envelope; no message may use them as field names.
 RESERVED_KEYS = ("v", "type", "id", "tensors")
@@ -55,6 +55,11 @@ def _check_generate(fields: Mapping[str, Any], tensors: Mapping[str, TensorSpec]
             ErrorCode.BAD_FIELD,
             f"generate: give exactly one of 'messages', 'prompt' or 'token_ids' (got {given or 'none'})",
         )
+    if 0 < fields["heartbeat_s"] < MIN_HEARTBEAT_S:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"generate: heartbeat_s is 0 (none) or at least {MIN_HEARTBEAT_S} s, got {fields['heartbeat_s']}",
+        )
 
 
 def _check_propose(fields: Mapping[str, Any], tensors: Mapping[str, TensorSpec]) -> None:
@@ -71,7 +76,10 @@ def _check_propose(fields: Mapping[str, Any], tensors: Mapping[str, TensorSpec])
 
 REQUEST_ID = Int(0, 2**63 - 1)
 SESSION = Str(1, MAX_SESSION_LEN)
-POSITION = Int(0)
+# Token positions: int32, far past any model's context, and far from int64 overflow when a
+# block or a run of rows is added to one.
+MAX_POSITION = 2**31 - 1
+POSITION = Int(0, MAX_POSITION)
 COUNT = Int(1)
 FLOAT_DTYPE = Str(choices=FLOAT_DTYPES)
 FLOAT_DTYPE_LIST = List(FLOAT_DTYPE, 1, len(FLOAT_DTYPES) * 2)
@@ -92,7 +100,6 @@ DRAFTER_INFO = Struct(
     # target's LM head is most of the cost of a draft on the target side.
     optional={"draft_vocab": (List(Int(0, 2**31 - 1), 0, 1 << 17), [])},
 )
-
 
 
 def fit_problems(drafter: Mapping[str, Any], target: Mapping[str, Any]) -> list[str]:
@@ -127,6 +134,10 @@ def fit_problems(drafter: Mapping[str, Any], target: Mapping[str, Any]) -> list[
 
 
 MAX_PROMPT_CHARS = 512 * 1024
+# A generate request with `heartbeat_s` > 0 is cancelled when its client has sent nothing
+# (heartbeats, or anything else) for this many intervals: the client is gone or stuck.
+HEARTBEAT_MISSES = 3
+MIN_HEARTBEAT_S = 0.05
 CHAT_MESSAGE = Struct({"role": Str(1, 32), "content": Str(0, MAX_PROMPT_CHARS)})
 
 SESSION_ONLY = Struct({"session": SESSION})
@@ -188,6 +199,9 @@ SCHEMAS: dict[str, Schema] = {
                 "hints": (List(Int(0, 2**31 - 1), 0, 1 << 14), []),
                 "stream": (Bool(), True),
                 "sampling": (Json(), {}),
+                # The client's promise to send something (a `heartbeat`) at least this often;
+                # 0: no promise, and the request runs until done or cancelled.
+                "heartbeat_s": (Float(0.0), 0.0),
             },
         ),
         replies=("chunk", "done"),
@@ -206,6 +220,8 @@ SCHEMAS: dict[str, Schema] = {
     ),
     # Stops the running or queued generate request whose id this message carries.
     "cancel": Schema(replies=("done",)),
+    # "I am still here, waiting for the request with this id": a notice, never answered.
+    "heartbeat": Schema(),
     "error": Schema(
         Struct(
             {

@@ -4,39 +4,112 @@ REQ/REP lock-step hangs forever on a lost peer, so servers are ROUTER sockets an
 clients DEALER sockets that wait with explicit deadlines and rebuild themselves after
 a timeout (the "lazy pirate" pattern). A reply is checked against what its request
 allows (`SCHEMAS[request].replies`, or `error`), so a confused peer is caught at once.
+
+Links leaving the host use CURVE (ZeroMQ's authenticated encryption): a server given
+`ServerKeys` lets in only the client public keys on its allow-list (a ZAP handler on the
+server's own context), and a client given `ClientKeys` talks only to the server whose
+public key it holds. A server will not bind a non-loopback address without keys unless
+plaintext is asked for explicitly. Every socket caps the size of a frame it accepts at
+what its protocol can legitimately carry; ZeroMQ drops a peer that sends more, unread.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
-from .codec import MAX_FRAME_BYTES, Message, decode, encode
+from .codec import MAX_FRAME_BYTES, MAX_HEADER_BYTES, Message, decode, encode
 from .errors import ErrorCode, ProtocolError
+from .keys import ClientKeys, ServerKeys
 from .messages import SCHEMAS
 
 Frames = list  # [header, tensor frames...] as encode() builds them
 
+log = logging.getLogger("transport")
 
-def router(context: zmq.Context, address: str, max_message_bytes: int = MAX_FRAME_BYTES + (1 << 20)) -> zmq.Socket:
+# What CURVE boxes and ZeroMQ framing add around a frame's payload: a socket's frame limit
+# is the largest legitimate payload plus this.
+FRAME_OVERHEAD = 64 * 1024
+DEFAULT_MAX_FRAME = MAX_FRAME_BYTES + FRAME_OVERHEAD
+# Messages between clients and the target daemon carry no tensors: a header at most.
+CONTROL_MAX_FRAME = MAX_HEADER_BYTES + FRAME_OVERHEAD
+ZAP_DOMAIN = b"dflash"
+LOOPBACK_HOSTS = ("localhost", "lo", "::1", "[::1]")
+
+
+class InsecureBind(ValueError):
+    """A server asked to listen beyond this host in plaintext without saying so explicitly."""
+
+
+def is_local(address: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// on a loopback address: only this host can connect."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0]
+    return scheme == "tcp" and (host.startswith("127.") or host in LOOPBACK_HOSTS)
+
+
+def check_bind(address: str, curve: ServerKeys | None, insecure_plaintext: bool) -> bool:
+    """Refuse plaintext on an address other hosts can reach, unless `insecure_plaintext`.
+
+    Returns True when such a plaintext bind goes ahead (the caller warns about it).
+    """
+    if curve is not None or is_local(address):
+        return False
+    if not insecure_plaintext:
+        raise InsecureBind(
+            f"{address} can be reached from other hosts, and no CURVE keys were given: pass --curve-key and "
+            "--curve-allow (make keys with dflash-keys), or --insecure-plaintext to serve it unencrypted "
+            "and unauthenticated"
+        )
+    return True
+
+
+def router(
+    context: zmq.Context, address: str, max_message_bytes: int = DEFAULT_MAX_FRAME, curve: ServerKeys | None = None
+) -> zmq.Socket:
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    # ZeroMQ drops oversized messages itself, before they cost us memory.
+    # ZeroMQ drops oversized frames itself (and the peer that sent them), before they cost us memory.
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    # Sending to a peer that is gone, or whose queue is full because it stopped reading, fails
+    # instead of vanishing silently: the target daemon cancels that peer's work.
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # A client that rebuilt its socket (lazy pirate) keeps its routing id, and its queue.
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if curve is not None:
+        sock.curve_secretkey, sock.curve_publickey = curve.secret, curve.public
+        sock.curve_server = True
+        sock.zap_domain = ZAP_DOMAIN
     sock.bind(address)
     return sock
 
 
-def dealer(context: zmq.Context, address: str, max_message_bytes: int = MAX_FRAME_BYTES + (1 << 20)) -> zmq.Socket:
+def dealer(
+    context: zmq.Context,
+    address: str,
+    max_message_bytes: int = DEFAULT_MAX_FRAME,
+    curve: ClientKeys | None = None,
+    routing_id: bytes | None = None,
+) -> zmq.Socket:
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    if curve is not None:
+        sock.curve_secretkey, sock.curve_publickey = curve.secret, curve.public
+        sock.curve_serverkey = curve.server
     sock.connect(address)
     return sock
 
@@ -68,11 +141,24 @@ def receive(sock: zmq.Socket, request_id: int, deadline: float, request_type: st
 
 
 class Client:
-    """A DEALER endpoint: numbered requests, replies waited for with deadlines."""
+    """A DEALER endpoint: numbered requests, replies waited for with deadlines.
 
-    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
+    Its routing id is fixed for its lifetime, so a server knows it again after the socket
+    is rebuilt: its queued requests and its sessions stay its own.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        context: zmq.Context | None = None,
+        *,
+        curve: ClientKeys | None = None,
+        max_message_bytes: int = DEFAULT_MAX_FRAME,
+    ) -> None:
         self.address = address
         self.context = context or zmq.Context.instance()
+        self.curve, self.max_message_bytes = curve, max_message_bytes
+        self.routing_id = b"c-" + uuid.uuid4().hex.encode()
         self.sock: zmq.Socket | None = None
         self.next_id = 0
         self.bytes_out = 0
@@ -87,7 +173,7 @@ class Client:
     ) -> int:
         """Send a request; returns its id (a fresh one unless given)."""
         if self.sock is None:
-            self.sock = dealer(self.context, self.address)
+            self.sock = dealer(self.context, self.address, self.max_message_bytes, self.curve, self.routing_id)
         if request_id is None:
             self.next_id += 1
             request_id = self.next_id
@@ -112,54 +198,149 @@ class Client:
     ) -> Message | None:
         return self.wait(self.send(type_, fields, tensors, wire_dtype), type_, timeout_s)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         """Also the lazy pirate's move: a socket that missed a reply may hold a stale one, so
-        it is dropped after a timeout and the next send builds a new one."""
+        it is dropped after a timeout and the next send builds a new one. `linger_ms` gives
+        messages still queued (a last cancel) that long to leave."""
         if self.sock is not None:
-            self.sock.close(0)
+            self.sock.close(linger_ms)
         self.sock = None
 
 
-class Server:
-    """A ROUTER endpoint: requests in, decoded (or the reason they could not be), replies out."""
+class _AllowList:
+    """The ZAP handler's question, answered from the server's allow-list."""
 
-    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
-        self.address = address
-        self.sock = router(context or zmq.Context.instance(), address)
+    def __init__(self, allowed: frozenset[bytes]) -> None:
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.allowed
+
+
+# Connection events worth a log line: why a peer got nothing, or why its messages vanished.
+_EVENTS = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: (logging.WARNING, "a peer was refused: its CURVE key is not on the allow-list"),
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: (
+        logging.WARNING,
+        "a peer failed the handshake (plaintext against CURVE, a wrong server key, or not ZeroMQ)",
+    ),
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: (logging.WARNING, "a peer failed the handshake"),
+    zmq.EVENT_DISCONNECTED: (
+        logging.INFO,
+        "a connection closed: the peer left, or sent a frame over this socket's limit (dropped unread)",
+    ),
+}
+_LOG_EVERY_S = 10.0  # a peer retrying a failed handshake every 100 ms must not flood the log
+
+
+class Server:
+    """A ROUTER endpoint: requests in, decoded (or the reason they could not be), replies out.
+
+    Each decoded message's `peer` names its sender: with CURVE the client's public key (z85,
+    vouched for by the ZAP handler), without it the connection's routing id.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        context: zmq.Context | None = None,
+        *,
+        curve: ServerKeys | None = None,
+        insecure_plaintext: bool = False,
+        max_message_bytes: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        plaintext_abroad = check_bind(address, curve, insecure_plaintext)
+        self.address, self.curve = address, curve
+        self.max_frame_bytes = max(0, max_message_bytes - FRAME_OVERHEAD)
+        self.auth: ThreadAuthenticator | None = None
+        self.own_context = curve is not None
+        if curve is not None:
+            # A ZAP handler serves a whole context: a private one keeps this allow-list to this socket.
+            self.context = zmq.Context()
+            self.auth = ThreadAuthenticator(self.context, log=logging.getLogger("transport.zap"))
+            self.auth.start()
+            self.auth.configure_curve_callback(ZAP_DOMAIN.decode(), _AllowList(curve.allowed))
+        else:
+            self.context = context or zmq.Context.instance()
+        self.sock = router(self.context, address, max_message_bytes, curve)
+        self.monitor = self.sock.get_monitor_socket(int(sum(_EVENTS)))
+        self.logged: dict[int, tuple[float, int]] = {}  # event -> (last logged, suppressed since)
+        if plaintext_abroad:
+            log.warning("serving %s in plaintext: anyone who can reach it can use it and read its traffic", address)
 
     def next(self, timeout_ms: int = 0) -> tuple[bytes, Message | ProtocolError] | None:
         """One request, waiting up to timeout_ms: (peer identity, the message or its decode error)."""
+        self._log_events()
         if not self.sock.poll(timeout_ms):
             return None
         identity, *frames = self.sock.recv_multipart(copy=False)
         try:
-            return identity.bytes, decode(frames)
+            message = decode(frames, max_frame_bytes=self.max_frame_bytes)
         except ProtocolError as exc:
             return identity.bytes, exc
+        message.peer = self._peer(identity, frames)
+        return identity.bytes, message
 
-    def send(self, identity: bytes, frames: Frames) -> None:
-        self.sock.send_multipart([identity, *frames], copy=False)
+    def _peer(self, identity: zmq.Frame, frames: list[zmq.Frame]) -> str:
+        if self.curve is not None:
+            return frames[0].get("User-Id")
+        return identity.bytes.hex()
+
+    def send(self, identity: bytes, frames: Frames) -> bool:
+        """Queue a reply; False (and nothing sent) when the peer is gone or has stopped reading."""
+        try:
+            self.sock.send_multipart([identity, *frames], copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        return True
+
+    def _log_events(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            level, text = _EVENTS.get(event, (logging.DEBUG, f"socket event {event}"))
+            last, suppressed = self.logged.get(event, (0.0, 0))
+            now = time.monotonic()
+            if now - last < _LOG_EVERY_S:
+                self.logged[event] = (last, suppressed + 1)
+                continue
+            more = f" (and {suppressed} more like it in the last {now - last:.0f} s)" if suppressed else ""
+            log.log(level, "%s: %s%s", self.address, text, more)
+            self.logged[event] = (now, 0)
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
         self.sock.close(0)
+        if self.auth is not None:
+            self.auth.stop()
+        if self.own_context:
+            self.context.term()
 
 
-def request(address: str, type_: str, fields: dict | None = None, timeout_s: float = 1.0) -> Message | None:
+def request(
+    address: str, type_: str, fields: dict | None = None, timeout_s: float = 1.0, curve: ClientKeys | None = None
+) -> Message | None:
     """One request on a fresh socket: for probes and readiness checks."""
-    client = Client(address)
+    client = Client(address, curve=curve)
     try:
         return client.call(type_, fields or {}, timeout_s=timeout_s)
     finally:
         client.close()
 
 
-def wait_ready(address: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
+def wait_ready(
+    address: str, timeout_s: float, alive: Callable[[], bool] = lambda: True, curve: ClientKeys | None = None
+) -> bool:
     """Ping a daemon until it answers: a readiness check, not a sleep. `alive` aborts early."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not alive():
             return False
-        reply = request(address, "ping", timeout_s=0.5)
+        reply = request(address, "ping", timeout_s=0.5, curve=curve)
         if reply is not None and reply.type == "pong":
             return True
     return False

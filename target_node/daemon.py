@@ -1,8 +1,11 @@
 """The target daemon: clients send generate requests, get streamed chunks and a final record.
 
-One thread does everything: between decode steps it drains the socket, so a cancel takes
-effect at the next step and new requests queue up while one runs. Queues are per client
-and served round-robin, so one busy client cannot starve the others.
+One thread does everything: between decode steps (and between prefill chunks) it takes in
+a bounded number of messages, so a cancel takes effect at the next step, new requests queue
+up while one runs, and a flood from one peer costs others at most that many messages' work
+per step. Queues are per client and served round-robin, so one busy client cannot starve
+the others. A client that is gone (a reply cannot be delivered) or silent past its promised
+heartbeats loses its requests.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol import ErrorCode, Message, ProtocolError, encode, encode_error
-from protocol.transport import Server
+from protocol.keys import ServerKeys
+from protocol.messages import HEARTBEAT_MISSES
+from protocol.transport import CONTROL_MAX_FRAME, Server
 from target_node.governor import Governor
 from target_node.metrics import RequestClock, ServedMetrics, drafter_state
 from target_node.proposers import Proposer
@@ -33,6 +38,7 @@ class Job:
     request: Message
     cancel: threading.Event = field(default_factory=threading.Event)
     received: float = field(default_factory=time.monotonic)
+    lost: bool = False  # its client is gone: cancelled, and nobody to answer
 
 
 class TargetService:
@@ -46,6 +52,8 @@ class TargetService:
         max_queued_per_client: int = 64,
         tree_nodes: int = 16,
         on_finished: Callable[[Message, list[int], Result], None] | None = None,
+        prefill_chunk: int = 512,
+        max_messages_per_step: int = 64,
     ) -> None:
         """`on_finished(request, prompt ids, result)` sees every request served to its end (e.g. a recorder)."""
         self.on_finished = on_finished
@@ -68,17 +76,27 @@ class TargetService:
         self.server: Server | None = None
         self.served = 0
         self.metrics = ServedMetrics()  # what was served, for the `stats` reply
+        self.prefill_chunk, self.max_messages_per_step = prefill_chunk, max_messages_per_step
+        self.heard: dict[bytes, float] = {}  # client -> when it last sent anything (clients with work)
+        self.counters = {"cancelled": 0, "abandoned": 0}  # abandoned: its client went away or silent
 
     # --- socket side -------------------------------------------------------
 
     def send(self, identity: bytes, frames: list) -> None:
-        self.server.send(identity, frames)
+        if not self.server.send(identity, frames):
+            self.abandon(identity, "a reply could not be delivered")
 
     def pump(self, timeout_ms: int = 0) -> None:
-        """Take in everything waiting on the socket: queue requests, apply cancels, answer pings."""
-        while (request := self.server.next(timeout_ms)) is not None:
+        """Take in what waits on the socket, at most `max_messages_per_step` messages (ZeroMQ
+        takes them from peers in turn): queue requests, apply cancels, answer pings; then drop
+        the work of clients that went silent."""
+        for _ in range(self.max_messages_per_step):
+            request = self.server.next(timeout_ms)
+            if request is None:
+                break
             timeout_ms = 0
             identity, msg = request
+            self.heard[identity] = time.monotonic()
             if isinstance(msg, ProtocolError):
                 self.send(identity, encode_error(msg.request_id, msg.code, msg.message))
                 continue
@@ -88,6 +106,8 @@ class TargetService:
                 self.cancel(identity, msg.id)
             elif msg.type == "ping":
                 self.send(identity, encode("pong", msg.id, {"time": time.time(), "sessions": self.pending()}))
+            elif msg.type == "heartbeat":
+                pass  # being heard from is all it says
             elif msg.type == "stats":
                 self.send(identity, encode("stats_ok", msg.id, {"stats": self.report()}))
             else:
@@ -95,11 +115,17 @@ class TargetService:
                     identity,
                     encode_error(msg.id, ErrorCode.UNKNOWN_TYPE, f"the target daemon does not serve '{msg.type}'"),
                 )
+        self.reap()
 
     def enqueue(self, identity: bytes, msg: Message) -> None:
         queue = self.parked.get(identity)
         if queue is None:
             queue = self.queues.get(identity, deque())
+        running = self.running is not None and self.running.identity == identity and self.running.request.id == msg.id
+        if running or any(job.request.id == msg.id for job in queue):
+            why = f"request id {msg.id} is already queued or running for this client: ids must be unique"
+            self.send(identity, encode_error(msg.id, ErrorCode.BAD_FIELD, why))
+            return
         if len(queue) >= self.max_queued_per_client:
             why = f"this client has {len(queue)} requests queued (limit {self.max_queued_per_client})"
         elif self.pending() >= self.max_queued:
@@ -124,24 +150,55 @@ class TargetService:
             "running": int(self.running is not None),
             "proposer": self.proposer.name,
             "drafter": drafter_state(self.proposer),
+            **self.counters,
             **self.metrics.to_dict(),
         }
 
     def cancel(self, identity: bytes, request_id: int) -> None:
+        """Stop a running or queued request; a cancel for one that is not here (done already) is ignored."""
         if self.running and self.running.identity == identity and self.running.request.id == request_id:
-            self.running.cancel.set()
+            if not self.running.cancel.is_set():
+                self.counters["cancelled"] += 1
+                self.running.cancel.set()
             return
         queue = self.queues.get(identity) or self.parked.get(identity) or deque()
         for job in list(queue):
             if job.request.id == request_id:
                 queue.remove(job)
+                self.counters["cancelled"] += 1
                 self.metrics.finish("cancelled")
-                self.send(
-                    identity,
-                    encode(
-                        "done", request_id, {"text": "", "token_ids": [], "finish_reason": "cancelled", "stats": {}}
-                    ),
-                )
+                self.send(identity, cancelled(request_id))
+
+    def abandon(self, identity: bytes, why: str) -> None:
+        """The client is gone (or broke its heartbeat promise): stop its running request and drop
+        its queued ones, each answered `cancelled` in case anyone is still listening."""
+        queued = [*self.queues.pop(identity, ()), *self.parked.get(identity, ())]
+        self.parked.get(identity, deque()).clear()
+        for job in queued:
+            self.metrics.finish("cancelled")
+            self.server.send(identity, cancelled(job.request.id))
+        jobs = list(queued)
+        running = self.running
+        if running is not None and running.identity == identity and not running.lost:
+            running.lost = True
+            running.cancel.set()
+            jobs.append(running)
+        if jobs:
+            self.counters["abandoned"] += len(jobs)
+            log.warning("client %s: %s; dropped its %d request(s)", identity.hex()[:16], why, len(jobs))
+
+    def reap(self) -> None:
+        """Abandon clients silent for HEARTBEAT_MISSES of the heartbeat interval they asked for."""
+        now = time.monotonic()
+        jobs = [job for queue in (*self.queues.values(), *self.parked.values()) for job in queue]
+        if self.running is not None:
+            jobs.append(self.running)
+        for job in jobs:
+            interval = job.request["heartbeat_s"]
+            silent = now - self.heard.get(job.identity, now)
+            if interval > 0 and silent > HEARTBEAT_MISSES * interval:
+                self.abandon(job.identity, f"silent for {silent:.1f} s (promised a heartbeat every {interval:g} s)")
+        self.heard = {identity: self.heard[identity] for identity in {job.identity for job in jobs} & set(self.heard)}
 
     def next_job(self) -> Job | None:
         """Round-robin: the client at the front of the line gets one job run, then is parked."""
@@ -157,9 +214,13 @@ class TargetService:
         if queue:
             self.queues[identity] = queue
 
-    def serve(self, address: str, stop: threading.Event) -> None:
-        self.server = Server(address)
-        log.info("target daemon serving on %s", address)
+    def serve(
+        self, address: str, stop: threading.Event, curve: ServerKeys | None = None, insecure_plaintext: bool = False
+    ) -> None:
+        self.server = Server(
+            address, curve=curve, insecure_plaintext=insecure_plaintext, max_message_bytes=CONTROL_MAX_FRAME
+        )
+        log.info("target daemon serving on %s%s", address, " (CURVE)" if curve else "")
         try:
             while not stop.is_set():
                 self.pump(100)
@@ -174,12 +235,15 @@ class TargetService:
     # --- model side --------------------------------------------------------
 
     def prompt_ids(self, msg: Message) -> list[int]:
-        if msg["messages"]:
-            ids = self.target.encode_chat(msg["messages"])
-        elif msg["prompt"]:
-            ids = self.target.encode_text(msg["prompt"])
-        else:
-            ids = list(msg["token_ids"])
+        try:
+            if msg["messages"]:
+                ids = self.target.encode_chat(msg["messages"])
+            elif msg["prompt"]:
+                ids = self.target.encode_text(msg["prompt"])
+            else:
+                ids = list(msg["token_ids"])
+        except Exception as exc:  # the tokenizer or chat template refused this input
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"the prompt cannot be tokenized: {exc}") from exc
         bad = [t for t in ids + list(msg["hints"]) if t >= self.target.vocab_size]
         if bad:
             raise ProtocolError(
@@ -187,6 +251,8 @@ class TargetService:
             )
         if not ids:
             raise ProtocolError(ErrorCode.BAD_FIELD, "the prompt is empty")
+        if msg["stop"] and self.target.tokenizer is None:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "stop strings need a tokenizer; this target has none")
         return ids
 
     def sampling(self, msg: Message) -> SamplingParams:
@@ -234,6 +300,8 @@ class TargetService:
                 adaptive=self.adaptive,
                 governor=self.governor,
                 tree_nodes=self.tree_nodes,
+                prefill_chunk=self.prefill_chunk,
+                on_prefill=self.pump,
             )
             done = {"text": result.text, "token_ids": result.tokens, "finish_reason": result.finish_reason}
             self.metrics.finish(result.finish_reason, result.stats, clock)
@@ -253,3 +321,8 @@ class TargetService:
             self.send(identity, encode_error(msg.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
         finally:
             self.running = None
+
+
+def cancelled(request_id: int) -> list:
+    """The `done` of a request stopped before it ran."""
+    return encode("done", request_id, {"text": "", "token_ids": [], "finish_reason": "cancelled", "stats": {}})

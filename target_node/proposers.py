@@ -86,7 +86,7 @@ class NGramProposer(NoProposer):
 class DraftBackend(Protocol):
     """A DFlash drafter, in process or across the wire."""
 
-    info: dict  # the drafter's description (DRAFTER_INFO)
+    info: dict | None  # the drafter's description (DRAFTER_INFO); None while there is none to use
 
     def begin_request(self) -> None:
         """A new request starts."""
@@ -120,18 +120,23 @@ class DFlashProposer:
     def begin(self, target: TargetModel) -> None:
         self.backend.begin_request()
         info = self.backend.info
-        if self.drafting is None or self.drafting.target is not target or self.drafting.info != info:
+        if info is None:  # no drafter yet (or none that fits): the fallback drafts this request
+            self.drafting = None
+        elif self.drafting is None or self.drafting.target is not target or self.drafting.info != info:
             self.drafting = Drafting(target, info)
-        self.drafting.ring.reset()
+        if self.drafting is not None:
+            self.drafting.ring.reset()
         self.fallback.begin(target)
         self.synced = None
 
     def commit(self, start: int, features: torch.Tensor | None) -> None:
-        if features is not None:
+        if features is not None and self.drafting is not None:
             self.drafting.ring.write(start, features)
 
     def propose(self, tokens: list[int], max_tokens: int) -> Proposal:
         drafting = self.drafting
+        if drafting is None:
+            return self.fallback.propose(tokens, max_tokens)
         rows = min(drafting.block_size - 1, max_tokens)
         if rows <= 0:
             return EMPTY

@@ -4,6 +4,12 @@ Every request has a deadline. On a timeout or an error reply the client drops it
 and the loop carries on with its fallback proposer (verification keeps the output exact);
 after `retry_s` it probes the daemon again and, once it answers, re-opens the session and
 lets the proposer resend whatever features the drafter lacks.
+
+The daemon may come and go in any order: a target started before its drafter serves with
+the fallback and picks the drafter up at the first request after it answers. A drafter that
+comes back with another configuration (a restart with another checkpoint) is a new drafter:
+re-checked, and used from the next request with a bridge rebuilt for it, or, if it no longer
+fits this target, left alone (one log line) while the fallback drafts.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import uuid
 import torch
 
 from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError
+from protocol.keys import ClientKeys
 from protocol.messages import fit_problems
 from protocol.transport import Client
 from target_node.drafting import DrafterMismatch
@@ -35,22 +42,30 @@ class RemoteDraftBackend:
         retry_s: float = 5.0,
         wire_dtype: str | None = None,
         name: str | None = None,
+        curve: ClientKeys | None = None,
     ) -> None:
+        """Raises DrafterMismatch if a drafter answers now and was built for another target (an
+        operator's mistake to see at once); a drafter that does not answer yet is picked up later."""
         self.address = address
         self.target = target
         self.timeout_s, self.probe_timeout_s, self.retry_s = timeout_s, probe_timeout_s, retry_s
         self.session = name or f"target-{uuid.uuid4().hex[:12]}"
         self.wire_request = wire_dtype
-        self.client = Client(address)
+        self.client = Client(address, curve=curve)
         self.info: dict | None = None  # the drafter's description, once a handshake succeeded
+        self.request_info: dict | None = None  # ... as it was when the current request began
+        self.unfit: str | None = None  # why the drafter that answered last does not fit (logged once)
         self.wire_dtype = "float32"
         self.attached = False  # session open on the daemon we are talking to
         self.retry_at = 0.0
-        self.counters = dict.fromkeys(["round_trips", "timeouts", "errors", "bytes_out", "bytes_in", "proposals"], 0)
+        self.counters = dict.fromkeys(
+            ["round_trips", "timeouts", "errors", "bytes_out", "bytes_in", "proposals", "changes"], 0
+        )
         self.counters.update(draft_ms=0.0, propose_rtt_ms=0.0)
-        self.attach(self.timeout_s)
+        self.attach(self.timeout_s, strict=True)
+        self.request_info = self.info
         if self.info is None:
-            raise DrafterUnavailable(f"no drafter answered at {address} within {self.timeout_s:.1f} s")
+            log.warning("no drafter answered at %s yet: drafting with the fallback until it does", address)
 
     def _call(self, type_: str, fields: dict, tensors: dict | None = None, timeout_s: float | None = None) -> Message:
         timeout_s = timeout_s or self.timeout_s
@@ -69,7 +84,7 @@ class RemoteDraftBackend:
         self.counters["bytes_in"] += sum(spec.nbytes for spec, _ in reply.tensors.values())
         if reply.type == "error":
             self.counters["errors"] += 1
-            if reply["code"] == ErrorCode.CONFIG_MISMATCH.value:
+            if type_ == "hello" and reply["code"] == ErrorCode.CONFIG_MISMATCH.value:
                 raise DrafterMismatch(f"draft daemon at {self.address}: {reply['message']}")
             # The daemon lost our session (restart, eviction) or our stream: start over.
             self.attached = False
@@ -84,8 +99,9 @@ class RemoteDraftBackend:
         self.attached = False
         self.retry_at = time.monotonic() + self.retry_s
 
-    def attach(self, timeout_s: float) -> None:
-        """Handshake and open our session; leaves `attached` False if the daemon does not answer."""
+    def attach(self, timeout_s: float, strict: bool = False) -> None:
+        """Handshake and open our session; leaves `attached` False if the daemon does not answer
+        or its drafter does not fit (then `info` is None: nothing to draft with)."""
         target = self.target
         offered = [self.wire_request] if self.wire_request else list(FLOAT_DTYPES)
         try:
@@ -95,36 +111,48 @@ class RemoteDraftBackend:
                 timeout_s=timeout_s,
             )
             info = reply["drafter"]
-            self._check_fits(info)
-            self.info = info
+            problems = fit_problems(info, target.info)
+            if problems:
+                raise DrafterMismatch(f"drafter at {self.address} does not fit this target: " + "; ".join(problems))
+            if self.info is not None and info != self.info:
+                self.counters["changes"] += 1
+                log.warning("the drafter at %s has a new configuration: using it from the next request", self.address)
+            self.info, self.unfit = info, None
             # The drafter's own dtype, unless the operator chose: wider only costs bytes.
             self.wire_dtype = self.wire_request or reply["wire_dtype"]
             mask = target.embed([info["mask_token_id"]])
             self._call("open", {"session": self.session}, {"mask": mask}, timeout_s=timeout_s)
             self.attached = True
+        except DrafterMismatch as exc:
+            if strict:
+                raise
+            if str(exc) != self.unfit:
+                log.error("%s; drafting with the fallback until a drafter that fits answers", exc)
+            self.info, self.unfit = None, str(exc)
+            self.retry_at = time.monotonic() + self.retry_s
         except DrafterUnavailable:
-            pass
-
-    def _check_fits(self, info: dict) -> None:
-        if self.info is not None and info != self.info:
-            raise DrafterMismatch(f"the drafter at {self.address} changed its config after a restart")
-        problems = fit_problems(info, self.target.info)
-        if problems:
-            raise DrafterMismatch(f"drafter at {self.address} does not fit this target: " + "; ".join(problems))
+            self.retry_at = max(self.retry_at, time.monotonic() + self.retry_s)
 
     def ensure(self) -> None:
-        """Attach if we are not, without waiting long: the loop must not stall on a dead daemon."""
-        if self.attached:
-            return
-        if time.monotonic() < self.retry_at:
-            raise DrafterUnavailable("draft daemon unavailable; waiting before the next probe")
-        self.attach(self.probe_timeout_s)
+        """Attach if we are not, without waiting long: the loop must not stall on a dead daemon.
+        A drafter that changed mid-request is not used before the next request: this request's
+        features were tapped for the old one."""
         if not self.attached:
-            raise DrafterUnavailable(f"draft daemon at {self.address} still unavailable")
+            if time.monotonic() < self.retry_at:
+                raise DrafterUnavailable("draft daemon unavailable; waiting before the next probe")
+            self.attach(self.probe_timeout_s)
+            if not self.attached:
+                raise DrafterUnavailable(f"draft daemon at {self.address} still unavailable")
+        if self.info != self.request_info:
+            raise DrafterUnavailable(f"the drafter at {self.address} changed; it drafts from the next request")
 
     def begin_request(self) -> None:
-        """A new request may probe a daemon that was down at once, instead of after `retry_s`."""
+        """A new request probes a daemon that was down (or unfit) at once, instead of after
+        `retry_s`, so a drafter that appeared or came back is used from this request on."""
         self.retry_at = 0.0
+        if not self.attached:
+            self.attach(self.probe_timeout_s)
+        self.request_info = self.info
 
     def reset(self, position: int) -> None:
         self.ensure()
@@ -139,10 +167,14 @@ class RemoteDraftBackend:
             {"session": self.session, "start": start, "position": position, "rows": rows},
             {"features": features, "noise": noise[:1]},
         )
+        hidden = reply.tensor("hidden", self.target.device)  # in the wire dtype: the projection casts once
+        if tuple(hidden.shape) != (rows, self.info["hidden_size"]) or not torch.isfinite(hidden).all():
+            self.counters["errors"] += 1
+            raise DrafterUnavailable(f"the drafter's reply {list(hidden.shape)} is misshapen or holds NaN/Inf")
         self.counters["draft_ms"] += reply["draft_ms"]
         self.counters["propose_rtt_ms"] += (time.perf_counter() - began) * 1000
         self.counters["proposals"] += 1
-        return reply.tensor("hidden", self.target.device)  # in the wire dtype: the projection casts once
+        return hidden
 
     def close(self) -> None:
         if self.attached:

@@ -18,11 +18,14 @@ import torch
 from protocol.fields import is_int
 
 SEED_LIMIT = 2**63  # torch generators take 64-bit seeds; stay inside what every client's ints can carry
+# Below this a temperature is greedy decoding: logits divided by 1e-300 overflow to inf and the
+# distribution becomes NaN, while at 1e-4 sampling already picks the argmax but for exact ties.
+GREEDY_BELOW = 1e-4
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling options; temperature 0 means greedy decoding."""
+    """Per-request sampling options; temperature 0 (or anything below GREEDY_BELOW) means greedy decoding."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -45,7 +48,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,7 +108,9 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest most-likely set whose mass reaches top_p; the top token always survives."""
     ordered, order = probs.sort(-1, descending=True)
     mass_before = ordered.cumsum(-1) - ordered
-    drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
+    beyond = mass_before >= top_p
+    beyond[..., 0] = False  # even when top_p rounds to 0 in the probabilities' dtype (1e-300 in fp32)
+    drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, beyond)
     probs = probs.masked_fill(drop, 0.0)
     return probs / probs.sum(-1, keepdim=True)
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from target_node.governor import Governor
 from target_node.output import OnCommit, Output
+from target_node.prefill import prefill
 from target_node.proposers import EMPTY, Proposal, Proposer
 from target_node.sampling import Sampler, SamplingParams
 from target_node.stats import Stats
@@ -159,6 +161,8 @@ def generate(
     adaptive: bool = True,
     governor: Governor | None = None,
     tree_nodes: int = 0,
+    prefill_chunk: int = 0,
+    on_prefill: Callable[[], None] | None = None,
 ) -> Result:
     """Decode up to max_new_tokens; `sampling` None or temperature 0 is exact greedy decoding.
 
@@ -166,6 +170,8 @@ def generate(
     a fresh one) switch to plain steps while drafting does not pay for itself and choose how
     many drafts to verify; not for seeded sampling, which must reproduce exactly.
     `tree_nodes` > 0 verifies greedy drafts as a tree of up to that many nodes.
+    `prefill_chunk` > 0 runs the prompt that many tokens at a time, calling `on_prefill`
+    between chunks (a daemon serves its socket there).
     """
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
@@ -182,9 +188,11 @@ def generate(
     start = time.perf_counter()
     target.reset()
     proposer.begin(target)
-    hidden, features = target.forward(prompt, proposer.taps)
+    prefilled = prefill(target, prompt, proposer.taps, prefill_chunk, on_prefill, cancel)
+    if prefilled is None:  # cancelled between prefill chunks
+        return Result([], "", "cancelled", stats)
+    last, features = prefilled
     proposer.commit(0, features)
-    last = hidden[-1:]
     output.commit([target.greedy(last)[0] if sampler is None else sampler.pick(target.logits(last)[0])])
     stats.ttft_s = time.perf_counter() - start
     while not output.done:

@@ -100,7 +100,7 @@ def test_reset_rewinds_and_close_forgets(service):
 def test_sessions_are_evicted_when_idle_or_when_full(service):
     call(service, "open", session="b")
     call(service, "open", session="c")  # max_sessions=2: the least recently used goes
-    assert set(service.sessions) == {"b", "c"}
+    assert {name for _, name in service.sessions} == {"b", "c"}
     service.idle_timeout_s = 0.0
     time.sleep(0.01)
     service.evict_idle()

@@ -16,9 +16,23 @@ def test_tiny_mode_runs_every_phase(tmp_path):
     env = dict(os.environ, DFLASH_GPU_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1", PYTHON=sys.executable)
     out = tmp_path / "out"
     done = subprocess.run(
-        ["bash", str(ROOT / "launch" / "gpu_run.sh"), str(out), "--tiny", "--device", "cpu", "--threads", "1",
-         "--minutes", "4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            "bash",
+            str(ROOT / "launch" / "gpu_run.sh"),
+            str(out),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--minutes",
+            "4",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())

@@ -76,12 +76,14 @@ SAMPLES = {
             "hints": [5, 6],
             "stream": False,
             "sampling": {"temperature": 0.7, "seed": 3},
+            "heartbeat_s": 1.5,
         },
         {},
     ),
     "chunk": ({"text": "Hel", "token_ids": [9, 10]}, {}),
     "done": ({"text": "Hello", "token_ids": [9, 10, 11], "finish_reason": "eos", "stats": {"tau": 1.5}}, {}),
     "cancel": ({}, {}),
+    "heartbeat": ({}, {}),
 }
 
 

@@ -9,7 +9,7 @@ import torch
 from helpers import assert_lossless, draft_daemon, free_tcp_address, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
-from target_node.proposers import DFlashProposer, DrafterUnavailable, LocalDraftBackend, NGramProposer
+from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
 from target_node.remote import DrafterMismatch, RemoteDraftBackend
 from target_node.speculative import generate
 
@@ -143,9 +143,52 @@ def test_handshake_refuses_a_drafter_for_another_target(checkpoint, tmp_path):
             RemoteDraftBackend(address, other)
 
 
-def test_no_daemon_at_start_is_a_clear_error(target, tmp_path):
-    with pytest.raises(DrafterUnavailable, match="no drafter answered"):
-        RemoteDraftBackend(f"ipc://{tmp_path}/nobody.sock", target, timeout_s=0.3)
+def test_a_target_started_before_its_drafter_picks_it_up(target, checkpoint, tmp_path):
+    """No daemon yet: requests run exactly on the fallback. Once it answers, the next request drafts."""
+    address = f"ipc://{tmp_path}/late.sock"
+    prompt = PROMPTS[1]
+    want = greedy(target, prompt, MAX_NEW)
+    backend = RemoteDraftBackend(address, target, timeout_s=0.3)
+    proposer = DFlashProposer(backend, NGramProposer())
+    early = generate(target, prompt, proposer, MAX_NEW, adaptive=False)
+    assert backend.info is None and "dflash" not in early.stats.sources
+    assert_lossless(target, prompt, early.tokens, want)
+    with draft_daemon(address, checkpoint):
+        late = generate(target, prompt, proposer, MAX_NEW, adaptive=False)
+    backend.close()
+    assert_lossless(target, prompt, late.tokens, want)
+    assert late.stats.sources == {"dflash": late.stats.steps - late.stats.plain_steps}
+
+
+def test_a_drafter_restarted_with_another_checkpoint_is_a_new_drafter(target, checkpoint, tmp_path, caplog):
+    """Restarted with another config: the request that notices finishes on the fallback, the next one
+    drafts with a bridge rebuilt for it. Restarted with a drafter for another target: one log line,
+    and the fallback drafts; never an error for the client."""
+    address = f"ipc://{tmp_path}/swap.sock"
+    prompt = PROMPTS[1]
+    want = greedy(target, prompt, MAX_NEW)
+    smaller = config_for_target(target.config, block_size=4, num_taps=2)
+    other = save_drafter(random_drafter(smaller, seed=3, std=0.1), tmp_path / "other")
+    foreign = config_for_target(tiny_target("llama", seed=0, layers=6).config, block_size=4)
+    unfit = save_drafter(random_drafter(foreign, seed=3), tmp_path / "unfit")
+    results, proposer = [], None
+    for folder, requests in ((checkpoint, 1), (other, 2), (unfit, 2)):
+        with draft_daemon(address, folder):
+            if proposer is None:
+                backend = RemoteDraftBackend(address, target, timeout_s=1.0, probe_timeout_s=0.3, retry_s=60.0)
+                proposer = DFlashProposer(backend, NGramProposer())
+            for _ in range(requests):
+                results.append((generate(target, prompt, proposer, MAX_NEW, adaptive=False), proposer.drafting))
+    backend.close()
+    for result, _ in results:
+        assert_lossless(target, prompt, result.tokens, want)
+    (first, bridge), (noticed, _), (rebuilt, new_bridge), (unfit_noticed, _), (unfit_next, none) = results
+    assert bridge.block_size == 8 and new_bridge.block_size == 4 and new_bridge is not bridge
+    assert rebuilt.stats.sources == {"dflash": rebuilt.stats.steps - rebuilt.stats.plain_steps}
+    assert "dflash" not in unfit_next.stats.sources and none is None
+    assert backend.counters["changes"] == 1
+    unfit_lines = [r for r in caplog.records if "does not fit this target" in r.getMessage()]
+    assert len(unfit_lines) == 1, [r.getMessage() for r in unfit_lines]
 
 
 @pytest.mark.parametrize("wire", ["bfloat16", "float16"])

@@ -70,8 +70,9 @@ def setup(one_thread, tmp_path_factory):
     store = AnswerStore(tmp_path_factory.mktemp("answers"))
     features = FeatureCache(tmp_path_factory.mktemp("features"), cfg.feature_width)
     openings = _openings(56, held=8)
-    generate_answers(_TokenTarget(target), store, iter(openings), features=features,
-                     layer_ids=cfg.target_layer_ids, **QUIET)
+    generate_answers(
+        _TokenTarget(target), store, iter(openings), features=features, layer_ids=cfg.target_layer_ids, **QUIET
+    )
     return target, cfg, store, features
 
 
@@ -142,8 +143,9 @@ def test_features_recomputed_from_ids_equal_those_captured_in_generation(setup, 
 
 def test_training_lowers_loss_and_beats_a_random_drafter(setup, tmp_path):
     target, cfg, store, features = setup
-    trainer = train(target, cfg, store.answers, features, opts(), tmp_path / "state.pt", tmp_path / "out",
-                    log=lambda m: None)
+    trainer = train(
+        target, cfg, store.answers, features, opts(), tmp_path / "state.pt", tmp_path / "out", log=lambda m: None
+    )
     first, last = sum(trainer.history[:20]) / 20, sum(trainer.history[-20:]) / 20
     assert last < first * 0.7, (first, last)
     trained = trainer.evaluate(trainer.train_records, anchors=8)
@@ -167,8 +169,9 @@ def test_training_lowers_loss_and_beats_a_random_drafter(setup, tmp_path):
 
 def test_init_from_a_checkpoint_continues_where_it_left(setup, tmp_path):
     target, cfg, store, features = setup
-    first = train(target, cfg, store.answers, features, opts(steps=150), tmp_path / "a.pt", tmp_path / "out",
-                  log=lambda m: None)
+    first = train(
+        target, cfg, store.answers, features, opts(steps=150), tmp_path / "a.pt", tmp_path / "out", log=lambda m: None
+    )
     before = first.evaluate(first.val_records)
     # A fresh run started from the exported checkpoint (scale folded in, bf16) predicts as well.
     second = Trainer(target, cfg, store.answers, features, opts(steps=150))
@@ -189,8 +192,9 @@ def test_resume_replays_the_same_run(setup, tmp_path):
     for _ in range(6):
         first.train_step()
     first.save(tmp_path / "state.pt", None)
-    resumed = train(target, cfg, store.answers, features, o, tmp_path / "state.pt", None, resume=True,
-                    log=lambda m: None)
+    resumed = train(
+        target, cfg, store.answers, features, o, tmp_path / "state.pt", None, resume=True, log=lambda m: None
+    )
     assert resumed.step == 12
     assert resumed.history == pytest.approx(straight.history, rel=1e-6, abs=1e-7)
 
@@ -280,10 +284,39 @@ def test_launch_train_runs_each_stage_on_a_saved_target(setup, tmp_path):
     model_dir = tmp_path / "model"
     target.model.save_pretrained(model_dir)
     out = tmp_path / "drafter"
-    common = ["--model", str(model_dir), "--store", str(store.folder), "--name", "tiny-test", "--block-size", "4",
-              "--out", str(out), "--threads", "1"]
-    main([*common, "--stage", "train", "--steps", "30", "--batch", "4", "--anchors", "4", "--eval-every", "0",
-          "--draft-vocab", "64", "--cache", str(tmp_path / "cache")])
+    common = [
+        "--model",
+        str(model_dir),
+        "--store",
+        str(store.folder),
+        "--name",
+        "tiny-test",
+        "--block-size",
+        "4",
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+    ]
+    main(
+        [
+            *common,
+            "--stage",
+            "train",
+            "--steps",
+            "30",
+            "--batch",
+            "4",
+            "--anchors",
+            "4",
+            "--eval-every",
+            "0",
+            "--draft-vocab",
+            "64",
+            "--cache",
+            str(tmp_path / "cache"),
+        ]
+    )
     drafter = load_drafter(out)
     assert drafter.config.block_size == 4 and len(drafter.draft_vocab) == 64
     save_drafter(drafter, tmp_path / "copy")  # the written checkpoint is the public format
@@ -312,9 +345,36 @@ def test_recorded_traffic_becomes_training_data(setup, tmp_path):
     assert [a.tokens for a in traffic.answers] == [p + a for p, a in zip(prompts, answers, strict=True)]
     out = tmp_path / "drafter"
     empty = tmp_path / "no-store"
-    main(["--model", str(model_dir), "--store", str(empty), "--data", str(recorded), "--stage", "train",
-          "--block-size", "4", "--steps", "5", "--batch", "2", "--anchors", "2", "--eval-every", "0",
-          "--draft-vocab", "0", "--out", str(out), "--cache", str(tmp_path / "cache"), "--threads", "1"])
+    main(
+        [
+            "--model",
+            str(model_dir),
+            "--store",
+            str(empty),
+            "--data",
+            str(recorded),
+            "--stage",
+            "train",
+            "--block-size",
+            "4",
+            "--steps",
+            "5",
+            "--batch",
+            "2",
+            "--anchors",
+            "2",
+            "--eval-every",
+            "0",
+            "--draft-vocab",
+            "0",
+            "--out",
+            str(out),
+            "--cache",
+            str(tmp_path / "cache"),
+            "--threads",
+            "1",
+        ]
+    )
     assert load_drafter(out).config.block_size == 4
     log = (tmp_path / "cache" / "train" / "smollm2" / "train.log").read_text()
     assert "features: 12 answers filled by prefill" in log

@@ -1,0 +1,55 @@
+"""Make CURVE key pairs for the daemons and their clients.
+
+Each NAME gets NAME.key (the public key: copy it to the peers that must know it) and
+NAME.key_secret (the key pair, readable by its owner only: it stays on its host). A typical
+deployment, the draft daemon on host B and the target daemon on host A:
+
+  dflash-keys --out keys draft target client
+  B: dflash-draft-daemon --bind tcp://0.0.0.0:5555 --curve-key keys/draft.key_secret --curve-allow keys/target.key
+  A: dflash-target-daemon --drafter tcp://B:5555 --drafter-key keys/draft.key --curve-key keys/target.key_secret
+  A: dflash-client --curve-key keys/client.key_secret --server-key keys/target.key ...   (with --curve-allow
+     keys/client.key on the target daemon when its --bind is reachable from other hosts)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from protocol.keys import client_keys, create_keypair, load_public
+
+
+class LocalKeys:
+    """Throwaway keys for one all-in-one run (`dflash-local --curve`): the flags each daemon
+    gets, and this process's keys as a client of each (readiness pings, the prompts)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        keys = Path(folder)
+        for name in ("draft", "target", "client"):
+            create_keypair(keys, name)
+        self.draft_args = ["--curve-key", str(keys / "draft.key_secret"), "--curve-allow", str(keys / "target.key")]
+        self.draft_args += ["--curve-allow", str(keys / "client.key")]
+        self.target_args = ["--curve-key", str(keys / "target.key_secret"), "--drafter-key", str(keys / "draft.key")]
+        self.target_args += ["--curve-allow", str(keys / "client.key")]
+        self.client_to_draft = client_keys(keys / "client.key_secret", keys / "draft.key")
+        self.client_to_target = client_keys(keys / "client.key_secret", keys / "target.key")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="dflash-keys", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("names", nargs="+", help="one key pair per name, e.g. draft target client")
+    parser.add_argument("--out", default=".", help="folder to write the key files into (default: here)")
+    parser.add_argument("--force", action="store_true", help="overwrite existing key files")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    for name in args.names:
+        if not args.force and (out / f"{name}.key_secret").exists():
+            parser.error(f"{out / name}.key_secret exists; --force replaces it (and locks out its old peers)")
+        public, secret = create_keypair(out, name)
+        print(f"{name}: public {public} ({load_public(public).decode()}), secret {secret}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Addresses and link-security flags, without torch: the client imports only these.
+
+Both daemons take the same server flags (`--curve-key`, `--curve-allow`,
+`--insecure-plaintext`); every link a process opens takes its own key pair plus the
+server's public key. Misuse is refused at parse time, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from protocol.keys import ClientKeys, KeyFileError, ServerKeys, client_keys, server_keys
+from protocol.transport import InsecureBind, check_bind
+
+DRAFT_ADDRESS = "tcp://127.0.0.1:5555"
+TARGET_ADDRESS = "tcp://127.0.0.1:5556"
+
+
+def add_server_security_args(parser: argparse.ArgumentParser) -> None:
+    """CURVE for a daemon's own socket: its key pair, whom it lets in, or plaintext on purpose."""
+    parser.add_argument(
+        "--curve-key", help="this daemon's key pair (NAME.key_secret, from dflash-keys); CURVE with --curve-allow"
+    )
+    parser.add_argument(
+        "--curve-allow",
+        action="append",
+        help="public key file (NAME.key), or a folder of them, of a client allowed to connect (repeatable)",
+    )
+    parser.add_argument(
+        "--insecure-plaintext",
+        action="store_true",
+        help="serve a non-loopback --bind without CURVE: unencrypted, anyone who can reach it can use it",
+    )
+
+
+def server_security(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, key_serves_links_out: bool = False
+) -> ServerKeys | None:
+    """The daemon's CURVE keys (None: plaintext), refusing a plaintext non-loopback bind unless
+    --insecure-plaintext says so: checked before any model is loaded. `key_serves_links_out`:
+    --curve-key alone is fine, it also identifies this daemon on links it opens."""
+    curve = None
+    if args.curve_key and not args.curve_allow and not key_serves_links_out:
+        parser.error("--curve-key needs --curve-allow: the public keys of the clients to let in")
+    try:
+        if args.curve_allow:
+            if not args.curve_key:
+                parser.error("--curve-allow needs --curve-key (this daemon's own key pair)")
+            curve = server_keys(args.curve_key, args.curve_allow)
+        check_bind(args.bind, curve, args.insecure_plaintext)
+    except (KeyFileError, InsecureBind) as exc:
+        parser.error(str(exc))
+    return curve
+
+
+def client_security(
+    parser: argparse.ArgumentParser, keypair: str | None, server_public: str | None, flag: str
+) -> ClientKeys | None:
+    """CURVE keys for a link this process opens: its key pair plus the server's public key (`flag`)."""
+    if not server_public:
+        return None
+    if not keypair:
+        parser.error(f"{flag} needs --curve-key (this side's own key pair)")
+    try:
+        return client_keys(keypair, server_public)
+    except KeyFileError as exc:
+        parser.error(str(exc))

@@ -1,0 +1,93 @@
+"""CURVE key files: who a daemon is, whom it lets in, and whom a client expects to reach.
+
+The files are ZeroMQ's own certificate format (`zmq.auth`), so keys made by any ZeroMQ
+tool work: `NAME.key` holds a public key and may be handed out; `NAME.key_secret` holds
+the key pair and never leaves its host. A server needs its key pair and an allow-list of
+client public keys; a client needs its key pair and the server's public key.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+
+class KeyFileError(ValueError):
+    """A key file that is missing or does not hold what its role needs."""
+
+
+@dataclass(frozen=True)
+class ServerKeys:
+    """A CURVE server: its key pair, and the z85 public keys of the clients it lets in."""
+
+    public: bytes
+    secret: bytes
+    allowed: frozenset[bytes]
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """A CURVE client: its key pair, and the z85 public key of the server it talks to."""
+
+    public: bytes
+    secret: bytes
+    server: bytes
+
+
+def create_keypair(folder: str | Path, name: str) -> tuple[Path, Path]:
+    """Write `name.key` (public) and `name.key_secret` (readable by its owner only) into `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    public, secret = (Path(p) for p in zmq.auth.create_certificates(folder, name))
+    os.chmod(secret, 0o600)
+    return public, secret
+
+
+def load_keypair(path: str | Path) -> tuple[bytes, bytes]:
+    """(public, secret) from a `.key_secret` file."""
+    public, secret = _load(path)
+    if secret is None:
+        raise KeyFileError(f"{path} holds only a public key; give the .key_secret file made with it")
+    return public, secret
+
+
+def load_public(path: str | Path) -> bytes:
+    """The public key from a `.key` (or `.key_secret`) file."""
+    return _load(path)[0]
+
+
+def load_allowed(paths: Iterable[str | Path]) -> frozenset[bytes]:
+    """Public keys from files and from folders of `*.key` files: a server's allow-list."""
+    keys: set[bytes] = set()
+    for path in map(Path, paths):
+        files = sorted(path.glob("*.key")) if path.is_dir() else [path]
+        keys.update(load_public(f) for f in files)
+    if not keys:
+        raise KeyFileError(f"no public keys (*.key) found in {[str(p) for p in paths]}: nobody could connect")
+    return frozenset(keys)
+
+
+def server_keys(keypair: str | Path, allowed: Iterable[str | Path]) -> ServerKeys:
+    public, secret = load_keypair(keypair)
+    return ServerKeys(public, secret, load_allowed(allowed))
+
+
+def client_keys(keypair: str | Path, server_public: str | Path) -> ClientKeys:
+    public, secret = load_keypair(keypair)
+    return ClientKeys(public, secret, load_public(server_public))
+
+
+def _load(path: str | Path) -> tuple[bytes, bytes | None]:
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise KeyFileError(f"cannot read a CURVE key from {path}: {exc}") from None
+    for key in (public, secret):
+        if key is not None and len(key) != 40:
+            raise KeyFileError(f"{path}: a CURVE key is 40 z85 characters, found {len(key)}")
+    return public, secret

@@ -1,0 +1,328 @@
+"""The target daemon as a real process behind CURVE: keys, fuzzing, lost clients, floods, long prompts."""
+
+import random
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import zmq
+from fuzz import Fuzzer, Template, rss_mb, run
+from helpers import assert_lossless, greedy
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from launch.client import TargetClient
+from launch.local import daemon
+from protocol import decode, encode
+from protocol.keys import client_keys, create_keypair
+from protocol.transport import dealer, receive, request
+from target_node.target import TargetModel
+
+PROMPT = [5, 17, 42, 99, 3, 7]
+CHUNK = 32  # --prefill-chunk
+PER_STEP = 32  # --max-messages-per-step
+LONG = 6000  # new tokens: a request that runs for tens of seconds, unless cancelled
+
+
+def save_target(folder):
+    """A tiny random Llama with room for long requests (8192 positions) and no EOS, so a request
+    runs to its length: ~3 ms a token here, 20+ s for LONG tokens."""
+    torch.manual_seed(5)
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        eos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)  # decisive logits, as target_node.tiny makes them
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("keys")
+    for name in ("target", "client", "stranger"):
+        create_keypair(folder, name)
+    return folder
+
+
+def link(keys, me="client"):
+    return client_keys(keys / f"{me}.key_secret", keys / "target.key")
+
+
+@pytest.fixture(scope="module")
+def served(keys, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("target")
+    save_target(folder / "model")
+    address, log = f"ipc://{folder}/target.sock", folder / "target.log"
+    args = ["--model", str(folder / "model"), "--proposer", "none", "--always-draft", "--threads", "1"]
+    args += ["--max-new-tokens-limit", str(LONG)]
+    args += ["--prefill-chunk", str(CHUNK), "--max-messages-per-step", str(PER_STEP)]
+    args += ["--curve-key", str(keys / "target.key_secret"), "--curve-allow", str(keys / "client.key")]
+    with daemon("target daemon", "launch.target_daemon", address, args, 180, curve=link(keys), log=log) as proc:
+        model = TargetModel.load(folder / "model")
+        yield SimpleNamespace(address=address, proc=proc, log=log, model=model, keys=keys)
+
+
+def stats(served) -> dict:
+    return request(served.address, "stats", timeout_s=30, curve=link(served.keys))["stats"]
+
+
+def wait_until(condition, timeout_s: float, every_s: float = 0.05) -> float | None:
+    """Seconds until `condition()` held, or None if it did not within `timeout_s`."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout_s:
+        if condition():
+            return time.monotonic() - began
+        time.sleep(every_s)
+    return None
+
+
+def test_an_allowed_client_is_served_and_other_keys_get_nothing(served, keys):
+    client = TargetClient(served.address, timeout_s=60, curve=link(keys))
+    try:
+        assert client.generate(token_ids=PROMPT, max_new_tokens=20)["token_ids"] == greedy(served.model, PROMPT, 20)
+    finally:
+        client.close()
+    for curve in (link(keys, "stranger"), None):  # a key not on the allow-list; plaintext
+        assert request(served.address, "ping", timeout_s=1.0, curve=curve) is None
+    assert wait_until(lambda: "not on the allow-list" in served.log.read_text(), 5) is not None
+
+
+def test_fuzzed_messages_get_typed_errors_and_the_daemon_stays_healthy(served, keys):
+    templates = [
+        Template("generate", {"token_ids": PROMPT, "max_new_tokens": 3}, {}),
+        Template(
+            "generate",
+            {
+                "token_ids": PROMPT,
+                "max_new_tokens": 2,
+                "stream": False,
+                "hints": [1, 2],
+                "sampling": {"temperature": 0.8, "top_p": 0.9, "top_k": 5, "seed": 1},
+                "heartbeat_s": 5.0,
+            },
+            {},
+        ),  # fmt: skip
+        Template("generate", {"prompt": "no tokenizer here", "max_new_tokens": 2}, {}),
+        Template("generate", {"token_ids": PROMPT, "max_new_tokens": 2, "stop": ["needs a tokenizer"]}, {}),
+        Template("generate", {"messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 2}, {}),
+        Template("ping", {}, {}),
+        Template("stats", {}, {}),
+        Template("cancel", {}, {}),
+        Template("heartbeat", {}, {}),
+    ]
+    fuzzer = Fuzzer(templates, seed=14, extra_kinds=("bad_sampling",))
+    sock = dealer(zmq.Context.instance(), served.address, curve=link(keys))
+    try:
+        run(sock, fuzzer, seconds=0.5, silent=("cancel", "heartbeat"))  # warm-up
+        before = rss_mb(served.proc.pid)
+        counts = run(sock, fuzzer, seconds=4.0, silent=("cancel", "heartbeat"))
+        after = rss_mb(served.proc.pid)
+    finally:
+        sock.close(0)
+    print(f"target daemon fuzz: {counts}, RSS {before:.0f} -> {after:.0f} MB")
+    assert counts["cases"] > 300 and set(counts["kinds"]) == set(fuzzer.kinds)
+    assert counts["codes"].get("done", 0) > 0  # valid requests among them were served
+    assert after - before < 50, (before, after)
+    # A frame past the socket's limit (a header is all a client may send): dropped unread, logged.
+    big = dealer(zmq.Context.instance(), served.address, curve=link(keys))
+    try:
+        big.send_multipart([b"\x80" * (2 << 20)])
+        assert not big.poll(1000)
+    finally:
+        big.close(0)
+    assert wait_until(lambda: "sent a frame over this socket's limit" in served.log.read_text(), 5) is not None
+    client = TargetClient(served.address, timeout_s=60, curve=link(keys))
+    try:
+        assert client.generate(token_ids=PROMPT, max_new_tokens=20)["token_ids"] == greedy(served.model, PROMPT, 20)
+    finally:
+        client.close()
+
+
+def test_a_duplicate_request_id_is_refused_while_the_first_runs(served, keys):
+    sock = dealer(zmq.Context.instance(), served.address, curve=link(keys))
+    try:
+        long = {"token_ids": PROMPT, "max_new_tokens": LONG, "stream": False}
+        sock.send_multipart(encode("generate", 5, long))
+        sock.send_multipart(encode("generate", 5, long))
+        refused = receive(sock, 5, time.monotonic() + 30)
+        assert refused["code"] == "bad_field" and "already queued or running" in refused["message"]
+        sock.send_multipart(encode("cancel", 5, {}))
+        assert receive(sock, 5, time.monotonic() + 30)["finish_reason"] == "cancelled"
+        sock.send_multipart(encode("generate", 5, dict(long, max_new_tokens=2)))  # the id is free again
+        assert receive(sock, 5, time.monotonic() + 30).type == "done"
+    finally:
+        sock.close(0)
+
+
+CLIENT = """
+import sys
+from launch.client import TargetClient
+from protocol.keys import client_keys
+address, secret, public, heartbeat, stream = sys.argv[1:]
+client = TargetClient(address, 600, client_keys(secret, public), float(heartbeat))
+for reply in client.stream(token_ids={prompt}, max_new_tokens={long}, stream=stream == "1"):
+    print(reply.type, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "how, heartbeat, stream, bound_s",
+    [
+        # Streaming: the next chunk cannot be delivered; cancelled at that step.
+        ("reply undeliverable", 0.0, True, 3.0),
+        # Nothing streamed: three heartbeat intervals of silence (1.5 s), then the next step.
+        ("heartbeats stopped", 0.5, False, 4.5),
+    ],
+)
+def test_a_killed_client_loses_its_request_and_the_next_client_is_served_promptly(
+    served, keys, how, heartbeat, stream, bound_s
+):
+    before = stats(served)
+    script = CLIENT.format(prompt=PROMPT, long=LONG)
+    args = [served.address, str(keys / "client.key_secret"), str(keys / "target.key"), str(heartbeat), str(int(stream))]
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE)
+    try:
+        assert wait_until(lambda: stats(served)["running"] == 1, 60, every_s=0.1) is not None
+        if stream:
+            assert proc.stdout.readline().strip() == b"chunk"
+    finally:
+        proc.kill()
+        proc.wait()
+    took = wait_until(lambda: stats(served)["abandoned"] > before["abandoned"], 30)
+    assert took is not None and took < bound_s, (how, took)
+    assert wait_until(lambda: stats(served)["running"] == 0, 2) is not None  # stopped at the next step
+    began = time.monotonic()
+    client = TargetClient(served.address, timeout_s=60, curve=link(keys))
+    try:
+        done = client.generate(token_ids=PROMPT, max_new_tokens=20)
+    finally:
+        client.close()
+    assert done["token_ids"] == greedy(served.model, PROMPT, 20)
+    assert time.monotonic() - began < 10
+    print(f"{how}: cancelled {took:.2f} s after the kill")
+
+
+def test_a_client_that_gives_up_mid_stream_cancels_its_request(served, keys):
+    """What dflash-client does on Ctrl-C: the stream is left by an exception, its request cancelled."""
+    before = stats(served)
+    client = TargetClient(served.address, timeout_s=60, curve=link(keys))
+    with pytest.raises(KeyboardInterrupt):
+        for _ in client.stream(token_ids=PROMPT, max_new_tokens=LONG):
+            raise KeyboardInterrupt
+    client.close()
+
+    def stopped():  # confirmed by the daemon before the client closed: cancelled, not abandoned
+        now = stats(served)
+        return now["running"] == 0 and now["cancelled"] == before["cancelled"] + 1
+
+    assert wait_until(stopped, 5) is not None and stats(served)["abandoned"] == before["abandoned"]
+
+
+FLOODER = """
+import sys, time, zmq
+from protocol import encode
+from protocol.keys import client_keys
+from protocol.transport import dealer
+sock = dealer(zmq.Context.instance(), sys.argv[1], curve=client_keys(sys.argv[2], sys.argv[3]))
+sent = answered = 0
+end = time.monotonic() + float(sys.argv[4])
+while time.monotonic() < end:
+    sock.send_multipart(encode("ping", sent % 2**31 + 1, {}))
+    sent += 1
+    while sock.poll(0):
+        sock.recv_multipart()
+        answered += 1
+        if answered == 1:
+            print("flooding", flush=True)
+print(sent, answered, flush=True)
+"""
+
+
+def test_a_ping_flood_from_one_client_does_not_stall_another(served, keys):
+    """Bound: the other client's request takes at most 3x its time alone plus 1 s. The daemon takes
+    in at most --max-messages-per-step messages between steps, and ZeroMQ takes them from peers in
+    turn, so a flood costs each step at most that many pongs (~2 ms here); before this bound, a
+    flood stretched a 0.19 s request to 14.9 s."""
+    client = TargetClient(served.address, timeout_s=120, curve=link(keys))
+    request_fields = {"token_ids": PROMPT, "max_new_tokens": 80, "stream": False}
+    want = greedy(served.model, PROMPT, 80)
+    try:
+        client.generate(**request_fields)  # warm
+        began = time.monotonic()
+        assert client.generate(**request_fields)["token_ids"] == want
+        alone = time.monotonic() - began
+        args = [served.address, str(keys / "client.key_secret"), str(keys / "target.key"), "30"]
+        flood = subprocess.Popen([sys.executable, "-c", FLOODER, *args], stdout=subprocess.PIPE)
+        try:
+            assert flood.stdout.readline().strip() == b"flooding"
+            began = time.monotonic()
+            assert client.generate(**request_fields)["token_ids"] == want
+            flooded = time.monotonic() - began
+        finally:
+            flood.kill()
+            flood.wait()
+    finally:
+        client.close()
+    print(f"request alone {alone:.2f} s, during a ping flood {flooded:.2f} s")
+    assert flooded < 3 * alone + 1.0, (alone, flooded)
+
+
+def test_a_long_prompt_does_not_stop_the_daemon_answering(served, keys):
+    """Prefill runs in chunks of 32 tokens with the socket served between them: pings sent one
+    after another while a 1900-token prompt is prefilled are answered before its first token."""
+    prompt = [random.Random(3).randrange(2, 300) for _ in range(1900)]
+    context = zmq.Context.instance()
+    asker, pinger = dealer(context, served.address, curve=link(keys)), dealer(context, served.address, curve=link(keys))
+    pongs, rtts = 0, []
+    try:
+        asker.send_multipart(encode("generate", 1, {"token_ids": prompt, "max_new_tokens": 4}))
+        while not asker.poll(0):
+            sent = time.monotonic()
+            pinger.send_multipart(encode("ping", pongs + 1, {}))
+            assert receive(pinger, pongs + 1, sent + 30) is not None
+            rtts.append(time.monotonic() - sent)
+            pongs += 1
+        replies = [decode(asker.recv_multipart())]
+        while replies[-1].type != "done":
+            replies.append(receive(asker, 1, time.monotonic() + 60))
+    finally:
+        asker.close(0)
+        pinger.close(0)
+    print(f"{pongs} pings answered during the prefill, slowest {max(rtts) * 1000:.0f} ms")
+    assert pongs >= 3, pongs
+    assert_lossless(served.model, prompt, replies[-1]["token_ids"], greedy(served.model, prompt, 4))
+
+
+def test_eight_concurrent_clients_all_get_what_they_get_alone(served, keys):
+    prompts = [[5 + i, 17, 42 + i, 99, 3, 7] for i in range(8)]
+    want = [greedy(served.model, p, 16) for p in prompts]
+    got: dict = {}
+
+    def work(i):
+        client = TargetClient(served.address, timeout_s=120, curve=link(keys))
+        try:
+            got[i] = [client.generate(token_ids=prompts[i], max_new_tokens=16)["token_ids"] for _ in range(3)]
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert all(got.get(i) == [want[i]] * 3 for i in range(8)), got
