@@ -2,6 +2,7 @@
 
     python -m launch.evaluate --drafter drafters/smollm2 --prompts data/eval_prompts.jsonl
     python -m launch.evaluate --drafter-address tcp://127.0.0.1:5555 --modes chain,tree:4,tree:8,tree:16,adaptive
+    python -m launch.evaluate --drafter new/ --baseline drafters/smollm2 --modes chain,adaptive
 
 Every prompt runs first with no proposer (the reference), then in each mode, taking turns,
 so drift in machine load spreads over all of them. Modes:
@@ -11,6 +12,9 @@ so drift in machine load spreads over all of them. Modes:
 - `adaptive`: the default configuration: the governor decides whether to draft and how many
   tree nodes (up to --tree-nodes) to verify, from verify costs measured here at start;
 - `adaptive-chain`: the same, verifying chains only.
+
+With `--baseline` (or `--baseline-address`) a second drafter runs every mode too, in the same
+turns (rows `MODE@baseline`): two drafters compared under the same load, against one reference.
 
 At temperature 0 every mode's output must equal the reference token for token; a mismatch
 is counted and reported, never hidden. Speed is decode tokens per second (prefill excluded),
@@ -37,6 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--drafter", help="drafter checkpoint folder (config.json + model.safetensors)")
     ap.add_argument("--drafter-address", help="use a running draft daemon instead, e.g. tcp://127.0.0.1:5555")
+    ap.add_argument(
+        "--baseline", help="a second drafter folder run in the same modes, side by side (rows MODE@baseline)"
+    )
+    ap.add_argument("--baseline-address", help="a second running draft daemon instead, side by side")
     ap.add_argument("--prompts", default="data/eval_prompts.jsonl", help='jsonl of {"prompt": ...}')
     ap.add_argument("--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--device", default="cpu")
@@ -54,19 +62,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def backend_for(args: argparse.Namespace, target):
+def backend_for(args: argparse.Namespace, target, folder: str | None, address: str | None):
     from target_node.proposers import LocalDraftBackend
 
-    if args.drafter_address:
+    if address:
         from target_node.remote import RemoteDraftBackend
 
-        backend = RemoteDraftBackend(args.drafter_address, target)
+        backend = RemoteDraftBackend(address, target)
         if backend.info is None:  # an evaluation of the drafter needs the drafter, not the fallback
-            raise SystemExit(f"no draft daemon answered at {args.drafter_address}")
+            raise SystemExit(f"no draft daemon answered at {address}")
         return backend
     from draft_node.checkpoint import load_drafter
 
-    return LocalDraftBackend(load_drafter(args.drafter, device=args.device, dtype=dtype_of(args)))
+    return LocalDraftBackend(load_drafter(folder, device=args.device, dtype=dtype_of(args)))
 
 
 def mode_options(mode: str, tree_nodes: int, costs) -> dict:  # costs: a measured VerifyCosts, shared
@@ -94,13 +102,21 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     target = TargetModel.load(resolve_model(args.model), device=args.device, dtype=dtype_of(args))
     prompts = read_prompts(args.prompts)[: args.limit or None]
-    proposer = DFlashProposer(backend_for(args, target))
+    proposers = {"": DFlashProposer(backend_for(args, target, args.drafter, args.drafter_address))}
+    if args.baseline or args.baseline_address:
+        proposers["@baseline"] = DFlashProposer(backend_for(args, target, args.baseline, args.baseline_address))
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
     costs = VerifyCosts()
-    if any(m.startswith("adaptive") for m in modes):
+    if any(m.startswith("adaptive") for m in names):
         costs.measure(target, range(1, args.tree_nodes + 2))
-    options = {mode: mode_options(mode, args.tree_nodes, costs) for mode in modes}
+    # Each drafter gets its own options: a governor learns from the drafter it watches.
+    runs = {
+        name + tag: (proposer, mode_options(name, args.tree_nodes, costs))
+        for tag, proposer in proposers.items()
+        for name in names
+    }
+    modes = list(runs)
     totals = {mode: Stats() for mode in ["plain", *modes]}
     mismatches = dict.fromkeys(modes, 0)
     rows = []
@@ -110,7 +126,8 @@ def evaluate(args: argparse.Namespace) -> dict:
         totals["plain"].add(plain.stats)
         row = {"prompt": text, "tokens": len(plain.tokens), "plain_tok_s": round(plain.stats.decode_tok_s, 2)}
         for mode in modes:
-            spec = generate(target, ids, proposer, args.max_new_tokens, sampling=sampling, **options[mode])
+            proposer, options = runs[mode]
+            spec = generate(target, ids, proposer, args.max_new_tokens, sampling=sampling, **options)
             totals[mode].add(spec.stats)
             # Sampled answers differ between runs (different draws); only greedy ones must match.
             same = spec.tokens == plain.tokens or not sampling.is_greedy
@@ -134,6 +151,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     }
     return {
         "drafter": args.drafter_address or str(args.drafter),
+        "baseline": args.baseline_address or args.baseline,
         "prompts": len(prompts),
         "prompt_file": args.prompts,
         "max_new_tokens": args.max_new_tokens,

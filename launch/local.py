@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 from launch import client
 from launch.common import ensure_default_drafter, resolve_model
 from launch.keys import LocalKeys
+from launch.processes import stop
 from protocol import FLOAT_DTYPES
 from protocol.keys import ClientKeys
 from protocol.transport import wait_ready
@@ -57,13 +57,7 @@ def daemon(
         print(f"[local] {name} ready at {address} (pid {proc.pid})", flush=True)
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         if out is not None:
             out.close()
 

@@ -26,6 +26,8 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from launch.processes import stop
+
 
 def wait_http_ready(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
     """GET `url` until it answers 200: a readiness check, not a sleep. `alive` aborts early."""
@@ -53,13 +55,7 @@ def front_end(port: int, args: list[str], ready_timeout_s: float = 120.0) -> Ite
             raise RuntimeError(f"dflash-serve did not become ready at {url} (exit code {proc.poll()})")
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, grace_s=30)
 
 
 def exit_on_signals() -> None:

@@ -18,3 +18,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer and chat template: text in and out, at tiny-model speed."""
+    from helpers import tiny_target
+    from transformers import AutoTokenizer
+
+    from target_node.default_model import ensure_default_model
+
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    tiny_target("llama", seed=5, vocab=49152).model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(ensure_default_model()).save_pretrained(folder)
+    return folder

@@ -8,7 +8,6 @@ across network namespaces). Needs root and iproute2: CI runs as root, so it runs
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from helpers import greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 from launch.client import TargetClient
+from launch.processes import stop
 from protocol.keys import create_keypair
 from protocol.transport import wait_ready
 
@@ -61,12 +61,7 @@ def in_namespace(ns: str, module: str, args: list[str], log):
         try:
             yield proc
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,11 @@ class NearestIndex:
         return best
 
 
+def job_kind(job: str) -> str:
+    """`starter-<crc>` for a starter prompt, `<seed>-<index>-<kind>` for a seeded job."""
+    return "starter" if job.startswith("starter-") else job.rsplit("-", 1)[-1]
+
+
 def report(answers: list[Answer], held_out: HeldOut | None = None, sample: int = 2000, seed: int = 0) -> dict:
     held_out = held_out if held_out is not None else HeldOut.load()
     prompts = [a.messages[-1][1] for a in answers]
@@ -63,7 +68,7 @@ def report(answers: list[Answer], held_out: HeldOut | None = None, sample: int =
         "distinct_prompts": len(set(prompts)),
         "multi_turn": sum(len([m for m in a.messages if m[0] == "user"]) > 1 for a in answers),
         "stages": dict(Counter(a.stage for a in answers).most_common()),
-        "job_kinds": dict(Counter(a.job.rsplit("-", 1)[-1] for a in answers).most_common()),
+        "job_kinds": dict(Counter(job_kind(a.job) for a in answers).most_common()),
         "distinct_1": round(distinct_n(prompts, 1), 4),
         "distinct_2": round(distinct_n(prompts, 2), 4),
         "distinct_3": round(distinct_n(prompts, 3), 4),

@@ -1,25 +1,11 @@
 """Real processes for the HTTP front end's tests: a tiny chat target, its daemon, and dflash-serve."""
 
 import pytest
-from helpers import tiny_target
 from serving import MODEL
 
 from launch.client import TargetClient
 from launch.local import daemon, free_port
 from launch.serve import front_end
-
-
-@pytest.fixture(scope="session")
-def chat_model_dir(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer and chat template: text in and out, at tiny-model speed."""
-    from transformers import AutoTokenizer
-
-    from target_node.default_model import ensure_default_model
-
-    folder = tmp_path_factory.mktemp("tiny-chat")
-    tiny_target("llama", seed=5, vocab=49152).model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(ensure_default_model()).save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="session")

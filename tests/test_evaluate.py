@@ -1,0 +1,25 @@
+"""launch.evaluate end to end on a tiny chat target: two drafters side by side, one reference."""
+
+import json
+
+from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
+from launch import evaluate
+from target_node.target import TargetModel
+
+
+def test_a_drafter_and_a_baseline_run_every_mode_against_one_reference(chat_model_dir, tmp_path):
+    cfg = config_for_target(TargetModel.load(chat_model_dir).config, block_size=4, num_taps=2)
+    drafter = save_drafter(random_drafter(cfg, seed=1), tmp_path / "new")
+    baseline = save_drafter(random_drafter(cfg, seed=2), tmp_path / "old")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Say hi.", "Count to three.")))
+    out = tmp_path / "eval.json"
+    argv = ["--model", str(chat_model_dir), "--drafter", str(drafter), "--baseline", str(baseline)]
+    argv += ["--prompts", str(prompts), "--modes", "chain,tree:4", "--max-new-tokens", "12", "--json", str(out)]
+    assert evaluate.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert list(result["modes"]) == ["plain", "chain", "tree:4", "chain@baseline", "tree:4@baseline"]
+    assert result["baseline"] == str(baseline) and result["mismatches"] == 0
+    for row in result["per_prompt"]:
+        assert all(row[mode]["same"] for mode in result["modes"] if mode != "plain")
+    assert all(result["modes"][mode]["nodes_per_step"] > 0 for mode in ("chain", "chain@baseline"))
