@@ -2,7 +2,11 @@
 
 import inspect
 import itertools
+import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -380,3 +384,30 @@ def test_recorded_traffic_becomes_training_data(setup, tmp_path):
     assert "features: 12 answers filled by prefill" in log
     trained, held = re.search(r"train: (\d+) answers .*, (\d+) held out", log).groups()
     assert int(trained) + int(held) == 12 and int(trained) >= 9
+
+
+WRITER = """
+import sys, time, torch
+from training.features import FeatureCache
+cache = FeatureCache(sys.argv[1], width=6)
+tag = int(sys.argv[2])
+time.sleep(max(0.0, float(sys.argv[3]) - time.time()))  # both start writing at once
+for i in range(200):
+    cache.add(f"{tag}-{i}", torch.full((1 + i % 7, 6), i + tag / 4))  # exact in fp16
+"""
+
+
+def test_two_processes_filling_one_feature_cache_keep_every_row_under_its_key(tmp_path):
+    """Two generators on two cores share one cache: each answer's rows must be its own."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root))
+    go = str(time.time() + 8)  # after both have imported torch
+    command = [sys.executable, "-c", WRITER, str(tmp_path)]
+    writers = [subprocess.Popen([*command, str(tag), go], env=env) for tag in (1, 2)]
+    assert [w.wait(120) for w in writers] == [0, 0]
+    cache = FeatureCache(tmp_path, width=6, readonly=True)
+    assert len(cache) == 400
+    for tag in (1, 2):
+        for i in range(200):
+            rows = cache.get(f"{tag}-{i}")
+            assert rows.shape == (1 + i % 7, 6) and bool((rows == i + tag / 4).all()), (tag, i)

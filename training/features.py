@@ -8,14 +8,18 @@ in by batched prefill of the target, through the same tap rule serving uses.
 
 features.f16 holds rows back to back; index.jsonl maps an answer key to its first row and
 row count. Rows are written before their index line, so a crash leaves at most an
-unreferenced tail, which the next open cuts off.
+unreferenced tail, which the next open cuts off. Several processes may fill one cache (two
+generators on two cores): each write holds an exclusive lock on the folder and takes its
+offset from the file as it is then, never from a count of its own.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -34,20 +38,36 @@ class FeatureCache:
         self.rows_path = self.folder / "features.f16"
         self.index: dict[str, tuple[int, int]] = {}  # key -> (first row, rows)
         self.rows = 0
-        if self.index_path.exists():
-            for line in self.index_path.read_text().splitlines():
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a torn last line
-                self.index[entry["key"]] = (entry["offset"], entry["rows"])
-                self.rows = max(self.rows, entry["offset"] + entry["rows"])
-        if not readonly:
-            with open(self.rows_path, "ab") as fh:
-                fh.truncate(self.rows * width * 2)
-            self.index_path.write_text(
-                "".join(json.dumps({"key": k, "offset": o, "rows": r}) + "\n" for k, (o, r) in self.index.items())
-            )
+        with nullcontext() if readonly else self.locked():
+            self._read_index()
+            if not readonly:
+                with open(self.rows_path, "ab") as fh:
+                    fh.truncate(self.rows * width * 2)
+                self.index_path.write_text(
+                    "".join(json.dumps({"key": k, "offset": o, "rows": r}) + "\n" for k, (o, r) in self.index.items())
+                )
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Exclusive use of the cache files, across processes."""
+        with open(self.folder / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _read_index(self) -> None:
+        """What the index says now, other writers' entries included."""
+        if not self.index_path.exists():
+            return
+        for line in self.index_path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a torn last line
+            self.index[entry["key"]] = (entry["offset"], entry["rows"])
+            self.rows = max(self.rows, entry["offset"] + entry["rows"])
 
     def __contains__(self, key: str) -> bool:
         return key in self.index
@@ -60,12 +80,15 @@ class FeatureCache:
             return
         if features.ndim != 2 or features.shape[1] != self.width:
             raise ValueError(f"feature rows must be [rows, {self.width}], got {list(features.shape)}")
-        with open(self.rows_path, "ab") as fh:
-            fh.write(features.detach().to(torch.float16).cpu().numpy().tobytes())
-        with open(self.index_path, "a") as fh:
-            fh.write(json.dumps({"key": key, "offset": self.rows, "rows": features.shape[0]}) + "\n")
-        self.index[key] = (self.rows, features.shape[0])
-        self.rows += features.shape[0]
+        data = features.detach().to(torch.float16).cpu().numpy().tobytes()
+        with self.locked(), open(self.rows_path, "ab") as fh:
+            offset = fh.seek(0, 2) // (self.width * 2)  # where the file ends now, whoever wrote last
+            fh.write(data)
+            fh.flush()
+            with open(self.index_path, "a") as index:
+                index.write(json.dumps({"key": key, "offset": offset, "rows": features.shape[0]}) + "\n")
+        self.index[key] = (offset, features.shape[0])
+        self.rows = max(self.rows, offset + features.shape[0])
 
     def array(self) -> np.ndarray:
         """Every row as a read-only memory map [rows, width] fp16."""
