@@ -1,0 +1,68 @@
+"""The drafter's learning curve: held-out tau against answer tokens trained on.
+
+    python -m launch.learning_curve                       # print the table from docs/learning_curve.json
+    python -m launch.learning_curve --png docs/learning_curve.png   # and draw it (needs matplotlib)
+
+Each point is one drafter measured by `launch.evaluate` (chain, drafting every step, at
+temperature 0, on `data/eval_prompts.jsonl`); points are added by hand to the JSON file with
+the data they were trained on, because a drafter's training history lives in no checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DEFAULT_POINTS = Path(__file__).resolve().parent.parent / "docs" / "learning_curve.json"
+
+
+def table(points: list[dict]) -> str:
+    lines = [
+        "| drafter | answer tokens trained on | of them varied | training steps | held-out tau (chain) |",
+        "|---|---|---|---|---|",
+    ]
+    for p in points:
+        millions = f"{p['tokens'] / 1e6:.2f}M", f"{p['varied_tokens'] / 1e6:.2f}M"
+        cells = [p["name"], *millions, p["steps"], f"{p['tau']:.2f}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def draw(points: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    xs = [p["tokens"] / 1e6 for p in points]
+    ax.plot(xs, [p["tau"] for p in points], marker="o")
+    for p, x in zip(points, xs, strict=True):
+        ax.annotate(p["name"], (x, p["tau"]), textcoords="offset points", xytext=(4, -12), fontsize=7)
+    ax.set_xlabel("answer tokens trained on (millions)")
+    ax.set_ylabel("held-out tau (chain, T=0)")
+    ax.set_title("SmolLM2 drafter on data/eval_prompts.jsonl")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m launch.learning_curve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--points", type=Path, default=DEFAULT_POINTS, help="JSON list of measured drafters")
+    ap.add_argument("--png", type=Path, help="also draw the curve here")
+    args = ap.parse_args(argv)
+    points = sorted(json.loads(args.points.read_text()), key=lambda p: p["tokens"])
+    print(table(points))
+    if args.png:
+        draw(points, args.png)
+
+
+if __name__ == "__main__":
+    main()
