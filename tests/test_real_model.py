@@ -52,6 +52,20 @@ def test_speculative_equals_greedy(smollm, prompts, references, kind):
         assert result.stats.proposed > 0
 
 
+def test_tree_speculation_with_the_shipped_drafter_equals_greedy(smollm, prompts, references):
+    """Trees of 16 nodes from the trained drafter, drafting every step: branches other than the
+    first child are accepted on real text, and the output is still plain greedy."""
+    from draft_node.checkpoint import load_drafter
+    from launch.common import SHIPPED_DRAFTER
+
+    proposer = DFlashProposer(LocalDraftBackend(load_drafter(SHIPPED_DRAFTER)))
+    for prompt, want in zip(prompts, references, strict=True):
+        result = generate(smollm, prompt, proposer, MAX_NEW, adaptive=False, tree_nodes=16)
+        assert_lossless(smollm, prompt, result.tokens, want)
+        assert result.stats.proposed >= 16 * (result.stats.steps - result.stats.plain_steps) * 0.9
+        assert result.stats.tau > 1.0
+
+
 def test_remote_drafter_equals_local_and_greedy(smollm, prompts, references, tmp_path):
     from helpers import draft_daemon
 
