@@ -6,11 +6,10 @@ so each answer moves the acceptance-per-position histogram the page draws.
 
 import shutil
 import tempfile
-import time
 
 import pytest
 import requests
-from serving import daemon_stats
+from serving import daemon_stats, wait_for
 
 from launch.client import TargetClient
 from launch.local import daemon, free_port
@@ -68,22 +67,12 @@ def browser():
             driver.quit()
 
 
-def wait_until(condition, timeout_s: float = 120.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("the page did not get there in time")
-
-
 def test_the_page_streams_an_answer_and_updates_the_histogram(browser, page_server, smollm2_address):
     from selenium.webdriver.common.by import By
 
     browser.get(page_server + "/")
     find = browser.find_element
-    wait_until(lambda: find(By.ID, "daemon").get_attribute("class") == "up")
+    wait_for(lambda: find(By.ID, "daemon").get_attribute("class") == "up", timeout_s=120)
     assert find(By.ID, "model").text == "SmolLM2"
     steps_before = int(find(By.ID, "hist").get_attribute("data-steps"))
     max_tokens = find(By.ID, "max-tokens")
@@ -92,7 +81,7 @@ def test_the_page_streams_an_answer_and_updates_the_histogram(browser, page_serv
     find(By.ID, "prompt").send_keys(PROMPT)
     find(By.ID, "send").click()
 
-    answer = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, ".msg.assistant"))[0]
+    answer = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".msg.assistant"), timeout_s=120)[0]
     seen = set()  # the answer's lengths as the page showed them while it streamed
     while answer.get_attribute("data-state") in ("waiting", "streaming"):
         if answer.get_attribute("data-state") == "streaming":
@@ -113,7 +102,7 @@ def test_the_page_streams_an_answer_and_updates_the_histogram(browser, page_serv
     # The histogram follows the daemon's stats: more drafted steps, the bars as the daemon counts them.
     stats = daemon_stats(page_server)
     drafted = sum(stats["drafted_steps"].values())
-    wait_until(lambda: int(find(By.ID, "hist").get_attribute("data-steps")) == drafted > steps_before)
+    wait_for(lambda: int(find(By.ID, "hist").get_attribute("data-steps")) == drafted > steps_before, timeout_s=120)
     bars = {
         b.get_attribute("id"): int(b.get_attribute("data-count"))
         for b in find(By.ID, "hist").find_elements(By.CLASS_NAME, "bar")
