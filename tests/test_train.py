@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from target_node.proposers import DFlashProposer, LocalDraftBackend
 from target_node.speculative import generate
 from training.answer_store import Answer, AnswerStore
 from training.features import FeatureCache
+from training.generate import RefillGenerator
 from training.generate import generate as generate_answers
 from training.prompts import Ask, HeldOut
 from training.trainer import (
@@ -184,6 +186,27 @@ def test_init_from_a_checkpoint_continues_where_it_left(setup, tmp_path):
     assert after["loss"] == pytest.approx(before["loss"], rel=0.02)
     fresh = Trainer(target, cfg, store.answers, features, opts(steps=150)).evaluate()
     assert after["loss"] < fresh["loss"] - 0.1
+
+
+def test_a_drafter_grown_from_a_checkpoint_starts_out_equal_to_it_and_then_learns(setup, tmp_path):
+    target, cfg, store, features = setup
+    train(target, cfg, store.answers, features, opts(steps=60), tmp_path / "a.pt", tmp_path / "out", log=lambda m: None)
+    shallow = Trainer(target, cfg, store.answers, features, opts())
+    shallow.init_from(load_drafter(tmp_path / "out"))
+    deep_cfg = replace(cfg, num_hidden_layers=2, layer_types=(FULL, FULL))
+    deep = Trainer(target, deep_cfg, store.answers, features, opts(steps=40))
+    deep.init_from(load_drafter(tmp_path / "out"))
+    batch = deep.batch(0)
+    with torch.no_grad():
+        torch.testing.assert_close(deep.logits(batch)[0], shallow.logits(batch)[0], atol=1e-5, rtol=1e-5)
+    before = deep.evaluate()["loss"]
+    for _ in range(40):
+        deep.train_step()
+    assert deep.evaluate()["loss"] < before
+    added = dict(deep.drafter.named_parameters())
+    assert added["layers.1.self_attn.o_proj.weight"].abs().sum() > 0  # the new layer took part
+    with pytest.raises(ValueError, match="--init drafter has config"):  # shrinking is not growing
+        Trainer(target, cfg, store.answers, features, opts()).init_from(deep.drafter)
 
 
 def test_resume_replays_the_same_run(setup, tmp_path):
@@ -411,3 +434,30 @@ def test_two_processes_filling_one_feature_cache_keep_every_row_under_its_key(tm
         for i in range(200):
             rows = cache.get(f"{tag}-{i}")
             assert rows.shape == (1 + i % 7, 6) and bool((rows == i + tag / 4).all()), (tag, i)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_batched_generation_answers_each_prompt_as_greedy_decoding_alone(one_thread, arch):
+    """Slots refilled mid-flight, prompts longer than the shared cache (a shift), buffers
+    filling up (a rebuild) and the drained tail (slots dropped) all leave every answer equal
+    to the target's greedy answer to that prompt alone, with the same features."""
+    target = tiny_target(arch, layers=2)
+    gen = torch.Generator().manual_seed(5)
+    lengths = [3, 5, 2, 4] + torch.randint(2, 90, (20,), generator=gen).tolist()  # longer prompts join later
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in lengths]
+    alone = [greedy(target, p, 70, stop_on_eos=False) for p in prompts]
+    eos = {alone[0][9], alone[1][30], alone[2][50]}  # answers end at different steps
+    want = [a[: next((k + 1 for k, t in enumerate(a) if t in eos), len(a))] for a in alone]
+    assert len({len(w) for w in want}) > 3
+    queue = iter(enumerate(prompts))
+    got, rows = {}, {}
+
+    def done(i, tokens, prompt_len, finish, features):
+        got[i], rows[i] = tokens[prompt_len:], features
+
+    RefillGenerator(target.model, eos, batch=4, max_new=70, layer_ids=(0, 1)).run(lambda: next(queue, None), done)
+    assert [got[i] for i in range(len(prompts))] == want
+    for i in (0, 7, 13):
+        target.reset()
+        _, served = target.forward(prompts[i] + want[i][:-1], (0, 1))
+        torch.testing.assert_close(rows[i], served, atol=1e-4, rtol=1e-4)

@@ -2,8 +2,8 @@
 
 Batching refills finished rows: a row that hits EOS or the token cap is handed out and
 replaced by the next turn at once, so the batch never idles waiting for its longest
-answer. Rows are left-aligned to a shared KV length with a padding mask and explicit
-positions; columns no live row uses any more are trimmed from the left.
+answer. Rows sit in fixed slots of one preallocated KV cache, their last tokens aligned
+at a shared write column, with a padding mask and explicit positions (`_SlotCache`).
 
 The pipeline keeps follow-up turns ahead of fresh jobs, so few conversations are open at
 once, and it resumes from the store: turns already answered are skipped, and the turns
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from target_node.taps import tap_features
 from training.answer_store import Answer, AnswerStore
@@ -43,51 +43,95 @@ class _Row:
         return "length" if len(self.tokens) - self.prompt_len >= max_new else ""
 
 
-class _SharedCache:
-    """One KV cache for rows of different lengths: left-aligned, with a padding mask."""
+class _BufferLayer(DynamicLayer):
+    """A full-attention cache layer whose keys and values are views of preallocated buffers.
 
-    def __init__(self, device: torch.device) -> None:
+    Appending a token writes one column where `DynamicLayer` concatenates (copies) the whole
+    cache: at 64 rows x 300 columns those copies were 30% of a decode step.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.key_buffer, self.value_buffer = keys, values
+        self.device, self.is_initialized = keys.device, True
+        self.resize(length)
+
+    def resize(self, length: int) -> None:
+        self.length = length
+        self.keys, self.values = self.key_buffer[..., :length, :], self.value_buffer[..., :length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        self.key_buffer[..., self.length : end, :] = key_states
+        self.value_buffer[..., self.length : end, :] = value_states
+        self.resize(end)
+        return self.keys, self.values
+
+
+class _SlotCache:
+    """One KV cache for rows of different lengths: fixed slots, one shared write column.
+
+    Every row writes its next token at column `width`; a new row's prompt is placed to end
+    there (shifting everyone right if the prompt is longer), and a finished row's slot is
+    refilled in place. Columns no row looks at any more are dropped only when the buffers
+    fill, so a decode step writes one column instead of copying the cache.
+    """
+
+    def __init__(self, slots: int, device: torch.device) -> None:
         self.cache: DynamicCache | None = None
-        self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
+        self.mask = torch.zeros(slots, 0, dtype=torch.bool, device=device)
+        self.width = 0
 
-    def add(self, one: DynamicCache, length: int) -> None:
-        """Append a row whose prompt (`length` positions) sits in its own cache `one`."""
-        width = self.mask.shape[1]
-        if self.cache is None:
-            self.cache, self.mask = one, torch.ones(1, length, dtype=torch.bool, device=self.mask.device)
-            return
-        if length > width:  # widen everyone on the left
-            for layer in self.cache.layers:
-                layer.keys = F.pad(layer.keys, (0, 0, length - width, 0))
-                layer.values = F.pad(layer.values, (0, 0, length - width, 0))
-            self.mask = F.pad(self.mask, (length - width, 0))
-            width = length
-        for mine, new in zip(self.cache.layers, one.layers, strict=True):
-            k = mine.keys.new_zeros((1, *mine.keys.shape[1:]))
-            v = mine.values.new_zeros((1, *mine.values.shape[1:]))
-            k[..., width - length :, :], v[..., width - length :, :] = new.keys, new.values
-            mine.keys, mine.values = torch.cat([mine.keys, k]), torch.cat([mine.values, v])
-        row = torch.zeros(1, width, dtype=torch.bool, device=self.mask.device)
-        row[0, width - length :] = True
-        self.mask = torch.cat([self.mask, row])
-
-    def remove(self, i: int) -> None:
-        keep = [j for j in range(self.mask.shape[0]) if j != i]
+    def _rebuild(self, slots: list[int], width: int = 0, room: int = 1) -> None:
+        """Keep `slots`, drop dead columns on the left, shift right to at least `width`, leave `room` free."""
+        used = self.mask[slots, : self.width].any(0).nonzero()
+        first = int(used[0]) if len(used) else self.width
+        shift = max(width - (self.width - first), 0)
+        width = self.width - first + shift
+        capacity = width + max(room, 128)  # zeroing a buffer costs as much as it holds: no doubling
+        index = torch.tensor(slots, device=self.mask.device)
         for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[keep], layer.values[keep]
-        self.mask = self.mask[keep]
+            for name in ("key_buffer", "value_buffer"):
+                old = getattr(layer, name)
+                new = old.new_zeros(len(slots), old.shape[1], capacity, old.shape[3])
+                new[:, :, shift:width] = old[index, :, first : self.width]
+                setattr(layer, name, new)
+            layer.resize(width)
+        mask = self.mask.new_zeros(len(slots), capacity)
+        mask[:, shift:width] = self.mask[index, first : self.width]
+        self.mask, self.width = mask, width
+
+    def place(self, slot: int, one: DynamicCache, length: int) -> None:
+        """Put a row whose prompt (`length` positions) sits in its own cache `one` into `slot`."""
+        if self.cache is None:
+            self.cache = DynamicCache()
+            shapes = [(self.mask.shape[0], layer.keys.shape[1], 0, layer.keys.shape[3]) for layer in one.layers]
+            self.cache.layers = [
+                _BufferLayer(layer.keys.new_zeros(shape), layer.values.new_zeros(shape), 0)
+                for layer, shape in zip(one.layers, shapes, strict=True)
+            ]
+        if length > self.width:
+            self._rebuild(list(range(self.mask.shape[0])), length, length)
+        span = slice(self.width - length, self.width)
+        for mine, new in zip(self.cache.layers, one.layers, strict=True):
+            mine.key_buffer[slot, :, span], mine.value_buffer[slot, :, span] = new.keys[0], new.values[0]
+        self.mask[slot] = False
+        self.mask[slot, span] = True
+
+    def free(self, slot: int) -> None:
+        self.mask[slot] = False
+
+    def keep(self, slots: list[int]) -> None:
+        """Only these slots go on, in this order: no compute for slots nothing will refill."""
+        self._rebuild(slots)
 
     def next_mask(self) -> torch.Tensor:
-        """Drop columns no row looks at any more, then open one for the next token."""
-        live = self.mask.any(0).nonzero()
-        first = int(live[0]) if len(live) else 0
-        if first:
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
-            self.mask = self.mask[:, first:]
-        ones = torch.ones(self.mask.shape[0], 1, dtype=torch.bool, device=self.mask.device)
-        self.mask = torch.cat([self.mask, ones], 1)
-        return self.mask.long()
+        """Open the shared column for the next token (empty slots see only it) and return the mask."""
+        if self.width + 1 > self.mask.shape[1]:
+            self._rebuild(list(range(self.mask.shape[0])))
+        self.mask[:, self.width] = True
+        self.width += 1
+        return self.mask[:, : self.width].long()
 
 
 class RefillGenerator:
@@ -125,39 +169,52 @@ class RefillGenerator:
         for every position but the last, or None without `layer_ids`.
         `take` is called whenever a row is free, after on_done, so on_done may feed it new prompts.
         """
-        rows: list[_Row] = []
-        shared = _SharedCache(self.device)
+        rows: list[_Row | None] = [None] * self.batch
+        slots = _SlotCache(self.batch, self.device)
         finished = 0
-        while True:
-            for i in reversed(range(len(rows))):
-                row = rows[i]
-                if finish := row.finish(self.eos, self.max_new):
-                    rows.pop(i)
-                    shared.remove(i)
-                    features = torch.cat(row.features) if row.features else None
-                    on_done(row.item, row.tokens, row.prompt_len, finish, features)
-                    finished += 1
-            if deadline is not None and time.time() > deadline:
+
+        def check(i: int) -> None:
+            """Hand row i out if it is done (EOS, or the cap), freeing its slot."""
+            nonlocal finished
+            row = rows[i]
+            if finish := row.finish(self.eos, self.max_new):
+                rows[i] = None
+                slots.free(i)
+                on_done(row.item, row.tokens, row.prompt_len, finish, torch.cat(row.features) if row.features else None)
+                finished += 1
+
+        while deadline is None or time.time() <= deadline:
+            drained = False
+            for i in range(len(rows)):
+                while rows[i] is None and not drained:
+                    if (item := take()) is None:
+                        drained = True
+                        break
+                    thing, ids = item
+                    one = DynamicCache(config=self.model.config)
+                    prompt = torch.tensor([ids], device=self.device)
+                    (first,), features = self._run(input_ids=prompt, cache=one, logits_to_keep=1)
+                    slots.place(i, one, len(ids))
+                    rows[i] = _Row(thing, [*ids, first], len(ids), [] if features is None else [features[0]])
+                    check(i)  # the first token may already end it
+            live = [i for i, row in enumerate(rows) if row is not None]
+            if not live:
                 break
-            while len(rows) < self.batch and (item := take()) is not None:
-                thing, ids = item
-                one = DynamicCache(config=self.model.config)
-                prompt = torch.tensor([ids], device=self.device)
-                (first,), features = self._run(input_ids=prompt, cache=one, logits_to_keep=1)
-                shared.add(one, len(ids))
-                rows.append(_Row(thing, [*ids, first], len(ids), [] if features is None else [features[0]]))
-            if not rows:
-                break
+            if drained and len(live) <= len(rows) // 2:
+                slots.keep(live)
+                rows = [rows[i] for i in live]
             tokens, features = self._run(
-                input_ids=torch.tensor([[r.tokens[-1]] for r in rows], device=self.device),
-                attention_mask=shared.next_mask(),
-                position_ids=torch.tensor([[len(r.tokens) - 1] for r in rows], device=self.device),
-                cache=shared.cache,
+                input_ids=torch.tensor([[r.tokens[-1] if r else 0] for r in rows], device=self.device),
+                attention_mask=slots.next_mask(),
+                position_ids=torch.tensor([[len(r.tokens) - 1 if r else 0] for r in rows], device=self.device),
+                cache=slots.cache,
             )
             for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
-                row.tokens.append(token)
-                if features is not None:
-                    row.features.append(features[i, -1:])
+                if row is not None:
+                    row.tokens.append(token)
+                    if features is not None:
+                        row.features.append(features[i, -1:])
+                    check(i)
         return finished
 
 

@@ -18,7 +18,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +128,28 @@ def export_drafter(drafter: DFlashDrafter, scale: torch.Tensor) -> DFlashDrafter
     with torch.no_grad():
         out.fc.weight.mul_(scale.float().cpu()[None, :])
     return out
+
+
+def grown_state(drafter: DFlashDrafter, cfg: DFlashConfig) -> dict[str, torch.Tensor]:
+    """`drafter`'s weights for a drafter of config `cfg` with as many or more layers.
+
+    Each added layer copies the last trained one but with zero output projections (o_proj,
+    down_proj), so it adds nothing to the residual stream: the grown drafter's outputs equal
+    the trained one's, and training starts from there rather than from noise.
+    """
+    have = drafter.config.num_hidden_layers
+    same_shape = replace(drafter.config, num_hidden_layers=cfg.num_hidden_layers, layer_types=cfg.layer_types)
+    if same_shape != cfg or have > cfg.num_hidden_layers:
+        raise ValueError(f"--init drafter has config {drafter.config}, this run trains {cfg}")
+    state = dict(drafter.state_dict())
+    last = f"layers.{have - 1}."
+    for i in range(have, cfg.num_hidden_layers):
+        for name, weight in drafter.state_dict().items():
+            if name.startswith(last):
+                new = f"layers.{i}." + name[len(last) :]
+                zero = name.endswith(("o_proj.weight", "down_proj.weight"))
+                state[new] = torch.zeros_like(weight) if zero else weight.clone()
+    return state
 
 
 def make_batch(
@@ -306,11 +328,14 @@ class Trainer:
         }
 
     def init_from(self, drafter: DFlashDrafter) -> None:
-        """Start from a trained checkpoint: its weights, with the feature scale taken back out of fc."""
-        if drafter.config != self.cfg:
-            raise ValueError(f"--init drafter has config {drafter.config}, this run trains {self.cfg}")
+        """Start from a trained checkpoint: its weights, with the feature scale taken back out of fc.
+
+        A checkpoint with fewer layers is grown (`grown_state`): the deeper drafter starts out
+        computing exactly what the trained one does, so added capacity costs no relearning.
+        """
         with torch.no_grad():
-            self.drafter.load_state_dict({k: v.to(self.dev, torch.float32) for k, v in drafter.state_dict().items()})
+            state = grown_state(drafter, self.cfg)
+            self.drafter.load_state_dict({k: v.to(self.dev, torch.float32) for k, v in state.items()})
             self.drafter.fc.weight.div_(self.scale[None, :])
 
     def load_state(self, state: dict) -> None:

@@ -1,0 +1,77 @@
+"""How fast the training-data generator decodes, by batch size and thread count.
+
+Answers the store's own prompts (those of stored answers, shuffled the same way every
+run) with `training.generate.RefillGenerator`, features captured as in `--stage gen`, for
+`--seconds` per setting, and counts every token the target produced, rows still in flight
+included, so a short window measures the steady rate rather than who finished first.
+
+    python -m launch.bench_gen --batch 32,64,128 --threads 1,2 --seconds 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from draft_node.checkpoint import config_for_target
+from target_node.default_model import DEFAULT_MODEL_DIR
+from target_node.target import TargetModel
+from training.answer_store import STORE, AnswerStore
+from training.generate import RefillGenerator
+
+
+class _CountingGenerator(RefillGenerator):
+    """Counts the tokens each forward produced (a prefill gives one, a decode step one per slot)."""
+
+    produced = 0
+
+    def _run(self, **inputs: object):
+        tokens, features = super()._run(**inputs)
+        self.produced += len(tokens)
+        return tokens, features
+
+
+def measure(target: TargetModel, prompts: list[list[int]], batch: int, seconds: float, taps: tuple[int, ...]) -> dict:
+    generator = _CountingGenerator(target.model, target.eos_ids, batch, max_new=192, layer_ids=taps)
+    queue = iter(enumerate(prompts))
+    began = time.perf_counter()
+    answered = generator.run(lambda: next(queue, None), lambda *done: None, deadline=time.time() + seconds)
+    elapsed = time.perf_counter() - began
+    return {"batch": batch, "tok_s": round(generator.produced / elapsed, 1), "answered": answered, "s": round(elapsed)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="bench_gen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local HF folder of the target")
+    ap.add_argument("--store", default=str(STORE), help="answer store whose prompts are answered again")
+    ap.add_argument("--batch", default="64", help="comma-separated batch sizes")
+    ap.add_argument("--threads", default="1", help="comma-separated torch thread counts")
+    ap.add_argument("--seconds", type=float, default=120.0, help="decoding time per setting")
+    ap.add_argument("--out", help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    target = TargetModel.load(args.model, "cpu", torch.float32)
+    taps = config_for_target(target.config, num_layers=1).target_layer_ids
+    prompts = [a.tokens[: a.prompt_len] for a in AnswerStore(args.store).answers]
+    random.Random(0).shuffle(prompts)  # the store's mix of short and long prompts from the start
+    if not prompts:
+        raise SystemExit(f"no stored answers in {args.store} to take prompts from")
+    rows = []
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for batch in (int(b) for b in args.batch.split(",")):
+            row = {"threads": threads, **measure(target, prompts, batch, args.seconds, taps)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
