@@ -4,6 +4,7 @@
     python -m launch.train --stage features                  # features for answers that lack them (prefill)
     python -m launch.train --stage train --minutes 30 --out drafters/smollm2
     python -m launch.train --stage variety                   # how varied the stored prompts are
+    python -m launch.train --stage average --init A --average-with B --weight 0.5 --out C  # weight-average two drafters
     python -m launch.train                                   # gen, features, train in turn
 
 The answer store (token ids, compressed) lives in the repository under data/answers and
@@ -40,9 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--name", default="smollm2", help="cache folder name under ~/.cache/dflash-split/train/")
     ap.add_argument(
         "--stage",
-        choices=["gen", "features", "train", "all", "vocab", "variety"],
+        choices=["gen", "features", "train", "all", "vocab", "variety", "average"],
         default="all",
-        help="vocab: only (re)write --out's draft vocabulary from the stored answers",
+        help="vocab: only (re)write --out's draft vocabulary from the stored answers; "
+        "average: write (1 - w) * --init + w * --average-with to --out",
     )
     ap.add_argument("--cache", default=str(CACHE_ROOT), help="where features, state and logs go (default %(default)s)")
     ap.add_argument("--device", default="cpu")
@@ -77,7 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--resume", action="store_true", help="continue from the cache's state.pt")
-    ap.add_argument("--init", help="start from this drafter checkpoint's weights (same shape)")
+    ap.add_argument(
+        "--init", help="start from this drafter checkpoint's weights (same shape, or fewer layers: grown to --layers)"
+    )
+    ap.add_argument("--average-with", help="--stage average: the second drafter checkpoint")
+    ap.add_argument("--weight", type=float, default=0.5, help="--stage average: the second drafter's share")
     ap.add_argument("--out", default=str(ROOT / "drafters" / "smollm2"), help="public checkpoint folder")
     ap.add_argument("--save-dtype", choices=FLOAT_DTYPES, default="bfloat16", help="checkpoint weights dtype")
     ap.add_argument(
@@ -135,6 +141,19 @@ def train_stage(args: argparse.Namespace, target, cfg, answers, features, work: 
     train(target, cfg, answers, features, opts, work / "state.pt", out, resume=args.resume, init=args.init, log=log)
 
 
+def average_stage(args: argparse.Namespace, log) -> None:
+    from draft_node.checkpoint import load_drafter, save_draft_vocab, save_drafter
+    from training.average import average_drafters
+
+    if not (args.init and args.average_with):
+        raise SystemExit("--stage average needs --init A and --average-with B")
+    drafter = average_drafters(load_drafter(args.init), load_drafter(args.average_with), args.weight)
+    save_drafter(drafter.to(torch_dtype(args.save_dtype)), args.out)
+    if drafter.draft_vocab:
+        save_draft_vocab(args.out, drafter.draft_vocab)
+    log(f"average: {1 - args.weight:g} x {args.init} + {args.weight:g} x {args.average_with} -> {args.out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -152,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
         from training.variety import report
 
         print(json.dumps(report(store.answers), indent=2))
+        return
+    if args.stage == "average":
+        average_stage(args, log)
         return
 
     # Generation may run the target in reduced precision (a GPU); features and training use

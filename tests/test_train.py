@@ -14,11 +14,12 @@ import pytest
 import torch
 from helpers import greedy, tiny_target
 
-from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
+from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_draft_vocab, save_drafter
 from draft_node.config import FULL, SLIDING
 from target_node.proposers import DFlashProposer, LocalDraftBackend
 from target_node.speculative import generate
 from training.answer_store import Answer, AnswerStore
+from training.average import average_drafters
 from training.features import FeatureCache
 from training.generate import RefillGenerator
 from training.generate import generate as generate_answers
@@ -461,3 +462,28 @@ def test_batched_generation_answers_each_prompt_as_greedy_decoding_alone(one_thr
         target.reset()
         _, served = target.forward(prompts[i] + want[i][:-1], (0, 1))
         torch.testing.assert_close(rows[i], served, atol=1e-4, rtol=1e-4)
+
+
+def test_averaging_two_drafters_mixes_their_weights_and_their_vocabularies(setup, tmp_path):
+    from launch.train import main
+
+    target, cfg, store, features = setup
+    first, second = random_drafter(cfg, seed=1), random_drafter(cfg, seed=2)
+    first.draft_vocab, second.draft_vocab = [5, 6, 7], [7, 8]
+    for name, drafter in (("a", first), ("b", second)):
+        save_drafter(drafter, tmp_path / name)
+        save_draft_vocab(tmp_path / name, drafter.draft_vocab)
+    main(
+        ["--stage", "average", "--init", str(tmp_path / "a"), "--average-with", str(tmp_path / "b")]
+        + ["--weight", "0.25", "--save-dtype", "float32", "--out", str(tmp_path / "c"), "--cache", str(tmp_path)]
+    )
+    mixed = load_drafter(tmp_path / "c")
+    want = {k: 0.75 * v + 0.25 * second.state_dict()[k] for k, v in first.state_dict().items()}
+    for k, v in mixed.state_dict().items():
+        torch.testing.assert_close(v, want[k])
+    assert mixed.draft_vocab == [7, 8, 5, 6]  # the second's order first, then what only the first had
+    second.draft_vocab = []  # a drafter proposing from every token makes the average do so too
+    assert average_drafters(first, second, 0.5).draft_vocab == []
+    deeper = random_drafter(replace(cfg, num_hidden_layers=2, layer_types=(FULL, FULL)))
+    with pytest.raises(ValueError, match="one shape"):
+        average_drafters(first, deeper, 0.5)
