@@ -35,11 +35,13 @@ def draw(points: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    xs = [p["tokens"] / 1e6 for p in points]
-    ax.plot(xs, [p["tau"] for p in points], marker="o")
-    for p, x in zip(points, xs, strict=True):
-        ax.annotate(p["name"], (x, p["tau"]), textcoords="offset points", xytext=(4, -12), fontsize=7)
+    # Points, not a line: each comes from its own run and prompt subset (see `measured`).
+    fig, ax = plt.subplots(figsize=(7, 5), dpi=120)
+    for i, p in enumerate(points, 1):
+        x = p["tokens"] / 1e6
+        ax.scatter([x], [p["tau"]], label=f"{i}. {p['name']}")
+        ax.annotate(str(i), (x, p["tau"]), textcoords="offset points", xytext=(5, 3), fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7, frameon=False)
     ax.set_xlabel("answer tokens trained on (millions)")
     ax.set_ylabel("held-out tau (chain, T=0)")
     ax.set_title("SmolLM2 drafter on data/eval_prompts.jsonl")

@@ -5,6 +5,7 @@
     python -m launch.train --stage train --minutes 30 --out drafters/smollm2
     python -m launch.train --stage variety                   # how varied the stored prompts are
     python -m launch.train --stage average --init A --average-with B --weight 0.5 --out C  # weight-average two drafters
+    python -m launch.train --stage estimate --drafters A,B      # offline chain tau on the held-out prompts' answers
     python -m launch.train                                   # gen, features, train in turn
 
 The answer store (token ids, compressed) lives in the repository under data/answers and
@@ -28,6 +29,7 @@ from protocol import FLOAT_DTYPES
 from protocol.tensors import torch_dtype
 from target_node.default_model import CACHE_ROOT, DEFAULT_MODEL_DIR
 from training.answer_store import STORE
+from training.prompts import EVAL_PROMPTS
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTER = ROOT.parent / "shared" / "prompts" / "train.jsonl"  # the starter prompts beside the repo
@@ -41,10 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--name", default="smollm2", help="cache folder name under ~/.cache/dflash-split/train/")
     ap.add_argument(
         "--stage",
-        choices=["gen", "features", "train", "all", "vocab", "variety", "average"],
+        choices=["gen", "features", "train", "all", "vocab", "variety", "average", "estimate"],
         default="all",
         help="vocab: only (re)write --out's draft vocabulary from the stored answers; "
-        "average: write (1 - w) * --init + w * --average-with to --out",
+        "average: write (1 - w) * --init + w * --average-with to --out; "
+        "estimate: score --drafters offline on the target's answers to --prompts and on the store's held-out answers",
     )
     ap.add_argument("--cache", default=str(CACHE_ROOT), help="where features, state and logs go (default %(default)s)")
     ap.add_argument("--device", default="cpu")
@@ -84,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--average-with", help="--stage average: the second drafter checkpoint")
     ap.add_argument("--weight", type=float, default=0.5, help="--stage average: the second drafter's share")
+    ap.add_argument("--drafters", default="", help="--stage estimate: comma-separated drafter checkpoints")
+    ap.add_argument("--prompts", default=str(EVAL_PROMPTS), help="--stage estimate: held-out prompts (jsonl)")
+    ap.add_argument("--estimate-tokens", type=int, default=160, help="--stage estimate: answer length")
     ap.add_argument("--out", default=str(ROOT / "drafters" / "smollm2"), help="public checkpoint folder")
     ap.add_argument("--save-dtype", choices=FLOAT_DTYPES, default="bfloat16", help="checkpoint weights dtype")
     ap.add_argument(
@@ -154,6 +160,47 @@ def average_stage(args: argparse.Namespace, log) -> None:
     log(f"average: {1 - args.weight:g} x {args.init} + {args.weight:g} x {args.average_with} -> {args.out}")
 
 
+def estimate_stage(args: argparse.Namespace, target, store, cache: Path, log) -> None:
+    """Each drafter's chain acceptance, offline, on the same blocks: the held-out prompts' answers, the store's.
+
+    The target answers --prompts once (greedy, kept under the cache, keyed by the prompts and
+    the model); features come by prefill for each drafter's taps.
+    """
+    import hashlib
+
+    from draft_node.checkpoint import load_drafter
+    from training.answer_store import AnswerStore
+    from training.features import FeatureCache
+    from training.generate import generate
+    from training.prompts import Ask, HeldOut, read_prompts
+    from training.trainer import estimate
+
+    if not args.drafters:
+        raise SystemExit("--stage estimate needs --drafters A[,B...]")
+    prompts = read_prompts(args.prompts)
+    tag = hashlib.sha1(json.dumps([prompts, args.estimate_tokens]).encode()).hexdigest()[:10]
+    folder = cache / "estimate" / f"{Path(args.model).name}-{Path(args.prompts).stem}-{tag}"
+    answers = AnswerStore(folder / "answers")
+    asks = (Ask(f"estimate-{i}", "answer", (("user", p),)) for i, p in enumerate(prompts))
+    generate(target, answers, asks, batch=len(prompts), max_new=args.estimate_tokens, held_out=HeldOut(), log=log)
+    held_out = [a for a in store.answers if a.held_out]
+    rows = ["| drafter | held-out prompts' answers | store held-out answers |", "|---|---|---|"]
+    for path in args.drafters.split(","):
+        drafter = load_drafter(path)
+        taps, width = "-".join(map(str, drafter.config.target_layer_ids)), drafter.config.feature_width
+        groups = (
+            (answers.answers, FeatureCache(folder / f"features-taps{taps}", width)),
+            (held_out, FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{taps}", width)),
+        )
+        scores = []
+        for group, features in groups:
+            features.fill(group, target.model, drafter.config.target_layer_ids, log=None)
+            result = estimate(target, drafter, group, features)
+            scores.append(f"{result['tau']:.3f} ({sum(result['histogram'])} blocks)" if result else "-")
+        rows.append(f"| {path} | {scores[0]} | {scores[1]} |")
+    log("chain tau, estimated offline:\n" + "\n".join(rows))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -201,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.stage in ("features", "train", "all"):
         added = features.fill(answers, target.model, cfg.target_layer_ids, log=log)
         log(f"features: {added} answers filled by prefill; {len(features)} cached")
+    if args.stage == "estimate":
+        estimate_stage(args, target, store, cache, log)
+        return
     if args.stage == "vocab":
         from training.trainer import draft_vocabulary, samples
 

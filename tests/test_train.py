@@ -29,6 +29,7 @@ from training.trainer import (
     Trainer,
     TrainOptions,
     draft_vocabulary,
+    estimate,
     export_drafter,
     make_batch,
     train,
@@ -487,3 +488,18 @@ def test_averaging_two_drafters_mixes_their_weights_and_their_vocabularies(setup
     deeper = random_drafter(replace(cfg, num_hidden_layers=2, layer_types=(FULL, FULL)))
     with pytest.raises(ValueError, match="one shape"):
         average_drafters(first, deeper, 0.5)
+
+
+def test_the_offline_estimate_scores_every_drafter_on_the_same_blocks(setup, tmp_path):
+    target, cfg, store, features = setup
+    train(target, cfg, store.answers, features, opts(), tmp_path / "s.pt", tmp_path / "out", log=lambda m: None)
+    trained, untrained = load_drafter(tmp_path / "out"), random_drafter(cfg, seed=3)
+    first = estimate(target, trained, store.answers, features, anchors=8)
+    assert estimate(target, trained, store.answers, features, anchors=8) == first
+    other = estimate(target, untrained, store.answers, features, anchors=8)
+    assert sum(first["histogram"]) == sum(other["histogram"]) > 100  # the same blocks, every answer's
+    assert first["tau"] > other["tau"] + 0.3
+    # Through the drafter's own vocabulary: proposing only a token no answer has accepts nothing.
+    said = {t for a in store.answers for t in a.tokens}
+    trained.draft_vocab = [next(t for t in range(target.model.config.vocab_size) if t not in said)]
+    assert estimate(target, trained, store.answers, features, anchors=8)["tau"] == 1.0

@@ -200,23 +200,10 @@ class Trainer:
         self.features = features.array()
         self.train_records = samples([a for a in answers if not a.held_out], features)
         self.val_records = samples([a for a in answers if a.held_out], features)[: opts.val_answers]
-        if not self.train_records:
-            raise ValueError(
-                f"nothing to train on: of {len(answers)} answers none outside the held-out split has cached "
-                "features and two answer tokens (generate more, or run --stage features)"
-            )
-        head_dtype = opts.head_dtype
         model = target.model
         self.embed = model.get_input_embeddings().weight.detach().to(self.dev, torch.float32)
-        # The loss softmaxes over the drafter's vocabulary only, as inference projects onto it:
-        # the same objective the drafter is used for, at a fraction of the full head's cost.
-        full_head = model.get_output_embeddings().weight.detach()
-        ids = draft_vocabulary(self.train_records, opts.draft_vocab) if opts.draft_vocab else []
-        self.vocab = torch.tensor(ids, dtype=torch.long) if ids else torch.arange(full_head.shape[0])
-        self.head = full_head[self.vocab].to(self.dev, head_dtype)
-        self.vocab_slot = torch.full((full_head.shape[0],), -100, dtype=torch.long)
-        self.vocab_slot[self.vocab] = torch.arange(len(self.vocab))
-        self.vocab, self.vocab_slot = self.vocab.to(self.dev), self.vocab_slot.to(self.dev)
+        self.full_head = model.get_output_embeddings().weight.detach()
+        self.use_vocabulary(draft_vocabulary(self.train_records, opts.draft_vocab) if opts.draft_vocab else [])
         self.drafter = init_drafter(cfg, opts.seed, opts.out_scale).to(self.dev)
         self.scale = feature_scale(self.features, seed=opts.seed).to(self.dev)
         decay = [p for name, p in self.drafter.named_parameters() if not name.endswith("norm.weight")]
@@ -231,6 +218,19 @@ class Trainer:
         self.slot_weight = torch.where(k >= 1, torch.exp(-(k - 1) / opts.gamma), torch.zeros(())).to(self.dev)
         self.step = 0
         self.history: list[float] = []
+
+    def use_vocabulary(self, ids: list[int]) -> None:
+        """Propose from these tokens only ([]: all of them).
+
+        The loss softmaxes over the drafter's vocabulary only, as inference projects onto it:
+        the same objective the drafter is used for, at a fraction of the full head's cost.
+        """
+        rows = self.full_head.shape[0]
+        self.vocab = torch.tensor(ids, dtype=torch.long) if ids else torch.arange(rows)
+        self.head = self.full_head[self.vocab].to(self.dev, self.opts.head_dtype)
+        self.vocab_slot = torch.full((rows,), -100, dtype=torch.long)
+        self.vocab_slot[self.vocab] = torch.arange(len(self.vocab))
+        self.vocab, self.vocab_slot = self.vocab.to(self.dev), self.vocab_slot.to(self.dev)
 
     def _lr_factor(self, step: int) -> float:
         warm = max(self.opts.warmup, 1)
@@ -374,6 +374,11 @@ def train(
     `resume` continues a run from its saved state; otherwise `init` starts from a checkpoint's weights.
     """
     trainer = Trainer(target, cfg, answers, features, opts)
+    if not trainer.train_records:
+        raise ValueError(
+            f"nothing to train on: of {len(answers)} answers none outside the held-out split has cached "
+            "features and two answer tokens (generate more, or run --stage features)"
+        )
     if resume and state_path.exists():
         trainer.load_state(torch.load(state_path, map_location=trainer.dev, weights_only=False))
         log(f"resumed at step {trainer.step}")
@@ -412,3 +417,22 @@ def train(
     if ev:
         log(f"final step {trainer.step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f}")
     return trainer
+
+
+def estimate(
+    target,  # a TargetModel (its embedding table and LM head)
+    drafter: DFlashDrafter,
+    answers: list[Answer],
+    features: FeatureCache,
+    anchors: int = 100,
+) -> dict:
+    """A drafter's greedy-chain acceptance on `answers` (held out or not), offline.
+
+    The count `Trainer.evaluate` makes, through the drafter's own draft vocabulary, at anchors
+    fixed by the answer list: drafters scored on one list are scored on the same blocks, in
+    about a minute where a live `launch.evaluate` of as many blocks takes half an hour.
+    """
+    trainer = Trainer(target, drafter.config, answers, features, TrainOptions(draft_vocab=0))
+    trainer.use_vocabulary(list(drafter.draft_vocab or []))
+    trainer.init_from(drafter)
+    return trainer.evaluate(samples(answers, features), anchors=anchors)
