@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--gen-dtype", choices=FLOAT_DTYPES, default="float32", help="target dtype for generation (bf16 on a GPU)"
     )
-    ap.add_argument("--gen-batch", type=int, default=48, help="rows decoded at once (finished rows are refilled)")
+    ap.add_argument("--gen-batch", type=int, default=64, help="rows decoded at once (finished rows are refilled)")
     ap.add_argument("--max-new", type=int, default=192, help="answer token cap")
     ap.add_argument("--gen-minutes", type=float, default=60.0)
     ap.add_argument("--gen-seed", type=int, default=0, help="seed of the self-instruct job stream")
