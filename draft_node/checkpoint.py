@@ -86,6 +86,8 @@ def save_drafter(drafter: DFlashDrafter, folder: str | Path) -> Path:
     (folder / "config.json").write_text(json.dumps(drafter.config.to_json(), indent=2) + "\n")
     state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if getattr(drafter, "draft_vocab", None):  # what load_drafter attached: a load-save round trip keeps it
+        save_draft_vocab(folder, drafter.draft_vocab)
     return folder
 
 

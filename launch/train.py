@@ -148,15 +148,13 @@ def train_stage(args: argparse.Namespace, target, cfg, answers, features, work: 
 
 
 def average_stage(args: argparse.Namespace, log) -> None:
-    from draft_node.checkpoint import load_drafter, save_draft_vocab, save_drafter
+    from draft_node.checkpoint import load_drafter, save_drafter
     from training.average import average_drafters
 
     if not (args.init and args.average_with):
         raise SystemExit("--stage average needs --init A and --average-with B")
     drafter = average_drafters(load_drafter(args.init), load_drafter(args.average_with), args.weight)
     save_drafter(drafter.to(torch_dtype(args.save_dtype)), args.out)
-    if drafter.draft_vocab:
-        save_draft_vocab(args.out, drafter.draft_vocab)
     log(f"average: {1 - args.weight:g} x {args.init} + {args.weight:g} x {args.average_with} -> {args.out}")
 
 

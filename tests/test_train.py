@@ -350,6 +350,7 @@ def test_launch_train_runs_each_stage_on_a_saved_target(setup, tmp_path):
     assert drafter.config.block_size == 4 and len(drafter.draft_vocab) == 64
     save_drafter(drafter, tmp_path / "copy")  # the written checkpoint is the public format
     assert Path(tmp_path / "copy" / "model.safetensors").is_file()
+    assert load_drafter(tmp_path / "copy").draft_vocab == drafter.draft_vocab  # and keeps the vocabulary
 
 
 def test_recorded_traffic_becomes_training_data(setup, tmp_path):
