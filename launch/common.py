@@ -16,6 +16,7 @@ from target_node.default_model import CACHE_ROOT, DEFAULT_MODEL_DIR, ensure_defa
 if TYPE_CHECKING:  # torch loads where a model runs, not in the HTTP front end that shares these flags
     import torch
 
+DTYPE_CHOICES = ("auto", *FLOAT_DTYPES)
 SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
 RANDOM_DRAFTERS = CACHE_ROOT / "drafters" / "random-b8"
 
@@ -29,7 +30,13 @@ def setup_logging(verbose: bool = False) -> None:
 def add_model_args(parser: argparse.ArgumentParser, what: str) -> None:
     """Device, dtype, threads and verbosity: what every daemon asks for."""
     parser.add_argument("--device", default="cpu", help=f"torch device for the {what}, e.g. cpu, cuda:0, cuda:1")
-    parser.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES, help=f"{what} weights dtype")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help=f"{what} weights dtype (auto: bfloat16 where the device has native bf16 and, for a target, the "
+        "engine serves it exactly; float32 elsewhere)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
@@ -68,6 +75,15 @@ def ensure_default_drafter(model_dir: Path | None = None) -> Path:
     return save_drafter(random_drafter(cfg), folder)
 
 
-def dtype_of(args: argparse.Namespace) -> torch.dtype:
-    """The torch dtype a `--dtype` flag names."""
-    return torch_dtype(args.dtype)
+def dtype_of(args: argparse.Namespace, device: str | None = None) -> torch.dtype:
+    """The torch dtype a `--dtype` flag names; "auto" as a drafter resolves it (drafts need not be
+    exact, so bf16 wherever the device computes it natively). A target resolves "auto" itself
+    (`TargetModel.load`), since it also depends on whether the engine serves the model."""
+    if args.dtype != "auto":
+        return torch_dtype(args.dtype)
+    import torch
+
+    from target_node.engine.build import native_bf16
+
+    kind = torch.device(device or getattr(args, "device", "cpu")).type
+    return torch.bfloat16 if kind == "cuda" or (kind == "cpu" and native_bf16()) else torch.float32

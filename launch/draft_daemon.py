@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     curve = server_security(parser, args)
     apply_runtime_args(args)
     stop = stop_on_signals()
-    drafter = load_drafter(args.checkpoint or ensure_default_drafter(), args.device, dtype_of(args))
+    dtype = dtype_of(args)
+    drafter = load_drafter(args.checkpoint or ensure_default_drafter(), args.device, dtype)
     service = DraftService(drafter, args.ring_capacity, args.max_sessions, args.idle_timeout, args.reclaim_after)
     logging.getLogger("draft_daemon").info(
         "drafter: %d layers, block %d, taps %s on %s/%s",
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         drafter.config.block_size,
         list(drafter.config.target_layer_ids),
         args.device,
-        args.dtype,
+        str(dtype).removeprefix("torch."),
     )
     serve(service, args.bind, stop, curve, args.insecure_plaintext)
 

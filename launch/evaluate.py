@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-from launch.common import dtype_of, resolve_model
-from protocol import FLOAT_DTYPES
+from launch.common import DTYPE_CHOICES, dtype_of, resolve_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts", default="data/eval_prompts.jsonl", help='jsonl of {"prompt": ...}')
     ap.add_argument("--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES)
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: as the daemons resolve it")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--modes", default="chain", help="comma-separated: chain, tree:N, adaptive, adaptive-chain")
@@ -100,7 +99,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     from target_node.target import TargetModel
     from training.prompts import read_prompts
 
-    target = TargetModel.load(resolve_model(args.model), device=args.device, dtype=dtype_of(args))
+    target = TargetModel.load(resolve_model(args.model), device=args.device, dtype=args.dtype)
     prompts = read_prompts(args.prompts)[: args.limit or None]
     proposers = {"": DFlashProposer(backend_for(args, target, args.drafter, args.drafter_address))}
     if args.baseline or args.baseline_address:

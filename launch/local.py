@@ -18,10 +18,9 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from launch import client
-from launch.common import ensure_default_drafter, resolve_model
+from launch.common import DTYPE_CHOICES, ensure_default_drafter, resolve_model
 from launch.keys import LocalKeys
 from launch.processes import stop
-from protocol import FLOAT_DTYPES
 from protocol.keys import ClientKeys
 from protocol.transport import wait_ready
 
@@ -68,7 +67,9 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter-checkpoint", help="drafter folder (default: the default model's drafter)")
     parser.add_argument("--target-device", default="cpu")
     parser.add_argument("--draft-device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES, help="weights dtype of both models")
+    parser.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES, help="weights dtype of both models (auto: see the daemons)"
+    )
     parser.add_argument("--draft-address", help="where the draft daemon binds (default: a free 127.0.0.1 port)")
     parser.add_argument("--target-address", help="where the target daemon binds (default: a free 127.0.0.1 port)")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for each daemon")

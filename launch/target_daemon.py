@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from launch.common import DRAFT_ADDRESS, TARGET_ADDRESS, add_model_args, apply_runtime_args, dtype_of, resolve_model
+from launch.common import DRAFT_ADDRESS, TARGET_ADDRESS, add_model_args, apply_runtime_args, resolve_model
 from launch.net import add_server_security_args, client_security, server_security
 from protocol import FLOAT_DTYPES, Message
 from protocol.keys import ClientKeys
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     drafter_keys = client_security(parser, args.curve_key, args.drafter_key, "--drafter-key")
     apply_runtime_args(args)
     stop = stop_on_signals()
-    target = TargetModel.load(resolve_model(args.model), args.device, dtype_of(args), args.cache_policy)
+    target = TargetModel.load(resolve_model(args.model), args.device, args.dtype, args.cache_policy)
     service = TargetService(
         target,
         build_proposer(args, target, drafter_keys),

@@ -37,8 +37,8 @@ class Drafting:
         vocab = drafter.get("draft_vocab") or []
         self.vocab = torch.tensor(vocab, dtype=torch.long, device=target.device) if vocab else None
         rows = weight[self.vocab] if self.vocab is not None else weight
-        # bf16 where the target found bf16 matmuls faster than fp32 ones (its screened head).
-        self.head = rows.to(torch.bfloat16) if target.greedy_head is not None else rows
+        # bf16 where the target found bf16 matmuls faster than fp32 ones.
+        self.head = rows.to(torch.bfloat16) if target.fast_bf16 else rows
 
     def noise(self, last_token: int) -> torch.Tensor:
         """The embedded block [last_tok, MASK, ..., MASK]."""

@@ -2,26 +2,34 @@
 
 It runs tokens at the next positions, rolls its KV cache back to what was committed, and
 turns final hidden states into the target's choices (greedy) or distributions (sampling).
-What drafting needs on top (taps, the feature ring, projecting draft states through the
-head) lives in `drafting.py`, owned by the proposer that drafts.
+Two paths run the tokens: the engine (engine/: static cache, prepacked weights, batch-invariant
+kernels, so a verify row has the bits of the plain step) wherever it serves the model, and the
+model's own transformers forward (transformers_path.py) everywhere else. What drafting needs on
+top (taps, the feature ring, projecting draft states through the head) lives in `drafting.py`,
+owned by the proposer that drafts.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from target_node.cache_policy import CachePolicy, policy_for
+from target_node.engine.build import native_bf16
+from target_node.engine.engine import Engine, bf16_measures_faster, engine_for
 from target_node.greedy_head import ScreenedArgmaxHead
 from target_node.support import check_structure, probe
-from target_node.taps import tap_features
+from target_node.transformers_path import TransformersPath
 from target_node.tree import DraftTree
 
 # Where configs state the positions a model was built for, by family.
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len", "seq_length")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+log = logging.getLogger(__name__)
 
 
 class ContextLengthError(ValueError):
@@ -29,21 +37,41 @@ class ContextLengthError(ValueError):
 
 
 class TargetModel:
-    def __init__(self, model, tokenizer=None, cache_policy: str | None = None) -> None:
+    def __init__(self, model, tokenizer=None, cache_policy: str | None = None, engine: bool | None = None) -> None:
         """`model`: a transformers causal LM; `cache_policy`: how recurrent layers roll back
-        (`replay`, the default, or `capture`: see recurrent.py)."""
+        (`replay`, the default, or `capture`: see recurrent.py); `engine`: None runs the engine
+        where it serves the model, False never, True or refuse."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config
-        self.cache: DynamicCache | None = None
         # What cannot be served is refused here, not mid-request; the rollback policy is chosen
         # from the layers of the model's own cache.
         decoder = check_structure(model)
-        self.policy: CachePolicy = policy_for(self._new_cache(), model, cache_policy)
+        fallback = TransformersPath(model, cache_policy)
         self.eos_ids = self._eos_ids()
         self.head = model.get_output_embeddings()
-        self.greedy_head = self._screened_head_if_faster()
-        self.tap_offset = probe(model, decoder, self._new_cache(), self.logits)  # where layer l's output sits
+        fallback.tap_offset = probe(model, decoder, fallback.new_cache(), self._scaled_head)
+        self.engine: Engine | None = None
+        if engine is not False:
+            self.engine = engine_for(model) if engine is None else Engine(model)
+        self.path: Engine | TransformersPath = self.engine or fallback
+        self.greedy_head = self._screened_head_if_faster() if self.engine is None else None
+
+    @property
+    def policy(self):
+        """How the cache gives back what a verify ran: the engine's static cache, or the transformers
+        path's policy for its cache layers (`name`, and `tree`: whether any rows can be kept)."""
+        return self.path if self.engine is not None else self.path.policy
+
+    @property
+    def cache(self):
+        """The transformers path's DynamicCache (None before a forward, and on the engine)."""
+        return getattr(self.path, "cache", None) if self.engine is None else None
+
+    @property
+    def fast_bf16(self) -> bool:
+        """Whether bf16 matmuls beat fp32 ones here (for heads that need not be exact: drafts)."""
+        return self.greedy_head is not None or (self.engine is not None and native_bf16())
 
     def _screened_head_if_faster(self) -> ScreenedArgmaxHead | None:
         """On CPU in fp32 the head dominates a verify step, and a bf16 screen halves it where the
@@ -72,18 +100,39 @@ class TargetModel:
         cls,
         folder: str | Path,
         device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = "auto",
         cache_policy: str | None = None,
+        engine: bool | None = None,
     ) -> TargetModel:
+        """`dtype` "auto": bfloat16 where the device has native bf16 (CUDA; CPUs with AVX512-BF16 or
+        AMX, where the engine's bf16 step measures faster) and the engine serves the model, so the
+        output is exact; float32 elsewhere."""
         folder = Path(folder)
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
+        auto = dtype == "auto"
+        if auto:
+            dtype = torch.bfloat16 if prefer_bf16(device) else torch.float32
+        elif isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
         # A folder without tokenizer files still serves token-id requests.
         has_tokenizer = any(
             (folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
         )
-        return cls(model, AutoTokenizer.from_pretrained(folder) if has_tokenizer else None, cache_policy)
+        tokenizer = AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
+        target = cls(model, tokenizer, cache_policy, engine)
+        if auto and target.engine is None and dtype != torch.float32:
+            # Off the engine, a verify row is not the plain step's bits: bf16 would not be exact.
+            log.info("the engine does not serve %s: float32, where the transformers path is exact in practice", folder)
+            target = cls(model.float(), tokenizer, cache_policy, engine)
+        log.info(
+            "target %s: %s, %s",
+            folder.name,
+            target.model.dtype,
+            f"engine ({target.policy.name})" if target.engine else f"transformers path ({target.policy.name})",
+        )
+        return target
 
     @property
     def device(self) -> torch.device:
@@ -138,16 +187,12 @@ class TargetModel:
     @property
     def length(self) -> int:
         """Positions the KV cache holds."""
-        return 0 if self.cache is None else self.policy.length(self.cache)
+        return self.path.length()
 
     def reset(self) -> None:
         """A new request: an empty KV cache."""
-        self.cache = None
+        self.path.reset()
 
-    def _new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
-
-    @torch.inference_mode()
     def forward(
         self, tokens: list[int], taps: tuple[int, ...] = (), tree: DraftTree | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -159,36 +204,16 @@ class TargetModel:
         The LM head is left to the caller (`greedy` or `logits`), which needs far less of it
         than the full logits of every row. The cache keeps all k rows until `rollback` or `keep`.
         """
-        if self.cache is None:
-            self.cache = self._new_cache()
-        start = self.length
-        self.policy.prepare(self.cache, start, len(tokens))
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        extra = {} if tree is None or tree.is_chain else self._tree_inputs(tree, start)
-        out = self.model.get_decoder()(
-            input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=bool(taps), **extra
-        )
-        return out.last_hidden_state[0], tap_features(out.hidden_states, taps, self.tap_offset)[0] if taps else None
-
-    def _tree_inputs(self, tree: DraftTree, start: int) -> dict:
-        if not self.policy.tree:
-            raise ValueError(f"the {self.policy.name} cache policy cannot verify trees")
-        positions = torch.tensor([[start] + [start + d for d in tree.depths]], device=self.device)
-        rows = len(tree) + 1
-        allowed = torch.ones(rows, start + rows, dtype=torch.bool, device=self.device)
-        allowed[:, start:] = tree.visible(self.device)
-        dtype = self.model.dtype
-        mask = torch.zeros(1, 1, rows, start + rows, dtype=dtype, device=self.device)
-        return {"position_ids": positions, "attention_mask": mask.masked_fill(~allowed, torch.finfo(dtype).min)}
+        return self.path.step(tokens, taps, tree)
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` positions of the KV cache, dropping what was run after them."""
-        self.policy.rollback(self.cache, length)
+        self.path.rollback(length)
 
     def keep(self, start: int, rows: list[int]) -> None:
         """After a forward from `start`, keep only its rows `rows` (ascending offsets, 0 first),
         moved to positions start, start + 1, ...: a tree step's accepted path."""
-        self.policy.keep(self.cache, start, rows)
+        self.path.keep(start, rows)
 
     # --- the head --------------------------------------------------------------
 
@@ -200,7 +225,13 @@ class TargetModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full fp32 logits [k, vocab], for sampling."""
+        """Full fp32 logits [k, vocab], for sampling (on the engine, each row by the same dot products
+        whatever rows come with it)."""
+        if self.engine is not None:
+            return self.scale_logits(self.engine.head(hidden))
+        return self._scaled_head(hidden)
+
+    def _scaled_head(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.head.weight
         return self.scale_logits(self.head(hidden.to(device=weight.device, dtype=weight.dtype)).float())
 
@@ -240,3 +271,10 @@ class TargetModel:
         if self.tokenizer is None:
             raise ValueError("this target has no tokenizer; send token ids")
         return list(self.tokenizer(text)["input_ids"])
+
+
+def prefer_bf16(device: str | torch.device) -> bool:
+    """bf16 where the device computes it natively (a CPU with AVX512-BF16 or AMX, where the engine's
+    bf16 matmul also measures faster than its fp32 one here and now)."""
+    device = torch.device(device)
+    return device.type == "cpu" and native_bf16() and bf16_measures_faster()

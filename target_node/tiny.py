@@ -21,6 +21,9 @@ ALTERNATE = ("sliding_attention", "full_attention")  # layer_types given as a tu
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
 
+# Families the engine serves (the others run on the transformers path only).
+ENGINE_FAMILIES = ("llama", "qwen3", "qwen3_sliding", "mistral")
+
 # family -> (transformers class prefix, what sets it apart, its config beyond the common fields)
 FAMILIES: dict[str, tuple[str, str, dict]] = {
     "llama": ("Llama", "full attention, tied embeddings", dict(tie_word_embeddings=True)),
@@ -116,9 +119,15 @@ def tiny_config(arch: str, layers: int = 4, vocab: int = VOCAB) -> transformers.
 
 
 def tiny_target(
-    arch: str = "llama", seed: int = 0, layers: int = 4, vocab: int = VOCAB, cache_policy: str | None = None
+    arch: str = "llama",
+    seed: int = 0,
+    layers: int = 4,
+    vocab: int = VOCAB,
+    cache_policy: str | None = None,
+    engine: bool | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> TargetModel:
-    """A random `arch` model in fp32 behind the target adapter (`cache_policy`: see TargetModel)."""
+    """A random `arch` model behind the target adapter (`cache_policy`, `engine`: see TargetModel)."""
     config = tiny_config(arch, layers, vocab)
     torch.manual_seed(seed)
     model = getattr(transformers, f"{FAMILIES[arch][0]}ForCausalLM")(config)
@@ -127,4 +136,4 @@ def tiny_target(
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
-    return TargetModel(model.float().eval(), tokenizer=None, cache_policy=cache_policy)
+    return TargetModel(model.to(dtype).eval(), tokenizer=None, cache_policy=cache_policy, engine=engine)

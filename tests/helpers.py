@@ -96,8 +96,9 @@ def free_tcp_address() -> str:
     return free_address()
 
 
-def draft_daemon(address: str, checkpoint, ready_timeout_s: float = 60.0):
-    """A real draft daemon process on `address`, serving `checkpoint`; stopped on exit."""
+def draft_daemon(address: str, checkpoint, ready_timeout_s: float = 60.0, dtype: str = "float32"):
+    """A real draft daemon process on `address`, serving `checkpoint` in `dtype` (the tests' drafters
+    are fp32, so remote and in-process drafts compare bit for bit); stopped on exit."""
     from launch.local import daemon
 
     # Same thread count as this process: matmul reduction order, and so the bits, match.
@@ -106,6 +107,6 @@ def draft_daemon(address: str, checkpoint, ready_timeout_s: float = 60.0):
         "draft daemon",
         "launch.draft_daemon",
         address,
-        ["--checkpoint", str(checkpoint), "--threads", threads],
+        ["--checkpoint", str(checkpoint), "--threads", threads, "--dtype", dtype],
         ready_timeout_s,
     )

@@ -22,6 +22,7 @@ from launch.client import TargetClient
 from launch.processes import stop
 from protocol.keys import create_keypair
 from protocol.transport import wait_ready
+from target_node.target import TargetModel
 
 PROMPT = [200, 11, 11, 11, 250, 12, 13, 14]
 TARGET_NS, DRAFT_NS = f"dflash-t{os.getpid()}", f"dflash-d{os.getpid()}"
@@ -94,7 +95,9 @@ def hosts(tmp_path_factory):
             client = TargetClient(address, timeout_s=60)
             alone = client.generate(token_ids=PROMPT, max_new_tokens=40)
             with in_namespace(DRAFT_NS, "launch.draft_daemon", draft_args, folder / "draft.log"):
-                yield SimpleNamespace(client=client, want=greedy(target, PROMPT, 120), alone=alone, folder=folder)
+                # The daemon's own reference: the same folder loaded the same way (dtype auto).
+                want = greedy(TargetModel.load(folder / "model"), PROMPT, 120)
+                yield SimpleNamespace(client=client, want=want, alone=alone, folder=folder)
             client.close()
     finally:
         teardown()

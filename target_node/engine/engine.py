@@ -1,0 +1,190 @@
+"""The target engine: a decoder forward over explicit rows, batch-invariant by construction.
+
+One forward runs M rows (a plain step's one token, a chain or a tree to verify, a prefill
+chunk) through every layer with the kernels of kernels.cpp, writing keys and values into the
+static cache in place. Each row's result depends only on its token, its position and the keys
+its list names (rows.py), never on the other rows: so a verify forward gives every row the bits
+the plain step would have given it, and speculative decoding is bit-identical to plain decoding
+in fp32 and in bf16 alike. Activations stay fp32 between kernels; weights and the cache are in
+the model's dtype.
+
+The architecture is the transformers model's own (weights.py reads it from the modules); the
+load check runs both on a few tokens and refuses the engine for a model it does not reproduce.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import cache
+
+import torch
+from torch import nn
+
+from target_node.engine import build
+from target_node.engine.kv_cache import StaticKVCache
+from target_node.engine.rows import Rows, chain_rows, tree_rows
+from target_node.engine.weights import DecoderWeights, EngineUnsupported, pack, read_decoder
+from target_node.support import agrees
+from target_node.tree import DraftTree
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """A model's decoder on the kernels, with its static cache (slot 0 unless told otherwise)."""
+
+    name = "static"
+    tree = True  # any rows can be kept: a tree's accepted path is gathered into place
+
+    def __init__(self, model: nn.Module, slots: int = 1, max_positions: int | None = None) -> None:
+        device = model.get_output_embeddings().weight.device
+        if device.type != "cpu":
+            raise EngineUnsupported(f"the engine's kernels run on the CPU, not {device.type}")
+        build.load()
+        self.ops = torch.ops.dflash
+        self.w: DecoderWeights = read_decoder(model)
+        self.device = device
+        self.dtype = self.w.head.data.dtype
+        self.windows = {layer.window for layer in self.w.layers}
+        self.cache = StaticKVCache(
+            len(self.w.layers), self.w.kv_heads, self.w.head_dim, self.dtype, device, slots, 256, max_positions
+        )
+        self._cos = self._sin = torch.empty(0, self.w.head_dim)
+        self._check_against(model)
+
+    @torch.inference_mode()
+    def _check_against(self, model: nn.Module) -> None:
+        """The engine must compute the model the transformers modules define: on a few tokens, every
+        layer's output and the final hidden states agree up to rounding, or the engine is refused."""
+        ids = [1, 7, 3, 11, 5, 2, 9, 4]
+        theirs = model.get_decoder()(input_ids=torch.tensor([ids], device=self.device), output_hidden_states=True)
+        layers = tuple(range(len(self.w.layers)))
+        ours, features = self.step(ids, layers)
+        self.reset()
+        expected = [theirs.hidden_states[i + 1][0] for i in layers] + [theirs.last_hidden_state[0]]
+        got = [*features.split(ours.shape[1], -1), ours]
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            if not agrees(a, b, self.dtype):
+                what = "the final hidden states" if i == len(got) - 1 else f"layer {i}'s output"
+                raise EngineUnsupported(f"{what} differ from the transformers forward beyond rounding")
+
+    # --- rows of one sequence (the adapter's calls) ---------------------------------------------
+
+    def length(self, slot: int = 0) -> int:
+        return self.cache.lengths[slot]
+
+    def reset(self, slot: int = 0) -> None:
+        self.cache.lengths[slot] = 0
+
+    def rollback(self, length: int, slot: int = 0) -> None:
+        if not 0 <= length <= self.cache.lengths[slot]:
+            raise ValueError(f"cannot roll back to {length}: the cache holds {self.cache.lengths[slot]} positions")
+        self.cache.lengths[slot] = length
+
+    def keep(self, start: int, rows: list[int], slot: int = 0) -> None:
+        self.cache.keep(slot, start, rows)
+
+    def step(
+        self, tokens: list[int], taps: tuple[int, ...] = (), tree: DraftTree | None = None, slot: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens at the slot's next positions (as a tree when `tree` is not a chain): final hidden
+        states [k, hidden] and the tapped layers' outputs [k, len(taps) * hidden]."""
+        start = self.cache.lengths[slot]
+        if tree is None or tree.is_chain:
+            rows = chain_rows(tokens, start, self.windows, slot, self.device)
+        else:
+            rows = tree_rows(tokens, start, tree, self.windows, slot, self.device)
+        self.cache.reserve(start + len(tokens))
+        hidden, features = self.forward(rows, taps)
+        self.cache.lengths[slot] = start + len(tokens)
+        return hidden, features
+
+    # --- the forward ------------------------------------------------------------------------------
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows [M, head_dim] fp32 from the model's own rotary module, tabled by position."""
+        needed = int(positions.max()) + 1
+        if needed > self._cos.shape[0]:
+            size = max(needed, 2 * self._cos.shape[0], 256)
+            ids = torch.arange(size, device=self.device)[None]
+            probe = torch.zeros(1, dtype=torch.float32, device=self.device)
+            with torch.inference_mode():
+                cos, sin = self.w.rotary(probe, ids)
+            self._cos, self._sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        return self._cos[positions], self._sin[positions]
+
+    @torch.inference_mode()
+    def forward(self, rows: Rows, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ops, w = self.ops, self.w
+        m = len(rows)
+        hq, hkv, d = w.heads, w.kv_heads, w.head_dim
+        h = w.embed.weight[rows.tokens].float()
+        cos, sin = self._rotary(rows.positions)
+        hidden = h.shape[1]
+        normed = torch.empty(m, hidden)
+        qkv = torch.empty(m, (hq + 2 * hkv) * d)
+        attended = torch.empty(m, hq * d)
+        inter = w.layers[0].gate_up.n // 2 if w.layers else 0
+        gate_up = torch.empty(m, 2 * inter)
+        act = torch.empty(m, inter)
+        tapped: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(w.layers):
+            keys = rows.keys[layer.window]
+            ops.rmsnorm(h, layer.norm_attn, w.eps, False, normed)
+            ops.linear(normed, layer.qkv.data, layer.qkv.n, layer.qkv_bias, None, qkv)
+            kc, vc = self.cache.keys[i], self.cache.values[i]
+            ops.rope_store(qkv, cos, sin, kc, vc, rows.slots, rows.index, hq, hkv, layer.q_norm, layer.k_norm, w.eps)
+            ops.attention(qkv, kc, vc, rows.slots, keys.lo, keys.hi, keys.extra, keys.count, hq, w.scaling, attended)
+            ops.linear(attended, layer.o.data, layer.o.n, layer.o_bias, h, h)
+            ops.rmsnorm(h, layer.norm_mlp, w.eps, False, normed)
+            ops.linear(normed, layer.gate_up.data, layer.gate_up.n, layer.gate_up_bias, None, gate_up)
+            ops.silu_mul(gate_up, act)
+            ops.linear(act, layer.down.data, layer.down.n, layer.down_bias, h, h)
+            if i in taps:
+                tapped[i] = h.clone()
+        ops.rmsnorm(h, w.norm, w.eps, False, normed)
+        if len(w.layers) - 1 in taps:  # as transformers' hidden_states: the last entry is normed
+            tapped[len(w.layers) - 1] = normed
+        features = torch.cat([tapped[t] for t in taps], -1) if taps else None
+        return normed, features
+
+    @torch.inference_mode()
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [M, vocab] of final hidden states, each row by the same dot products."""
+        hidden = hidden.float().contiguous()
+        out = torch.empty(hidden.shape[0], self.w.head.n)
+        self.ops.linear(hidden, self.w.head.data, self.w.head.n, None, None, out)
+        return out
+
+
+def engine_for(model: nn.Module, **kwargs) -> Engine | None:
+    """The engine for `model`, or None (logged once, with the reason) where it cannot serve it."""
+    try:
+        return Engine(model, **kwargs)
+    except (EngineUnsupported, build.KernelsUnavailable) as err:
+        log.info("the target engine does not serve %s (%s); the transformers path runs it", type(model).__name__, err)
+        return None
+
+
+@cache
+def bf16_measures_faster(hidden: int = 1024, outputs: int = 4096) -> bool:
+    """Whether a one-row engine matmul runs faster in bf16 than in fp32 on this machine, now (a few
+    milliseconds at load, once per process; False where the kernels cannot be built)."""
+    try:
+        build.load()
+    except build.KernelsUnavailable:
+        return False
+    weight = torch.randn(outputs, hidden, generator=torch.Generator().manual_seed(0))
+    x, out = torch.randn(1, hidden), torch.empty(1, outputs)
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        packed = pack(weight.to(dtype))
+        times = []
+        for _ in range(6):
+            began = time.perf_counter()
+            for _ in range(4):
+                torch.ops.dflash.linear(x, packed.data, packed.n, None, None, out)
+            times.append(time.perf_counter() - began)
+        seconds[dtype] = min(times)
+    return seconds[torch.bfloat16] < seconds[torch.float32]

@@ -1,0 +1,691 @@
+// Batch-invariant CPU kernels for the target engine.
+//
+// Every output element is computed by one fixed sequence of IEEE operations that depends only
+// on the element's own inputs (its row of activations, the weights, the keys it may see), never
+// on how many rows run in the same call, where a row sits among them, or how the work is split
+// over threads. That is what makes a verify forward of k rows give each row the bits a one-row
+// decode step gives it, by construction rather than by luck:
+//
+// - dot products accumulate in 16 lanes, lane l taking the products of elements l, l + 16, ...
+//   in order, then fold the lanes in one fixed tree (`hsum`); register blocking over rows and
+//   outputs only changes which registers hold which sums, never the sequence of operations of a
+//   sum (as ggml computes each output as one dot product, whatever the batch);
+// - threads split the outputs (never a reduction) between them;
+// - attention visits a row's visible keys as one list, in order, with no masked entries at all,
+//   so a tree node that gathers its ancestors sees the same sequence of keys as the plain step
+//   that saw them as a contiguous prefix;
+// - transcendental functions are our own polynomials, applied lane-wise: a value's result does
+//   not depend on whether it fell in a full vector or a tail.
+//
+// The file is compiled on the machine that runs it (-march=native, -ffp-contract=off so the
+// compiler never fuses or reorders floating-point operations on its own). The lane abstraction
+// below is one 16-float vector on AVX-512, two on AVX2, plain arrays elsewhere: the same
+// arithmetic in the same order on each.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16 = uint16_t;
+constexpr int W = 16;  // lanes per vector, on every instruction set
+
+inline float bf16_to_float(bf16 h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, as torch and the AVX-512 BF16 instructions do.
+inline bf16 float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<bf16>(u >> 16);
+}
+
+// --- the 16-lane vector ----------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+struct V {
+  __m512 v;
+};
+inline V vzero() { return {_mm512_setzero_ps()}; }
+inline V vset(float s) { return {_mm512_set1_ps(s)}; }
+inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V vloadn(const float* p, int n) { return {_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p)}; }
+inline V vload(const bf16* p) {
+  __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16))};
+}
+inline V vloadn(const bf16* p, int n) {
+  __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
+inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+inline void vstoren(float* p, V a, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1u), a.v); }
+inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V vsub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V vdiv(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline V vmax(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline V vmin(V a, V b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline V vfloor(V a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)}; }
+inline V vpow2i(V n) {  // 2^n for integral n in [-126, 127]
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23);
+  return {_mm512_castsi512_ps(e)};
+}
+inline void vlanes(V a, float* out) { _mm512_storeu_ps(out, a.v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+struct V {
+  __m256 a, b;
+};
+inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V vset(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
+inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V vloadn(const float* p, int n) {
+  alignas(64) float t[W] = {0};
+  std::memcpy(t, p, sizeof(float) * n);
+  return vload(t);
+}
+inline V vload(const bf16* p) {
+  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(x)), 16);
+  __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(x, 1)), 16);
+  return {_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi)};
+}
+inline V vloadn(const bf16* p, int n) {
+  alignas(64) bf16 t[W] = {0};
+  std::memcpy(t, p, sizeof(bf16) * n);
+  return vload(t);
+}
+inline void vstore(float* p, V x) {
+  _mm256_storeu_ps(p, x.a);
+  _mm256_storeu_ps(p + 8, x.b);
+}
+inline void vstoren(float* p, V x, int n) {
+  alignas(64) float t[W];
+  vstore(t, x);
+  std::memcpy(p, t, sizeof(float) * n);
+}
+inline V vfma(V x, V y, V z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+inline V vadd(V x, V y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+inline V vsub(V x, V y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
+inline V vmul(V x, V y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+inline V vdiv(V x, V y) { return {_mm256_div_ps(x.a, y.a), _mm256_div_ps(x.b, y.b)}; }
+inline V vmax(V x, V y) { return {_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)}; }
+inline V vmin(V x, V y) { return {_mm256_min_ps(x.a, y.a), _mm256_min_ps(x.b, y.b)}; }
+inline V vfloor(V x) { return {_mm256_floor_ps(x.a), _mm256_floor_ps(x.b)}; }
+inline V vpow2i(V n) {
+  __m256i b = _mm256_set1_epi32(127);
+  __m256i ea = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.a), b), 23);
+  __m256i eb = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.b), b), 23);
+  return {_mm256_castsi256_ps(ea), _mm256_castsi256_ps(eb)};
+}
+inline void vlanes(V x, float* out) { vstore(out, x); }
+#else
+struct V {
+  float v[W];
+};
+inline V vzero() {
+  V r;
+  for (int l = 0; l < W; l++) r.v[l] = 0.0f;
+  return r;
+}
+inline V vset(float s) {
+  V r;
+  for (int l = 0; l < W; l++) r.v[l] = s;
+  return r;
+}
+inline V vload(const float* p) {
+  V r;
+  for (int l = 0; l < W; l++) r.v[l] = p[l];
+  return r;
+}
+inline V vloadn(const float* p, int n) {
+  V r = vzero();
+  for (int l = 0; l < n; l++) r.v[l] = p[l];
+  return r;
+}
+inline V vload(const bf16* p) {
+  V r;
+  for (int l = 0; l < W; l++) r.v[l] = bf16_to_float(p[l]);
+  return r;
+}
+inline V vloadn(const bf16* p, int n) {
+  V r = vzero();
+  for (int l = 0; l < n; l++) r.v[l] = bf16_to_float(p[l]);
+  return r;
+}
+inline void vstore(float* p, V a) {
+  for (int l = 0; l < W; l++) p[l] = a.v[l];
+}
+inline void vstoren(float* p, V a, int n) {
+  for (int l = 0; l < n; l++) p[l] = a.v[l];
+}
+#define LANEWISE(name, expr)      \
+  inline V name(V a, V b) {       \
+    V r;                          \
+    for (int l = 0; l < W; l++) { \
+      float x = a.v[l], y = b.v[l]; \
+      r.v[l] = (expr);            \
+    }                             \
+    return r;                     \
+  }
+LANEWISE(vadd, x + y)
+LANEWISE(vsub, x - y)
+LANEWISE(vmul, x * y)
+LANEWISE(vdiv, x / y)
+LANEWISE(vmax, x > y ? x : y)
+LANEWISE(vmin, x < y ? x : y)
+#undef LANEWISE
+inline V vfma(V a, V b, V c) {
+  V r;
+  for (int l = 0; l < W; l++) r.v[l] = std::fma(a.v[l], b.v[l], c.v[l]);
+  return r;
+}
+inline V vfloor(V a) {
+  V r;
+  for (int l = 0; l < W; l++) r.v[l] = std::floor(a.v[l]);
+  return r;
+}
+inline V vpow2i(V n) {
+  V r;
+  for (int l = 0; l < W; l++) {
+    uint32_t e = static_cast<uint32_t>(static_cast<int32_t>(n.v[l]) + 127) << 23;
+    std::memcpy(&r.v[l], &e, 4);
+  }
+  return r;
+}
+inline void vlanes(V a, float* out) { vstore(out, a); }
+#endif
+
+// The one order in which 16 lanes become a sum: t[l] += t[l + h] for h = 8, 4, 2, 1.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+inline float hsum8(__m256 s8) {  // lanes l + 8 already added: h = 4, 2, 1
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#endif
+#if defined(__AVX512F__)
+inline float hsum(V a) {
+  return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline float hsum(V a) { return hsum8(_mm256_add_ps(a.a, a.b)); }
+#else
+inline float hsum(V a) {
+  alignas(64) float t[W];
+  vlanes(a, t);
+  for (int h = W / 2; h >= 1; h /= 2)
+    for (int l = 0; l < h; l++) t[l] = t[l] + t[l + h];
+  return t[0];
+}
+#endif
+
+inline float hmax(V a) {
+  alignas(64) float t[W];
+  vlanes(a, t);
+  float m = t[0];
+  for (int l = 1; l < W; l++) m = t[l] > m ? t[l] : m;
+  return m;
+}
+
+// exp by Cephes' expf polynomial (about 1 ulp): x = n ln2 + r, |r| <= ln2 / 2.
+inline V vexp(V x) {
+  x = vmin(vmax(x, vset(-87.33654f)), vset(88.37626f));
+  V n = vfloor(vfma(x, vset(1.44269504088896341f), vset(0.5f)));
+  V r = vfma(n, vset(-0.693359375f), x);
+  r = vfma(n, vset(2.12194440e-4f), r);
+  V p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset(1.0f)));
+  // n = -127 would not be a normal exponent: 2^n as two halves keeps the clamp's low end exact.
+  V half = vfloor(vmul(n, vset(0.5f)));
+  return vmul(vmul(p, vpow2i(half)), vpow2i(vsub(n, half)));
+}
+
+// --- linear: out[m, n] = (sum_k x[m, k] w[n, k] (+ bias[n])) (+ residual[m, n]) ------------------
+//
+// Outer-product form: a panel of 64 outputs is four vectors of accumulators per row, and each
+// output's sum runs over k = 0, 1, ..., K - 1 in order (one FMA per k, or one VDPBF16PS per pair
+// of k). Rows are register-blocked up to six at a time and panels split between threads; neither
+// changes any output's sequence of operations, only which registers and which thread hold it.
+//
+// Weights are packed once (pack.py): fp32 as [N/64][K][64], bf16 as [N/64][K/2][64][2] (pairs of
+// k side by side, the layout VDPBF16PS reads), N padded to 64 and K to even with zeros.
+
+constexpr int PANEL = 64;  // outputs per panel: four vectors
+constexpr int PV = PANEL / W;
+constexpr int MB = 6;  // rows per register block
+constexpr int64_t PREFETCH_BYTES = 32768;  // how far ahead of the weight stream to fetch
+
+template <typename T>
+inline void prefetch(const T* p) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+inline V vbroadcast(const float* p) { return vset(*p); }
+
+// One register block: rows x[0..R) against one fp32 panel [K][64]; sums into acc (R x 64).
+template <int R>
+void panel_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* acc, const char* ahead, const char* end) {
+  V a[R][PV];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < PV; v++) a[r][v] = vzero();
+  for (int64_t k = 0; k < K; k++) {
+    const float* wk = w + k * PANEL;
+    if (ahead) {
+      const char* p = ahead + k * PANEL * sizeof(float);
+      if (p < end) prefetch(p), prefetch(p + 64), prefetch(p + 128), prefetch(p + 192);
+    }
+    V wv[PV];
+    for (int v = 0; v < PV; v++) wv[v] = vload(wk + v * W);
+    for (int r = 0; r < R; r++) {
+      V xv = vbroadcast(x + r * ldx + k);
+      for (int v = 0; v < PV; v++) a[r][v] = vfma(xv, wv[v], a[r][v]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < PV; v++) vstore(acc + r * PANEL + v * W, a[r][v]);
+}
+
+// The same over a bf16 panel [K/2][64][2], activations already rounded to bf16 (as pairs).
+template <int R>
+void panel_bf16(const uint32_t* xpairs, int64_t ldx, const bf16* w, int64_t K2, float* acc, const char* ahead,
+                const char* end) {
+#if defined(__AVX512BF16__)
+  __m512 a[R][PV];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < PV; v++) a[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; k++) {
+    const bf16* wk = w + k * PANEL * 2;
+    if (ahead) {
+      const char* p = ahead + k * PANEL * 2 * sizeof(bf16);
+      if (p < end) prefetch(p), prefetch(p + 64), prefetch(p + 128), prefetch(p + 192);
+    }
+    __m512bh wv[PV];
+    for (int v = 0; v < PV; v++) wv[v] = (__m512bh)_mm512_loadu_si512(wk + v * 2 * W);
+    for (int r = 0; r < R; r++) {
+      __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xpairs[r * ldx + k]));
+      for (int v = 0; v < PV; v++) a[r][v] = _mm512_dpbf16_ps(a[r][v], xv, wv[v]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < PV; v++) _mm512_storeu_ps(acc + r * PANEL + v * W, a[r][v]);
+#else
+  // No native bf16 dot products: the pair (k, k + 1) of each lane widened exactly, two FMAs in order.
+  V a[R][PV];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < PV; v++) a[r][v] = vzero();
+  for (int64_t k = 0; k < K2; k++) {
+    const bf16* wk = w + k * PANEL * 2;
+    if (ahead) {
+      const char* p = ahead + k * PANEL * 2 * sizeof(bf16);
+      if (p < end) prefetch(p), prefetch(p + 64), prefetch(p + 128), prefetch(p + 192);
+    }
+    V lo[PV], hi[PV];
+    for (int v = 0; v < PV; v++) {
+      alignas(64) float l[W], h[W];
+      for (int c = 0; c < W; c++) {
+        l[c] = bf16_to_float(wk[(v * W + c) * 2]);
+        h[c] = bf16_to_float(wk[(v * W + c) * 2 + 1]);
+      }
+      lo[v] = vload(l), hi[v] = vload(h);
+    }
+    for (int r = 0; r < R; r++) {
+      const uint32_t pair = xpairs[r * ldx + k];
+      V x0 = vset(bf16_to_float(static_cast<bf16>(pair & 0xffffu)));
+      V x1 = vset(bf16_to_float(static_cast<bf16>(pair >> 16)));
+      for (int v = 0; v < PV; v++) a[r][v] = vfma(x1, hi[v], vfma(x0, lo[v], a[r][v]));
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < PV; v++) vstore(acc + r * PANEL + v * W, a[r][v]);
+#endif
+}
+
+template <typename Block>
+void dispatch_rows(int rows, Block&& block) {
+  switch (rows) {
+    case 6: block(std::integral_constant<int, 6>{}); break;
+    case 5: block(std::integral_constant<int, 5>{}); break;
+    case 4: block(std::integral_constant<int, 4>{}); break;
+    case 3: block(std::integral_constant<int, 3>{}); break;
+    case 2: block(std::integral_constant<int, 2>{}); break;
+    default: block(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "dflash kernels: ", what); }
+
+// x [M, K] fp32; w packed (see above) for N outputs; out [M, N] fp32 (may be `residual`).
+void linear(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::optional<at::Tensor>& bias,
+            const c10::optional<at::Tensor>& residual, at::Tensor& out) {
+  check(x.dim() == 2 && out.dim() == 2, "linear: 2-D activations");
+  check(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "linear: fp32 activations");
+  check(x.stride(1) == 1 && w.is_contiguous() && out.stride(1) == 1, "linear: row-major");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t panels = (N + PANEL - 1) / PANEL;
+  const bool half = w.scalar_type() == at::kBFloat16;
+  check(half || w.scalar_type() == at::kFloat, "linear: fp32 or bf16 weights");
+  const int64_t kw = half ? (K + 1) / 2 * 2 : K;  // the packed reduction length
+  check(w.numel() == panels * PANEL * kw, "linear: packed weights of another shape");
+  check(out.size(0) == M && out.size(1) == N, "linear: output shape");
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  const float* res = residual ? residual->data_ptr<float>() : nullptr;
+  const int64_t ldr = residual ? residual->stride(0) : 0;
+  if (residual) check(residual->stride(1) == 1 && residual->size(0) == M && residual->size(1) == N, "linear: residual");
+  float* o = out.data_ptr<float>();
+  const int64_t ldo = out.stride(0);
+  const float* xs = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  // bf16: activations rounded once per call and stored as pairs (k, k + 1), zero past K.
+  const int64_t k2 = kw / 2;
+  std::vector<uint32_t> xpairs;
+  if (half) {
+    xpairs.assign(M * k2, 0u);
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t k = 0; k < K; k++)
+        xpairs[m * k2 + k / 2] |= static_cast<uint32_t>(float_to_bf16(xs[m * ldx + k])) << (16 * (k & 1));
+  }
+  const int64_t panel_bytes = PANEL * kw * (half ? 2 : 4);
+  const char* wbase = reinterpret_cast<const char*>(w.data_ptr());
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    const char* end = wbase + p1 * panel_bytes;
+    alignas(64) float acc[MB * PANEL];
+    for (int64_t p = p0; p < p1; p++) {
+      const char* panel = wbase + p * panel_bytes;
+      const int64_t n0 = p * PANEL, cols = std::min<int64_t>(PANEL, N - n0);
+      for (int64_t m = 0; m < M; m += MB) {
+        const int rows = static_cast<int>(std::min<int64_t>(MB, M - m));
+        // Only the first row block streams the panel from memory: it fetches ahead.
+        const char* ahead = m == 0 ? panel + PREFETCH_BYTES : nullptr;
+        dispatch_rows(rows, [&](auto R) {
+          if (half)
+            panel_bf16<R.value>(xpairs.data() + m * k2, k2, reinterpret_cast<const bf16*>(panel), k2, acc, ahead, end);
+          else
+            panel_f32<R.value>(xs + m * ldx, ldx, reinterpret_cast<const float*>(panel), K, acc, ahead, end);
+        });
+        for (int r = 0; r < rows; r++)
+          for (int64_t c = 0; c < cols; c++) {
+            float s = acc[r * PANEL + c];
+            if (b) s = s + b[n0 + c];
+            if (res) s = res[(m + r) * ldr + n0 + c] + s;
+            o[(m + r) * ldo + n0 + c] = s;
+          }
+      }
+    }
+  });
+}
+
+// --- RMSNorm: out = w * (x / sqrt(mean(x^2) + eps)), per row of H --------------------------------
+
+// One row; `out` may be `x`. Gemma-style norms scale by (1 + w).
+inline void rms_row(const float* x, const float* w, int64_t H, float eps, bool plus_one, float* out) {
+  V acc = vzero();
+  int64_t k = 0;
+  for (; k + W <= H; k += W) {
+    V v = vload(x + k);
+    acc = vfma(v, v, acc);
+  }
+  if (k < H) {
+    V v = vloadn(x + k, static_cast<int>(H - k));
+    acc = vfma(v, v, acc);
+  }
+  const float inv = 1.0f / std::sqrt(hsum(acc) / static_cast<float>(H) + eps);
+  for (int64_t j = 0; j < H; j++) {
+    const float g = plus_one ? 1.0f + w[j] : w[j];
+    out[j] = g * (x[j] * inv);
+  }
+}
+
+void rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, bool plus_one, at::Tensor& out) {
+  check(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rmsnorm: fp32");
+  check(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "rmsnorm: contiguous");
+  const int64_t H = weight.numel(), R = x.numel() / H;
+  check(x.numel() == R * H && out.numel() == x.numel(), "rmsnorm: shapes");
+  const float* xs = x.data_ptr<float>();
+  const float* ws = weight.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) rms_row(xs + r * H, ws, H, e, plus_one, os + r * H);
+  });
+}
+
+// --- SwiGLU: out[m, i] = silu(gu[m, i]) * gu[m, I + i] ----------------------------------------------
+
+void silu_mul(const at::Tensor& gu, at::Tensor& out) {
+  check(gu.scalar_type() == at::kFloat && gu.is_contiguous() && out.is_contiguous(), "silu_mul: fp32, contiguous");
+  const int64_t M = gu.size(0), I = gu.size(1) / 2;
+  check(out.size(0) == M && out.size(1) == I, "silu_mul: shapes");
+  const float* g = gu.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) {
+      const float* gr = g + m * 2 * I;
+      float* orow = o + m * I;
+      for (int64_t i = 0; i < I; i += W) {
+        int n = static_cast<int>(std::min<int64_t>(W, I - i));
+        V a = vloadn(gr + i, n), u = vloadn(gr + I + i, n);
+        V s = vdiv(a, vadd(vset(1.0f), vexp(vsub(vzero(), a))));
+        vstoren(orow + i, vmul(s, u), n);
+      }
+    }
+  });
+}
+
+// --- rotary embedding and the KV cache write ----------------------------------------------------------
+
+// Rotate-half RoPE on [heads, D] rows at one position: x1' = x1 c - x2 s, x2' = x2 c + x1 s.
+inline void rope_row(float* x, int64_t heads, int64_t D, const float* c, const float* s) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; h++) {
+    float* v = x + h * D;
+    for (int64_t i = 0; i < half; i++) {
+      float a = v[i], b = v[i + half];
+      v[i] = a * c[i] - b * s[i];
+      v[i + half] = b * c[i + half] + a * s[i + half];
+    }
+  }
+}
+
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n);
+template <>
+inline void store_row<float>(float* dst, const float* src, int64_t n) {
+  std::memcpy(dst, src, sizeof(float) * n);
+}
+template <>
+inline void store_row<bf16>(bf16* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
+}
+
+// qkv [M, (Hq + 2 Hkv) D]: q and k rotated in place at each row's position (cos/sin rows [M, D]),
+// then k and v written to the cache [S, Hkv, C, D] at (slot[m], index[m]).
+template <typename T>
+void rope_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
+                     const at::Tensor& slot, const at::Tensor& index, int64_t hq, int64_t hkv, const float* qn,
+                     const float* kn, float eps) {
+  const int64_t M = qkv.size(0), D = kc.size(3), C = kc.size(2);
+  float* base = qkv.data_ptr<float>();
+  const int64_t ld = qkv.stride(0);
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  const int32_t* sl = slot.data_ptr<int32_t>();
+  const int32_t* ix = index.data_ptr<int32_t>();
+  T* kp = reinterpret_cast<T*>(kc.data_ptr());
+  T* vp = reinterpret_cast<T*>(vc.data_ptr());
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) {
+      float* row = base + m * ld;
+      if (qn)
+        for (int64_t h = 0; h < hq; h++) rms_row(row + h * D, qn, D, eps, false, row + h * D);
+      if (kn)
+        for (int64_t h = hq; h < hq + hkv; h++) rms_row(row + h * D, kn, D, eps, false, row + h * D);
+      rope_row(row, hq + hkv, D, cs + m * D, sn + m * D);
+      for (int64_t h = 0; h < hkv; h++) {
+        const int64_t at_ = ((static_cast<int64_t>(sl[m]) * hkv + h) * C + ix[m]) * D;
+        store_row<T>(kp + at_, row + (hq + h) * D, D);
+        store_row<T>(vp + at_, row + (hq + hkv + h) * D, D);
+      }
+    }
+  });
+}
+
+void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
+                const at::Tensor& slot, const at::Tensor& index, int64_t hq, int64_t hkv,
+                const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps) {
+  check(qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1, "rope_store: fp32 qkv rows");
+  check(cos.is_contiguous() && sin.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "rope_store: layout");
+  check(slot.scalar_type() == at::kInt && index.scalar_type() == at::kInt, "rope_store: int32 slots and indices");
+  check(qkv.size(1) == (hq + 2 * hkv) * kc.size(3), "rope_store: head counts");
+  const float* qn = q_norm ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm ? k_norm->data_ptr<float>() : nullptr;
+  const float e = static_cast<float>(eps);
+  if (kc.scalar_type() == at::kBFloat16)
+    rope_store_impl<bf16>(qkv, cos, sin, kc, vc, slot, index, hq, hkv, qn, kn, e);
+  else
+    rope_store_impl<float>(qkv, cos, sin, kc, vc, slot, index, hq, hkv, qn, kn, e);
+}
+
+// --- attention over each row's list of visible keys ---------------------------------------------------
+
+// Row m sees cache rows [lo[m], hi[m]) of its slot, then extra[m, 0..count[m]), in that order: its
+// keys as one list, so whether they sit contiguously or are gathered never changes the arithmetic.
+template <typename T>
+void attention_impl(const at::Tensor& qkv, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slot,
+                    const at::Tensor& lo, const at::Tensor& hi, const at::Tensor& extra, const at::Tensor& count,
+                    int64_t hq, double scale, at::Tensor& out) {
+  const int64_t M = qkv.size(0), hkv = kc.size(1), C = kc.size(2), D = kc.size(3);
+  const int64_t group = hq / hkv, E = extra.size(1);
+  const float* q = qkv.data_ptr<float>();
+  const int64_t ldq = qkv.stride(0);
+  const T* kp = reinterpret_cast<const T*>(kc.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(vc.data_ptr());
+  const int32_t *sl = slot.data_ptr<int32_t>(), *l0 = lo.data_ptr<int32_t>(), *h0 = hi.data_ptr<int32_t>();
+  const int32_t *ex = extra.data_ptr<int32_t>(), *cn = count.data_ptr<int32_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t ldo = out.stride(0);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, M * hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> keys;
+    std::vector<float> p;
+    alignas(64) float acc[512];
+    for (int64_t t = t0; t < t1; t++) {
+      const int64_t m = t / hkv, g = t % hkv;
+      const int64_t span = h0[m] - l0[m];
+      const int64_t L = span + cn[m];
+      keys.resize(L);
+      for (int64_t j = 0; j < span; j++) keys[j] = l0[m] + j;
+      for (int64_t j = 0; j < cn[m]; j++) keys[span + j] = ex[m * E + j];
+      p.assign(((L + W - 1) / W) * W, 0.0f);
+      const T* kb = kp + (static_cast<int64_t>(sl[m]) * hkv + g) * C * D;
+      const T* vb = vp + (static_cast<int64_t>(sl[m]) * hkv + g) * C * D;
+      for (int64_t hh = 0; hh < group; hh++) {
+        const int64_t h = g * group + hh;
+        const float* qr = q + m * ldq + h * D;
+        float best = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < L; j++) {
+          const T* kr = kb + keys[j] * D;
+          V a = vzero();
+          int64_t d = 0;
+          for (; d + W <= D; d += W) a = vfma(vload(qr + d), vload(kr + d), a);
+          if (d < D) a = vfma(vloadn(qr + d, static_cast<int>(D - d)), vloadn(kr + d, static_cast<int>(D - d)), a);
+          const float s = hsum(a) * sc;
+          p[j] = s;
+          best = s > best ? s : best;
+        }
+        // exp in vectors of 16 list entries; the sum in 16 lanes by list index.
+        V total = vzero();
+        const V top = vset(best);
+        for (int64_t j = 0; j < L; j += W) {
+          const int n = static_cast<int>(std::min<int64_t>(W, L - j));
+          V e = vexp(vsub(vloadn(&p[j], n), top));
+          if (n < W) {  // lanes past the list are not keys: they add nothing
+            alignas(64) float t[W];
+            vlanes(e, t);
+            for (int l = n; l < W; l++) t[l] = 0.0f;
+            e = vload(t);
+          }
+          vstore(&p[j], e);
+          total = vadd(total, e);
+        }
+        const float denom = hsum(total);
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        for (int64_t j = 0; j < L; j++) {
+          const T* vr = vb + keys[j] * D;
+          const V pj = vset(p[j]);
+          int64_t d = 0;
+          for (; d + W <= D; d += W) vstore(acc + d, vfma(pj, vload(vr + d), vload(acc + d)));
+          if (d < D) {
+            const int n = static_cast<int>(D - d);
+            vstoren(acc + d, vfma(pj, vloadn(vr + d, n), vloadn(acc + d, n)), n);
+          }
+        }
+        float* orow = o + m * ldo + h * D;
+        for (int64_t d = 0; d < D; d++) orow[d] = acc[d] / denom;
+      }
+    }
+  });
+}
+
+void attention(const at::Tensor& qkv, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slot,
+               const at::Tensor& lo, const at::Tensor& hi, const at::Tensor& extra, const at::Tensor& count, int64_t hq,
+               double scale, at::Tensor& out) {
+  check(qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1 && out.is_contiguous(), "attention: fp32 rows");
+  check(kc.is_contiguous() && vc.is_contiguous() && kc.size(3) <= 512, "attention: cache layout, head_dim <= 512");
+  check(extra.is_contiguous() && extra.scalar_type() == at::kInt, "attention: int32 extra keys");
+  check(hq % kc.size(1) == 0, "attention: query heads a multiple of key/value heads");
+  if (kc.scalar_type() == at::kBFloat16)
+    attention_impl<bf16>(qkv, kc, vc, slot, lo, hi, extra, count, hq, scale, out);
+  else
+    attention_impl<float>(qkv, kc, vc, slot, lo, hi, extra, count, hq, scale, out);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dflash, m) {
+  m.def("linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual, Tensor(a!) out) -> ()");
+  m.def("rmsnorm(Tensor x, Tensor weight, float eps, bool plus_one, Tensor(a!) out) -> ()");
+  m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()");
+  m.def(
+      "rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kc, Tensor(c!) vc, Tensor slot, Tensor index, "
+      "int hq, int hkv, Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
+  m.def(
+      "attention(Tensor qkv, Tensor kc, Tensor vc, Tensor slot, Tensor lo, Tensor hi, Tensor extra, Tensor count, "
+      "int hq, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dflash, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("rmsnorm", &rmsnorm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_store", &rope_store);
+  m.impl("attention", &attention);
+}

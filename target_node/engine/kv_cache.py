@@ -1,0 +1,67 @@
+"""The engine's KV cache: preallocated slots, position = index, rollback = a length.
+
+Each slot holds one sequence's keys and values for every layer, [slots, kv_heads, capacity,
+head_dim] per layer, written in place by the forward (no concatenation). A slot's length says
+which entries count: rolling back is setting it, and what lies beyond is overwritten by the
+next forward. A tree step's accepted rows are gathered into place (`keep`). The capacity grows
+by doubling when a sequence needs more, the only time entries are copied.
+
+Sliding-window layers keep every position too: their window is a bound on the key list the
+attention reads, so a rejected block never needs the past a window would have dropped, and
+trees verify on them as on full attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        slots: int = 1,
+        capacity: int = 256,
+        max_capacity: int | None = None,
+    ) -> None:
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.slots = slots
+        self.max_capacity = max_capacity
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths = [0] * slots
+        self._allocate(min(capacity, max_capacity) if max_capacity else capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        shape = (self.slots, self.kv_heads, capacity, self.head_dim)
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        for old, new in zip(self.keys + self.values, keys + values, strict=False):  # none on the first call
+            new[:, :, : self.capacity] = old
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+    def reserve(self, positions: int) -> None:
+        """Make room for `positions` entries per slot (doubling, so growth is rare)."""
+        if positions <= self.capacity:
+            return
+        if self.max_capacity is not None and positions > self.max_capacity:
+            raise ValueError(f"the KV cache holds at most {self.max_capacity} positions, not {positions}")
+        capacity = max(positions, 2 * self.capacity)
+        self._allocate(min(capacity, self.max_capacity) if self.max_capacity else capacity)
+
+    def bytes_per_position(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+    def keep(self, slot: int, start: int, rows: list[int]) -> None:
+        """After a forward from `start`: its rows `rows` (ascending offsets) move to start, start + 1, ..."""
+        if rows != list(range(len(rows))):
+            src = torch.tensor(rows, device=self.device) + start
+            for tensor in self.keys + self.values:
+                tensor[slot, :, start : start + len(rows)] = tensor[slot, :, src]
+        self.lengths[slot] = start + len(rows)

@@ -1,0 +1,102 @@
+"""What each row of a forward is: its slot, token, position, cache index and the keys it may see.
+
+Row bits depend only on these, so this is where the batch-invariance contract is spelled out.
+A row's visible keys are one list in position order: a contiguous run of its slot's committed
+cache `[lo, hi)`, then `extra` entries gathered by index. A chain row at position p sees
+`[lo, p + 1)` (itself included, written by the same forward before attention reads it); a tree
+node sees the committed context `[lo, start)` and then its ancestors and itself, gathered from
+where the tree put them. Both lists hold the same keys in the same order as the plain step at
+that position saw, so the kernels, which read a list and never a mask, give the same bits.
+Sliding-window layers read the same lists cut to positions above p - window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from target_node.tree import DraftTree
+
+
+@dataclass
+class KeyLists:
+    """One window's key lists for every row (int32, on the cache's device)."""
+
+    lo: torch.Tensor  # [M]
+    hi: torch.Tensor  # [M]
+    extra: torch.Tensor  # [M, E]: cache indices after [lo, hi)
+    count: torch.Tensor  # [M]: how many of `extra` each row reads
+
+
+@dataclass
+class Rows:
+    tokens: torch.Tensor  # [M] long
+    positions: torch.Tensor  # [M] long: rotary positions
+    slots: torch.Tensor  # [M] int32
+    index: torch.Tensor  # [M] int32: where each row's key and value are written
+    keys: dict[int | None, KeyLists]  # by window (None: full attention)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+def chain_rows(tokens: list[int], start: int, windows: set[int | None], slot: int = 0, device="cpu") -> Rows:
+    """Tokens at positions start, start + 1, ... of one slot, each seeing everything before it."""
+    n = len(tokens)
+    positions = torch.arange(start, start + n, dtype=torch.int32)
+    hi = positions + 1
+    keys = {}
+    for window in windows:
+        lo = torch.zeros(n, dtype=torch.int32) if window is None else (positions - window + 1).clamp_min(0)
+        keys[window] = KeyLists(lo, hi, torch.zeros(n, 0, dtype=torch.int32), torch.zeros(n, dtype=torch.int32))
+    return _on(
+        Rows(torch.tensor(tokens), positions.long(), torch.full((n,), slot, dtype=torch.int32), positions, keys), device
+    )
+
+
+def tree_rows(
+    tokens: list[int], start: int, tree: DraftTree, windows: set[int | None], slot: int = 0, device="cpu"
+) -> Rows:
+    """`[last_tok, *tree.tokens]` at cache indices start.. and positions start + depth: each node sees
+    the committed context, then its ancestors and itself in depth order."""
+    n = len(tokens)
+    depths = [0, *tree.depths]
+    paths: list[list[int]] = [[0]]
+    for node, parent in enumerate(tree.parents, start=1):
+        paths.append([*paths[parent], node])
+    positions = [start + d for d in depths]
+    keys = {}
+    for window in windows:
+        lo, lists = [], []
+        for node in range(n):
+            low = 0 if window is None else max(0, positions[node] - window + 1)
+            lo.append(min(low, start))
+            lists.append([start + a for a in paths[node] if start + depths[a] >= low])
+        width = max(len(x) for x in lists)
+        extra = torch.tensor([x + [0] * (width - len(x)) for x in lists], dtype=torch.int32)
+        count = torch.tensor([len(x) for x in lists], dtype=torch.int32)
+        keys[window] = KeyLists(
+            torch.tensor(lo, dtype=torch.int32), torch.full((n,), start, dtype=torch.int32), extra, count
+        )
+    rows = Rows(
+        torch.tensor(tokens),
+        torch.tensor(positions),
+        torch.full((n,), slot, dtype=torch.int32),
+        torch.arange(start, start + n, dtype=torch.int32),
+        keys,
+    )
+    return _on(rows, device)
+
+
+def _on(rows: Rows, device) -> Rows:
+    if torch.device(device).type == "cpu":
+        return rows
+    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    return Rows(
+        move(rows.tokens),
+        move(rows.positions),
+        move(rows.slots),
+        move(rows.index),
+        {w: KeyLists(move(k.lo), move(k.hi), move(k.extra), move(k.count)) for w, k in rows.keys.items()},
+    )

@@ -1,0 +1,71 @@
+"""The transformers path: any decoder's own forward over a `DynamicCache`, rolled back by policy.
+
+This runs what the engine does not serve (sliding-window-only caches on the GPU, mixtures of
+experts, linear attention and state-space layers, families with other norms or activations):
+the model's own decoder stack, a cache that grows by concatenation, and the rollback policy its
+cache layers call for (cache_policy.py). Its rows are not batch-invariant: a verify forward may
+round a row differently from the one-token step, which in fp32 rarely flips an argmax and in
+bf16 often does. The engine exists for that; this path exists so every decoder still serves.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from target_node.cache_policy import CachePolicy, policy_for
+from target_node.taps import tap_features
+from target_node.tree import DraftTree
+
+
+class TransformersPath:
+    def __init__(self, model, cache_policy: str | None = None) -> None:
+        self.model = model
+        self.cache: DynamicCache | None = None
+        self.policy: CachePolicy = policy_for(self.new_cache(), model, cache_policy)
+        self.name, self.tree = self.policy.name, self.policy.tree
+        self.tap_offset = 1  # where decoder layer 0's output sits in hidden_states (support.probe)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def length(self) -> int:
+        return 0 if self.cache is None else self.policy.length(self.cache)
+
+    def reset(self) -> None:
+        self.cache = None
+
+    @torch.inference_mode()
+    def step(
+        self, tokens: list[int], taps: tuple[int, ...] = (), tree: DraftTree | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.cache is None:
+            self.cache = self.new_cache()
+        start = self.length()
+        self.policy.prepare(self.cache, start, len(tokens))
+        device = self.model.device
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        extra = {} if tree is None or tree.is_chain else self._tree_inputs(tree, start)
+        out = self.model.get_decoder()(
+            input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=bool(taps), **extra
+        )
+        features = tap_features(out.hidden_states, taps, self.tap_offset)[0] if taps else None
+        return out.last_hidden_state[0], features
+
+    def _tree_inputs(self, tree: DraftTree, start: int) -> dict:
+        if not self.policy.tree:
+            raise ValueError(f"the {self.policy.name} cache policy cannot verify trees")
+        device = self.model.device
+        positions = torch.tensor([[start] + [start + d for d in tree.depths]], device=device)
+        rows = len(tree) + 1
+        allowed = torch.ones(rows, start + rows, dtype=torch.bool, device=device)
+        allowed[:, start:] = tree.visible(device)
+        dtype = self.model.dtype
+        mask = torch.zeros(1, 1, rows, start + rows, dtype=dtype, device=device)
+        return {"position_ids": positions, "attention_mask": mask.masked_fill(~allowed, torch.finfo(dtype).min)}
+
+    def rollback(self, length: int) -> None:
+        self.policy.rollback(self.cache, length)
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        self.policy.keep(self.cache, start, rows)
