@@ -1,6 +1,8 @@
-"""Losslessness on the real SmolLM2-135M-Instruct (fp32), with a random drafter and n-gram lookup."""
+"""Losslessness on the real SmolLM2-135M-Instruct, with the shipped drafter, a random one and n-gram
+lookup: on the engine bit for bit in fp32 and bf16, loaded as the daemons load it (dtype auto)."""
 
 import pytest
+import torch
 from helpers import assert_lossless, greedy
 
 from draft_node.checkpoint import config_for_target, random_drafter
@@ -64,6 +66,24 @@ def test_tree_speculation_with_the_shipped_drafter_equals_greedy(smollm, prompts
         assert_lossless(smollm, prompt, result.tokens, want)
         assert result.stats.proposed >= 16 * (result.stats.steps - result.stats.plain_steps) * 0.9
         assert result.stats.tau > 1.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_shipped_drafter_gives_plain_output_bit_for_bit_in_every_mode(prompts, dtype):
+    """The engine's promise on the real model: chain, tree and the governor's default all give
+    exactly the plain greedy output, in fp32 and in bf16, where today's transformers path did not."""
+    from draft_node.checkpoint import load_drafter
+    from launch.common import SHIPPED_DRAFTER
+
+    target = TargetModel.load(ensure_default_model(), dtype=dtype)
+    assert target.engine is not None
+    proposer = DFlashProposer(LocalDraftBackend(load_drafter(SHIPPED_DRAFTER, dtype=torch.bfloat16)))
+    modes = {"chain": dict(adaptive=False), "tree": dict(adaptive=False, tree_nodes=12), "default": dict(tree_nodes=16)}
+    for prompt in prompts:
+        want = greedy(target, prompt, MAX_NEW)
+        for mode, options in modes.items():
+            result = generate(target, prompt, proposer, MAX_NEW, **options)
+            assert result.tokens == want, (dtype, mode)
 
 
 def test_remote_drafter_equals_local_and_greedy(smollm, prompts, references, tmp_path):

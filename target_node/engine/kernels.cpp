@@ -369,6 +369,21 @@ void panel_bf16(const uint32_t* xpairs, int64_t ldx, const bf16* w, int64_t K2, 
 #endif
 }
 
+// A row of activations rounded to bf16 (round to nearest even), in order: as uint32 words, the pairs
+// (k, k + 1) the bf16 panels read. One conversion for every row, whatever its length.
+inline void round_row_bf16(const float* x, int64_t K, bf16* out) {
+#if defined(__AVX512BF16__)
+  for (int64_t k = 0; k < K; k += W) {
+    const int n = static_cast<int>(std::min<int64_t>(W, K - k));
+    const __mmask16 mask = (__mmask16)((1u << n) - 1u);
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x + k));
+    _mm256_mask_storeu_epi16(out + k, mask, (__m256i)h);
+  }
+#else
+  for (int64_t k = 0; k < K; k++) out[k] = float_to_bf16(x[k]);
+#endif
+}
+
 template <typename Block>
 void dispatch_rows(int rows, Block&& block) {
   switch (rows) {
@@ -409,9 +424,7 @@ void linear(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::opti
   std::vector<uint32_t> xpairs;
   if (half) {
     xpairs.assign(M * k2, 0u);
-    for (int64_t m = 0; m < M; m++)
-      for (int64_t k = 0; k < K; k++)
-        xpairs[m * k2 + k / 2] |= static_cast<uint32_t>(float_to_bf16(xs[m * ldx + k])) << (16 * (k & 1));
+    for (int64_t m = 0; m < M; m++) round_row_bf16(xs + m * ldx, K, reinterpret_cast<bf16*>(&xpairs[m * k2]));
   }
   const int64_t panel_bytes = PANEL * kw * (half ? 2 : 4);
   const char* wbase = reinterpret_cast<const char*>(w.data_ptr());
@@ -575,9 +588,123 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, a
 }
 
 // --- attention over each row's list of visible keys ---------------------------------------------------
-
+//
 // Row m sees cache rows [lo[m], hi[m]) of its slot, then extra[m, 0..count[m]), in that order: its
 // keys as one list, so whether they sit contiguously or are gathered never changes the arithmetic.
+// Per query head: score_j = hsum(q * k_j) * scale; p_j = exp(score_j - max); the sum of p in 16
+// lanes by list index; out = (sum_j p_j v_j, j in list order) / sum. The heads that share a key
+// head are computed together (each key and value is read once for all of them); that changes
+// which registers hold a head's numbers, not its operations.
+
+constexpr int HB = 4;  // query heads of one group computed together
+
+template <typename T, int DV, int NH>
+void head_block(const float* const* q, const T* kb, const T* vb, const int64_t* keys, int64_t L, float sc,
+                float* const* p, float* const* out) {
+  constexpr int64_t D = DV * W;
+  V qv[NH][DV];
+  for (int h = 0; h < NH; h++)
+    for (int c = 0; c < DV; c++) qv[h][c] = vload(q[h] + c * W);
+  float best[NH];
+  for (int h = 0; h < NH; h++) best[h] = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < L; j++) {
+    const T* kr = kb + keys[j] * D;
+    V a[NH];
+    for (int h = 0; h < NH; h++) a[h] = vzero();
+    for (int c = 0; c < DV; c++) {
+      const V kv = vload(kr + c * W);
+      for (int h = 0; h < NH; h++) a[h] = vfma(qv[h][c], kv, a[h]);
+    }
+    for (int h = 0; h < NH; h++) {
+      const float s = hsum(a[h]) * sc;
+      p[h][j] = s;
+      best[h] = s > best[h] ? s : best[h];
+    }
+  }
+  float denom[NH];
+  for (int h = 0; h < NH; h++) {
+    V total = vzero();
+    const V top = vset(best[h]);
+    for (int64_t j = 0; j < L; j += W) {
+      const int n = static_cast<int>(std::min<int64_t>(W, L - j));
+      V e = vexp(vsub(vloadn(&p[h][j], n), top));
+      if (n < W) {  // lanes past the list are not keys: they add nothing
+        alignas(64) float t[W];
+        vlanes(e, t);
+        for (int l = n; l < W; l++) t[l] = 0.0f;
+        e = vload(t);
+      }
+      vstoren(&p[h][j], e, n);
+      total = vadd(total, e);
+    }
+    denom[h] = hsum(total);
+  }
+  V acc[NH][DV];
+  for (int h = 0; h < NH; h++)
+    for (int c = 0; c < DV; c++) acc[h][c] = vzero();
+  for (int64_t j = 0; j < L; j++) {
+    const T* vr = vb + keys[j] * D;
+    for (int c = 0; c < DV; c++) {
+      const V vv = vload(vr + c * W);
+      for (int h = 0; h < NH; h++) acc[h][c] = vfma(vset(p[h][j]), vv, acc[h][c]);
+    }
+  }
+  for (int h = 0; h < NH; h++) {
+    const V dv = vset(denom[h]);
+    for (int c = 0; c < DV; c++) vstore(out[h] + c * W, vdiv(acc[h][c], dv));
+  }
+}
+
+// Any head size: the same operations, with partial vectors at the end of a head.
+template <typename T>
+void head_generic(const float* q, const T* kb, const T* vb, const int64_t* keys, int64_t L, int64_t D, float sc,
+                  float* p, float* out) {
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < L; j++) {
+    const T* kr = kb + keys[j] * D;
+    V a = vzero();
+    for (int64_t d = 0; d < D; d += W) {
+      const int n = static_cast<int>(std::min<int64_t>(W, D - d));
+      a = vfma(vloadn(q + d, n), vloadn(kr + d, n), a);
+    }
+    const float s = hsum(a) * sc;
+    p[j] = s;
+    best = s > best ? s : best;
+  }
+  V total = vzero();
+  const V top = vset(best);
+  for (int64_t j = 0; j < L; j += W) {
+    const int n = static_cast<int>(std::min<int64_t>(W, L - j));
+    V e = vexp(vsub(vloadn(&p[j], n), top));
+    if (n < W) {
+      alignas(64) float t[W];
+      vlanes(e, t);
+      for (int l = n; l < W; l++) t[l] = 0.0f;
+      e = vload(t);
+    }
+    vstoren(&p[j], e, n);
+    total = vadd(total, e);
+  }
+  const float denom = hsum(total);
+  for (int64_t d = 0; d < D; d += W) {
+    const int n = static_cast<int>(std::min<int64_t>(W, D - d));
+    V acc = vzero();
+    for (int64_t j = 0; j < L; j++) acc = vfma(vset(p[j]), vloadn(vb + keys[j] * D + d, n), acc);
+    vstoren(out + d, vdiv(acc, vset(denom)), n);
+  }
+}
+
+template <typename T, int DV>
+void group_heads(int64_t nh, const float* const* q, const T* kb, const T* vb, const int64_t* keys, int64_t L,
+                 float sc, float* const* p, float* const* out) {
+  switch (nh) {
+    case 4: head_block<T, DV, 4>(q, kb, vb, keys, L, sc, p, out); break;
+    case 3: head_block<T, DV, 3>(q, kb, vb, keys, L, sc, p, out); break;
+    case 2: head_block<T, DV, 2>(q, kb, vb, keys, L, sc, p, out); break;
+    default: head_block<T, DV, 1>(q, kb, vb, keys, L, sc, p, out); break;
+  }
+}
+
 template <typename T>
 void attention_impl(const at::Tensor& qkv, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slot,
                     const at::Tensor& lo, const at::Tensor& hi, const at::Tensor& extra, const at::Tensor& count,
@@ -595,8 +722,7 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& kc, const at::Tenso
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, M * hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> keys;
-    std::vector<float> p;
-    alignas(64) float acc[512];
+    std::vector<float> scores;
     for (int64_t t = t0; t < t1; t++) {
       const int64_t m = t / hkv, g = t % hkv;
       const int64_t span = h0[m] - l0[m];
@@ -604,52 +730,29 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& kc, const at::Tenso
       keys.resize(L);
       for (int64_t j = 0; j < span; j++) keys[j] = l0[m] + j;
       for (int64_t j = 0; j < cn[m]; j++) keys[span + j] = ex[m * E + j];
-      p.assign(((L + W - 1) / W) * W, 0.0f);
+      const int64_t stride = ((L + W - 1) / W) * W;
+      scores.resize(HB * stride);
       const T* kb = kp + (static_cast<int64_t>(sl[m]) * hkv + g) * C * D;
       const T* vb = vp + (static_cast<int64_t>(sl[m]) * hkv + g) * C * D;
-      for (int64_t hh = 0; hh < group; hh++) {
-        const int64_t h = g * group + hh;
-        const float* qr = q + m * ldq + h * D;
-        float best = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < L; j++) {
-          const T* kr = kb + keys[j] * D;
-          V a = vzero();
-          int64_t d = 0;
-          for (; d + W <= D; d += W) a = vfma(vload(qr + d), vload(kr + d), a);
-          if (d < D) a = vfma(vloadn(qr + d, static_cast<int>(D - d)), vloadn(kr + d, static_cast<int>(D - d)), a);
-          const float s = hsum(a) * sc;
-          p[j] = s;
-          best = s > best ? s : best;
+      for (int64_t h0_ = 0; h0_ < group; h0_ += HB) {
+        const int64_t nh = std::min<int64_t>(HB, group - h0_);
+        const float* qs[HB];
+        float* ps[HB];
+        float* os[HB];
+        for (int64_t i = 0; i < nh; i++) {
+          const int64_t h = g * group + h0_ + i;
+          qs[i] = q + m * ldq + h * D;
+          ps[i] = scores.data() + i * stride;
+          os[i] = o + m * ldo + h * D;
         }
-        // exp in vectors of 16 list entries; the sum in 16 lanes by list index.
-        V total = vzero();
-        const V top = vset(best);
-        for (int64_t j = 0; j < L; j += W) {
-          const int n = static_cast<int>(std::min<int64_t>(W, L - j));
-          V e = vexp(vsub(vloadn(&p[j], n), top));
-          if (n < W) {  // lanes past the list are not keys: they add nothing
-            alignas(64) float t[W];
-            vlanes(e, t);
-            for (int l = n; l < W; l++) t[l] = 0.0f;
-            e = vload(t);
-          }
-          vstore(&p[j], e);
-          total = vadd(total, e);
+        switch (D) {
+          case 16: group_heads<T, 1>(nh, qs, kb, vb, keys.data(), L, sc, ps, os); break;
+          case 32: group_heads<T, 2>(nh, qs, kb, vb, keys.data(), L, sc, ps, os); break;
+          case 64: group_heads<T, 4>(nh, qs, kb, vb, keys.data(), L, sc, ps, os); break;
+          case 128: group_heads<T, 8>(nh, qs, kb, vb, keys.data(), L, sc, ps, os); break;
+          default:
+            for (int64_t i = 0; i < nh; i++) head_generic<T>(qs[i], kb, vb, keys.data(), L, D, sc, ps[i], os[i]);
         }
-        const float denom = hsum(total);
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-        for (int64_t j = 0; j < L; j++) {
-          const T* vr = vb + keys[j] * D;
-          const V pj = vset(p[j]);
-          int64_t d = 0;
-          for (; d + W <= D; d += W) vstore(acc + d, vfma(pj, vload(vr + d), vload(acc + d)));
-          if (d < D) {
-            const int n = static_cast<int>(D - d);
-            vstoren(acc + d, vfma(pj, vloadn(vr + d, n), vloadn(acc + d, n)), n);
-          }
-        }
-        float* orow = o + m * ldo + h * D;
-        for (int64_t d = 0; d < D; d++) orow[d] = acc[d] / denom;
       }
     }
   });
@@ -659,7 +762,7 @@ void attention(const at::Tensor& qkv, const at::Tensor& kc, const at::Tensor& vc
                const at::Tensor& lo, const at::Tensor& hi, const at::Tensor& extra, const at::Tensor& count, int64_t hq,
                double scale, at::Tensor& out) {
   check(qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1 && out.is_contiguous(), "attention: fp32 rows");
-  check(kc.is_contiguous() && vc.is_contiguous() && kc.size(3) <= 512, "attention: cache layout, head_dim <= 512");
+  check(kc.is_contiguous() && vc.is_contiguous(), "attention: cache layout");
   check(extra.is_contiguous() && extra.scalar_type() == at::kInt, "attention: int32 extra keys");
   check(hq % kc.size(1) == 0, "attention: query heads a multiple of key/value heads");
   if (kc.scalar_type() == at::kBFloat16)

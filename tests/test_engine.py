@@ -1,0 +1,155 @@
+"""The engine is batch-invariant by construction: every row of a forward has the bits of the plain
+one-token step at its position with the same context, whatever rows run beside it.
+
+Checked with `torch.equal`, never a tolerance, in every layer's output, the final hidden states
+and the logits, for tiny models of every family the engine serves, in fp32 and bf16: chains of
+width 1..17, random trees, prefill chunks of any size, and any thread count. Then the decoding
+built on it: speculative output equals plain output exactly, with random, oracle and n-gram
+drafters, chain and tree, in both dtypes.
+"""
+
+import random
+
+import pytest
+import torch
+from helpers import OracleBackend, greedy
+
+from draft_node.checkpoint import config_for_target, random_drafter
+from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
+from target_node.speculative import generate
+from target_node.tiny import ENGINE_FAMILIES, tiny_target
+from target_node.tree import DraftTree
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CONTEXT = [5, 17, 42, 99, 3, 7, 11, 200, 13, 14, 15, 16, 30, 31, 32, 33, 40, 41, 9, 8]  # past the windows (8)
+WIDEST = 17
+
+
+@pytest.fixture(
+    scope="module", params=[(f, d) for f in ENGINE_FAMILIES for d in DTYPES], ids=lambda p: f"{p[0]}-{p[1]}"
+)
+def target(request, one_thread):
+    family, dtype = request.param
+    target = tiny_target(family, seed=2, layers=3, dtype=DTYPES[dtype])
+    assert target.engine is not None and target.policy.name == "static"
+    return target
+
+
+def run(target, tokens, tree=None):
+    """Every layer's output and the logits of each row: what must not depend on the batch."""
+    layers = tuple(range(target.config.num_hidden_layers))
+    hidden, features = target.forward(tokens, layers, tree)
+    return torch.cat([features, hidden, target.logits(hidden)], -1)
+
+
+def plain_rows(target, context, tokens):
+    """Each token as its own one-token step after `context` and the tokens before it."""
+    target.reset()
+    target.forward(context)
+    return torch.cat([run(target, [t]) for t in tokens])
+
+
+def test_every_row_of_a_chain_of_any_width_is_the_plain_step(target):
+    tokens = [(7 * i + 3) % 300 for i in range(WIDEST)]
+    want = plain_rows(target, CONTEXT, tokens)
+    for width in range(1, WIDEST + 1):
+        target.rollback(len(CONTEXT))
+        got = run(target, tokens[:width])
+        for row in range(width):
+            assert torch.equal(got[row], want[row]), f"width {width}, row {row}"
+
+
+def random_tree(rng: random.Random, nodes: int) -> DraftTree:
+    parents, depths, tokens = [], [], []
+    for node in range(1, nodes + 1):
+        parent = rng.randrange(node)  # any earlier node (0: the root)
+        parents.append(parent)
+        depths.append(1 + (depths[parent - 1] if parent else 0))
+        tokens.append(rng.randrange(3, 300))
+    return DraftTree(tokens, parents, depths, [1.0] * nodes)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_node_of_a_random_tree_is_the_plain_step_along_its_path(target, seed):
+    rng = random.Random(seed)
+    tree = random_tree(rng, rng.randint(2, WIDEST - 1))
+    last = 77
+    target.reset()
+    target.forward(CONTEXT)
+    got = run(target, [last, *tree.tokens], tree)
+    for node in range(len(tree) + 1):
+        path = [node]
+        while path[-1]:
+            path.append(tree.parents[path[-1] - 1])
+        tokens = [last] + [tree.tokens[n - 1] for n in reversed(path[:-1])]
+        assert torch.equal(got[node], plain_rows(target, CONTEXT, tokens)[-1]), f"node {node} of {tree}"
+
+
+def test_kept_tree_rows_leave_the_cache_as_plain_decoding_of_the_path(target):
+    tree = DraftTree([50, 60, 17, 70, 71], [0, 0, 2, 3, 3], [1, 1, 2, 3, 3], [1.0] * 5)
+    target.reset()
+    target.forward(CONTEXT)
+    target.forward([77, *tree.tokens], (), tree)
+    target.keep(len(CONTEXT), [0, 2, 3, 5])  # root, 60, 17, 71
+    after = run(target, [9])
+    assert torch.equal(after, plain_rows(target, CONTEXT, [77, 60, 17, 71, 9])[-1:])
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 20])
+def test_a_prefill_in_chunks_of_any_size_gives_the_same_bits(target, chunk):
+    target.reset()
+    whole = run(target, CONTEXT)
+    target.reset()
+    parts = torch.cat([run(target, CONTEXT[i : i + chunk]) for i in range(0, len(CONTEXT), chunk)])
+    assert torch.equal(parts, whole)
+
+
+def test_the_thread_count_does_not_change_a_bit(target):
+    tokens = [11, 12, 13, 14, 15]
+    results = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        target.reset()
+        target.forward(CONTEXT)
+        results.append(run(target, tokens))
+    torch.set_num_threads(1)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_the_engine_agrees_with_the_transformers_model_up_to_rounding(target):
+    with torch.inference_mode():
+        theirs = target.model(input_ids=torch.tensor([CONTEXT])).logits[0].float()
+    target.reset()
+    ours = target.logits(target.forward(CONTEXT)[0])
+    share = 1e-4 if target.model.dtype == torch.float32 else 0.1  # transformers' bf16 rounds every op
+    assert (ours - theirs).abs().max() <= share * theirs.abs().max()
+
+
+# --- decoding on the engine: exact, not "lossless up to near-ties" ------------------------------------
+
+PROMPTS = [[5, 17, 42, 99, 3, 7], [200, 11, 11, 11, 250, 12, 13, 14, 15, 16, 17, 18]]
+MAX_NEW = 40
+
+
+@pytest.mark.parametrize("tree_nodes", [0, 6, 16])
+def test_speculative_output_is_plain_output_bit_for_bit(target, tree_nodes):
+    drafter = random_drafter(config_for_target(target.config, block_size=8, num_taps=2), seed=tree_nodes)
+    for prompt in PROMPTS:
+        want = greedy(target, prompt, MAX_NEW, stop_on_eos=False)
+        oracle = OracleBackend(target, prompt + want, 8, target_layer_ids=(0, 2))
+        for proposer in (DFlashProposer(LocalDraftBackend(drafter)), DFlashProposer(oracle), NGramProposer()):
+            result = generate(
+                target, prompt, proposer, MAX_NEW, stop_on_eos=False, adaptive=False, tree_nodes=tree_nodes
+            )
+            assert result.tokens == want, (proposer, tree_nodes)
+            assert result.stats.proposed > 0
+
+
+def test_speculative_output_with_the_governor_is_plain_output(target):
+    drafter = random_drafter(config_for_target(target.config, block_size=16, num_taps=2), seed=9)
+    for prompt in PROMPTS:
+        want = greedy(target, prompt, MAX_NEW, stop_on_eos=False)
+        result = generate(
+            target, prompt, DFlashProposer(LocalDraftBackend(drafter)), MAX_NEW, stop_on_eos=False, tree_nodes=8
+        )
+        assert result.tokens == want
