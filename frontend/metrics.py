@@ -1,7 +1,7 @@
 """GET /metrics: the target daemon's own `stats`, translated into Prometheus metrics at each scrape.
 
 The front end counts nothing itself. A custom collector asks the daemon for its aggregate
-(`target_node/metrics.py`) whenever Prometheus scrapes, so the figures are the daemon's,
+(`target_node/serving/metrics.py`) whenever Prometheus scrapes, so the figures are the daemon's,
 whatever else talks to it (other front ends, `dflash-client`), and they survive a restart
 of the front end. When the daemon does not answer, only `dflash_target_daemon_up 0` is served.
 """

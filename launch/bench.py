@@ -31,13 +31,13 @@ from launch.common import ensure_default_drafter, resolve_model
 from launch.local import daemon, free_address
 from protocol import decode, encode
 from protocol.transport import dealer, receive, router
-from target_node.governor import Governor, VerifyCosts
-from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
-from target_node.remote import RemoteDraftBackend
-from target_node.speculative import generate
-from target_node.stats import Stats
-from target_node.target import TargetModel
-from target_node.tiny import tiny_target
+from target_node.decoding.governor import Governor, VerifyCosts
+from target_node.decoding.speculative import generate
+from target_node.decoding.stats import Stats
+from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
+from target_node.drafting.remote import RemoteDraftBackend
+from target_node.model.target import TargetModel
+from target_node.model.tiny import tiny_target
 
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, with a docstring.",

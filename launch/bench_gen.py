@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from draft_node.checkpoint import config_for_target
-from target_node.default_model import DEFAULT_MODEL_DIR
-from target_node.target import TargetModel
+from target_node.model.default_model import DEFAULT_MODEL_DIR
+from target_node.model.target import TargetModel
 from training.answer_store import STORE, AnswerStore
 from training.generate import RefillGenerator
 

@@ -1,6 +1,6 @@
 """What rolling back costs, per target family and cache policy, next to a plain decode step.
 
-For each tiny family (target_node/tiny.py) and each rollback its cache allows, after a
+For each tiny family (target_node/model/tiny.py) and each rollback its cache allows, after a
 context longer than any sliding window: a plain step (one token forward), a verify forward
 of `--width` tokens, and the rollback after it keeping 1, half or all of them (0, half or
 every draft accepted). Tokens are forced, not decided, so every policy does the same work.
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from target_node.cache_policy import RECURRENT_POLICIES
-from target_node.target import TargetModel
-from target_node.tiny import FAMILIES, tiny_target
+from target_node.model.cache_policy import RECURRENT_POLICIES
+from target_node.model.target import TargetModel
+from target_node.model.tiny import FAMILIES, tiny_target
 
 
 def _timed(fn) -> float:

@@ -19,7 +19,7 @@ from launch.net import TARGET_ADDRESS, client_security
 from protocol import Message, ProtocolError
 from protocol.keys import ClientKeys
 from protocol.transport import CONTROL_MAX_FRAME, Client
-from target_node.stats import stats_line
+from target_node.decoding.stats import stats_line
 
 
 class TargetClient:

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 from launch.net import DRAFT_ADDRESS, TARGET_ADDRESS  # noqa: F401 - entry points import them from here
 from protocol import FLOAT_DTYPES
 from protocol.tensors import torch_dtype
-from target_node.default_model import CACHE_ROOT, DEFAULT_MODEL_DIR, ensure_default_model
+from target_node import CACHE_ROOT
+from target_node.model.default_model import DEFAULT_MODEL_DIR, ensure_default_model
 
 if TYPE_CHECKING:  # torch loads where a model runs, not in the HTTP front end that shares these flags
     import torch

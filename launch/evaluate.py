@@ -62,10 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def backend_for(args: argparse.Namespace, target, folder: str | None, address: str | None):
-    from target_node.proposers import LocalDraftBackend
+    from target_node.drafting.proposers import LocalDraftBackend
 
     if address:
-        from target_node.remote import RemoteDraftBackend
+        from target_node.drafting.remote import RemoteDraftBackend
 
         backend = RemoteDraftBackend(address, target)
         if backend.info is None:  # an evaluation of the drafter needs the drafter, not the fallback
@@ -78,7 +78,7 @@ def backend_for(args: argparse.Namespace, target, folder: str | None, address: s
 
 def mode_options(mode: str, tree_nodes: int, costs) -> dict:  # costs: a measured VerifyCosts, shared
     """generate() keywords for a mode name."""
-    from target_node.governor import Governor
+    from target_node.decoding.governor import Governor
 
     if mode == "chain":
         return {"adaptive": False, "tree_nodes": 0}
@@ -91,12 +91,12 @@ def mode_options(mode: str, tree_nodes: int, costs) -> dict:  # costs: a measure
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    from target_node.governor import VerifyCosts
-    from target_node.proposers import DFlashProposer, NoProposer
-    from target_node.sampling import SamplingParams
-    from target_node.speculative import generate
-    from target_node.stats import Stats
-    from target_node.target import TargetModel
+    from target_node.decoding.governor import VerifyCosts
+    from target_node.decoding.sampling import SamplingParams
+    from target_node.decoding.speculative import generate
+    from target_node.decoding.stats import Stats
+    from target_node.drafting.proposers import DFlashProposer, NoProposer
+    from target_node.model.target import TargetModel
     from training.prompts import read_prompts
 
     target = TargetModel.load(resolve_model(args.model), device=args.device, dtype=args.dtype)
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.drafter:
         out = Path(args.drafter) / "eval.json"
     else:
-        from target_node.default_model import CACHE_ROOT
+        from target_node import CACHE_ROOT
 
         out = CACHE_ROOT / "eval" / "remote.json"
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -202,7 +202,7 @@ def tiny_model(folder: Path) -> Path:
     """A tiny random Llama with SmolLM2's tokenizer, so chat prompts work; seconds to run on CPU."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from target_node.default_model import ensure_default_model
+    from target_node.model.default_model import ensure_default_model
 
     if (folder / "config.json").is_file():
         return folder
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     cache = Path(os.environ.get("DFLASH_GPU_CACHE", "/tmp/dflash-gpu-cache"))
     if args.tiny:
         from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
-        from target_node.target import TargetModel
+        from target_node.model.target import TargetModel
 
         model = tiny_model(cache / "tiny-model")
         cfg = config_for_target(TargetModel.load(model).config, block_size=4, num_layers=1, mask_token_id=0)
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         sizes = {"prompts": 2, "max_new": 8, "batch": 8, "gen": 0.4, "train": 0.3, "steps": 20, "dtype": "float32"}
         sizes["answer"] = 24
     else:
-        from target_node.default_model import ensure_default_model
+        from target_node.model.default_model import ensure_default_model
 
         model = ensure_default_model(gguf_folder=Path(args.gguf_folder) if args.gguf_folder else None)
         shipped = ROOT / "drafters" / "smollm2"

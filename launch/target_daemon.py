@@ -15,11 +15,11 @@ from launch.net import add_server_security_args, client_security, server_securit
 from protocol import FLOAT_DTYPES, Message
 from protocol.keys import ClientKeys
 from protocol.transport import stop_on_signals
-from target_node.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES
-from target_node.daemon import TargetService
-from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposer
-from target_node.speculative import Result
-from target_node.target import TargetModel
+from target_node.decoding.speculative import Result
+from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposer
+from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES
+from target_node.model.target import TargetModel
+from target_node.serving.daemon import TargetService
 
 
 def build_proposer(args: argparse.Namespace, target: TargetModel, drafter_keys: ClientKeys | None = None) -> Proposer:
@@ -34,7 +34,7 @@ def build_proposer(args: argparse.Namespace, target: TargetModel, drafter_keys: 
         checkpoint = args.drafter_checkpoint or ensure_default_drafter(resolve_model(args.model))
         drafter = load_drafter(checkpoint, args.device, target.model.dtype)
         return DFlashProposer(LocalDraftBackend(drafter, args.ring_capacity), NGramProposer())
-    from target_node.remote import RemoteDraftBackend
+    from target_node.drafting.remote import RemoteDraftBackend
 
     backend = RemoteDraftBackend(
         args.drafter,
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         choices=RECURRENT_POLICIES,
         help="how linear-attention and state-space layers roll back a verify: replay the accepted tokens "
         "from the state before it, or capture the state at every verified position (default %(default)s; "
-        "see target_node/recurrent.py)",
+        "see target_node/model/recurrent.py)",
     )
     parser.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens accepted")
     parser.add_argument("--max-queued", type=int, default=1024, help="requests queued over all clients (then: busy)")

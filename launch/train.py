@@ -27,7 +27,8 @@ import torch
 
 from protocol import FLOAT_DTYPES
 from protocol.tensors import torch_dtype
-from target_node.default_model import CACHE_ROOT, DEFAULT_MODEL_DIR
+from target_node import CACHE_ROOT
+from target_node.model.default_model import DEFAULT_MODEL_DIR
 from training.answer_store import STORE
 from training.prompts import EVAL_PROMPTS
 
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from draft_node.checkpoint import config_for_target, save_draft_vocab
-    from target_node.target import TargetModel
+    from target_node.model.target import TargetModel
     from training.answer_store import AnswerStore
     from training.features import FeatureCache
 

@@ -26,7 +26,7 @@ def chat_model_dir(tmp_path_factory):
     from helpers import tiny_target
     from transformers import AutoTokenizer
 
-    from target_node.default_model import ensure_default_model
+    from target_node.model.default_model import ensure_default_model
 
     folder = tmp_path_factory.mktemp("tiny-chat")
     tiny_target("llama", seed=5, vocab=49152).model.save_pretrained(folder)

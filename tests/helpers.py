@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from target_node.proposers import NoProposer
-from target_node.speculative import generate
-from target_node.target import TargetModel
-from target_node.tiny import tiny_target  # noqa: F401 - the tests import it from here
+from target_node.decoding.speculative import generate
+from target_node.drafting.proposers import NoProposer
+from target_node.model.target import TargetModel
+from target_node.model.tiny import tiny_target  # noqa: F401 - the tests import it from here
 
 
 def drafter_config(**overrides):

@@ -8,8 +8,8 @@ import torch
 from helpers import OracleBackend, assert_lossless, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
-from target_node.proposers import DFlashProposer, LocalDraftBackend
-from target_node.speculative import generate
+from target_node.decoding.speculative import generate
+from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 PROMPT = [5, 17, 42, 99, 3, 7]
@@ -43,7 +43,7 @@ def test_speculation_on_the_gpu_is_lossless(target, tree_nodes):
 
 def test_a_gpu_draft_daemon_serves_a_gpu_target(target, tmp_path):
     from launch.local import daemon
-    from target_node.remote import RemoteDraftBackend
+    from target_node.drafting.remote import RemoteDraftBackend
 
     cfg = config_for_target(target.config, block_size=8, num_taps=3)
     checkpoint = save_drafter(random_drafter(cfg, seed=2), tmp_path / "drafter")

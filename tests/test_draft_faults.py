@@ -19,9 +19,9 @@ from launch.local import daemon
 from protocol import decode, encode
 from protocol.keys import client_keys, create_keypair
 from protocol.transport import Client, InsecureBind, Server, dealer, is_local, request
-from target_node.proposers import DFlashProposer, NGramProposer
-from target_node.remote import RemoteDraftBackend
-from target_node.speculative import generate
+from target_node.decoding.speculative import generate
+from target_node.drafting.proposers import DFlashProposer, NGramProposer
+from target_node.drafting.remote import RemoteDraftBackend
 
 PROMPT = [200, 11, 11, 11, 250, 12, 13, 14]
 MAX_NEW = 40

@@ -15,10 +15,10 @@ import torch
 from helpers import OracleBackend, greedy
 
 from draft_node.checkpoint import config_for_target, random_drafter
-from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
-from target_node.speculative import generate
-from target_node.tiny import ENGINE_FAMILIES, tiny_target
-from target_node.tree import DraftTree
+from target_node.decoding.speculative import generate
+from target_node.decoding.tree import DraftTree
+from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
+from target_node.model.tiny import ENGINE_FAMILIES, tiny_target
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CONTEXT = [5, 17, 42, 99, 3, 7, 11, 200, 13, 14, 15, 16, 30, 31, 32, 33, 40, 41, 9, 8]  # past the windows (8)
@@ -38,7 +38,7 @@ def target(request, one_thread):
 def run(target, tokens, tree=None):
     """Every layer's output and the logits of each row: what must not depend on the batch."""
     layers = tuple(range(target.config.num_hidden_layers))
-    hidden, features = target.forward(tokens, layers, tree)
+    hidden, features = target.forward(tokens, layers, None if tree is None else tree.parents)
     return torch.cat([features, hidden, target.logits(hidden)], -1)
 
 
@@ -89,7 +89,7 @@ def test_kept_tree_rows_leave_the_cache_as_plain_decoding_of_the_path(target):
     tree = DraftTree([50, 60, 17, 70, 71], [0, 0, 2, 3, 3], [1, 1, 2, 3, 3], [1.0] * 5)
     target.reset()
     target.forward(CONTEXT)
-    target.forward([77, *tree.tokens], (), tree)
+    target.forward([77, *tree.tokens], (), tree.parents)
     target.keep(len(CONTEXT), [0, 2, 3, 5])  # root, 60, 17, 71
     after = run(target, [9])
     assert torch.equal(after, plain_rows(target, CONTEXT, [77, 60, 17, 71, 9])[-1:])

@@ -4,7 +4,7 @@ import json
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 from launch import evaluate
-from target_node.target import TargetModel
+from target_node.model.target import TargetModel
 
 
 def test_a_drafter_and_a_baseline_run_every_mode_against_one_reference(chat_model_dir, tmp_path):

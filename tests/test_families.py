@@ -1,6 +1,6 @@
 """Every target family the adapter serves decodes losslessly, with contexts past its sliding windows.
 
-One tiny random model per family (target_node/tiny.py), each rolled back by the policy its
+One tiny random model per family (target_node/model/tiny.py), each rolled back by the policy its
 own cache calls for; recurrent families once per recurrent rollback (replay, capture). The
 families the engine serves run twice: on the engine, and on the transformers path that serves
 every decoder.
@@ -11,11 +11,11 @@ import torch
 from helpers import OracleBackend, assert_lossless, greedy
 
 from draft_node.checkpoint import config_for_target, random_drafter
-from target_node.cache_policy import RECURRENT_POLICIES
-from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
-from target_node.sampling import SamplingParams
-from target_node.speculative import generate
-from target_node.tiny import ENGINE_FAMILIES, FAMILIES, WINDOW, tiny_target
+from target_node.decoding.sampling import SamplingParams
+from target_node.decoding.speculative import generate
+from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
+from target_node.model.cache_policy import RECURRENT_POLICIES
+from target_node.model.tiny import ENGINE_FAMILIES, FAMILIES, WINDOW, tiny_target
 
 PROMPT = [5, 17, 42, 99, 3, 7, 11, 200, 13, 14, 15, 16]
 MAX_NEW = 32

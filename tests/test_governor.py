@@ -7,10 +7,10 @@ import torch
 from helpers import greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
-from target_node.governor import Governor, VerifyCosts
-from target_node.proposers import DFlashProposer, LocalDraftBackend
-from target_node.speculative import generate
-from target_node.tree import DraftTree
+from target_node.decoding.governor import Governor, VerifyCosts
+from target_node.decoding.speculative import generate
+from target_node.decoding.tree import DraftTree
+from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
 
 
 def run(governor, steps, spec_tokens, spec_s, plain_s=0.010):

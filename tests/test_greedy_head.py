@@ -2,7 +2,7 @@
 
 import torch
 
-from target_node.greedy_head import ScreenedArgmaxHead, U
+from target_node.model.greedy_head import ScreenedArgmaxHead, U
 
 
 def test_matches_full_fp32_argmax_on_many_rows():

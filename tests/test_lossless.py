@@ -6,8 +6,8 @@ from helpers import OracleBackend, assert_lossless, greedy, tiny_target
 from transformers import LlamaForCausalLM
 
 from draft_node.checkpoint import config_for_target, random_drafter
-from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
-from target_node.speculative import generate
+from target_node.decoding.speculative import generate
+from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
 
 MAX_NEW = 40
 PROMPTS = [[5, 17, 42, 99, 3, 7], [200, 11, 11, 11, 250, 12, 13, 14, 15, 16, 17, 18]]

@@ -6,10 +6,10 @@ import torch
 from helpers import assert_lossless, greedy
 
 from draft_node.checkpoint import config_for_target, random_drafter
-from target_node.default_model import ensure_default_model
-from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
-from target_node.speculative import generate
-from target_node.target import TargetModel
+from target_node.decoding.speculative import generate
+from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
+from target_node.model.default_model import ensure_default_model
+from target_node.model.target import TargetModel
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def test_remote_drafter_equals_local_and_greedy(smollm, prompts, references, tmp
     from helpers import draft_daemon
 
     from draft_node.checkpoint import save_drafter
-    from target_node.remote import RemoteDraftBackend
+    from target_node.drafting.remote import RemoteDraftBackend
 
     cfg = config_for_target(smollm.config, block_size=8, mask_token_id=0)
     folder = save_drafter(random_drafter(cfg, seed=3), tmp_path / "drafter")

@@ -9,9 +9,9 @@ import torch
 from helpers import assert_lossless, draft_daemon, free_tcp_address, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
-from target_node.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
-from target_node.remote import DrafterMismatch, RemoteDraftBackend
-from target_node.speculative import generate
+from target_node.decoding.speculative import generate
+from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
+from target_node.drafting.remote import DrafterMismatch, RemoteDraftBackend
 
 PROMPTS = [[5, 17, 42, 99, 3, 7], [200, 11, 11, 11, 250, 12, 13, 14]]
 MAX_NEW = 40

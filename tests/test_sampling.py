@@ -21,9 +21,9 @@ import torch
 from helpers import OracleBackend, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
-from target_node.proposers import EMPTY, DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposal
-from target_node.sampling import SamplingParams, make_generator, probabilities, sample, verify_sampled
-from target_node.speculative import generate
+from target_node.decoding.sampling import SamplingParams, make_generator, probabilities, sample, verify_sampled
+from target_node.decoding.speculative import generate
+from target_node.drafting.proposers import EMPTY, DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposal
 
 ALPHA = 1e-4
 VOCAB = 16

@@ -7,9 +7,15 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.metrics import registry_for
-from target_node.metrics import LatencyHistogram, RequestClock, ServedMetrics, accepted_at_position, drafter_state
-from target_node.proposers import DFlashProposer, NGramProposer
-from target_node.stats import Stats
+from target_node.decoding.stats import Stats
+from target_node.drafting.proposers import DFlashProposer, NGramProposer
+from target_node.serving.metrics import (
+    LatencyHistogram,
+    RequestClock,
+    ServedMetrics,
+    accepted_at_position,
+    drafter_state,
+)
 
 
 def test_a_position_counts_every_step_that_accepted_at_least_that_far():

@@ -10,7 +10,7 @@ from launch.client import TargetClient
 from launch.local import daemon
 from protocol import ProtocolError, decode, encode
 from protocol.transport import dealer, receive
-from target_node.target import TargetModel
+from target_node.model.target import TargetModel
 
 PROMPT = [5, 17, 42, 99, 3, 7]
 
@@ -98,9 +98,9 @@ def test_cancel_stops_a_running_request(address):
 
 
 def test_sampling_options_pass_through_the_daemon(model_dir, address):
-    from target_node.proposers import NGramProposer
-    from target_node.sampling import SamplingParams
-    from target_node.speculative import generate
+    from target_node.decoding.sampling import SamplingParams
+    from target_node.decoding.speculative import generate
+    from target_node.drafting.proposers import NGramProposer
 
     options = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234}
     local = TargetModel.load(model_dir)

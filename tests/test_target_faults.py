@@ -19,7 +19,7 @@ from launch.local import daemon
 from protocol import decode, encode
 from protocol.keys import client_keys, create_keypair
 from protocol.transport import dealer, receive, request
-from target_node.target import TargetModel
+from target_node.model.target import TargetModel
 
 PROMPT = [5, 17, 42, 99, 3, 7]
 CHUNK = 32  # --prefill-chunk
@@ -46,7 +46,7 @@ def save_target(folder):
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.2)  # decisive logits, as target_node.tiny makes them
+                p.normal_(0, 0.2)  # decisive logits, as target_node.model.tiny makes them
     model.save_pretrained(folder)
     return folder
 

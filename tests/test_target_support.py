@@ -6,12 +6,12 @@ import transformers
 from helpers import tiny_target
 from transformers.cache_utils import Cache, DynamicLayer
 
-from target_node.cache_policy import UnsupportedCache, policy_for
-from target_node.proposers import NoProposer
-from target_node.speculative import generate
-from target_node.support import UnsupportedModel
-from target_node.target import ContextLengthError, TargetModel
-from target_node.tiny import tiny_config
+from target_node.decoding.speculative import generate
+from target_node.drafting.proposers import NoProposer
+from target_node.model.cache_policy import UnsupportedCache, policy_for
+from target_node.model.support import UnsupportedModel
+from target_node.model.target import ContextLengthError, TargetModel
+from target_node.model.tiny import tiny_config
 
 
 def test_encoder_decoder_models_are_refused():

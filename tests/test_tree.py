@@ -5,9 +5,9 @@ import torch
 from helpers import OracleBackend, assert_lossless, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
-from target_node.proposers import DFlashProposer, LocalDraftBackend, NoProposer, Proposal
-from target_node.speculative import generate
-from target_node.tree import DraftTree
+from target_node.decoding.speculative import generate
+from target_node.decoding.tree import DraftTree
+from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NoProposer, Proposal
 
 PROMPT = [5, 17, 42, 99, 3, 7]
 MAX_NEW = 40
@@ -32,7 +32,7 @@ def test_tree_attention_and_positions_equal_each_path_run_alone(target):
     assert not tree.is_chain and max(tree.depths) >= 3
     target.reset()
     target.forward(PROMPT[:-1], taps=(0, 2))
-    hidden, features = target.forward([PROMPT[-1], *tree.tokens], taps=(0, 2), tree=tree)
+    hidden, features = target.forward([PROMPT[-1], *tree.tokens], taps=(0, 2), parents=tree.parents)
     for node in range(1, len(tree) + 1):
         target.reset()
         alone, alone_features = target.forward(PROMPT + _path(tree, node), taps=(0, 2))
@@ -46,7 +46,7 @@ def test_keeping_a_branch_leaves_the_cache_of_plain_decoding(target):
     target.reset()
     target.forward(PROMPT[:-1])
     start = target.length
-    target.forward([PROMPT[-1], *tree.tokens], tree=tree)
+    target.forward([PROMPT[-1], *tree.tokens], parents=tree.parents)
     target.keep(start, [0, 2, 3])  # last_tok, then node 2 (12) and its child node 3 (13)
     assert target.length == start + 3
     after, _ = target.forward([21])

@@ -22,7 +22,7 @@ from launch.client import TargetClient
 from launch.processes import stop
 from protocol.keys import create_keypair
 from protocol.transport import wait_ready
-from target_node.target import TargetModel
+from target_node.model.target import TargetModel
 
 PROMPT = [200, 11, 11, 11, 250, 12, 13, 14]
 TARGET_NS, DRAFT_NS = f"dflash-t{os.getpid()}", f"dflash-d{os.getpid()}"

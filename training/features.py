@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from target_node.taps import tap_features
+from target_node.model.taps import tap_features
 from training.answer_store import Answer
 
 

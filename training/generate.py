@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from target_node.taps import tap_features
+from target_node.model.taps import tap_features
 from training.answer_store import Answer, AnswerStore
 from training.features import FeatureCache
 from training.prompts import Ask, HeldOut, next_turns

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from target_node.default_model import CACHE_ROOT
+from target_node import CACHE_ROOT
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 KERNEL_CACHE = CACHE_ROOT / "kernels"

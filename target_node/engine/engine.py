@@ -22,11 +22,10 @@ import torch
 from torch import nn
 
 from target_node.engine import build
+from target_node.engine.check import check_against
 from target_node.engine.kv_cache import StaticKVCache
 from target_node.engine.rows import Rows, chain_rows, tree_rows
 from target_node.engine.weights import DecoderWeights, EngineUnsupported, pack, read_decoder
-from target_node.support import agrees
-from target_node.tree import DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -51,45 +50,7 @@ class Engine:
             len(self.w.layers), self.w.kv_heads, self.w.head_dim, self.dtype, device, slots, 256, max_positions
         )
         self._cos = self._sin = torch.empty(0, self.w.head_dim)
-        self._check_against(model)
-
-    @torch.inference_mode()
-    def _check_against(self, model: nn.Module) -> None:
-        """The engine must compute the model the transformers modules define. On a few tokens, each
-        layer is given the input the transformers forward gave it, and its output must agree with
-        theirs up to rounding (so one layer's rounding, not the drift of a whole bf16 stack, is what
-        is measured); a missing op or a wrong one is off by the values' size, and refused."""
-        ids = [1, 7, 3, 11, 5, 2, 9, 4]
-        decoder = model.get_decoder()
-        seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def capture(i):
-            def hook(module, args, kwargs, out):
-                given = kwargs.get("hidden_states", args[0] if args else None)
-                seen[i] = (given[0], out[0] if isinstance(out, tuple) else out)
-
-            return hook
-
-        hooks = [layer.register_forward_hook(capture(i), with_kwargs=True) for i, layer in enumerate(decoder.layers)]
-        try:
-            final = decoder(input_ids=torch.tensor([ids], device=self.device)).last_hidden_state[0]
-        finally:
-            for hook in hooks:
-                hook.remove()
-        rows = chain_rows(ids, 0, self.windows, 0, self.device)
-        self.cache.reserve(len(ids))
-        work = _Work(self.w, len(ids))
-        cos, sin = self._rotary(rows.positions)
-        for i, (given, theirs) in enumerate(seen[i] for i in range(len(self.w.layers))):
-            h = given.float().clone()
-            self._layer(i, h, rows, cos, sin, work)
-            # A layer that adds to a large residual is rounded at the residual's size.
-            if not agrees(h, theirs, self.dtype, scale=float(given.float().abs().max())):
-                raise EngineUnsupported(f"layer {i}'s output differs from the transformers layer beyond rounding")
-        last = seen[len(self.w.layers) - 1][1].float().contiguous()
-        self.ops.rmsnorm(last, self.w.norm, self.w.eps, False, work.normed)
-        if not agrees(work.normed, final, self.dtype):
-            raise EngineUnsupported("the final norm differs from the transformers model's beyond rounding")
+        check_against(self, model)
 
     # --- rows of one sequence (the adapter's calls) ---------------------------------------------
 
@@ -108,15 +69,15 @@ class Engine:
         self.cache.keep(slot, start, rows)
 
     def step(
-        self, tokens: list[int], taps: tuple[int, ...] = (), tree: DraftTree | None = None, slot: int = 0
+        self, tokens: list[int], taps: tuple[int, ...] = (), parents: list[int] | None = None, slot: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Tokens at the slot's next positions (as a tree when `tree` is not a chain): final hidden
+        """Tokens at the slot's next positions (a tree where `parents` are given): final hidden
         states [k, hidden] and the tapped layers' outputs [k, len(taps) * hidden]."""
         start = self.cache.lengths[slot]
-        if tree is None or tree.is_chain:
+        if parents is None:
             rows = chain_rows(tokens, start, self.windows, slot, self.device)
         else:
-            rows = tree_rows(tokens, start, tree, self.windows, slot, self.device)
+            rows = tree_rows(tokens, start, parents, self.windows, slot, self.device)
         self.cache.reserve(start + len(tokens))
         hidden, features = self.forward(rows, taps)
         self.cache.lengths[slot] = start + len(tokens)
@@ -153,6 +114,21 @@ class Engine:
             tapped[len(w.layers) - 1] = normed
         features = torch.cat([tapped[t] for t in taps], -1) if taps else None
         return normed, features
+
+    def layer_alone(self, i: int, tokens: list[int], given: torch.Tensor) -> torch.Tensor:
+        """Layer i on `given` inputs [M, hidden] of `tokens` at positions 0.. of slot 0 (the load
+        check feeds it what the transformers layer was fed); the slot is left empty."""
+        rows = chain_rows(tokens, 0, self.windows, 0, self.device)
+        self.cache.reserve(len(tokens))
+        h = given.float().contiguous().clone()
+        self._layer(i, h, rows, *self._rotary(rows.positions), _Work(self.w, len(tokens)))
+        self.reset()
+        return h
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(h)
+        self.ops.rmsnorm(h.contiguous(), self.w.norm, self.w.eps, False, out)
+        return out
 
     def _layer(self, i: int, h: torch.Tensor, rows: Rows, cos: torch.Tensor, sin: torch.Tensor, work: _Work) -> None:
         """Decoder layer i on the residual stream `h` [M, hidden], in place."""

@@ -1,13 +1,14 @@
 """What each row of a forward is: its slot, token, position, cache index and the keys it may see.
 
 Row bits depend only on these, so this is where the batch-invariance contract is spelled out.
-A row's visible keys are one list in position order: a contiguous run of its slot's committed
-cache `[lo, hi)`, then `extra` entries gathered by index. A chain row at position p sees
-`[lo, p + 1)` (itself included, written by the same forward before attention reads it); a tree
-node sees the committed context `[lo, start)` and then its ancestors and itself, gathered from
-where the tree put them. Both lists hold the same keys in the same order as the plain step at
-that position saw, so the kernels, which read a list and never a mask, give the same bits.
-Sliding-window layers read the same lists cut to positions above p - window.
+Trees arrive as `parents` (of rows 1.., row indices, 0 the first row), the one description of a
+tree forward that both paths read. A row's visible keys are one list in position order: a
+contiguous run of its slot's committed cache `[lo, hi)`, then `extra` entries gathered by index.
+A chain row at position p sees `[lo, p + 1)` (itself included, written by the same forward before
+attention reads it); a tree node sees the committed context `[lo, start)` and then its ancestors
+and itself, gathered from where the tree put them. Both lists hold the same keys in the same
+order as the plain step at that position saw, so the kernels, which read a list and never a
+mask, give the same bits. Sliding-window layers read the same lists cut to positions above p - window.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from target_node.tree import DraftTree
 
 
 @dataclass
@@ -55,16 +54,31 @@ def chain_rows(tokens: list[int], start: int, windows: set[int | None], slot: in
     )
 
 
-def tree_rows(
-    tokens: list[int], start: int, tree: DraftTree, windows: set[int | None], slot: int = 0, device="cpu"
-) -> Rows:
-    """`[last_tok, *tree.tokens]` at cache indices start.. and positions start + depth: each node sees
-    the committed context, then its ancestors and itself in depth order."""
-    n = len(tokens)
-    depths = [0, *tree.depths]
+def tree_paths(parents: list[int]) -> list[list[int]]:
+    """Each row's path from row 0 to itself (row indices, in depth order)."""
     paths: list[list[int]] = [[0]]
-    for node, parent in enumerate(tree.parents, start=1):
-        paths.append([*paths[parent], node])
+    for row, parent in enumerate(parents, start=1):
+        if not 0 <= parent < row:
+            raise ValueError(f"row {row}'s parent {parent} does not come before it")
+        paths.append([*paths[parent], row])
+    return paths
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each row's depth below row 0 (0 for row 0): its position is the first row's plus this."""
+    return [len(path) - 1 for path in tree_paths(parents)]
+
+
+def tree_rows(
+    tokens: list[int], start: int, parents: list[int], windows: set[int | None], slot: int = 0, device="cpu"
+) -> Rows:
+    """Rows at cache indices start.. and positions start + depth: each sees the committed context,
+    then its ancestors and itself in depth order."""
+    n = len(tokens)
+    if len(parents) != n - 1:
+        raise ValueError(f"a tree of {n} rows has {n - 1} parents, not {len(parents)}")
+    paths = tree_paths(parents)
+    depths = [len(path) - 1 for path in paths]
     positions = [start + d for d in depths]
     keys = {}
     for window in windows:

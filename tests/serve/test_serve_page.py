@@ -33,7 +33,7 @@ CHROMIUM_FLAGS = [
 
 @pytest.fixture(scope="module")
 def smollm2_address(tmp_path_factory):
-    from target_node.default_model import ensure_default_model
+    from target_node.model.default_model import ensure_default_model
 
     address = f"ipc://{tmp_path_factory.mktemp('page')}/target.sock"
     args = ["--model", str(ensure_default_model()), "--proposer", "local", "--always-draft", "--threads", "1"]

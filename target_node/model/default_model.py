@@ -9,11 +9,11 @@ folder outside the repo. Later loads take ~2 s instead of ~15 s.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
+from target_node import CACHE_ROOT
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ROOT = Path(os.environ.get("DFLASH_SPLIT_CACHE", Path.home() / ".cache" / "dflash-split"))
 DEFAULT_MODEL_DIR = CACHE_ROOT / "models" / "SmolLM2-135M-Instruct"
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from target_node.target import TargetModel
+from target_node.model.target import TargetModel
 
 VOCAB = 320
 WINDOW = 8  # sliding-window families: far shorter than a test's context

@@ -24,9 +24,9 @@ from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError
 from protocol.keys import ClientKeys
 from protocol.messages import fit_problems
 from protocol.transport import Client
-from target_node.drafting import DrafterMismatch
-from target_node.proposers import DrafterUnavailable
-from target_node.target import TargetModel
+from target_node.drafting.bridge import DrafterMismatch
+from target_node.drafting.proposers import DrafterUnavailable
+from target_node.model.target import TargetModel
 
 log = logging.getLogger("remote_drafter")
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from target_node.target import TargetModel
+from target_node.model.target import TargetModel
 
 
 def prefill(

@@ -28,7 +28,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from target_node.support import UnsupportedModel, agrees
+from target_node.engine.check import agrees
+from target_node.model.support import UnsupportedModel
 
 CAPTURE, REPLAY = "capture", "replay"
 CAPTURE_LIMIT = 64

@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch
 
-from target_node.drafting import Drafting
-from target_node.target import TargetModel
+from target_node.drafting.bridge import Drafting
+from target_node.model.target import TargetModel
 
 
 @dataclass

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from protocol.messages import fit_problems
-from target_node.feature_ring import FeatureRing
-from target_node.target import TargetModel
+from target_node.drafting.feature_ring import FeatureRing
+from target_node.model.target import TargetModel
 
 
 class DrafterMismatch(ValueError):

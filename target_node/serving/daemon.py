@@ -22,12 +22,12 @@ from protocol import ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
 from protocol.messages import HEARTBEAT_MISSES
 from protocol.transport import CONTROL_MAX_FRAME, Server
-from target_node.governor import Governor
-from target_node.metrics import RequestClock, ServedMetrics, drafter_state
-from target_node.proposers import Proposer
-from target_node.sampling import SamplingParams
-from target_node.speculative import Result, generate
-from target_node.target import ContextLengthError, TargetModel
+from target_node.decoding.governor import Governor
+from target_node.decoding.sampling import SamplingParams
+from target_node.decoding.speculative import Result, generate
+from target_node.drafting.proposers import Proposer
+from target_node.model.target import ContextLengthError, TargetModel
+from target_node.serving.metrics import RequestClock, ServedMetrics, drafter_state
 
 log = logging.getLogger("target_daemon")
 

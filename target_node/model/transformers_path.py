@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from target_node.cache_policy import CachePolicy, policy_for
-from target_node.taps import tap_features
-from target_node.tree import DraftTree
+from target_node.engine.rows import tree_depths, tree_paths
+from target_node.model.cache_policy import CachePolicy, policy_for
+from target_node.model.taps import tap_features
 
 
 class TransformersPath:
@@ -37,7 +37,7 @@ class TransformersPath:
 
     @torch.inference_mode()
     def step(
-        self, tokens: list[int], taps: tuple[int, ...] = (), tree: DraftTree | None = None
+        self, tokens: list[int], taps: tuple[int, ...] = (), parents: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.cache is None:
             self.cache = self.new_cache()
@@ -45,21 +45,26 @@ class TransformersPath:
         self.policy.prepare(self.cache, start, len(tokens))
         device = self.model.device
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        extra = {} if tree is None or tree.is_chain else self._tree_inputs(tree, start)
+        extra = {} if parents is None else self._tree_inputs(parents, start)
         out = self.model.get_decoder()(
             input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=bool(taps), **extra
         )
         features = tap_features(out.hidden_states, taps, self.tap_offset)[0] if taps else None
         return out.last_hidden_state[0], features
 
-    def _tree_inputs(self, tree: DraftTree, start: int) -> dict:
+    def _tree_inputs(self, parents: list[int], start: int) -> dict:
+        """Positions by depth, and a 4-D mask through the model's own attention: each row sees the
+        committed context, its ancestors and itself."""
         if not self.policy.tree:
             raise ValueError(f"the {self.policy.name} cache policy cannot verify trees")
         device = self.model.device
-        positions = torch.tensor([[start] + [start + d for d in tree.depths]], device=device)
-        rows = len(tree) + 1
+        positions = torch.tensor([[start + d for d in tree_depths(parents)]], device=device)
+        rows = len(parents) + 1
         allowed = torch.ones(rows, start + rows, dtype=torch.bool, device=device)
-        allowed[:, start:] = tree.visible(device)
+        seen = torch.zeros(rows, rows, dtype=torch.bool)
+        for row, path in enumerate(tree_paths(parents)):
+            seen[row, path] = True
+        allowed[:, start:] = seen.to(device)
         dtype = self.model.dtype
         mask = torch.zeros(1, 1, rows, start + rows, dtype=dtype, device=device)
         return {"position_ids": positions, "attention_mask": mask.masked_fill(~allowed, torch.finfo(dtype).min)}

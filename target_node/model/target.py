@@ -20,10 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from target_node.engine.build import native_bf16
 from target_node.engine.engine import Engine, bf16_measures_faster, engine_for
-from target_node.greedy_head import ScreenedArgmaxHead
-from target_node.support import check_structure, probe
-from target_node.transformers_path import TransformersPath
-from target_node.tree import DraftTree
+from target_node.model.greedy_head import ScreenedArgmaxHead
+from target_node.model.support import check_structure, probe
+from target_node.model.transformers_path import TransformersPath
 
 # Where configs state the positions a model was built for, by family.
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len", "seq_length")
@@ -194,17 +193,18 @@ class TargetModel:
         self.path.reset()
 
     def forward(
-        self, tokens: list[int], taps: tuple[int, ...] = (), tree: DraftTree | None = None
+        self, tokens: list[int], taps: tuple[int, ...] = (), parents: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run tokens at the next positions: final hidden states [k, hidden], and the tapped
         layers' outputs [k, len(taps) * hidden] when `taps` names any.
 
-        With a `tree`, tokens are `[last_tok, *tree.tokens]`: each sits at the next position
-        plus its depth and sees the committed context and its own ancestors only.
+        With `parents` (of tokens 1.., indices into `tokens`), the tokens form a tree: each sits at
+        the first one's position plus its depth and sees the committed context and its own
+        ancestors only.
         The LM head is left to the caller (`greedy` or `logits`), which needs far less of it
         than the full logits of every row. The cache keeps all k rows until `rollback` or `keep`.
         """
-        return self.path.step(tokens, taps, tree)
+        return self.path.step(tokens, taps, parents)
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` positions of the KV cache, dropping what was run after them."""

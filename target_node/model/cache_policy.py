@@ -34,7 +34,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from target_node.recurrent import CAPTURE, REPLAY, RecurrentRollback
+from target_node.model.recurrent import CAPTURE, REPLAY, RecurrentRollback
 
 # Replay is the default: faster in 11 of 12 family x acceptance cells of launch.bench_rollback,
 # since capture gives up the mixers' chunked kernels on every verify, accepted or not.

@@ -13,7 +13,7 @@ import time
 from bisect import bisect_left
 from collections import Counter
 
-from target_node.stats import Stats
+from target_node.decoding.stats import Stats
 
 # Upper bounds in seconds (Prometheus `le`); one more bucket holds everything above the last.
 LATENCY_BOUNDS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

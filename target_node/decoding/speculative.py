@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from target_node.governor import Governor
-from target_node.output import OnCommit, Output
-from target_node.prefill import prefill
-from target_node.proposers import EMPTY, Proposal, Proposer
-from target_node.sampling import Sampler, SamplingParams
-from target_node.stats import Stats
-from target_node.target import TargetModel
-from target_node.tree import DraftTree
+from target_node.decoding.governor import Governor
+from target_node.decoding.output import OnCommit, Output
+from target_node.decoding.prefill import prefill
+from target_node.decoding.sampling import Sampler, SamplingParams
+from target_node.decoding.stats import Stats
+from target_node.decoding.tree import DraftTree
+from target_node.drafting.proposers import EMPTY, Proposal, Proposer
+from target_node.model.target import TargetModel
 
 
 @dataclass
@@ -112,7 +112,7 @@ def speculative_step(
         if governor is not None:
             tree = tree.prefix(governor.nodes(tree, False))
     proposed_at = time.perf_counter()
-    hidden, features = target.forward([tokens[-1]] + tree.tokens, proposer.taps, tree)
+    hidden, features = target.forward([tokens[-1]] + tree.tokens, proposer.taps, tree.forward_parents)
     if sampler is None:
         # Greedy: the deepest path the target agrees with, then the target's own choice after it.
         choices = target.greedy(hidden)

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from target_node.tree import DraftTree
+from target_node.decoding.tree import DraftTree
 
 
 @dataclass

@@ -80,16 +80,10 @@ class DraftTree:
     def is_chain(self) -> bool:
         return self.parents == list(range(len(self)))
 
-    def visible(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[n+1, n+1] bool, root included: which of the step's rows each row may attend to
-        (its ancestors and itself)."""
-        n = len(self)
-        seen = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        seen[0, 0] = True
-        for node, parent in enumerate(self.parents, start=1):
-            seen[node] = seen[parent]
-            seen[node, node] = True
-        return seen.to(device)
+    @property
+    def forward_parents(self) -> list[int] | None:
+        """The tree as the target's forward takes it: each node's parent row (None for a chain)."""
+        return None if self.is_chain else list(self.parents)
 
     def accept(self, choices: list[int]) -> list[int]:
         """The accepted path (node indices, root excluded): from the root, follow the child whose

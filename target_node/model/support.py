@@ -15,19 +15,11 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
+from target_node.engine.check import agrees
+
 
 class UnsupportedModel(ValueError):
     """A model the target adapter cannot serve; the message says why."""
-
-
-def agrees(ours: torch.Tensor, theirs: torch.Tensor, precision: torch.dtype, scale: float | None = None) -> bool:
-    """Whether two computations of the same numbers, by a model in `precision`, agree up to
-    rounding: a thousandth of the largest entry (or of `scale`, the size of what the numbers were
-    computed from, where that is larger) in fp32, a few hundredths in half precision. A missing
-    step or a misplaced row is off by far more."""
-    share = 1e-3 if precision == torch.float32 else 3e-2
-    size = max(float(theirs.float().abs().max()), scale or 0.0)
-    return bool((ours.float() - theirs.float()).abs().max() <= share * size)
 
 
 def check_structure(model: nn.Module) -> nn.Module:
