@@ -10,11 +10,43 @@ once per committed position (see kv_cache.py); the noise block is recomputed eac
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from draft_node.config import SLIDING, DFlashConfig
+
+
+class Linear(nn.Linear):
+    """nn.Linear, except that inference on the CPU runs the CPU kernels' linear: a draft step has a
+    handful of rows, where their matmul over weights packed once beats torch's several times. The
+    packed copy follows the weight (repacked when an optimizer or a load changes it); training,
+    other devices and machines without a compiler keep torch's."""
+
+    _packed: kernels.Packed | None = None
+    _packed_from: tuple[int, int] = (-1, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or x.device.type != "cpu" or not _kernels_here():
+            return super().forward(x)
+        weight = self.weight
+        if self._packed_from != (weight.data_ptr(), weight._version):
+            self._packed, self._packed_from = kernels.pack(weight.detach()), (weight.data_ptr(), weight._version)
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        bias = None if self.bias is None else self.bias.detach().float()
+        return kernels.linear(rows, self._packed, bias).view(*x.shape[:-1], -1).to(x.dtype)
+
+
+@cache
+def _kernels_here() -> bool:
+    try:
+        kernels.load()
+    except kernels.KernelsUnavailable:
+        return False
+    return True
 
 
 class RMSNorm(nn.Module):
@@ -86,9 +118,9 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sca
 class MLP(nn.Module):
     def __init__(self, hidden: int, inner: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inner, bias=False)
+        self.up_proj = Linear(hidden, inner, bias=False)
+        self.down_proj = Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -138,10 +170,10 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.rotary = Rotary(cfg)
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
@@ -203,7 +235,7 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.fc = nn.Linear(cfg.feature_width, cfg.hidden_size, bias=False)
+        self.fc = Linear(cfg.feature_width, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

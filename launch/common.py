@@ -84,7 +84,7 @@ def dtype_of(args: argparse.Namespace, device: str | None = None) -> torch.dtype
         return torch_dtype(args.dtype)
     import torch
 
-    from target_node.engine.build import native_bf16
+    from kernels import native_bf16
 
     kind = torch.device(device or getattr(args, "device", "cpu")).type
     return torch.bfloat16 if kind == "cuda" or (kind == "cpu" and native_bf16()) else torch.float32

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from protocol.messages import fit_problems
 from target_node.drafting.feature_ring import FeatureRing
 from target_node.model.target import TargetModel
@@ -37,8 +38,16 @@ class Drafting:
         vocab = drafter.get("draft_vocab") or []
         self.vocab = torch.tensor(vocab, dtype=torch.long, device=target.device) if vocab else None
         rows = weight[self.vocab] if self.vocab is not None else weight
-        # bf16 where the target found bf16 matmuls faster than fp32 ones.
+        # bf16 where the target found bf16 matmuls faster than fp32 ones; packed for the CPU kernels
+        # where they run (their small-row matmul beats torch's), torch's matmul elsewhere.
         self.head = rows.to(torch.bfloat16) if target.fast_bf16 else rows
+        self.packed = None
+        if self.head.device.type == "cpu":
+            try:
+                kernels.load()
+                self.packed = kernels.pack(self.head)
+            except kernels.KernelsUnavailable:
+                pass
 
     def noise(self, last_token: int) -> torch.Tensor:
         """The embedded block [last_tok, MASK, ..., MASK]."""
@@ -48,8 +57,11 @@ class Drafting:
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits [rows, vocab]: the drafter's hidden states through the target's own head
         (-inf outside the drafter's vocabulary)."""
-        hidden = hidden.to(device=self.head.device, dtype=self.head.dtype)
-        sub = self.target.scale_logits((hidden @ self.head.T).float())
+        if self.packed is not None:
+            sub = self.target.scale_logits(kernels.linear(hidden.float().contiguous(), self.packed))
+        else:
+            hidden = hidden.to(device=self.head.device, dtype=self.head.dtype)
+            sub = self.target.scale_logits((hidden @ self.head.T).float())
         if self.vocab is None:
             return sub
         logits = sub.new_full((sub.shape[0], self.target.vocab_size), float("-inf"))

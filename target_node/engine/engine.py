@@ -1,7 +1,7 @@
 """The target engine: a decoder forward over explicit rows, batch-invariant by construction.
 
 One forward runs M rows (a plain step's one token, a chain or a tree to verify, a prefill
-chunk) through every layer with the kernels of kernels.cpp, writing keys and values into the
+chunk) through every layer with the kernels of kernels/cpu.cpp, writing keys and values into the
 static cache in place. Each row's result depends only on its token, its position and the keys
 its list names (rows.py), never on the other rows: so a verify forward gives every row the bits
 the plain step would have given it, and speculative decoding is bit-identical to plain decoding
@@ -15,17 +15,15 @@ load check runs both on a few tokens and refuses the engine for a model it does 
 from __future__ import annotations
 
 import logging
-import time
-from functools import cache
 
 import torch
 from torch import nn
 
-from target_node.engine import build
+import kernels
 from target_node.engine.check import check_against
 from target_node.engine.kv_cache import StaticKVCache
 from target_node.engine.rows import Rows, chain_rows, tree_rows
-from target_node.engine.weights import DecoderWeights, EngineUnsupported, pack, read_decoder
+from target_node.engine.weights import DecoderWeights, EngineUnsupported, read_decoder
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +38,7 @@ class Engine:
         device = model.get_output_embeddings().weight.device
         if device.type != "cpu":
             raise EngineUnsupported(f"the engine's kernels run on the CPU, not {device.type}")
-        build.load()
+        kernels.load()
         self.ops = torch.ops.dflash
         self.w: DecoderWeights = read_decoder(model)
         self.device = device
@@ -134,7 +132,7 @@ class Engine:
         """Decoder layer i on the residual stream `h` [M, hidden], in place."""
         ops, w, layer = self.ops, self.w, self.w.layers[i]
         keys = rows.keys[layer.window]
-        kc, vc = self.cache.keys[i], self.cache.values[i]
+        kc, vc = self.cache.keys(i), self.cache.values(i)
         ops.rmsnorm(h, layer.norm_attn, w.eps, False, work.normed)
         ops.linear(work.normed, layer.qkv.data, layer.qkv.n, layer.qkv_bias, None, work.qkv)
         ops.rope_store(
@@ -153,9 +151,7 @@ class Engine:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [M, vocab] of final hidden states, each row by the same dot products."""
         hidden = hidden.float().contiguous()
-        out = torch.empty(hidden.shape[0], self.w.head.n)
-        self.ops.linear(hidden, self.w.head.data, self.w.head.n, None, None, out)
-        return out
+        return kernels.linear(hidden, self.w.head)
 
 
 class _Work:
@@ -175,29 +171,6 @@ def engine_for(model: nn.Module, **kwargs) -> Engine | None:
     """The engine for `model`, or None (logged once, with the reason) where it cannot serve it."""
     try:
         return Engine(model, **kwargs)
-    except (EngineUnsupported, build.KernelsUnavailable) as err:
+    except (EngineUnsupported, kernels.KernelsUnavailable) as err:
         log.info("the target engine does not serve %s (%s); the transformers path runs it", type(model).__name__, err)
         return None
-
-
-@cache
-def bf16_measures_faster(hidden: int = 1024, outputs: int = 4096) -> bool:
-    """Whether a one-row engine matmul runs faster in bf16 than in fp32 on this machine, now (a few
-    milliseconds at load, once per process; False where the kernels cannot be built)."""
-    try:
-        build.load()
-    except build.KernelsUnavailable:
-        return False
-    weight = torch.randn(outputs, hidden, generator=torch.Generator().manual_seed(0))
-    x, out = torch.randn(1, hidden), torch.empty(1, outputs)
-    seconds = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        packed = pack(weight.to(dtype))
-        times = []
-        for _ in range(6):
-            began = time.perf_counter()
-            for _ in range(4):
-                torch.ops.dflash.linear(x, packed.data, packed.n, None, None, out)
-            times.append(time.perf_counter() - began)
-        seconds[dtype] = min(times)
-    return seconds[torch.bfloat16] < seconds[torch.float32]

@@ -1,7 +1,7 @@
 """The engine's KV cache: preallocated slots, position = index, rollback = a length.
 
-Each slot holds one sequence's keys and values for every layer, [slots, kv_heads, capacity,
-head_dim] per layer, written in place by the forward (no concatenation). A slot's length says
+Each slot holds one sequence's keys and values for every layer, in one tensor [layers, 2 (keys,
+values), slots, kv_heads, capacity, head_dim], written in place by the forward (no concatenation). A slot's length says
 which entries count: rolling back is setting it, and what lies beyond is overwritten by the
 next forward. A tree step's accepted rows are gathered into place (`keep`). The capacity grows
 by doubling when a sequence needs more, the only time entries are copied.
@@ -33,18 +33,23 @@ class StaticKVCache:
         self.slots = slots
         self.max_capacity = max_capacity
         self.capacity = 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.kv = torch.zeros(0)
         self.lengths = [0] * slots
         self._allocate(min(capacity, max_capacity) if max_capacity else capacity)
 
     def _allocate(self, capacity: int) -> None:
-        shape = (self.slots, self.kv_heads, capacity, self.head_dim)
-        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        for old, new in zip(self.keys + self.values, keys + values, strict=False):  # none on the first call
-            new[:, :, : self.capacity] = old
-        self.keys, self.values, self.capacity = keys, values, capacity
+        shape = (self.layers, 2, self.slots, self.kv_heads, capacity, self.head_dim)
+        kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.capacity:
+            kv[..., : self.capacity, :] = self.kv
+        self.kv, self.capacity = kv, capacity
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s keys [slots, kv_heads, capacity, head_dim] (a contiguous view)."""
+        return self.kv[layer, 0]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 1]
 
     def reserve(self, positions: int) -> None:
         """Make room for `positions` entries per slot (doubling, so growth is rare)."""
@@ -62,6 +67,5 @@ class StaticKVCache:
         """After a forward from `start`: its rows `rows` (ascending offsets) move to start, start + 1, ..."""
         if rows != list(range(len(rows))):
             src = torch.tensor(rows, device=self.device) + start
-            for tensor in self.keys + self.values:
-                tensor[slot, :, start : start + len(rows)] = tensor[slot, :, src]
+            self.kv[:, :, slot, :, start : start + len(rows)] = self.kv[:, :, slot, :, src]
         self.lengths[slot] = start + len(rows)

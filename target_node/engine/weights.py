@@ -21,7 +21,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-PANEL = 64  # outputs per panel of packed weights (kernels.cpp)
+from kernels import Packed, pack
+
 # Rotary variants whose frequencies do not change with the sequence (a cached key stays valid).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
@@ -60,29 +61,6 @@ class DecoderWeights:
     head_dim: int
     scaling: float
     rotary: nn.Module  # the model's own rotary embedding: cos/sin by position
-
-
-@dataclass
-class Packed:
-    """A weight matrix [N, K] in the kernels' panel layout, and the N it computes."""
-
-    data: torch.Tensor
-    n: int
-
-
-def pack(*weights: torch.Tensor) -> Packed:
-    """Rows of `weights` stacked into one [N, K] matrix, then packed: fp32 as [N/64, K, 64], bf16 as
-    [N/64, K/2, 64, 2] (pairs of k side by side), N padded to 64 and K to even with zeros."""
-    w = torch.cat([x.detach() for x in weights])
-    n, k = w.shape
-    np_, kp = -(-n // PANEL) * PANEL, k + (k % 2 if w.dtype == torch.bfloat16 else 0)
-    full = torch.zeros(np_, kp, dtype=w.dtype, device=w.device)
-    full[:n, :k] = w
-    if w.dtype == torch.bfloat16:
-        data = full.view(np_ // PANEL, PANEL, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
-    else:
-        data = full.view(np_ // PANEL, PANEL, kp).permute(0, 2, 1).contiguous()
-    return Packed(data, n)
 
 
 def _bias(*modules: nn.Linear) -> torch.Tensor | None:

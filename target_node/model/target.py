@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from target_node.engine.build import native_bf16
-from target_node.engine.engine import Engine, bf16_measures_faster, engine_for
+from kernels import bf16_faster, native_bf16
+from target_node.engine.engine import Engine, engine_for
 from target_node.model.greedy_head import ScreenedArgmaxHead
 from target_node.model.support import check_structure, probe
 from target_node.model.transformers_path import TransformersPath
@@ -277,4 +277,4 @@ def prefer_bf16(device: str | torch.device) -> bool:
     """bf16 where the device computes it natively (a CPU with AVX512-BF16 or AMX, where the engine's
     bf16 matmul also measures faster than its fp32 one here and now)."""
     device = torch.device(device)
-    return device.type == "cpu" and native_bf16() and bf16_measures_faster()
+    return device.type == "cpu" and native_bf16() and bf16_faster()

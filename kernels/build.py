@@ -1,11 +1,12 @@
-"""Compile the engine's CPU kernels on the machine that runs them, once, and load them.
+"""Compile the CPU kernels on the machine that runs them, once, and load them.
 
 The kernels are built with `-march=native` for this CPU and `-ffp-contract=off` (the compiler
 may not fuse or reorder float operations: the order is the kernels' own), against the installed
 torch, so the library is keyed by the source, the compiler, torch's version and this CPU's
 flags, and kept under the cache folder. Concurrent processes (two daemons starting together)
 take a lock; the first compiles, the others wait and load the same file. No compiler means no
-engine on CPU: the caller falls back to the transformers path and says why.
+engine on CPU: the target falls back to the transformers path and says why, a drafter keeps torch's
+matmuls.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from target_node import CACHE_ROOT
-
-SOURCE = Path(__file__).with_name("kernels.cpp")
-KERNEL_CACHE = CACHE_ROOT / "kernels"
+SOURCE = Path(__file__).with_name("cpu.cpp")
+# Beside the project's other rebuildable files ($DFLASH_SPLIT_CACHE, as target_node.CACHE_ROOT), which
+# this package, below both nodes, cannot import.
+KERNEL_CACHE = Path(os.environ.get("DFLASH_SPLIT_CACHE", Path.home() / ".cache" / "dflash-split")) / "kernels"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c++20", "-fopenmp"]
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,9 @@ def _compile(compiler: str, library: Path) -> None:
         "-lc10",
         "-ltorch_cpu",
     ]
-    log.info("compiling the engine's CPU kernels (once per machine): %s", library.parent)
+    log.info("compiling the CPU kernels (once per machine): %s", library.parent)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         errors = [line for line in done.stderr.splitlines() if "error" in line][:5]
-        raise KernelsUnavailable("compiling target_node/engine/kernels.cpp failed: " + " | ".join(errors))
+        raise KernelsUnavailable("compiling kernels/cpu.cpp failed: " + " | ".join(errors))
     library.with_suffix(".partial").rename(library)

@@ -1,0 +1,81 @@
+"""CPU kernels whose outputs do not depend on the batch, built on the machine that runs them.
+
+Each output element is one fixed sequence of IEEE operations over its own inputs (cpu.cpp says how),
+so a row computed alone and the same row computed among others have the same bits. The target's
+engine is built on them; a drafter uses their linear for speed alone. No model code here: weights
+packed once (`pack`), activations in, outputs out, through `torch.ops.dflash`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from kernels.build import KernelsUnavailable, load, native_bf16
+
+__all__ = ["KernelsUnavailable", "Packed", "bf16_faster", "linear", "load", "native_bf16", "pack"]
+
+PANEL = 64  # outputs per panel of packed weights (cpu.cpp)
+
+
+@dataclass
+class Packed:
+    """A weight matrix [N, K] in the kernels' panel layout, and the N it computes."""
+
+    data: torch.Tensor
+    n: int
+
+
+def pack(*weights: torch.Tensor) -> Packed:
+    """Rows of `weights` stacked into one [N, K] matrix, then packed: fp32 as [N/64, K, 64], bf16 as
+    [N/64, K/2, 64, 2] (pairs of k side by side), N padded to 64 and K to even with zeros."""
+    w = torch.cat([x.detach() for x in weights])
+    n, k = w.shape
+    np_, kp = -(-n // PANEL) * PANEL, k + (k % 2 if w.dtype == torch.bfloat16 else 0)
+    full = torch.zeros(np_, kp, dtype=w.dtype, device=w.device)
+    full[:n, :k] = w
+    if w.dtype == torch.bfloat16:
+        data = full.view(np_ // PANEL, PANEL, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
+    else:
+        data = full.view(np_ // PANEL, PANEL, kp).permute(0, 2, 1).contiguous()
+    return Packed(data, n)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: Packed,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(x @ W.T + bias) + residual, fp32 [M, N], for fp32 rows x [M, K] (`out` may be `residual`)."""
+    if out is None:
+        out = torch.empty(x.shape[0], weight.n, device=x.device)
+    torch.ops.dflash.linear(x, weight.data, weight.n, bias, residual, out)
+    return out
+
+
+@cache
+def bf16_faster(hidden: int = 1024, outputs: int = 4096) -> bool:
+    """Whether a one-row engine matmul runs faster in bf16 than in fp32 on this machine, now (a few
+    milliseconds at load, once per process; False where the kernels cannot be built)."""
+    try:
+        load()
+    except KernelsUnavailable:
+        return False
+    weight = torch.randn(outputs, hidden, generator=torch.Generator().manual_seed(0))
+    x, out = torch.randn(1, hidden), torch.empty(1, outputs)
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        packed = pack(weight.to(dtype))
+        times = []
+        for _ in range(6):
+            began = time.perf_counter()
+            for _ in range(4):
+                linear(x, packed, out=out)
+            times.append(time.perf_counter() - began)
+        seconds[dtype] = min(times)
+    return seconds[torch.bfloat16] < seconds[torch.float32]
