@@ -8,6 +8,11 @@
 3. Draft step time against context length, cached context K/V vs recomputing them.
 4. Verify cost against its width (1 + drafts): what a step with k drafts costs next to a
    plain step sets the acceptance (tau) a drafter needs just to break even.
+5. Engines and peers: plain and default speculative decoding on the transformers path (what
+   ran before the engine) and on the engine, in fp32 and bf16, beside transformers `generate`
+   (greedy, and its prompt lookup) and llama.cpp (llama-cpp-python on the wheel's GGUF, where
+   installed), all on the same prompts in turns; outputs checked against plain in the same
+   target; and the width-cost table of each target.
 
 `--quick` runs a tiny random model only, with few tokens: the test suite uses it.
 """
@@ -38,6 +43,7 @@ from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NG
 from target_node.drafting.remote import RemoteDraftBackend
 from target_node.model.target import TargetModel
 from target_node.model.tiny import tiny_target
+from training.prompts import read_prompts
 
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, with a docstring.",
@@ -241,6 +247,121 @@ def bench_verify(target: TargetModel, widths: list[int], repeats: int) -> list[d
     return rows
 
 
+# --- 5. engines and peers ----------------------------------------------------------
+
+
+def _end_to_end(stats: Stats) -> float:
+    seconds = stats.ttft_s + stats.decode_s
+    return stats.new_tokens / seconds if seconds > 0 else 0.0
+
+
+def _generate_peer(model, ids: list[int], max_new: int, **options) -> tuple[int, float]:
+    """transformers' own generate (greedy): new tokens and seconds."""
+    inputs = torch.tensor([ids], device=model.device)
+    began = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(inputs, max_new_tokens=max_new, do_sample=False, pad_token_id=0, **options)
+    return out.shape[1] - len(ids), time.perf_counter() - began
+
+
+def _llama_cpp(threads: int):
+    """llama.cpp through llama-cpp-python on the wheel's Q4_1 GGUF, or None where either is missing."""
+    try:
+        from llama_cpp import Llama
+
+        from target_node.model.default_model import GGUF_NAME, _wheel_folder
+    except ImportError:
+        return None
+    path = _wheel_folder() / GGUF_NAME
+    if not path.is_file():
+        return None
+    return Llama(model_path=str(path), n_threads=threads, n_ctx=4096, verbose=False)
+
+
+def _run_llama_cpp(llm, ids: list[int], max_new: int) -> tuple[int, float]:
+    began = time.perf_counter()
+    out = llm.create_completion(prompt=ids, max_tokens=max_new, temperature=0.0, top_k=1)
+    return out["usage"]["completion_tokens"], time.perf_counter() - began
+
+
+def bench_engines(
+    folder: Path | None, checkpoint: Path, prompts: list[str], max_new: int, threads: int, widths: list[int]
+) -> dict:
+    """Each (dtype, path) target decodes every prompt plain and with the default speculative mode
+    (the governor, trees of up to 16 nodes, the drafter in this process), then the peers do: all
+    in turns, prompt by prompt. `folder` None: a tiny random model (the test suite's quick run)."""
+    targets = {}
+    for dtype in ("float32", "bfloat16"):
+        for engine in (False, True):
+            if folder is None:
+                target = tiny_target(vocab=512, engine=engine, dtype=getattr(torch, dtype))
+            else:
+                target = TargetModel.load(folder, dtype=dtype, engine=engine)
+            targets[f"{dtype} {'engine' if engine else 'transformers path'}"] = target
+    drafter = load_drafter(checkpoint, dtype=torch.bfloat16)
+    proposers = {name: DFlashProposer(LocalDraftBackend(drafter)) for name in targets}
+    governors = {name: Governor(max_nodes=16) for name in targets}
+    any_target = next(iter(targets.values()))
+    if folder is None:
+        ids = [[1 + (7 * i + j) % 500 for j in range(24)] for i in range(len(prompts))]
+    else:
+        ids = [any_target.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    llm = _llama_cpp(threads) if folder is not None else None
+    totals = {f"{name}: {mode}": Stats() for name in targets for mode in ("plain", "default")}
+    mismatches = dict.fromkeys(targets, 0)
+    peers = {"transformers generate fp32 greedy": [0, 0.0], "transformers generate fp32 prompt lookup": [0, 0.0]}
+    peers["transformers generate bf16 greedy"] = [0, 0.0]
+    if llm is not None:
+        peers["llama.cpp Q4_1 (llama-cpp-python)"] = [0, 0.0]
+    hf = {"fp32": targets["float32 transformers path"].model, "bf16": targets["bfloat16 transformers path"].model}
+    for name, target in targets.items():  # warm-up
+        generate(target, ids[0], proposers[name], 4, governor=governors[name], tree_nodes=16)
+    for prompt in ids:
+        for name, target in targets.items():
+            plain = generate(target, prompt, NoProposer(), max_new)
+            spec = generate(target, prompt, proposers[name], max_new, governor=governors[name], tree_nodes=16)
+            totals[f"{name}: plain"].add(plain.stats)
+            totals[f"{name}: default"].add(spec.stats)
+            mismatches[name] += spec.tokens != plain.tokens
+        runs = {
+            "transformers generate fp32 greedy": lambda p: _generate_peer(hf["fp32"], p, max_new),
+            "transformers generate fp32 prompt lookup": lambda p: _generate_peer(
+                hf["fp32"], p, max_new, prompt_lookup_num_tokens=10
+            ),
+            "transformers generate bf16 greedy": lambda p: _generate_peer(hf["bf16"], p, max_new),
+            "llama.cpp Q4_1 (llama-cpp-python)": lambda p: _run_llama_cpp(llm, p, max_new),
+        }
+        for peer in peers:
+            tokens, seconds = runs[peer](prompt)
+            peers[peer][0] += tokens
+            peers[peer][1] += seconds
+    rows = []
+    for key, stats in totals.items():
+        name, mode = key.split(": ")
+        rows.append(
+            {
+                "target": name,
+                "mode": mode,
+                "tok_s": _end_to_end(stats),
+                "decode_tok_s": stats.decode_tok_s,
+                "tau": stats.tau,
+                "differs_from_plain": mismatches[name] if mode == "default" else 0,
+            }
+        )
+    rows += [{"target": peer, "mode": "peer", "tok_s": t / s if s else 0.0} for peer, (t, s) in peers.items()]
+    base = next(r["tok_s"] for r in rows if r["target"] == "transformers generate fp32 greedy")
+    for row in rows:
+        row["vs_transformers_generate"] = row["tok_s"] / base if base else 0.0
+        plain = next(r for r in rows if r["target"] == row["target"])  # the plain row comes first
+        row["vs_plain_same_target"] = row["tok_s"] / plain["tok_s"] if plain["tok_s"] else 0.0
+    cost = {}
+    for name, target in targets.items():
+        costs = VerifyCosts()
+        costs.measure(target, widths, repeats=3)
+        cost[name] = {str(w): round(costs.seconds[w] * 1000, 2) for w in widths}
+    return {"prompts": len(ids), "max_new_tokens": max_new, "rows": rows, "width_ms": cost}
+
+
 # --- reporting -------------------------------------------------------------------
 
 
@@ -290,6 +411,13 @@ def print_model(name: str, entry: dict, setting: str) -> None:
     print(table(entry["context"], ["context", "cached_ms", "recompute_ms", "cached_vs_first"]))
     print(f"== {name}: verify step vs width (1 + drafts)")
     print(table(entry["verify"], ["width", "verify_ms", "break_even_tau"]))
+    if "engines" in entry:
+        engines = entry["engines"]
+        print(f"== {name}: engines and peers ({engines['prompts']} prompts x {engines['max_new_tokens']} tokens)")
+        columns = ["target", "mode", "tok_s", "decode_tok_s", "tau", "vs_plain_same_target"]
+        print(table(engines["rows"], [*columns, "vs_transformers_generate", "differs_from_plain"]))
+        widths = list(next(iter(engines["width_ms"].values())))
+        print(table([{"target": t, **ms} for t, ms in engines["width_ms"].items()], ["target", *widths]))
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -328,6 +456,11 @@ def run(args: argparse.Namespace) -> dict:
             "context": context_rows[name],
             "verify": verify,
         }
+        if not args.skip_engines:
+            texts = DEFAULT_PROMPTS if args.quick else read_prompts(args.prompts)[: args.prompt_limit]
+            report["models"][name]["engines"] = bench_engines(
+                folder, checkpoint, texts, args.max_new_tokens, args.threads, list(range(1, 18))
+            )
         setting = f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.threads} threads"
         print_model(name, report["models"][name], setting)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -350,6 +483,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=12, help="timed repetitions per micro-benchmark")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in this process and the draft daemon")
     parser.add_argument("--out", default="bench_results", help="folder for bench.json and the plot")
+    parser.add_argument("--prompts", default="data/eval_prompts.jsonl", help="prompts of the engines table (jsonl)")
+    parser.add_argument("--prompt-limit", type=int, default=12, help="how many of them")
+    parser.add_argument("--skip-engines", action="store_true", help="leave out the engines and peers table")
     parser.add_argument("--replot", metavar="JSON", help="only redraw the plot from an earlier bench.json")
     args = parser.parse_args(argv)
     if args.replot:

@@ -8,12 +8,18 @@ runs as one command, each phase time-boxed, every result written as it comes int
 `OUT/results.json` (a crash or a timeout still leaves what was measured):
 
 1. `tests`: `tests/test_cuda.py` (losslessness with target and drafter on the GPU, a GPU draft daemon);
-2. `bench`: plain vs DFlash on the GPU, the draft daemon a separate process on the same GPU
+2. `invariance`: `tests/test_engine.py` on the device: every row of chains, trees and prefill
+   chunks bit-identical to the plain step, on the engine's torch ops (fixed row blocks) in fp32 and
+   bf16, and speculative == plain exactly;
+3. `exactness`: the real model on the device, engine and transformers path, bf16 and fp32: how
+   many prompts' speculative output (chain, tree:8, the default) differs from plain, tok/s, and
+   each target's verify cost by width (what the governor weighs);
+4. `bench`: plain vs DFlash on the GPU, the draft daemon a separate process on the same GPU
    (`launch.evaluate` modes plain, chain, tree:8 and the adaptive default, on held-out prompts);
-3. `gen`: self-instruct answers from the target in bf16 with large batches, into `OUT/answers`
+5. `gen`: self-instruct answers from the target in bf16 with large batches, into `OUT/answers`
    (answer-store shards: copy them into data/answers/ to keep them);
-4. `train`: the shipped drafter trained further on the store plus the new answers, into `OUT/drafter`;
-5. `eval`: the new drafter against the shipped one on the held-out prompts (drafting every step).
+6. `train`: the shipped drafter trained further on the store plus the new answers, into `OUT/drafter`;
+7. `eval`: the new drafter against the shipped one on the held-out prompts (drafting every step).
 
 The GPU machine has torch and transformers but no pyzmq and no gguf: `launch/gpu_run.sh`
 installs them from carried wheels, joins the carried GGUF parts, then runs this.
@@ -80,6 +86,62 @@ def run_tests(timeout_s: float) -> dict:
     )
     tail = done.stdout.strip().splitlines()[-1:] or [""]
     return {"returncode": done.returncode, "summary": tail[0], "output": done.stdout[-3000:] + done.stderr[-1000:]}
+
+
+def run_invariance(device: str, timeout_s: float) -> dict:
+    """The engine's bitwise tests on `device` (on a CPU only its torch-ops cases: the CPU kernels'
+    run in the suite anyway)."""
+    kind = device.split(":")[0]
+    env = dict(os.environ, DFLASH_ENGINE_TEST_DEVICE=kind)
+    select = ["-k", "torch"] if kind == "cpu" else []
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_engine.py", *select],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=max(30.0, timeout_s),
+    )
+    tail = done.stdout.strip().splitlines()[-1:] or [""]
+    return {"returncode": done.returncode, "summary": tail[0], "output": done.stdout[-3000:] + done.stderr[-1000:]}
+
+
+def exactness(model: Path, drafter: Path, device: str, prompts: int, max_new: int) -> dict:
+    """Plain and speculative output side by side on each (dtype, path) target, on this device."""
+    from draft_node.checkpoint import load_drafter
+    from target_node.decoding.governor import Governor, VerifyCosts
+    from target_node.decoding.speculative import generate
+    from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NoProposer
+    from target_node.model.target import TargetModel
+    from training.prompts import read_prompts
+
+    texts = read_prompts(ROOT / "data" / "eval_prompts.jsonl")[:prompts]
+    results = {}
+    for dtype in ("bfloat16", "float32"):
+        for engine in (True, False):
+            target = TargetModel.load(model, device, dtype, engine=engine)
+            name = f"{dtype} {'engine' if engine else 'transformers path'}"
+            proposer = DFlashProposer(LocalDraftBackend(load_drafter(drafter, device, torch.bfloat16)))
+            modes = {
+                "chain": dict(adaptive=False),
+                "tree:8": dict(adaptive=False, tree_nodes=8),
+                "default": dict(governor=Governor(max_nodes=16), tree_nodes=16),
+            }
+            row = {"differs": dict.fromkeys(modes, 0), "tok_s": dict.fromkeys(["plain", *modes], 0.0)}
+            for text in texts:
+                ids = target.encode_chat([{"role": "user", "content": text}])
+                plain = generate(target, ids, NoProposer(), max_new)
+                row["tok_s"]["plain"] += plain.stats.decode_tok_s / len(texts)
+                for mode, options in modes.items():
+                    spec = generate(target, ids, proposer, max_new, **options)
+                    row["differs"][mode] += spec.tokens != plain.tokens
+                    row["tok_s"][mode] += spec.stats.decode_tok_s / len(texts)
+            costs = VerifyCosts()
+            costs.measure(target, range(1, 18))
+            row["verify_ms_by_width"] = {str(w): round(s * 1000, 3) for w, s in sorted(costs.seconds.items())}
+            results[name] = row
+            del target
+    return {"prompts": len(texts), "max_new_tokens": max_new, "targets": results}
 
 
 def bench(model: Path, drafter: Path, device: str, prompts: int, max_new: int, threads: int) -> dict:
@@ -247,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = config_for_target(TargetModel.load(model).config, block_size=4, num_layers=1, mask_token_id=0)
         shipped = save_drafter(random_drafter(cfg), cache / "tiny-drafter")
         sizes = {"prompts": 2, "max_new": 8, "batch": 8, "gen": 0.4, "train": 0.3, "steps": 20, "dtype": "float32"}
-        sizes["answer"] = 24
+        sizes.update(answer=24, exact_prompts=1)
     else:
         from target_node.model.default_model import ensure_default_model
 
@@ -262,10 +324,13 @@ def main(argv: list[str] | None = None) -> None:
             "train": 0.25 * args.minutes,
             "steps": 100000,
             "dtype": "bfloat16" if gpu else "float32",
+            "exact_prompts": 6,
         }
     common = train_args(model, out, cache, args.device, args.tiny)
     run.results["environment"] = environment(args.device)
     run.phase("tests", run_tests, max(90.0, min(180.0, 0.2 * run.left())))
+    run.phase("invariance", run_invariance, args.device, max(90.0, min(180.0, 0.2 * run.left())))
+    run.phase("exactness", exactness, model, shipped, args.device, sizes["exact_prompts"], sizes["max_new"])
     run.phase("bench", bench, model, shipped, args.device, sizes["prompts"], sizes["max_new"], args.threads)
     run.phase("gen", generate_answers, common, out, sizes["gen"], sizes["batch"], sizes["dtype"], sizes["answer"])
     run.phase("train", train_drafter, common, out, sizes["train"], None if args.tiny else shipped, sizes["steps"])

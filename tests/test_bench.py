@@ -8,7 +8,16 @@ from launch import bench
 
 def test_quick_benchmark_produces_well_formed_results(tmp_path):
     args = bench.argparse.Namespace(
-        quick=True, model=None, drafter=None, max_new_tokens=12, repeats=3, threads=1, out=str(tmp_path)
+        quick=True,
+        model=None,
+        drafter=None,
+        max_new_tokens=12,
+        repeats=3,
+        threads=1,
+        out=str(tmp_path),
+        skip_engines=False,
+        prompts=None,
+        prompt_limit=3,
     )
     report = bench.run(args)
     saved = json.loads((tmp_path / "bench.json").read_text())
@@ -27,3 +36,11 @@ def test_quick_benchmark_produces_well_formed_results(tmp_path):
     assert all(r["cached_ms"] > 0 and r["recompute_ms"] > 0 for r in tiny["context"])
     assert [r["width"] for r in tiny["verify"]] == list(range(1, 17))  # up to two blocks: tree widths
     assert tiny["verify"][0]["break_even_tau"] == 1.0 and all(r["verify_ms"] > 0 for r in tiny["verify"])
+    engines = tiny["engines"]
+    targets = {row["target"] for row in engines["rows"] if row["mode"] != "peer"}
+    assert targets == {f"{d} {p}" for d in ("float32", "bfloat16") for p in ("engine", "transformers path")}
+    for row in engines["rows"]:
+        assert row["tok_s"] > 0 and math.isfinite(row["vs_transformers_generate"])
+        if "engine" in row["target"]:  # bit-exact by construction, in both dtypes
+            assert row["differs_from_plain"] == 0
+    assert set(engines["width_ms"]) == targets and all(len(ms) == 17 for ms in engines["width_ms"].values())

@@ -6,8 +6,12 @@ and the logits, for tiny models of every family the engine serves, in fp32 and b
 width 1..17, random trees, prefill chunks of any size, and any thread count. Then the decoding
 built on it: speculative output equals plain output exactly, with random, oracle and n-gram
 drafters, chain and tree, in both dtypes.
+
+The same checks run on the engine's torch ops (torch_ops.py, fixed row blocks: the path a GPU
+takes), here on the CPU; `launch/gpu_run.sh` runs them on CUDA.
 """
 
+import os
 import random
 
 import pytest
@@ -18,6 +22,7 @@ from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.speculative import generate
 from target_node.decoding.tree import DraftTree
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
+from target_node.model.target import TargetModel
 from target_node.model.tiny import ENGINE_FAMILIES, tiny_target
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -25,12 +30,16 @@ CONTEXT = [5, 17, 42, 99, 3, 7, 11, 200, 13, 14, 15, 16, 30, 31, 32, 33, 40, 41,
 WIDEST = 17
 
 
-@pytest.fixture(
-    scope="module", params=[(f, d) for f in ENGINE_FAMILIES for d in DTYPES], ids=lambda p: f"{p[0]}-{p[1]}"
-)
+DEVICE = "cuda" if os.environ.get("DFLASH_ENGINE_TEST_DEVICE") == "cuda" else "cpu"  # gpu_run sets it
+CASES = [(f, d, "kernels") for f in ENGINE_FAMILIES for d in DTYPES] if DEVICE == "cpu" else []
+CASES += [("qwen3_sliding", d, "torch") for d in DTYPES]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: "-".join(p))
 def target(request, one_thread):
-    family, dtype = request.param
-    target = tiny_target(family, seed=2, layers=3, dtype=DTYPES[dtype])
+    family, dtype, ops = request.param
+    target = tiny_target(family, seed=2, layers=3, dtype=DTYPES[dtype], engine=False)
+    target = TargetModel(target.model.to(DEVICE), engine=ops)
     assert target.engine is not None and target.policy.name == "static"
     return target
 
@@ -118,7 +127,7 @@ def test_the_thread_count_does_not_change_a_bit(target):
 
 def test_the_engine_agrees_with_the_transformers_model_up_to_rounding(target):
     with torch.inference_mode():
-        theirs = target.model(input_ids=torch.tensor([CONTEXT])).logits[0].float()
+        theirs = target.model(input_ids=torch.tensor([CONTEXT], device=target.device)).logits[0].float()
     target.reset()
     ours = target.logits(target.forward(CONTEXT)[0])
     share = 1e-4 if target.model.dtype == torch.float32 else 0.1  # transformers' bf16 rounds every op

@@ -200,9 +200,11 @@ def generate(
             output.finish = "cancelled"
             break
         budget = output.budget - 1  # the target's own next token always comes on top
-        limit = budget if governor is None or governor.should_draft() else 0
+        hints = output.hinted(budget)
+        # Known continuations cost no drafting: they are verified whatever the governor thinks of the drafter.
+        limit = budget if governor is None or hints or governor.should_draft() else 0
         tokens = prompt + output.tokens
-        step = speculative_step(target, proposer, tokens, limit, sampler, output.hinted(budget), tree_nodes, governor)
+        step = speculative_step(target, proposer, tokens, limit, sampler, hints, tree_nodes, governor)
         _count(stats, step)
         if governor is not None:
             seconds = step.propose_s + step.verify_s

@@ -20,9 +20,11 @@ import torch
 from torch import nn
 
 import kernels
+from target_node.engine import torch_ops
 from target_node.engine.check import check_against
 from target_node.engine.kv_cache import StaticKVCache
 from target_node.engine.rows import Rows, chain_rows, tree_rows
+from target_node.engine.torch_ops import TorchOps
 from target_node.engine.weights import DecoderWeights, EngineUnsupported, read_decoder
 
 log = logging.getLogger(__name__)
@@ -34,18 +36,33 @@ class Engine:
     name = "static"
     tree = True  # any rows can be kept: a tree's accepted path is gathered into place
 
-    def __init__(self, model: nn.Module, slots: int = 1, max_positions: int | None = None) -> None:
+    def __init__(self, model: nn.Module, slots: int = 1, max_positions: int | None = None, ops: str = "auto") -> None:
+        """`ops`: "kernels" (the CPU kernels), "torch" (torch_ops.py, the GPU's) or "auto" (by device)."""
         device = model.get_output_embeddings().weight.device
-        if device.type != "cpu":
-            raise EngineUnsupported(f"the engine's kernels run on the CPU, not {device.type}")
-        kernels.load()
-        self.ops = torch.ops.dflash
-        self.w: DecoderWeights = read_decoder(model)
+        if ops == "auto":
+            ops = "kernels" if device.type == "cpu" else "torch"
+        if ops == "kernels":
+            if device.type != "cpu":
+                raise EngineUnsupported(f"the CPU kernels do not run on {device.type}")
+            kernels.load()
+            self.ops, prepare, self.block = torch.ops.dflash, kernels.pack, None
+        else:
+            self.ops, prepare, self.block = TorchOps(), torch_ops.prepare, torch_ops.BLOCK
+        self.w: DecoderWeights = read_decoder(model, prepare)
         self.device = device
         self.dtype = self.w.head.data.dtype
         self.windows = {layer.window for layer in self.w.layers}
+        # Blocks of fixed size pad with rows that write to one more slot, which no sequence owns.
+        self.scratch = slots if self.block else None
         self.cache = StaticKVCache(
-            len(self.w.layers), self.w.kv_heads, self.w.head_dim, self.dtype, device, slots, 256, max_positions
+            len(self.w.layers),
+            self.w.kv_heads,
+            self.w.head_dim,
+            self.dtype,
+            device,
+            slots + (self.block is not None),
+            256,
+            max_positions,
         )
         self._cos = self._sin = torch.empty(0, self.w.head_dim)
         check_against(self, model)
@@ -97,6 +114,16 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, rows: Rows, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final hidden states [M, hidden] and taps of `rows`: at once on the CPU kernels, in blocks of
+        exactly `block` rows on torch's (each block through every layer before the next)."""
+        if self.block is None:
+            return self._forward(rows, taps)
+        parts = [self._forward(block, taps) for block in rows.blocks(self.block, self.scratch)]
+        m = len(rows)
+        hidden = torch.cat([h for h, _ in parts])[:m]
+        return hidden, torch.cat([f for _, f in parts])[:m] if taps else None
+
+    def _forward(self, rows: Rows, taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         w = self.w
         h = w.embed.weight[rows.tokens].float()
         cos, sin = self._rotary(rows.positions)
@@ -132,7 +159,7 @@ class Engine:
         """Decoder layer i on the residual stream `h` [M, hidden], in place."""
         ops, w, layer = self.ops, self.w, self.w.layers[i]
         keys = rows.keys[layer.window]
-        kc, vc = self.cache.keys(i), self.cache.values(i)
+        kc, vc = self.cache.keys[i], self.cache.values[i]
         ops.rmsnorm(h, layer.norm_attn, w.eps, False, work.normed)
         ops.linear(work.normed, layer.qkv.data, layer.qkv.n, layer.qkv_bias, None, work.qkv)
         ops.rope_store(
@@ -151,7 +178,16 @@ class Engine:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [M, vocab] of final hidden states, each row by the same dot products."""
         hidden = hidden.float().contiguous()
-        return kernels.linear(hidden, self.w.head)
+        if self.block is None:
+            return kernels.linear(hidden, self.w.head)
+        m, size = hidden.shape[0], self.block
+        padded = torch.zeros(-(-m // size) * size, hidden.shape[1], device=hidden.device)
+        padded[:m] = hidden
+        out = torch.empty(padded.shape[0], self.w.head.n, device=hidden.device)
+        for start in range(0, padded.shape[0], size):
+            rows = slice(start, start + size)
+            self.ops.linear(padded[rows], self.w.head.data, self.w.head.n, None, None, out[rows])
+        return out[:m]
 
 
 class _Work:

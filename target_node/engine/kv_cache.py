@@ -43,13 +43,9 @@ class StaticKVCache:
         if self.capacity:
             kv[..., : self.capacity, :] = self.kv
         self.kv, self.capacity = kv, capacity
-
-    def keys(self, layer: int) -> torch.Tensor:
-        """Layer `layer`'s keys [slots, kv_heads, capacity, head_dim] (a contiguous view)."""
-        return self.kv[layer, 0]
-
-    def values(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 1]
+        # Per layer, keys and values [slots, kv_heads, capacity, head_dim]: contiguous views, made once.
+        self.keys = [kv[i, 0] for i in range(self.layers)]
+        self.values = [kv[i, 1] for i in range(self.layers)]
 
     def reserve(self, positions: int) -> None:
         """Make room for `positions` entries per slot (doubling, so growth is rare)."""

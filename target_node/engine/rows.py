@@ -39,6 +39,33 @@ class Rows:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def blocks(self, size: int, scratch: int) -> list[Rows]:
+        """These rows in blocks of exactly `size`, the last padded with rows of the `scratch` slot
+        (token 0 at position 0 seeing only itself): so every block runs at one shape."""
+        m = len(self)
+        total = -(-m // size) * size
+        pad = total - m
+
+        def extend(t: torch.Tensor, value: int) -> torch.Tensor:
+            return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)]) if pad else t
+
+        keys = {
+            w: KeyLists(extend(k.lo, 0), extend(k.hi, 1), extend(k.extra, 0), extend(k.count, 0))
+            for w, k in self.keys.items()
+        }
+        padded = Rows(
+            extend(self.tokens, 0), extend(self.positions, 0), extend(self.slots, scratch), extend(self.index, 0), keys
+        )
+        return [padded.slice(start, start + size) for start in range(0, total, size)]
+
+    def slice(self, start: int, end: int) -> Rows:
+        keys = {
+            w: KeyLists(k.lo[start:end], k.hi[start:end], k.extra[start:end], k.count[start:end])
+            for w, k in self.keys.items()
+        }
+        part = slice(start, end)
+        return Rows(self.tokens[part], self.positions[part], self.slots[part], self.index[part], keys)
+
 
 def chain_rows(tokens: list[int], start: int, windows: set[int | None], slot: int = 0, device="cpu") -> Rows:
     """Tokens at positions start, start + 1, ... of one slot, each seeing everything before it."""

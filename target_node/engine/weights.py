@@ -77,8 +77,9 @@ def _norm(module: nn.Module, what: str) -> torch.Tensor:
     return module.weight.detach().float().contiguous()
 
 
-def read_decoder(model: nn.Module) -> DecoderWeights:
-    """The decoder's weights in the kernels' layout, or EngineUnsupported with the reason."""
+def read_decoder(model: nn.Module, prepare=pack) -> DecoderWeights:
+    """The decoder's weights laid out by `prepare` (the CPU kernels' `pack`, or as they are for torch's
+    matmuls), or EngineUnsupported with the reason."""
     config = model.config
     decoder = getattr(model, "model", None)
     name = type(model).__name__
@@ -98,13 +99,13 @@ def read_decoder(model: nn.Module) -> DecoderWeights:
     cache_layers = DynamicCache(config=config).layers
     layers = []
     for i, layer in enumerate(decoder.layers):
-        layers.append(_read_layer(layer, i, cache_layers[i] if i < len(cache_layers) else None, head_dim))
+        layers.append(_read_layer(layer, i, cache_layers[i] if i < len(cache_layers) else None, prepare))
     attn = decoder.layers[0].self_attn
     return DecoderWeights(
         embed=decoder.embed_tokens,
         layers=layers,
         norm=_norm(decoder.norm, "the final norm"),
-        head=pack(model.get_output_embeddings().weight),
+        head=prepare(model.get_output_embeddings().weight),
         eps=float(decoder.norm.variance_epsilon),
         heads=config.num_attention_heads,
         kv_heads=config.num_key_value_heads,
@@ -114,7 +115,7 @@ def read_decoder(model: nn.Module) -> DecoderWeights:
     )
 
 
-def _read_layer(layer: nn.Module, index: int, cache_layer, head_dim: int) -> LayerWeights:
+def _read_layer(layer: nn.Module, index: int, cache_layer, prepare) -> LayerWeights:
     where = f"layer {index}"
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     linears = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -139,16 +140,16 @@ def _read_layer(layer: nn.Module, index: int, cache_layer, head_dim: int) -> Lay
     q, k, v, o = (getattr(attn, n) for n in linears)
     return LayerWeights(
         norm_attn=_norm(layer.input_layernorm, f"{where}'s input norm"),
-        qkv=pack(q.weight, k.weight, v.weight),
+        qkv=prepare(q.weight, k.weight, v.weight),
         qkv_bias=_bias(q, k, v),
         q_norm=_norm(attn.q_norm, f"{where}'s q norm") if hasattr(attn, "q_norm") else None,
         k_norm=_norm(attn.k_norm, f"{where}'s k norm") if hasattr(attn, "k_norm") else None,
-        o=pack(o.weight),
+        o=prepare(o.weight),
         o_bias=_bias(o),
         norm_mlp=_norm(layer.post_attention_layernorm, f"{where}'s MLP norm"),
-        gate_up=pack(mlp.gate_proj.weight, mlp.up_proj.weight),
+        gate_up=prepare(mlp.gate_proj.weight, mlp.up_proj.weight),
         gate_up_bias=_bias(mlp.gate_proj, mlp.up_proj),
-        down=pack(mlp.down_proj.weight),
+        down=prepare(mlp.down_proj.weight),
         down_bias=_bias(mlp.down_proj),
         window=window,
     )

@@ -36,10 +36,13 @@ class ContextLengthError(ValueError):
 
 
 class TargetModel:
-    def __init__(self, model, tokenizer=None, cache_policy: str | None = None, engine: bool | None = None) -> None:
+    def __init__(
+        self, model, tokenizer=None, cache_policy: str | None = None, engine: bool | str | None = None
+    ) -> None:
         """`model`: a transformers causal LM; `cache_policy`: how recurrent layers roll back
         (`replay`, the default, or `capture`: see recurrent.py); `engine`: None runs the engine
-        where it serves the model, False never, True or refuse."""
+        where it serves the model, False never, True (or its ops by name: "kernels", "torch") or
+        refuse."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config
@@ -52,7 +55,9 @@ class TargetModel:
         fallback.tap_offset = probe(model, decoder, fallback.new_cache(), self._scaled_head)
         self.engine: Engine | None = None
         if engine is not False:
-            self.engine = engine_for(model) if engine is None else Engine(model)
+            self.engine = (
+                engine_for(model) if engine is None else Engine(model, ops="auto" if engine is True else engine)
+            )
         self.path: Engine | TransformersPath = self.engine or fallback
         self.greedy_head = self._screened_head_if_faster() if self.engine is None else None
 
@@ -274,7 +279,9 @@ class TargetModel:
 
 
 def prefer_bf16(device: str | torch.device) -> bool:
-    """bf16 where the device computes it natively (a CPU with AVX512-BF16 or AMX, where the engine's
-    bf16 matmul also measures faster than its fp32 one here and now)."""
+    """bf16 where the device computes it natively: CUDA, or a CPU with AVX512-BF16 or AMX where the
+    engine's bf16 matmul also measures faster than its fp32 one here and now."""
     device = torch.device(device)
+    if device.type == "cuda":
+        return True
     return device.type == "cpu" and native_bf16() and bf16_faster()

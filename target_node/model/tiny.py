@@ -124,7 +124,7 @@ def tiny_target(
     layers: int = 4,
     vocab: int = VOCAB,
     cache_policy: str | None = None,
-    engine: bool | None = None,
+    engine: bool | str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> TargetModel:
     """A random `arch` model behind the target adapter (`cache_policy`, `engine`: see TargetModel)."""
