@@ -52,6 +52,7 @@ def linear(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(x @ W.T + bias) + residual, fp32 [M, N], for fp32 rows x [M, K] (`out` may be `residual`)."""
+    load()
     if out is None:
         out = torch.empty(x.shape[0], weight.n, device=x.device)
     torch.ops.dflash.linear(x, weight.data, weight.n, bias, residual, out)

@@ -32,6 +32,7 @@ import zmq
 
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
 from draft_node.kv_cache import DraftKVCache
+from kernels import Packed
 from launch.common import ensure_default_drafter, resolve_model
 from launch.local import daemon, free_address
 from protocol import decode, encode
@@ -362,6 +363,62 @@ def bench_engines(
     return {"prompts": len(ids), "max_new_tokens": max_new, "rows": rows, "width_ms": cost}
 
 
+# --- 6. what invariance costs -------------------------------------------------------
+
+
+class OneDNNLinears:
+    """The engine with oneDNN's prepacked matmul (what inductor's weight freezing uses) in place of
+    the invariant kernels' linear: the fastest CPU matmul torch has here, and not batch-invariant.
+    For measuring what invariance costs, never for serving."""
+
+    block = None
+
+    def prepare(self, *weights: torch.Tensor) -> Packed:
+        w = torch.cat([x.detach() for x in weights]).contiguous()
+        return Packed(torch.ops.mkldnn._reorder_linear_weight(w, 16), w.shape[0])
+
+    def linear(self, x, w, n, bias, residual, out) -> None:
+        y = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, None, "none", [], "").float()
+        if bias is not None:
+            y = y + bias
+        out.copy_(y if residual is None else residual + y)
+
+    def __getattr__(self, name: str):  # norms, rotary, attention: the kernels' own
+        return getattr(torch.ops.dflash, name)
+
+
+def bench_invariance_cost(folder: Path | None, widths: list[int], repeats: int) -> dict:
+    """Step time by width on the engine with its invariant linears and with oneDNN's, in turns,
+    after a 128-token context; fp32 and bf16. The ratio is the price of exactness."""
+    from target_node.engine.engine import Engine
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        if folder is None:
+            model = tiny_target(vocab=512, engine=False, dtype=dtype).model
+        else:
+            model = TargetModel.load(folder, dtype=dtype, engine=False).model
+        engines = {"invariant kernels": Engine(model), "oneDNN prepacked": Engine(model, ops=OneDNNLinears())}
+        context = [3 + i % 97 for i in range(128)]
+        for engine in engines.values():
+            engine.step(context)
+        times = {(name, w): [] for name in engines for w in widths}
+        for _ in range(repeats):
+            for w in widths:
+                for name, engine in engines.items():
+                    began = time.perf_counter()
+                    hidden, _ = engine.step([5] * w)
+                    engine.head(hidden).argmax(-1)
+                    times[(name, w)].append(time.perf_counter() - began)
+                    engine.rollback(len(context))
+        rows = []
+        for w in widths:
+            ours, theirs = (statistics.median(times[(n, w)]) * 1000 for n in engines)
+            rows.append({"width": w, "invariant_ms": ours, "onednn_ms": theirs, "cost": ours / theirs})
+        out[str(dtype).removeprefix("torch.")] = rows
+    return out
+
+
 # --- reporting -------------------------------------------------------------------
 
 
@@ -418,6 +475,9 @@ def print_model(name: str, entry: dict, setting: str) -> None:
         print(table(engines["rows"], [*columns, "vs_transformers_generate", "differs_from_plain"]))
         widths = list(next(iter(engines["width_ms"].values())))
         print(table([{"target": t, **ms} for t, ms in engines["width_ms"].items()], ["target", *widths]))
+    for dtype, rows in entry.get("invariance_cost", {}).items():
+        print(f"== {name}: what invariance costs ({dtype}: the engine's step, invariant kernels vs oneDNN)")
+        print(table(rows, ["width", "invariant_ms", "onednn_ms", "cost"]))
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -461,6 +521,7 @@ def run(args: argparse.Namespace) -> dict:
             report["models"][name]["engines"] = bench_engines(
                 folder, checkpoint, texts, args.max_new_tokens, args.threads, list(range(1, 18))
             )
+            report["models"][name]["invariance_cost"] = bench_invariance_cost(folder, [1, 2, 5, 9, 17], repeats)
         setting = f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.threads} threads"
         print_model(name, report["models"][name], setting)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")

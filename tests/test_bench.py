@@ -44,3 +44,6 @@ def test_quick_benchmark_produces_well_formed_results(tmp_path):
         if "engine" in row["target"]:  # bit-exact by construction, in both dtypes
             assert row["differs_from_plain"] == 0
     assert set(engines["width_ms"]) == targets and all(len(ms) == 17 for ms in engines["width_ms"].values())
+    for dtype in ("float32", "bfloat16"):
+        rows = tiny["invariance_cost"][dtype]
+        assert [r["width"] for r in rows] == [1, 2, 5, 9, 17] and all(r["cost"] > 0 for r in rows)

@@ -23,6 +23,7 @@ BLOCK = 16  # longer than the sliding windows: a rejected block rolls back acros
 RECURRENT = ("qwen3_next", "mamba2", "falcon_h1", "nemotron_h")
 POLICY = {
     "llama": "crop",
+    "qwen2": "crop",
     "qwen3": "crop",
     "qwen3_sliding": "crop+window",
     "mistral": "window",

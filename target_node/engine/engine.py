@@ -36,8 +36,9 @@ class Engine:
     name = "static"
     tree = True  # any rows can be kept: a tree's accepted path is gathered into place
 
-    def __init__(self, model: nn.Module, slots: int = 1, max_positions: int | None = None, ops: str = "auto") -> None:
-        """`ops`: "kernels" (the CPU kernels), "torch" (torch_ops.py, the GPU's) or "auto" (by device)."""
+    def __init__(self, model: nn.Module, slots: int = 1, max_positions: int | None = None, ops="auto") -> None:
+        """`ops`: "kernels" (the CPU kernels), "torch" (torch_ops.py, the GPU's), "auto" (by device), or
+        an object with the same operations, `prepare` and `block` (benchmarks measure alternatives)."""
         device = model.get_output_embeddings().weight.device
         if ops == "auto":
             ops = "kernels" if device.type == "cpu" else "torch"
@@ -46,8 +47,10 @@ class Engine:
                 raise EngineUnsupported(f"the CPU kernels do not run on {device.type}")
             kernels.load()
             self.ops, prepare, self.block = torch.ops.dflash, kernels.pack, None
-        else:
+        elif ops == "torch":
             self.ops, prepare, self.block = TorchOps(), torch_ops.prepare, torch_ops.BLOCK
+        else:
+            self.ops, prepare, self.block = ops, ops.prepare, ops.block
         self.w: DecoderWeights = read_decoder(model, prepare)
         self.device = device
         self.dtype = self.w.head.data.dtype
@@ -179,7 +182,9 @@ class Engine:
         """fp32 logits [M, vocab] of final hidden states, each row by the same dot products."""
         hidden = hidden.float().contiguous()
         if self.block is None:
-            return kernels.linear(hidden, self.w.head)
+            out = torch.empty(hidden.shape[0], self.w.head.n)
+            self.ops.linear(hidden, self.w.head.data, self.w.head.n, None, None, out)
+            return out
         m, size = hidden.shape[0], self.block
         padded = torch.zeros(-(-m // size) * size, hidden.shape[1], device=hidden.device)
         padded[:m] = hidden

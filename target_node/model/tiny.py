@@ -22,11 +22,12 @@ EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
 
 # Families the engine serves (the others run on the transformers path only).
-ENGINE_FAMILIES = ("llama", "qwen3", "qwen3_sliding", "mistral")
+ENGINE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_sliding", "mistral")
 
 # family -> (transformers class prefix, what sets it apart, its config beyond the common fields)
 FAMILIES: dict[str, tuple[str, str, dict]] = {
     "llama": ("Llama", "full attention, tied embeddings", dict(tie_word_embeddings=True)),
+    "qwen2": ("Qwen2", "full attention, q/k/v biases", dict()),
     "qwen3": ("Qwen3", "full attention, q/k norms", dict(head_dim=16)),
     "qwen3_sliding": (
         "Qwen3",
@@ -133,7 +134,7 @@ def tiny_target(
     model = getattr(transformers, f"{FAMILIES[arch][0]}ForCausalLM")(config)
     # A larger init spread makes logits decisive, so greedy paths are not dominated by near-ties.
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
+        for name, p in model.named_parameters():
+            if p.dim() > 1 or name.endswith(".bias"):  # biases too, so a path that drops them shows
                 p.normal_(0, 0.2)
     return TargetModel(model.to(dtype).eval(), tokenizer=None, cache_policy=cache_policy, engine=engine)
