@@ -38,7 +38,7 @@ from launch.local import daemon, free_address
 from protocol import decode, encode
 from protocol.transport import dealer, receive, router
 from target_node.decoding.governor import Governor, VerifyCosts
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.decoding.stats import Stats
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
 from target_node.drafting.remote import RemoteDraftBackend

@@ -93,7 +93,7 @@ def mode_options(mode: str, tree_nodes: int, costs) -> dict:  # costs: a measure
 def evaluate(args: argparse.Namespace) -> dict:
     from target_node.decoding.governor import VerifyCosts
     from target_node.decoding.sampling import SamplingParams
-    from target_node.decoding.speculative import generate
+    from target_node.decoding.sequence import generate
     from target_node.decoding.stats import Stats
     from target_node.drafting.proposers import DFlashProposer, NoProposer
     from target_node.model.target import TargetModel

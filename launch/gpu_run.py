@@ -110,7 +110,7 @@ def exactness(model: Path, drafter: Path, device: str, prompts: int, max_new: in
     """Plain and speculative output side by side on each (dtype, path) target, on this device."""
     from draft_node.checkpoint import load_drafter
     from target_node.decoding.governor import Governor, VerifyCosts
-    from target_node.decoding.speculative import generate
+    from target_node.decoding.sequence import generate
     from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NoProposer
     from target_node.model.target import TargetModel
     from training.prompts import read_prompts

@@ -15,7 +15,7 @@ from launch.net import add_server_security_args, client_security, server_securit
 from protocol import FLOAT_DTYPES, Message
 from protocol.keys import ClientKeys
 from protocol.transport import stop_on_signals
-from target_node.decoding.speculative import Result
+from target_node.decoding.sequence import Result
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposer
 from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES
 from target_node.model.target import TargetModel

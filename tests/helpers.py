@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import NoProposer
 from target_node.model.target import TargetModel
 from target_node.model.tiny import tiny_target  # noqa: F401 - the tests import it from here

@@ -8,7 +8,7 @@ import torch
 from helpers import OracleBackend, assert_lossless, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -19,7 +19,7 @@ from launch.local import daemon
 from protocol import decode, encode
 from protocol.keys import client_keys, create_keypair
 from protocol.transport import Client, InsecureBind, Server, dealer, is_local, request
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, NGramProposer
 from target_node.drafting.remote import RemoteDraftBackend
 

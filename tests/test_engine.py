@@ -19,7 +19,7 @@ import torch
 from helpers import OracleBackend, greedy
 
 from draft_node.checkpoint import config_for_target, random_drafter
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.decoding.tree import DraftTree
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
 from target_node.model.target import TargetModel

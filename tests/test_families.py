@@ -12,7 +12,7 @@ from helpers import OracleBackend, assert_lossless, greedy
 
 from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.sampling import SamplingParams
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
 from target_node.model.cache_policy import RECURRENT_POLICIES
 from target_node.model.tiny import ENGINE_FAMILIES, FAMILIES, WINDOW, tiny_target

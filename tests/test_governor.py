@@ -8,7 +8,7 @@ from helpers import greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.governor import Governor, VerifyCosts
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.decoding.tree import DraftTree
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
 

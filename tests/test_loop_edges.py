@@ -4,7 +4,8 @@ import pytest
 from helpers import OracleBackend, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
-from target_node.decoding.speculative import accept_length, generate
+from target_node.decoding.sequence import generate
+from target_node.decoding.speculative import accept_length
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
 
 PROMPT = [5, 17, 42, 99, 3, 7]

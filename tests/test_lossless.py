@@ -6,7 +6,7 @@ from helpers import OracleBackend, assert_lossless, greedy, tiny_target
 from transformers import LlamaForCausalLM
 
 from draft_node.checkpoint import config_for_target, random_drafter
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
 
 MAX_NEW = 40

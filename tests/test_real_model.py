@@ -6,7 +6,7 @@ import torch
 from helpers import assert_lossless, greedy
 
 from draft_node.checkpoint import config_for_target, random_drafter
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
 from target_node.model.default_model import ensure_default_model
 from target_node.model.target import TargetModel

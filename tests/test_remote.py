@@ -9,7 +9,7 @@ import torch
 from helpers import assert_lossless, draft_daemon, free_tcp_address, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
 from target_node.drafting.remote import DrafterMismatch, RemoteDraftBackend
 

@@ -22,7 +22,7 @@ from helpers import OracleBackend, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.sampling import SamplingParams, make_generator, probabilities, sample, verify_sampled
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import EMPTY, DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposal
 
 ALPHA = 1e-4

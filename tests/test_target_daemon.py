@@ -99,7 +99,7 @@ def test_cancel_stops_a_running_request(address):
 
 def test_sampling_options_pass_through_the_daemon(model_dir, address):
     from target_node.decoding.sampling import SamplingParams
-    from target_node.decoding.speculative import generate
+    from target_node.decoding.sequence import generate
     from target_node.drafting.proposers import NGramProposer
 
     options = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234}

@@ -6,7 +6,7 @@ import transformers
 from helpers import tiny_target
 from transformers.cache_utils import Cache, DynamicLayer
 
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import NoProposer
 from target_node.model.cache_policy import UnsupportedCache, policy_for
 from target_node.model.support import UnsupportedModel

@@ -16,7 +16,7 @@ from helpers import greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_draft_vocab, save_drafter
 from draft_node.config import FULL, SLIDING
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
 from training.answer_store import Answer, AnswerStore
 from training.average import average_drafters

@@ -5,7 +5,7 @@ import torch
 from helpers import OracleBackend, assert_lossless, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
-from target_node.decoding.speculative import generate
+from target_node.decoding.sequence import generate
 from target_node.decoding.tree import DraftTree
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NoProposer, Proposal
 

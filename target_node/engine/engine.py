@@ -91,15 +91,37 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens at the slot's next positions (a tree where `parents` are given): final hidden
         states [k, hidden] and the tapped layers' outputs [k, len(taps) * hidden]."""
-        start = self.cache.lengths[slot]
-        if parents is None:
-            rows = chain_rows(tokens, start, self.windows, slot, self.device)
-        else:
-            rows = tree_rows(tokens, start, parents, self.windows, slot, self.device)
-        self.cache.reserve(start + len(tokens))
-        hidden, features = self.forward(rows, taps)
-        self.cache.lengths[slot] = start + len(tokens)
-        return hidden, features
+        return self.step_batch([(slot, tokens, parents)], taps)[0]
+
+    def step_batch(
+        self, parts: list[tuple[int, list[int], list[int] | None]], taps: tuple[int, ...] = ()
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Several slots' tokens in one forward, each (slot, tokens, parents) at its slot's next
+        positions: per part, its hidden states and taps. Each row's bits are what it would get
+        alone (rows.py), so batching changes speed only."""
+        rows = []
+        for slot, tokens, parents in parts:
+            if slot == self.scratch or not 0 <= slot < self.cache.slots:
+                raise ValueError(f"slot {slot} is not one of this engine's {self.slots} slots")
+            start = self.cache.lengths[slot]
+            self.cache.reserve(start + len(tokens))
+            if parents is None:
+                rows.append(chain_rows(tokens, start, self.windows, slot, self.device))
+            else:
+                rows.append(tree_rows(tokens, start, parents, self.windows, slot, self.device))
+        hidden, features = self.forward(Rows.concat(rows), taps)
+        out, at = [], 0
+        for slot, tokens, _ in parts:
+            end = at + len(tokens)
+            out.append((hidden[at:end], None if features is None else features[at:end]))
+            self.cache.lengths[slot] += len(tokens)
+            at = end
+        return out
+
+    @property
+    def slots(self) -> int:
+        """Sequences the cache holds at once (a scratch slot for padding rows not counted)."""
+        return self.cache.slots - (self.scratch is not None)
 
     # --- the forward ------------------------------------------------------------------------------
 

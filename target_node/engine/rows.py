@@ -39,6 +39,25 @@ class Rows:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    @staticmethod
+    def concat(parts: list[Rows]) -> Rows:
+        """Rows of several parts in one forward (key lists padded to the widest `extra`)."""
+        if len(parts) == 1:
+            return parts[0]
+        keys = {}
+        for window in parts[0].keys:
+            lists = [p.keys[window] for p in parts]
+            width = max(k.extra.shape[1] for k in lists)
+            extra = torch.cat([torch.nn.functional.pad(k.extra, (0, width - k.extra.shape[1])) for k in lists])
+            keys[window] = KeyLists(
+                torch.cat([k.lo for k in lists]),
+                torch.cat([k.hi for k in lists]),
+                extra,
+                torch.cat([k.count for k in lists]),
+            )
+        cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+        return Rows(cat("tokens"), cat("positions"), cat("slots"), cat("index"), keys)
+
     def blocks(self, size: int, scratch: int) -> list[Rows]:
         """These rows in blocks of exactly `size`, the last padded with rows of the `scratch` slot
         (token 0 at position 0 seeing only itself): so every block runs at one shape."""

@@ -37,12 +37,17 @@ class ContextLengthError(ValueError):
 
 class TargetModel:
     def __init__(
-        self, model, tokenizer=None, cache_policy: str | None = None, engine: bool | str | None = None
+        self,
+        model,
+        tokenizer=None,
+        cache_policy: str | None = None,
+        engine: bool | str | None = None,
+        slots: int = 1,
     ) -> None:
         """`model`: a transformers causal LM; `cache_policy`: how recurrent layers roll back
         (`replay`, the default, or `capture`: see recurrent.py); `engine`: None runs the engine
         where it serves the model, False never, True (or its ops by name: "kernels", "torch") or
-        refuse."""
+        refuse; `slots`: sequences the engine's cache holds at once (the transformers path: one)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config
@@ -189,36 +194,51 @@ class TargetModel:
     # --- running and rolling back -------------------------------------------
 
     @property
-    def length(self) -> int:
-        """Positions the KV cache holds."""
-        return self.path.length()
+    def slots(self) -> int:
+        """Sequences this target decodes at once: the engine's slots, or one."""
+        return self.path.slots
 
-    def reset(self) -> None:
-        """A new request: an empty KV cache."""
-        self.path.reset()
+    @property
+    def length(self) -> int:
+        """Positions slot 0's KV cache holds."""
+        return self.length_of(0)
+
+    def length_of(self, slot: int) -> int:
+        return self.path.length(slot)
+
+    def reset(self, slot: int = 0) -> None:
+        """A new sequence in `slot`: an empty KV cache."""
+        self.path.reset(slot)
 
     def forward(
-        self, tokens: list[int], taps: tuple[int, ...] = (), parents: list[int] | None = None
+        self, tokens: list[int], taps: tuple[int, ...] = (), parents: list[int] | None = None, slot: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run tokens at the next positions: final hidden states [k, hidden], and the tapped
+        """Run tokens at the slot's next positions: final hidden states [k, hidden], and the tapped
         layers' outputs [k, len(taps) * hidden] when `taps` names any.
 
         With `parents` (of tokens 1.., indices into `tokens`), the tokens form a tree: each sits at
         the first one's position plus its depth and sees the committed context and its own
-        ancestors only.
-        The LM head is left to the caller (`greedy` or `logits`), which needs far less of it
-        than the full logits of every row. The cache keeps all k rows until `rollback` or `keep`.
+        ancestors only. The LM head is left to the caller (`greedy` or `logits`), which needs far
+        less of it than the full logits of every row. The cache keeps all k rows until `rollback`
+        or `keep`.
         """
-        return self.path.step(tokens, taps, parents)
+        return self.forward_batch([(slot, tokens, parents)], taps)[0]
 
-    def rollback(self, length: int) -> None:
-        """Keep the first `length` positions of the KV cache, dropping what was run after them."""
-        self.path.rollback(length)
+    def forward_batch(
+        self, parts: list[tuple[int, list[int], list[int] | None]], taps: tuple[int, ...] = ()
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Several sequences' tokens, (slot, tokens, parents) each, in one forward on the engine (one
+        after another on the transformers path): per part, what `forward` would return for it."""
+        return self.path.step_batch(parts, taps)
 
-    def keep(self, start: int, rows: list[int]) -> None:
+    def rollback(self, length: int, slot: int = 0) -> None:
+        """Keep the first `length` positions of the slot's KV cache, dropping what was run after them."""
+        self.path.rollback(length, slot)
+
+    def keep(self, start: int, rows: list[int], slot: int = 0) -> None:
         """After a forward from `start`, keep only its rows `rows` (ascending offsets, 0 first),
         moved to positions start, start + 1, ...: a tree step's accepted path."""
-        self.path.keep(start, rows)
+        self.path.keep(start, rows, slot)
 
     # --- the head --------------------------------------------------------------
 

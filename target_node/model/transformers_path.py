@@ -29,10 +29,18 @@ class TransformersPath:
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
 
-    def length(self) -> int:
+    slots = 1  # one DynamicCache: one sequence at a time, in slot 0
+
+    def _one(self, slot: int) -> None:
+        if slot != 0:
+            raise ValueError(f"the transformers path holds one sequence (slot 0), not slot {slot}; the engine batches")
+
+    def length(self, slot: int = 0) -> int:
+        self._one(slot)
         return 0 if self.cache is None else self.policy.length(self.cache)
 
-    def reset(self) -> None:
+    def reset(self, slot: int = 0) -> None:
+        self._one(slot)
         self.cache = None
 
     @torch.inference_mode()
@@ -69,8 +77,17 @@ class TransformersPath:
         mask = torch.zeros(1, 1, rows, start + rows, dtype=dtype, device=device)
         return {"position_ids": positions, "attention_mask": mask.masked_fill(~allowed, torch.finfo(dtype).min)}
 
-    def rollback(self, length: int) -> None:
+    def step_batch(
+        self, parts: list[tuple[int, list[int], list[int] | None]], taps: tuple[int, ...] = ()
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        for slot, _, _ in parts:
+            self._one(slot)
+        return [self.step(tokens, taps, parents) for _, tokens, parents in parts]
+
+    def rollback(self, length: int, slot: int = 0) -> None:
+        self._one(slot)
         self.policy.rollback(self.cache, length)
 
-    def keep(self, start: int, rows: list[int]) -> None:
+    def keep(self, start: int, rows: list[int], slot: int = 0) -> None:
+        self._one(slot)
         self.policy.keep(self.cache, start, rows)

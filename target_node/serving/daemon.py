@@ -24,7 +24,7 @@ from protocol.messages import HEARTBEAT_MISSES
 from protocol.transport import CONTROL_MAX_FRAME, Server
 from target_node.decoding.governor import Governor
 from target_node.decoding.sampling import SamplingParams
-from target_node.decoding.speculative import Result, generate
+from target_node.decoding.sequence import Result, generate
 from target_node.drafting.proposers import Proposer
 from target_node.model.target import ContextLengthError, TargetModel
 from target_node.serving.metrics import RequestClock, ServedMetrics, drafter_state

@@ -1,0 +1,258 @@
+"""A request's decoding, one forward at a time, alone or batched with others.
+
+A `Sequence` is one request's state: its slot in the target's cache, its prompt (prefilled in
+chunks), its output, sampler, proposer and governor. Each forward it offers its rows (`part`: a
+prefill chunk, or a step's plan) and takes back what the forward computed for them (`take`).
+`step` runs any number of sequences' parts in one target forward and one head projection, so
+the daemon batches requests; `generate` runs one sequence alone. The engine computes every row
+as if it were alone, so a request's output is the same whichever way it ran.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from target_node.decoding.governor import Governor
+from target_node.decoding.output import OnCommit, Output
+from target_node.decoding.sampling import Sampler, SamplingParams
+from target_node.decoding.speculative import Plan, Step, finish_step, plan_step
+from target_node.decoding.stats import Stats
+from target_node.drafting.proposers import Proposer
+from target_node.model.target import TargetModel
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "eos" | "length" | "stop" | "cancelled"
+    stats: Stats
+
+
+@dataclass
+class Part:
+    """One sequence's share of a forward."""
+
+    tokens: list[int]
+    parents: list[int] | None
+    head_rows: int  # how many of the last rows need the target's head (0 for a prefill chunk mid-prompt)
+
+
+class Sequence:
+    def __init__(
+        self,
+        target: TargetModel,
+        prompt: list[int],
+        proposer: Proposer,
+        max_new_tokens: int,
+        *,
+        slot: int = 0,
+        stop_strings: tuple[str, ...] = (),
+        hint_tokens: list[int] | None = None,
+        on_commit: OnCommit | None = None,
+        stop_on_eos: bool = True,
+        sampling: SamplingParams | None = None,
+        adaptive: bool = True,
+        governor: Governor | None = None,
+        tree_nodes: int = 0,
+        prefill_chunk: int = 0,
+    ) -> None:
+        """`sampling` None or temperature 0 is exact greedy decoding. `adaptive` lets a Governor (the
+        caller's, to carry what it learned across requests, or a fresh one) switch to plain steps
+        while drafting does not pay and choose how many drafts to verify; not for seeded sampling,
+        which must reproduce exactly. `tree_nodes` > 0 verifies greedy drafts as a tree of up to
+        that many nodes; `prefill_chunk` > 0 runs the prompt that many tokens per forward."""
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        target.check_length(len(prompt), max_new_tokens)
+        self.target, self.prompt, self.proposer, self.slot = target, list(prompt), proposer, slot
+        eos = target.eos_ids if stop_on_eos else frozenset()
+        self.output = Output(target.tokenizer, max_new_tokens, eos, stop_strings, hint_tokens, on_commit)
+        self.sampler = None if sampling is None or sampling.is_greedy else Sampler(sampling, target.device)
+        # The governor decides from wall-clock timings; a seeded sampled run must replay the same
+        # draws, so it drafts every step instead (greedy output never depends on the governor).
+        seeded = self.sampler is not None and sampling.seed is not None
+        self.governor = (governor or Governor()) if adaptive and not seeded else None
+        self.tree_nodes = tree_nodes
+        self.chunk = prefill_chunk if prefill_chunk > 0 else len(self.prompt)
+        self.stats = Stats(prompt_tokens=len(self.prompt), requests=1)
+        self.prefilled = 0  # prompt positions run so far
+        self.plan: Plan | None = None
+        self.cancelled = False
+        self.began = time.perf_counter()
+        target.reset(slot)
+        proposer.begin(target)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return self.cancelled or self.output.done
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.output.finish = "cancelled"
+
+    def part(self) -> Part:
+        """This sequence's rows for the next forward."""
+        if self.prefilling:
+            tokens = self.prompt[self.prefilled : self.prefilled + self.chunk]
+            last = self.prefilled + len(tokens) == len(self.prompt)
+            return Part(tokens, None, 1 if last else 0)
+        budget = self.output.budget - 1  # the target's own next token always comes on top
+        hints = self.output.hinted(budget)
+        # Known continuations cost no drafting: they are verified whatever the governor thinks of the drafter.
+        drafting = self.governor is None or bool(hints) or self.governor.should_draft()
+        tokens = self.prompt + self.output.tokens
+        self.plan = plan_step(
+            self.target,
+            self.proposer,
+            tokens,
+            budget if drafting else 0,
+            self.sampler,
+            hints,
+            self.tree_nodes,
+            self.governor,
+        )
+        return Part(self.plan.tokens, self.plan.parents, len(self.plan.tokens))
+
+    def take(
+        self, features: torch.Tensor | None, choices: list[int] | None, logits: torch.Tensor | None, forward_s: float
+    ) -> None:
+        """What the forward computed for this sequence's part: its tapped features, and for its head
+        rows the target's greedy choices (greedy) or logits (sampled)."""
+        if self.prefilling:
+            start = self.prefilled
+            rows = min(self.chunk, len(self.prompt) - start)
+            self.prefilled += rows
+            self.proposer.commit(start, features)
+            if not self.prefilling:  # the prompt is in: the target's first token
+                first = choices[0] if self.sampler is None else self.sampler.pick(logits[0])
+                self.output.commit([first])
+                self.stats.ttft_s = time.perf_counter() - self.began
+            return
+        step = finish_step(
+            self.target, self.proposer, self.plan, features, choices, logits, self.sampler, forward_s, self.slot
+        )
+        self._count(step)
+        if self.governor is not None:
+            self.governor.record(
+                step.drafted,
+                len(step.committed),
+                step.propose_s + step.verify_s,
+                width=step.drafts + 1,
+                draft_s=step.propose_s,
+                predicted=step.predicted,
+                chain=step.chain,
+            )
+        self.output.commit(step.committed)
+
+    def _count(self, step: Step) -> None:
+        stats = self.stats
+        stats.steps += 1
+        stats.plain_steps += not step.drafts
+        stats.proposed += step.drafts
+        stats.accepted += step.accepted
+        stats.propose_s += step.propose_s
+        stats.verify_s += step.verify_s
+        if step.drafts:
+            stats.histogram[step.accepted] += 1
+            stats.sources[step.source] += 1
+
+    def result(self) -> Result:
+        stats = self.stats
+        if self.prefilling:  # cancelled before its first token
+            return Result([], "", "cancelled", stats)
+        stats.governor = self.governor.to_dict() if self.governor is not None else {}
+        tokens = self.output.tokens
+        stats.new_tokens, stats.decode_tokens = len(tokens), max(len(tokens) - 1, 0)
+        stats.decode_s = time.perf_counter() - self.began - stats.ttft_s
+        return Result(tokens, self.output.text, self.output.finish, stats)
+
+
+def step(target: TargetModel, sequences: list[Sequence]) -> None:
+    """One forward for all `sequences` (not done), each offering its part; then one head projection
+    for every row that needs it, and each sequence takes its share."""
+    parts = [seq.part() for seq in sequences]
+    taps = tuple(dict.fromkeys(t for seq in sequences for t in seq.proposer.taps))
+    began = time.perf_counter()
+    outs = target.forward_batch(
+        [(seq.slot, p.tokens, p.parents) for seq, p in zip(sequences, parts, strict=True)], taps
+    )
+    heads = [hidden[len(hidden) - p.head_rows :] for (hidden, _), p in zip(outs, parts, strict=True)]
+    rows = torch.cat(heads) if heads else None
+    sampled = any(seq.sampler is not None for seq in sequences)
+    logits = target.logits(rows) if sampled and rows is not None and rows.shape[0] else None
+    if logits is not None:
+        choices = logits.argmax(-1).tolist()
+    else:
+        choices = target.greedy(rows) if rows is not None and rows.shape[0] else []
+    forward_s = time.perf_counter() - began
+    at = 0
+    for seq, part, (_, features) in zip(sequences, parts, outs, strict=True):
+        end = at + part.head_rows
+        mine = None if features is None else _select(features, taps, seq.proposer.taps, target.hidden_size)
+        seq.take(mine, choices[at:end], None if logits is None else logits[at:end], forward_s)
+        at = end
+
+
+def _select(features: torch.Tensor, have: tuple[int, ...], want: tuple[int, ...], width: int) -> torch.Tensor | None:
+    """The columns of `want` taps out of features tapped at `have`."""
+    if not want:
+        return None
+    if want == have:
+        return features
+    return torch.cat([features[:, have.index(t) * width : (have.index(t) + 1) * width] for t in want], -1)
+
+
+def generate(
+    target: TargetModel,
+    prompt: list[int],
+    proposer: Proposer,
+    max_new_tokens: int,
+    *,
+    stop_strings: tuple[str, ...] = (),
+    hint_tokens: list[int] | None = None,
+    on_commit: OnCommit | None = None,
+    cancel: threading.Event | None = None,
+    stop_on_eos: bool = True,
+    sampling: SamplingParams | None = None,
+    adaptive: bool = True,
+    governor: Governor | None = None,
+    tree_nodes: int = 0,
+    prefill_chunk: int = 0,
+    on_prefill: Callable[[], None] | None = None,
+) -> Result:
+    """Decode one request alone, in slot 0, up to max_new_tokens (see Sequence for the options).
+    `on_prefill` runs between prefill chunks (a daemon serves its socket there); `cancel` is
+    checked between forwards."""
+    seq = Sequence(
+        target,
+        prompt,
+        proposer,
+        max_new_tokens,
+        stop_strings=stop_strings,
+        hint_tokens=hint_tokens,
+        on_commit=on_commit,
+        stop_on_eos=stop_on_eos,
+        sampling=sampling,
+        adaptive=adaptive,
+        governor=governor,
+        tree_nodes=tree_nodes,
+        prefill_chunk=prefill_chunk,
+    )
+    while not seq.done:
+        if seq.prefilling and seq.prefilled and on_prefill is not None:
+            on_prefill()
+        if cancel is not None and cancel.is_set():
+            seq.cancel()
+            break
+        step(target, [seq])
+    return seq.result()
