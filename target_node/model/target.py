@@ -60,9 +60,8 @@ class TargetModel:
         fallback.tap_offset = probe(model, decoder, fallback.new_cache(), self._scaled_head)
         self.engine: Engine | None = None
         if engine is not False:
-            self.engine = (
-                engine_for(model) if engine is None else Engine(model, ops="auto" if engine is True else engine)
-            )
+            ops = "auto" if engine in (None, True) else engine
+            self.engine = engine_for(model, slots=slots) if engine is None else Engine(model, slots=slots, ops=ops)
         self.path: Engine | TransformersPath = self.engine or fallback
         self.greedy_head = self._screened_head_if_faster() if self.engine is None else None
 

@@ -1,0 +1,142 @@
+"""A request's output does not depend on what it was batched with.
+
+Many sequences run in one engine forward per step (decoding.sequence.step): prompts of random
+lengths arriving at random steps, prefilled in chunks beside others' decode steps, each with its
+own drafter, greedy or seeded-sampled, chains and trees. Every output must equal the same request
+decoded alone, token for token, in fp32 and bf16: the engine's rows are computed as if alone.
+"""
+
+import random
+
+import pytest
+import torch
+
+from draft_node.checkpoint import config_for_target, random_drafter
+from target_node.decoding.governor import Governor
+from target_node.decoding.sampling import SamplingParams
+from target_node.decoding.sequence import Sequence, generate, step
+from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
+from target_node.model.target import TargetModel
+from target_node.model.tiny import tiny_target
+
+SLOTS = 4
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("llama", torch.float32), ("qwen3_sliding", torch.bfloat16), ("mistral", torch.float32)],
+    ids=lambda p: f"{p[0]}-{str(p[1])[6:]}",
+)
+def target(request, one_thread):
+    family, dtype = request.param
+    model = tiny_target(family, seed=3, dtype=dtype, engine=False).model
+    return TargetModel(model, slots=SLOTS)
+
+
+def requests(target, seed: int, count: int) -> list[dict]:
+    rng = random.Random(seed)
+    drafter = random_drafter(config_for_target(target.config, block_size=8, num_taps=2), seed=seed)
+    out = []
+    for i in range(count):
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))]
+        sampling = SamplingParams(temperature=0.8, top_k=40, seed=rng.randrange(1000)) if i % 3 == 2 else None
+        kind = rng.choice(["dflash", "ngram"])
+        out.append(
+            dict(
+                prompt=prompt,
+                max_new=rng.randint(1, 30),
+                sampling=sampling,
+                tree_nodes=rng.choice([0, 6]),
+                chunk=rng.choice([0, 5, 16]),
+                arrive=rng.randint(0, 25),
+                proposer=(lambda d=drafter: DFlashProposer(LocalDraftBackend(d)))
+                if kind == "dflash"
+                else NGramProposer,
+            )
+        )
+    return out
+
+
+def alone(target, r) -> list[int]:
+    return generate(
+        target,
+        r["prompt"],
+        r["proposer"](),
+        r["max_new"],
+        stop_on_eos=False,
+        sampling=r["sampling"],
+        tree_nodes=r["tree_nodes"],
+        prefill_chunk=r["chunk"],
+    ).tokens
+
+
+def batched(target, reqs) -> dict[int, list[int]]:
+    """A scheduler in a few lines: requests join at their arrival step into a free slot, all running
+    ones step together, finished ones leave and free their slot."""
+    waiting = sorted(range(len(reqs)), key=lambda i: reqs[i]["arrive"])
+    running: dict[int, Sequence] = {}
+    done, clock, widest = {}, 0, 0
+    governor = Governor(max_nodes=8)  # shared, as in the daemon: its choices never change greedy output
+    while waiting or running:
+        free = [s for s in range(target.slots) if s not in {seq.slot for seq in running.values()}]
+        while waiting and free and reqs[waiting[0]]["arrive"] <= clock:
+            i = waiting.pop(0)
+            r = reqs[i]
+            running[i] = Sequence(
+                target,
+                r["prompt"],
+                r["proposer"](),
+                r["max_new"],
+                slot=free.pop(0),
+                stop_on_eos=False,
+                sampling=r["sampling"],
+                governor=governor,
+                tree_nodes=r["tree_nodes"],
+                prefill_chunk=r["chunk"],
+            )
+        if running:
+            step(target, list(running.values()))
+            widest = max(widest, len(running))
+        for i in [i for i, seq in running.items() if seq.done]:
+            done[i] = running.pop(i).result().tokens
+        clock += 1
+    assert widest == target.slots  # the batch filled up: requests really ran side by side
+    return done
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_request_decodes_as_it_would_alone(target, seed):
+    reqs = requests(target, seed, 9)
+    want = [alone(target, r) for r in reqs]
+    got = batched(target, reqs)
+    assert [got[i] for i in range(len(reqs))] == want
+    assert max(r["arrive"] for r in reqs) > 0 and len({len(w) for w in want}) > 2
+
+
+def test_a_batched_forward_is_the_same_rows_as_separate_forwards(target):
+    """The layer below: several slots' parts in one forward give each part its own forward's bits."""
+    prompts = [[5, 6, 7, 8, 9], [40, 41], [100, 101, 102, 103, 104, 105, 106]]
+    separate = []
+    for slot, p in enumerate(prompts):
+        target.reset(slot)
+        separate.append(target.forward(p, (0, 2), slot=slot))
+    for slot in range(len(prompts)):
+        target.reset(slot)
+    together = target.forward_batch([(slot, p, None) for slot, p in enumerate(prompts)], (0, 2))
+    for (h1, f1), (h2, f2) in zip(separate, together, strict=True):
+        assert torch.equal(h1, h2) and torch.equal(f1, f2)
+    tree = [0, 0, 1]  # a tree part beside a chain part
+    one = target.forward_batch([(0, [1, 2, 3, 4], tree), (1, [7, 8], None)], ())
+    target.rollback(len(prompts[0]), 0)
+    target.rollback(len(prompts[1]), 1)
+    assert torch.equal(one[0][0], target.forward([1, 2, 3, 4], (), tree, slot=0)[0])
+    assert torch.equal(one[1][0], target.forward([7, 8], (), None, slot=1)[0])
+
+
+def test_slots_beyond_the_engines_are_refused(target):
+    with pytest.raises(ValueError, match="slot"):
+        target.forward([1, 2], slot=SLOTS)
+    path = tiny_target("llama", engine=False)
+    assert path.slots == 1
+    with pytest.raises(ValueError, match="one sequence"):
+        path.forward([1, 2], slot=1)
