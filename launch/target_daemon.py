@@ -22,29 +22,36 @@ from target_node.model.target import TargetModel
 from target_node.serving.daemon import TargetService
 
 
-def build_proposer(args: argparse.Namespace, target: TargetModel, drafter_keys: ClientKeys | None = None) -> Proposer:
+def build_proposers(
+    args: argparse.Namespace, target: TargetModel, count: int, drafter_keys: ClientKeys | None = None
+) -> list[Proposer]:
+    """One proposer per slot (each request drafts from its own state); a local drafter's weights
+    are loaded once and shared, a remote one gets a session per slot."""
     if args.proposer == "none":
-        return NoProposer()
+        return [NoProposer() for _ in range(count)]
     if args.proposer == "ngram":
-        return NGramProposer()
+        return [NGramProposer() for _ in range(count)]
     if args.proposer == "local":
         from draft_node.checkpoint import load_drafter
         from launch.common import ensure_default_drafter
 
         checkpoint = args.drafter_checkpoint or ensure_default_drafter(resolve_model(args.model))
         drafter = load_drafter(checkpoint, args.device, target.model.dtype)
-        return DFlashProposer(LocalDraftBackend(drafter, args.ring_capacity), NGramProposer())
+        return [DFlashProposer(LocalDraftBackend(drafter, args.ring_capacity), NGramProposer()) for _ in range(count)]
     from target_node.drafting.remote import RemoteDraftBackend
 
-    backend = RemoteDraftBackend(
-        args.drafter,
-        target,
-        timeout_s=args.draft_timeout,
-        retry_s=args.draft_retry,
-        wire_dtype=args.wire_dtype,
-        curve=drafter_keys,
-    )
-    return DFlashProposer(backend, NGramProposer() if args.fallback == "ngram" else NoProposer())
+    def remote() -> Proposer:
+        backend = RemoteDraftBackend(
+            args.drafter,
+            target,
+            timeout_s=args.draft_timeout,
+            retry_s=args.draft_retry,
+            wire_dtype=args.wire_dtype,
+            curve=drafter_keys,
+        )
+        return DFlashProposer(backend, NGramProposer() if args.fallback == "ngram" else NoProposer())
+
+    return [remote() for _ in range(count)]
 
 
 def traffic_recorder(folder: str, model_name: str):
@@ -106,6 +113,13 @@ def main(argv: list[str] | None = None) -> None:
         "from the state before it, or capture the state at every verified position (default %(default)s; "
         "see target_node/model/recurrent.py)",
     )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="requests decoded at once, each in its own slot of the engine's cache, all in one forward per step "
+        "(the transformers path, for models the engine does not serve, decodes one at a time)",
+    )
     parser.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens accepted")
     parser.add_argument("--max-queued", type=int, default=1024, help="requests queued over all clients (then: busy)")
     parser.add_argument("--max-queued-per-client", type=int, default=64, help="requests one client may queue")
@@ -150,10 +164,14 @@ def main(argv: list[str] | None = None) -> None:
     drafter_keys = client_security(parser, args.curve_key, args.drafter_key, "--drafter-key")
     apply_runtime_args(args)
     stop = stop_on_signals()
-    target = TargetModel.load(resolve_model(args.model), args.device, args.dtype, args.cache_policy)
+    if args.max_batch < 1:
+        parser.error("--max-batch must be at least 1")
+    target = TargetModel.load(
+        resolve_model(args.model), args.device, args.dtype, args.cache_policy, slots=args.max_batch
+    )
     service = TargetService(
         target,
-        build_proposer(args, target, drafter_keys),
+        build_proposers(args, target, target.slots, drafter_keys),
         args.max_new_tokens_limit,
         adaptive=not args.always_draft,
         max_queued=args.max_queued,

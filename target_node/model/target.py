@@ -111,8 +111,10 @@ class TargetModel:
         dtype: torch.dtype | str = "auto",
         cache_policy: str | None = None,
         engine: bool | None = None,
+        slots: int = 1,
     ) -> TargetModel:
-        """`dtype` "auto": bfloat16 where the device has native bf16 (CUDA; CPUs with AVX512-BF16 or
+        """`slots`: sequences decoded at once (the engine's; the transformers path holds one).
+        `dtype` "auto": bfloat16 where the device has native bf16 (CUDA; CPUs with AVX512-BF16 or
         AMX, where the engine's bf16 step measures faster) and the engine serves the model, so the
         output is exact; float32 elsewhere."""
         folder = Path(folder)
@@ -129,11 +131,11 @@ class TargetModel:
             (folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
         )
         tokenizer = AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
-        target = cls(model, tokenizer, cache_policy, engine)
+        target = cls(model, tokenizer, cache_policy, engine, slots)
         if auto and target.engine is None and dtype != torch.float32:
             # Off the engine, a verify row is not the plain step's bits: bf16 would not be exact.
             log.info("the engine does not serve %s: float32, where the transformers path is exact in practice", folder)
-            target = cls(model.float(), tokenizer, cache_policy, engine)
+            target = cls(model.float(), tokenizer, cache_policy, engine, slots)
         log.info(
             "target %s: %s, %s",
             folder.name,

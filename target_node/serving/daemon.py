@@ -1,11 +1,15 @@
 """The target daemon: clients send generate requests, get streamed chunks and a final record.
 
-One thread does everything: between decode steps (and between prefill chunks) it takes in
-a bounded number of messages, so a cancel takes effect at the next step, new requests queue
-up while one runs, and a flood from one peer costs others at most that many messages' work
-per step. Queues are per client and served round-robin, so one busy client cannot starve
-the others. A client that is gone (a reply cannot be delivered) or silent past its promised
-heartbeats loses its requests.
+One thread does everything, a step at a time. Each step it takes in a bounded number of
+messages (a flood from one peer costs others at most that many messages' work), admits queued
+requests into free slots of the engine's cache (up to `--max-batch`), and runs one batched
+forward for every admitted request: a chunk of a new prompt beside the others' decode and
+verify rows (decoding.sequence.step). A request streams its tokens as they are committed and
+leaves on EOS, stop, budget, cancel or a vanished client, freeing its slot for the next. Its
+output is the same whatever it was batched with: the engine computes each row as if alone.
+Queues are per client and served round-robin, so one busy client cannot starve the others. A
+client that is gone (a reply cannot be delivered) or silent past its promised heartbeats loses
+its requests.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from protocol.messages import HEARTBEAT_MISSES
 from protocol.transport import CONTROL_MAX_FRAME, Server
 from target_node.decoding.governor import Governor
 from target_node.decoding.sampling import SamplingParams
-from target_node.decoding.sequence import Result, generate
+from target_node.decoding.sequence import Result, Sequence, step
 from target_node.drafting.proposers import Proposer
 from target_node.model.target import ContextLengthError, TargetModel
 from target_node.serving.metrics import RequestClock, ServedMetrics, drafter_state
@@ -41,11 +45,23 @@ class Job:
     lost: bool = False  # its client is gone: cancelled, and nobody to answer
 
 
+@dataclass
+class Active:
+    """A request in a slot: its decoding, and what its reply needs."""
+
+    job: Job
+    sequence: Sequence
+    prompt: list[int]
+    clock: RequestClock
+    queued_s: float  # from arrival to admission
+    drafter_before: dict  # its proposer's counters when it started: the request's own are the difference
+
+
 class TargetService:
     def __init__(
         self,
         target: TargetModel,
-        proposer: Proposer,
+        proposers: Proposer | list[Proposer],
         max_new_tokens_limit: int = 4096,
         adaptive: bool = True,
         max_queued: int = 1024,
@@ -55,30 +71,40 @@ class TargetService:
         prefill_chunk: int = 512,
         max_messages_per_step: int = 64,
     ) -> None:
-        """`on_finished(request, prompt ids, result)` sees every request served to its end (e.g. a recorder)."""
+        """`proposers`: one per slot (requests run side by side, up to as many as the target has
+        slots); one proposer serves one request at a time. `on_finished(request, prompt ids,
+        result)` sees every request served to its end (e.g. a recorder)."""
         self.on_finished = on_finished
         self.target = target
         self.adaptive = adaptive
         self.tree_nodes = tree_nodes
-        # One proposer, one governor: it learns across requests, from verify costs measured here.
+        # One governor for all: it learns across requests, from verify costs measured here.
         self.governor = Governor(max_nodes=max(tree_nodes, 1))
         if adaptive:
             self.governor.costs.measure(target, range(1, self.governor.max_nodes + 2), repeats=2)
-        self.proposer = proposer
+        self.proposers = list(proposers) if isinstance(proposers, list) else [proposers]
+        self.free = list(range(min(target.slots, len(self.proposers))))  # slots no request holds
+        self.active: dict[int, Active] = {}  # slot -> the request in it
         self.max_new_tokens_limit = max_new_tokens_limit
         self.max_queued, self.max_queued_per_client = max_queued, max_queued_per_client
-        # The line of clients waiting, each with its jobs in order. A client whose job is
-        # running is parked and rejoins at the back when that job is done, so clients that
-        # arrived meanwhile go first.
+        # The line of clients waiting, each with its jobs in order; a client whose job was just
+        # admitted goes to the back, so clients that arrived meanwhile go first.
         self.queues: OrderedDict[bytes, deque[Job]] = OrderedDict()
-        self.parked: dict[bytes, deque[Job]] = {}
-        self.running: Job | None = None
         self.server: Server | None = None
         self.served = 0
         self.metrics = ServedMetrics()  # what was served, for the `stats` reply
         self.prefill_chunk, self.max_messages_per_step = prefill_chunk, max_messages_per_step
         self.heard: dict[bytes, float] = {}  # client -> when it last sent anything (clients with work)
         self.counters = {"cancelled": 0, "abandoned": 0}  # abandoned: its client went away or silent
+
+    @property
+    def proposer(self) -> Proposer:
+        """The proposer kind every slot has (each slot its own instance)."""
+        return self.proposers[0]
+
+    @property
+    def max_batch(self) -> int:
+        return len(self.free) + len(self.active)
 
     # --- socket side -------------------------------------------------------
 
@@ -118,10 +144,8 @@ class TargetService:
         self.reap()
 
     def enqueue(self, identity: bytes, msg: Message) -> None:
-        queue = self.parked.get(identity)
-        if queue is None:
-            queue = self.queues.get(identity, deque())
-        running = self.running is not None and self.running.identity == identity and self.running.request.id == msg.id
+        queue = self.queues.get(identity, deque())
+        running = any(a.job.identity == identity and a.job.request.id == msg.id for a in self.active.values())
         if running or any(job.request.id == msg.id for job in queue):
             why = f"request id {msg.id} is already queued or running for this client: ids must be unique"
             self.send(identity, encode_error(msg.id, ErrorCode.BAD_FIELD, why))
@@ -131,15 +155,14 @@ class TargetService:
         elif self.pending() >= self.max_queued:
             why = f"{self.pending()} requests are queued (limit {self.max_queued})"
         else:
-            if identity not in self.parked:
-                self.queues[identity] = queue
+            self.queues[identity] = queue
             queue.append(Job(identity, msg))
             return
         self.metrics.refuse(ErrorCode.BUSY.value)
         self.send(identity, encode_error(msg.id, ErrorCode.BUSY, why + "; retry later"))
 
     def pending(self) -> int:
-        return sum(len(q) for q in (*self.queues.values(), *self.parked.values()))
+        return sum(len(q) for q in self.queues.values())
 
     def report(self) -> dict:
         """The `stats` reply: what was served since start, the queue now, and the drafter's state."""
@@ -147,7 +170,8 @@ class TargetService:
             "model": Path(self.target.config.name_or_path).name,  # the folder it was loaded from
             "served": self.served,
             "queued": self.pending(),
-            "running": int(self.running is not None),
+            "running": len(self.active),
+            "max_batch": self.max_batch,
             "proposer": self.proposer.name,
             "drafter": drafter_state(self.proposer),
             **self.counters,
@@ -156,12 +180,14 @@ class TargetService:
 
     def cancel(self, identity: bytes, request_id: int) -> None:
         """Stop a running or queued request; a cancel for one that is not here (done already) is ignored."""
-        if self.running and self.running.identity == identity and self.running.request.id == request_id:
-            if not self.running.cancel.is_set():
-                self.counters["cancelled"] += 1
-                self.running.cancel.set()
-            return
-        queue = self.queues.get(identity) or self.parked.get(identity) or deque()
+        for active in self.active.values():
+            job = active.job
+            if job.identity == identity and job.request.id == request_id:
+                if not job.cancel.is_set():
+                    self.counters["cancelled"] += 1
+                    job.cancel.set()
+                return
+        queue = self.queues.get(identity) or deque()
         for job in list(queue):
             if job.request.id == request_id:
                 queue.remove(job)
@@ -170,19 +196,19 @@ class TargetService:
                 self.send(identity, cancelled(request_id))
 
     def abandon(self, identity: bytes, why: str) -> None:
-        """The client is gone (or broke its heartbeat promise): stop its running request and drop
+        """The client is gone (or broke its heartbeat promise): stop its running requests and drop
         its queued ones, each answered `cancelled` in case anyone is still listening."""
-        queued = [*self.queues.pop(identity, ()), *self.parked.get(identity, ())]
-        self.parked.get(identity, deque()).clear()
+        queued = list(self.queues.pop(identity, ()))
         for job in queued:
             self.metrics.finish("cancelled")
             self.server.send(identity, cancelled(job.request.id))
         jobs = list(queued)
-        running = self.running
-        if running is not None and running.identity == identity and not running.lost:
-            running.lost = True
-            running.cancel.set()
-            jobs.append(running)
+        for active in self.active.values():
+            job = active.job
+            if job.identity == identity and not job.lost:
+                job.lost = True
+                job.cancel.set()
+                jobs.append(job)
         if jobs:
             self.counters["abandoned"] += len(jobs)
             log.warning("client %s: %s; dropped its %d request(s)", identity.hex()[:16], why, len(jobs))
@@ -190,9 +216,8 @@ class TargetService:
     def reap(self) -> None:
         """Abandon clients silent for HEARTBEAT_MISSES of the heartbeat interval they asked for."""
         now = time.monotonic()
-        jobs = [job for queue in (*self.queues.values(), *self.parked.values()) for job in queue]
-        if self.running is not None:
-            jobs.append(self.running)
+        jobs = [job for queue in self.queues.values() for job in queue]
+        jobs += [active.job for active in self.active.values()]
         for job in jobs:
             interval = job.request["heartbeat_s"]
             silent = now - self.heard.get(job.identity, now)
@@ -201,18 +226,15 @@ class TargetService:
         self.heard = {identity: self.heard[identity] for identity in {job.identity for job in jobs} & set(self.heard)}
 
     def next_job(self) -> Job | None:
-        """Round-robin: the client at the front of the line gets one job run, then is parked."""
+        """Round-robin: the client at the front of the line gets one job, then goes to the back."""
         while self.queues:
             identity, queue = self.queues.popitem(last=False)
             if queue:
-                self.parked[identity] = queue
-                return queue.popleft()
+                job = queue.popleft()
+                if queue:
+                    self.queues[identity] = queue
+                return job
         return None
-
-    def unpark(self, identity: bytes) -> None:
-        queue = self.parked.pop(identity, deque())
-        if queue:
-            self.queues[identity] = queue
 
     def serve(
         self, address: str, stop: threading.Event, curve: ServerKeys | None = None, insecure_plaintext: bool = False
@@ -220,14 +242,18 @@ class TargetService:
         self.server = Server(
             address, curve=curve, insecure_plaintext=insecure_plaintext, max_message_bytes=CONTROL_MAX_FRAME
         )
-        log.info("target daemon serving on %s%s", address, " (CURVE)" if curve else "")
+        log.info(
+            "target daemon serving on %s%s, up to %d requests at once",
+            address,
+            " (CURVE)" if curve else "",
+            self.max_batch,
+        )
         try:
             while not stop.is_set():
-                self.pump(100)
-                job = self.next_job()
-                if job is not None:
-                    self.run(job)
-                    self.unpark(job.identity)
+                self.pump(0 if self.active else 100)
+                self.admit()
+                if self.active:
+                    self.advance()
         finally:
             self.server.close()
             log.info("target daemon stopped")
@@ -244,11 +270,10 @@ class TargetService:
                 ids = list(msg["token_ids"])
         except Exception as exc:  # the tokenizer or chat template refused this input
             raise ProtocolError(ErrorCode.BAD_FIELD, f"the prompt cannot be tokenized: {exc}") from exc
-        bad = [t for t in ids + list(msg["hints"]) if t >= self.target.vocab_size]
+        vocab = self.target.vocab_size  # read once, not once per token
+        bad = [t for t in (*ids, *msg["hints"]) if t >= vocab]
         if bad:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD, f"token ids {bad[:5]} are outside the vocabulary ({self.target.vocab_size})"
-            )
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"token ids {bad[:5]} are outside the vocabulary ({vocab})")
         if not ids:
             raise ProtocolError(ErrorCode.BAD_FIELD, "the prompt is empty")
         if msg["stop"] and self.target.tokenizer is None:
@@ -266,61 +291,106 @@ class TargetService:
         except (TypeError, ValueError) as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"sampling: {exc}") from exc
 
-    def stats(self, result: Result) -> dict:
+    def admit(self) -> None:
+        """Queued requests into free slots, round-robin over clients; a request that cannot start
+        (a bad field, too long for the model) is answered with its error and takes no slot."""
+        while self.free:
+            job = self.next_job()
+            if job is None:
+                return
+            msg, identity = job.request, job.identity
+            slot = self.free[0]
+            try:
+                prompt, sampling = self.prompt_ids(msg), self.sampling(msg)
+                clock = RequestClock(job.received)
+                proposer = self.proposers[slot]
+
+                def on_commit(tokens: list[int], text: str, msg=msg, identity=identity, clock=clock) -> None:
+                    clock.commit()
+                    if msg["stream"]:
+                        self.send(identity, encode("chunk", msg.id, {"text": text, "token_ids": tokens}))
+
+                sequence = Sequence(
+                    self.target,
+                    prompt,
+                    proposer,
+                    msg["max_new_tokens"],
+                    slot=slot,
+                    stop_strings=tuple(msg["stop"]),
+                    hint_tokens=msg["hints"],
+                    on_commit=on_commit,
+                    sampling=sampling,
+                    adaptive=self.adaptive,
+                    governor=self.governor,
+                    tree_nodes=self.tree_nodes,
+                    prefill_chunk=self.prefill_chunk,
+                )
+            except ProtocolError as exc:
+                self.metrics.refuse(exc.code.value)
+                self.send(identity, encode_error(msg.id, exc.code, exc.message))
+                continue
+            except ContextLengthError as exc:
+                self.metrics.refuse(ErrorCode.CONTEXT_LENGTH.value)
+                self.send(identity, encode_error(msg.id, ErrorCode.CONTEXT_LENGTH, str(exc)))
+                continue
+            except Exception as exc:  # one bad request must not take the daemon down
+                self.fail(job, exc)
+                continue
+            counters = dict(getattr(getattr(proposer, "backend", None), "counters", {}) or {})
+            self.free.pop(0)
+            self.active[slot] = Active(job, sequence, prompt, clock, time.monotonic() - job.received, counters)
+
+    def advance(self) -> None:
+        """One batched forward for every active request, then the replies of those that finished."""
+        for active in self.active.values():
+            if active.job.cancel.is_set() and not active.sequence.done:
+                active.sequence.cancel()
+        running = [a for a in self.active.values() if not a.sequence.done]
+        if running:
+            try:
+                step(self.target, [a.sequence for a in running])
+            except Exception as exc:  # a failure inside a step: its requests end with the error
+                for active in running:
+                    self.fail(active.job, exc)
+                    self.release(active)
+                return
+        for active in [a for a in self.active.values() if a.sequence.done]:
+            self.finish(active)
+
+    def finish(self, active: Active) -> None:
+        job, msg = active.job, active.job.request
+        result = active.sequence.result()
+        self.release(active)
+        self.metrics.finish(result.finish_reason, result.stats, active.clock)
+        if not job.lost:
+            done = {"text": result.text, "token_ids": result.tokens, "finish_reason": result.finish_reason}
+            self.send(job.identity, encode("done", msg.id, {**done, "stats": self.stats(active, result)}))
+        self.served += 1
+        if self.on_finished is not None and result.finish_reason != "cancelled":
+            self.on_finished(msg, active.prompt, result)
+
+    def release(self, active: Active) -> None:
+        slot = active.sequence.slot
+        if self.active.pop(slot, None) is not None:
+            self.free.append(slot)
+            self.free.sort()
+
+    def fail(self, job: Job, exc: Exception) -> None:
+        log.exception("request %s failed", job.request.id, exc_info=exc)
+        self.metrics.refuse(ErrorCode.INTERNAL.value)
+        if not job.lost:
+            self.send(job.identity, encode_error(job.request.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    def stats(self, active: Active, result: Result) -> dict:
         stats = result.stats.to_dict()
         stats["proposer"] = self.proposer.name
-        backend = getattr(self.proposer, "backend", None)
-        if backend is not None and hasattr(backend, "counters"):
-            stats["drafter"] = dict(backend.counters)
+        stats["queued_s"] = round(active.queued_s, 4)
+        stats["batch"] = self.max_batch - len(self.free) + 1  # requests running when it ended, itself included
+        counters = getattr(getattr(self.proposers[active.sequence.slot], "backend", None), "counters", None)
+        if counters is not None:  # this request's own drafter figures, not the slot's since start
+            before = active.drafter_before
+            stats["drafter"] = {k: round(v - before.get(k, 0), 3) for k, v in counters.items()}
         return stats
-
-    def run(self, job: Job) -> None:
-        msg, identity = job.request, job.identity
-        self.running = job
-        clock = RequestClock(job.received)
-        try:
-            prompt, sampling = self.prompt_ids(msg), self.sampling(msg)
-
-            def on_commit(tokens: list[int], text: str) -> None:
-                clock.commit()
-                if msg["stream"]:
-                    self.send(identity, encode("chunk", msg.id, {"text": text, "token_ids": tokens}))
-                self.pump()  # cancels and new requests arrive between steps
-
-            result = generate(
-                self.target,
-                prompt,
-                self.proposer,
-                msg["max_new_tokens"],
-                stop_strings=tuple(msg["stop"]),
-                hint_tokens=msg["hints"],
-                on_commit=on_commit,
-                cancel=job.cancel,
-                sampling=sampling,
-                adaptive=self.adaptive,
-                governor=self.governor,
-                tree_nodes=self.tree_nodes,
-                prefill_chunk=self.prefill_chunk,
-                on_prefill=self.pump,
-            )
-            done = {"text": result.text, "token_ids": result.tokens, "finish_reason": result.finish_reason}
-            self.metrics.finish(result.finish_reason, result.stats, clock)
-            self.send(identity, encode("done", msg.id, {**done, "stats": self.stats(result)}))
-            self.served += 1
-            if self.on_finished is not None and result.finish_reason != "cancelled":
-                self.on_finished(msg, prompt, result)
-        except ProtocolError as exc:
-            self.metrics.refuse(exc.code.value)
-            self.send(identity, encode_error(msg.id, exc.code, exc.message))
-        except ContextLengthError as exc:
-            self.metrics.refuse(ErrorCode.CONTEXT_LENGTH.value)
-            self.send(identity, encode_error(msg.id, ErrorCode.CONTEXT_LENGTH, str(exc)))
-        except Exception as exc:  # one bad request must not take the daemon down
-            log.exception("request %s failed", msg.id)
-            self.metrics.refuse(ErrorCode.INTERNAL.value)
-            self.send(identity, encode_error(msg.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
-        finally:
-            self.running = None
 
 
 def cancelled(request_id: int) -> list:

@@ -89,7 +89,7 @@ def lonely(tmp_path_factory):
 
 def busy_daemon(model_dir, address):
     """One request running and one queued is all this daemon takes."""
-    args = ["--model", str(model_dir), "--proposer", "none", "--threads", "1"]
+    args = ["--model", str(model_dir), "--proposer", "none", "--threads", "1", "--max-batch", "1"]
     return daemon("target daemon", "launch.target_daemon", address, [*args, "--max-queued", "1"], 120)
 
 
