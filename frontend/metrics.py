@@ -21,6 +21,7 @@ HISTOGRAMS = {
         "Gaps between consecutive commits of a request (a commit may carry several tokens)",
     ),
     "e2e_s": ("dflash_e2e_request_latency_seconds", "From arrival at the target daemon to its done reply"),
+    "queue_s": ("dflash_queue_time_seconds", "From arrival at the target daemon to a slot in its batch"),
 }
 
 
@@ -86,7 +87,10 @@ def translate(stats: dict) -> Iterator[Metric]:
                 f"dflash_drafter_{key}", f"Draft requests that ended in {key} (each one falls back)", drafter[key]
             )
     yield GaugeMetricFamily("dflash_queue_depth", "Requests waiting in the target daemon's queues", stats["queued"])
-    yield GaugeMetricFamily("dflash_requests_running", "Requests being generated now", stats["running"])
+    yield GaugeMetricFamily(
+        "dflash_requests_running", "Requests being generated now (the batch size)", stats["running"]
+    )
+    yield GaugeMetricFamily("dflash_max_batch", "Requests the target daemon decodes at once", stats["max_batch"])
 
 
 class DaemonCollector(Collector):

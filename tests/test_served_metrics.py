@@ -41,13 +41,14 @@ def test_finished_requests_add_up_and_translate_to_prometheus():
     metrics.finish("eos", Stats(prompt_tokens=3, new_tokens=2, steps=1), clock)
     metrics.finish("cancelled")  # cancelled while queued: no figures
     metrics.refuse("busy")
+    metrics.admit(0.3)
     figures = metrics.to_dict()
     assert figures["requests"] == {"length": 1, "eos": 1, "cancelled": 1} and figures["refused"] == {"busy": 1}
     assert (figures["prompt_tokens"], figures["generation_tokens"], figures["steps"]) == (10, 7, 4)
     assert figures["tau"] == (2 + 4) / 4 and figures["accepted_at_position"] == {"1": 1, "2": 1}
     assert figures["ttft_s"]["count"] == 1 and figures["inter_token_s"]["count"] == 2
 
-    stats = {**figures, "queued": 2, "running": 1, "proposer": "ngram", "drafter": {}, "served": 2}
+    stats = {**figures, "queued": 2, "running": 1, "max_batch": 8, "proposer": "ngram", "drafter": {}, "served": 2}
     text = generate_latest(registry_for(lambda: stats)).decode()
     samples = {
         (s.name, tuple(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples
@@ -58,6 +59,8 @@ def test_finished_requests_add_up_and_translate_to_prometheus():
     assert samples[("dflash_time_to_first_token_seconds_bucket", (("le", "60.0"),))] == 0
     assert samples[("dflash_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == 1
     assert samples[("dflash_queue_depth", ())] == 2 and samples[("dflash_mean_tokens_per_step", ())] == 1.5
+    assert samples[("dflash_requests_running", ())] == 1 and samples[("dflash_max_batch", ())] == 8
+    assert samples[("dflash_queue_time_seconds_count", ())] == 1 and samples[("dflash_queue_time_seconds_sum", ())] == 0.3
     assert ("dflash_drafter_reachable", ()) not in samples  # n-gram lookup has no drafter to reach
 
     down = generate_latest(registry_for(lambda: None)).decode()

@@ -56,8 +56,18 @@ def test_bad_requests_get_errors_and_the_daemon_carries_on(address):
     client.close()
 
 
-def test_requests_are_served_round_robin_and_none_is_lost(address):
-    """Client A queues three requests, client B one: B waits for at most one of A's."""
+@pytest.fixture(scope="module")
+def one_slot(model_dir, tmp_path_factory):
+    """A daemon that runs one request at a time, so requests contend for its slot."""
+    address = f"ipc://{tmp_path_factory.mktemp('sock')}/serial.sock"
+    args = ["--model", str(model_dir), "--proposer", "ngram", "--max-batch", "1"]
+    with daemon("target daemon", "launch.target_daemon", address, args, 120):
+        yield address
+
+
+def test_requests_are_served_round_robin_and_none_is_lost(one_slot):
+    """Client A queues three requests, client B one, for one slot: B waits for at most one of A's."""
+    address = one_slot
     context = zmq.Context.instance()
     a, b = dealer(context, address), dealer(context, address)
     try:
@@ -150,3 +160,43 @@ def test_queue_limits_answer_busy_and_lose_nothing_accepted(model_dir, tmp_path)
         finally:
             a.close(0)
             b.close(0)
+
+
+def test_concurrent_clients_are_batched_and_each_gets_its_output_alone(model_dir, address):
+    """Six clients at once, prompts and lengths of their own, greedy and seeded-sampled, streamed or
+    not: the daemon decodes them side by side, and each output is the same request decoded alone."""
+    import threading
+
+    from target_node.decoding.sampling import SamplingParams
+    from target_node.decoding.sequence import generate
+    from target_node.drafting.proposers import NGramProposer
+
+    asks = []
+    for i in range(6):
+        prompt = [(7 * i + 3 * j) % 300 + 3 for j in range(4 + 5 * i)]
+        sampling = {"temperature": 0.9, "top_k": 30, "seed": i} if i % 2 else {"temperature": 0.0}
+        asks.append({"token_ids": prompt, "max_new_tokens": 20 + 7 * i, "sampling": sampling, "stream": i % 3 == 0})
+    local = TargetModel.load(model_dir)
+    want = [
+        generate(
+            local, a["token_ids"], NGramProposer(), a["max_new_tokens"], sampling=SamplingParams(**a["sampling"])
+        ).tokens
+        for a in asks
+    ]
+    got, batches = [None] * len(asks), [0] * len(asks)
+
+    def ask(i: int) -> None:
+        client = TargetClient(address, timeout_s=120)
+        try:
+            done = client.generate(**asks[i])
+            got[i], batches[i] = done["token_ids"], done["stats"]["batch"]
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert got == want
+    assert max(batches) > 1  # they really ran side by side

@@ -98,6 +98,7 @@ class Governor:
     switches: int = 0
     probes: int = 0
     draft_s: float = 0.0  # running estimate of what drafting costs a step
+    width: float = 1.0  # running estimate of the rows a drafting step verifies (1 + drafts)
     # Decayed sums: accepted drafts against what the drafter's probabilities predicted.
     predicted: float = 0.0
     actual: float = 0.0
@@ -137,6 +138,7 @@ class Governor:
         self.costs.update(width, seconds - draft_s)
         if drafted:
             self.draft_s = draft_s if not self.spec else 0.8 * self.draft_s + 0.2 * draft_s
+            self.width = width if not self.spec else 0.8 * self.width + 0.2 * width
             self._learn_acceptance(tokens - 1, width - 1, predicted, chain)
             self.spec.append((tokens, seconds))
             while len(self.spec) > self.window:
@@ -156,6 +158,17 @@ class Governor:
                 self.backoff = min(self.max_probe_every, self.backoff * 2 if self.backoff else self.probe_every)
             else:
                 self.backoff = 0
+
+    def pays_at(self, batch: int) -> bool:
+        """Whether drafting for each of `batch` sequences stepping together beats plain steps for
+        them all, by what was measured: every drafting sequence pays its own draft (round trips
+        are one after another) and adds its usual verify width to the one forward, against one
+        row each. Alone (batch 1) the step-by-step judgement of `should_draft` decides."""
+        if batch <= 1 or not self.spec:
+            return True
+        drafting = batch * self.spec_tau() / (batch * self.draft_s + self.costs(round(batch * self.width)))
+        plain = batch / self.costs(batch)
+        return drafting >= self.margin * plain
 
     # --- how many drafts to verify ---------------------------------------------
 

@@ -100,8 +100,8 @@ class Sequence:
         self.cancelled = True
         self.output.finish = "cancelled"
 
-    def part(self) -> Part:
-        """This sequence's rows for the next forward."""
+    def part(self, batch: int = 1) -> Part:
+        """This sequence's rows for the next forward, in which `batch` sequences step together."""
         if self.prefilling:
             tokens = self.prompt[self.prefilled : self.prefilled + self.chunk]
             last = self.prefilled + len(tokens) == len(self.prompt)
@@ -109,7 +109,8 @@ class Sequence:
         budget = self.output.budget - 1  # the target's own next token always comes on top
         hints = self.output.hinted(budget)
         # Known continuations cost no drafting: they are verified whatever the governor thinks of the drafter.
-        drafting = self.governor is None or bool(hints) or self.governor.should_draft()
+        governor = self.governor
+        drafting = governor is None or bool(hints) or (governor.pays_at(batch) and governor.should_draft())
         tokens = self.prompt + self.output.tokens
         self.plan = plan_step(
             self.target,
@@ -180,7 +181,7 @@ class Sequence:
 def step(target: TargetModel, sequences: list[Sequence]) -> None:
     """One forward for all `sequences` (not done), each offering its part; then one head projection
     for every row that needs it, and each sequence takes its share."""
-    parts = [seq.part() for seq in sequences]
+    parts = [seq.part(len(sequences)) for seq in sequences]
     taps = tuple(dict.fromkeys(t for seq in sequences for t in seq.proposer.taps))
     began = time.perf_counter()
     outs = target.forward_batch(

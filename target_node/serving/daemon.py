@@ -81,7 +81,11 @@ class TargetService:
         # One governor for all: it learns across requests, from verify costs measured here.
         self.governor = Governor(max_nodes=max(tree_nodes, 1))
         if adaptive:
-            self.governor.costs.measure(target, range(1, self.governor.max_nodes + 2), repeats=2)
+            # A step's width: one request's tree, up to every slot's (batches are measured sparsely).
+            widest = (self.governor.max_nodes + 1) * target.slots
+            wide = [w for w in (24, 32, 48, 64, 96, 128, 192, 256) if w < widest] + [widest]
+            widths = sorted({*range(1, self.governor.max_nodes + 2), *range(2, target.slots + 1), *wide})
+            self.governor.costs.measure(target, widths, repeats=2)
         self.proposers = list(proposers) if isinstance(proposers, list) else [proposers]
         self.free = list(range(min(target.slots, len(self.proposers))))  # slots no request holds
         self.active: dict[int, Active] = {}  # slot -> the request in it
@@ -338,7 +342,9 @@ class TargetService:
                 continue
             counters = dict(getattr(getattr(proposer, "backend", None), "counters", {}) or {})
             self.free.pop(0)
-            self.active[slot] = Active(job, sequence, prompt, clock, time.monotonic() - job.received, counters)
+            queued_s = time.monotonic() - job.received
+            self.metrics.admit(queued_s)
+            self.active[slot] = Active(job, sequence, prompt, clock, queued_s, counters)
 
     def advance(self) -> None:
         """One batched forward for every active request, then the replies of those that finished."""

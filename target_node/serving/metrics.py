@@ -67,6 +67,7 @@ class ServedMetrics:
         self.ttft = LatencyHistogram(LATENCY_BOUNDS)
         self.inter_token = LatencyHistogram(LATENCY_BOUNDS)
         self.end_to_end = LatencyHistogram(REQUEST_BOUNDS)
+        self.queue = LatencyHistogram(REQUEST_BOUNDS)  # arrival to admission into a slot
 
     def finish(self, finish_reason: str, stats: Stats | None = None, clock: RequestClock | None = None) -> None:
         """A request answered with `done` (a queued request cancelled before it ran has no stats)."""
@@ -79,6 +80,10 @@ class ServedMetrics:
             for gap in clock.gaps:
                 self.inter_token.observe(gap)
             self.end_to_end.observe(clock.elapsed())
+
+    def admit(self, queued_s: float) -> None:
+        """A request took a slot after waiting `queued_s` in the queue."""
+        self.queue.observe(queued_s)
 
     def refuse(self, code: str) -> None:
         """A request answered with an error (busy, context_length, bad_field, internal)."""
@@ -102,6 +107,7 @@ class ServedMetrics:
             "ttft_s": self.ttft.to_dict(),
             "inter_token_s": self.inter_token.to_dict(),
             "e2e_s": self.end_to_end.to_dict(),
+            "queue_s": self.queue.to_dict(),
         }
 
 

@@ -29,6 +29,8 @@ FAMILIES = {
     "dflash_drafter_fallback_steps": "counter",
     "dflash_queue_depth": "gauge",
     "dflash_requests_running": "gauge",
+    "dflash_max_batch": "gauge",
+    "dflash_queue_time_seconds": "histogram",
 }
 
 
@@ -60,6 +62,7 @@ def test_an_http_request_moves_the_counters_by_exactly_its_own_figures(server, o
         ("dflash_time_to_first_token_seconds_count", ()): 1,
         ("dflash_inter_token_latency_seconds_count", ()): steps,  # one gap after each decode step's commit
         ("dflash_e2e_request_latency_seconds_count", ()): 1,
+        ("dflash_queue_time_seconds_count", ()): 1,
     }
     assert {k: change.get(k, 0) for k in want} == want
     assert sum(v for k, v in change.items() if k[0] in ("dflash_requests_total", "dflash_request_errors_total")) == 1

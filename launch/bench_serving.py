@@ -1,0 +1,203 @@
+"""Serving under load: N concurrent streaming clients against target daemons, side by side in one run.
+
+    python -m launch.bench_serving --clients 1,2,4,8,16 --threads 2
+
+Daemons (each a real process, SmolLM2 by default, with one draft daemon for those that draft):
+`batched` (the default: `--max-batch` requests per forward, the default speculative mode),
+`batched plain` (`--proposer none`), and `serial` (`--max-batch 1`: one request at a time, as
+the daemon served before batching). For every N, each daemon in turn gets N clients at once,
+each streaming one chat request of 64-128 tokens (held-out prompts). Reported per daemon and N:
+aggregate generated tokens/s, per-request latency and time to first token (p50/p95), the
+batch sizes the daemon ran, and whether every output equals the same prompt alone (from the
+serial plain daemon, one at a time). A last scenario sends short requests while a 3,000-token
+prompt is in prefill and reports their time to first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from launch.client import TargetClient
+from launch.common import ensure_default_drafter, resolve_model
+from launch.local import daemon, free_address
+from training.prompts import read_prompts
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p * (len(ordered) - 1)))] if ordered else 0.0
+
+
+def request(address: str, ask: dict, out: dict) -> None:
+    """One client: stream `ask`, record when it started, its first chunk, its end and its tokens."""
+    client = TargetClient(address, timeout_s=600)
+    began = time.monotonic()
+    first = None
+    try:
+        for reply in client.stream(**ask):
+            if first is None:
+                first = time.monotonic()
+            if reply.type == "done":
+                out.update(tokens=reply["token_ids"], stats=reply["stats"])
+    finally:
+        client.close()
+    out.update(began=began, ttft_s=(first or time.monotonic()) - began, latency_s=time.monotonic() - began)
+
+
+def round_of(address: str, asks: list[dict]) -> dict:
+    """All `asks` at once, one client each; the round's figures."""
+    outs = [{} for _ in asks]
+    threads = [threading.Thread(target=request, args=(address, a, o)) for a, o in zip(asks, outs, strict=True)]
+    began = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - began
+    tokens = sum(len(o.get("tokens", [])) for o in outs)
+    latency = [o["latency_s"] for o in outs]
+    ttft = [o["ttft_s"] for o in outs]
+    return {
+        "clients": len(asks),
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tok_s": round(tokens / wall, 2),
+        "latency_p50_s": round(percentile(latency, 0.5), 3),
+        "latency_p95_s": round(percentile(latency, 0.95), 3),
+        "ttft_p50_s": round(percentile(ttft, 0.5), 3),
+        "ttft_p95_s": round(percentile(ttft, 0.95), 3),
+        "batch_max": max(o.get("stats", {}).get("batch", 0) for o in outs),
+        "outputs": [o.get("tokens", []) for o in outs],
+    }
+
+
+def long_prefill(address: str, prompt_tokens: int, short: dict, count: int, vocab: int) -> dict:
+    """Short requests arriving one after another while a long prompt is in prefill: their TTFT."""
+    long_ask = {"token_ids": [3 + (i * 7) % (vocab - 10) for i in range(prompt_tokens)], "max_new_tokens": 8}
+    held = {}
+    runner = threading.Thread(target=request, args=(address, long_ask, held))
+    runner.start()
+    time.sleep(0.2)  # the long prompt is in
+    ttfts = []
+    for _ in range(count):
+        out = {}
+        request(address, short, out)
+        ttfts.append(out["ttft_s"])
+        if not runner.is_alive():
+            break
+    runner.join()
+    return {
+        "prompt_tokens": prompt_tokens,
+        "short_requests": len(ttfts),
+        "long_request_s": round(held.get("latency_s", 0.0), 3),
+        "ttft_p50_s": round(percentile(ttfts, 0.5), 3),
+        "ttft_p95_s": round(percentile(ttfts, 0.95), 3),
+        "ttft_max_s": round(max(ttfts), 3) if ttfts else 0.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(
+        prog="dflash-bench-serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--drafter", help="drafter checkpoint (default: the model's default drafter)")
+    ap.add_argument("--clients", default="1,2,4,8,16", help="concurrent clients per round, comma-separated")
+    ap.add_argument("--max-batch", type=int, default=16, help="the batched daemons' --max-batch")
+    ap.add_argument("--min-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per daemon")
+    ap.add_argument("--prompts", default="data/eval_prompts.jsonl")
+    ap.add_argument("--long-prompt", type=int, default=3000, help="tokens of the long prompt (0: skip that part)")
+    ap.add_argument("--extra", default="", help="more target daemon flags, space-separated")
+    ap.add_argument("--json", default="bench_results/bench_serving.json")
+    args = ap.parse_args(argv)
+    model = resolve_model(args.model)
+    checkpoint = args.drafter or str(ensure_default_drafter(model))
+    counts = [int(c) for c in args.clients.split(",") if c.strip()]
+    texts = read_prompts(args.prompts)
+    span = args.max_tokens - args.min_tokens
+    asks = [
+        {
+            "messages": [{"role": "user", "content": texts[i % len(texts)]}],
+            "max_new_tokens": args.min_tokens + (i * 37) % (span + 1),
+            "stream": True,
+        }
+        for i in range(max(counts))
+    ]
+    threads = ["--threads", str(args.threads)]
+    common = ["--model", str(model), *threads, *args.extra.split()]
+    draft_address = free_address()
+    targets = {
+        "batched": ["--drafter", draft_address, "--max-batch", str(args.max_batch)],
+        "batched plain": ["--proposer", "none", "--max-batch", str(args.max_batch)],
+        "serial": ["--drafter", draft_address, "--max-batch", "1"],
+        "serial plain": ["--proposer", "none", "--max-batch", "1"],
+    }
+    report: dict = {"model": str(model), "drafter": checkpoint, "max_batch": args.max_batch, "rounds": []}
+    with ExitStack() as stack:
+        stack.enter_context(
+            daemon("draft daemon", "launch.draft_daemon", draft_address, ["--checkpoint", checkpoint, *threads], 300)
+        )
+        addresses = {}
+        for name, flags in targets.items():
+            addresses[name] = free_address()
+            stack.enter_context(
+                daemon(f"target daemon ({name})", "launch.target_daemon", addresses[name], [*common, *flags], 600)
+            )
+        alone = []
+        for ask in asks:  # the reference: each prompt alone on the serial plain daemon
+            out = {}
+            request(addresses["serial plain"], ask, out)
+            alone.append(out["tokens"])
+        for n in counts:
+            for name, address in addresses.items():
+                result = round_of(address, asks[:n])
+                result["daemon"] = name
+                result["identical_to_alone"] = sum(o == a for o, a in zip(result.pop("outputs"), alone, strict=False))
+                report["rounds"].append(result)
+                print(json.dumps(result), flush=True)
+        if args.long_prompt:
+            short = {**asks[0], "max_new_tokens": 8}
+            for name in ("batched", "serial"):
+                result = long_prefill(addresses[name], args.long_prompt, short, 10, 49152)
+                report.setdefault("long_prefill", {})[name] = result
+                print(json.dumps({"long_prefill": name, **result}), flush=True)
+    by = {(r["daemon"], r["clients"]): r for r in report["rounds"]}
+    for n in counts:
+        serial, batched = by.get(("serial", n)), by.get(("batched", n))
+        if serial and batched:
+            batched["vs_serial"] = round(batched["tok_s"] / serial["tok_s"], 3)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    print(f"wrote {out}")
+    return report
+
+
+def print_table(report: dict) -> None:
+    print(
+        f"\n{'daemon':>14} {'N':>3} {'tok/s':>8} {'vs serial':>9} {'lat p50':>8} {'lat p95':>8} {'ttft p50':>9} "
+        f"{'ttft p95':>9} {'batch':>5} {'same':>5}"
+    )
+    for r in report["rounds"]:
+        print(
+            f"{r['daemon']:>14} {r['clients']:>3} {r['tok_s']:8.1f} {r.get('vs_serial', 0):9.2f} "
+            f"{r['latency_p50_s']:8.2f} {r['latency_p95_s']:8.2f} {r['ttft_p50_s']:9.2f} {r['ttft_p95_s']:9.2f} "
+            f"{r['batch_max']:5d} {r['identical_to_alone']:>3}/{r['clients']}"
+        )
+    for name, r in report.get("long_prefill", {}).items():
+        print(
+            f"short requests during a {r['prompt_tokens']}-token prefill ({name}): ttft p50 {r['ttft_p50_s']:.2f} s, "
+            f"p95 {r['ttft_p95_s']:.2f} s, max {r['ttft_max_s']:.2f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
