@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,9 +91,10 @@ class TargetService:
         self.active: dict[int, Active] = {}  # slot -> the request in it
         self.max_new_tokens_limit = max_new_tokens_limit
         self.max_queued, self.max_queued_per_client = max_queued, max_queued_per_client
-        # The line of clients waiting, each with its jobs in order; a client whose job was just
-        # admitted goes to the back, so clients that arrived meanwhile go first.
+        # The line of clients waiting, each with its jobs in order (see next_job for who goes first).
         self.queues: OrderedDict[bytes, deque[Job]] = OrderedDict()
+        self.admissions = 0
+        self.last_served: dict[bytes, int] = {}  # client -> the admission that last gave it a slot
         self.server: Server | None = None
         self.served = 0
         self.metrics = ServedMetrics()  # what was served, for the `stats` reply
@@ -227,18 +228,27 @@ class TargetService:
             silent = now - self.heard.get(job.identity, now)
             if interval > 0 and silent > HEARTBEAT_MISSES * interval:
                 self.abandon(job.identity, f"silent for {silent:.1f} s (promised a heartbeat every {interval:g} s)")
-        self.heard = {identity: self.heard[identity] for identity in {job.identity for job in jobs} & set(self.heard)}
+        with_work = {job.identity for job in jobs}
+        self.heard = {identity: self.heard[identity] for identity in with_work & set(self.heard)}
+        # Who was served when matters only while a client has work here: the rest is forgotten.
+        self.last_served = {identity: n for identity, n in self.last_served.items() if identity in with_work}
 
     def next_job(self) -> Job | None:
-        """Round-robin: the client at the front of the line gets one job, then goes to the back."""
-        while self.queues:
-            identity, queue = self.queues.popitem(last=False)
-            if queue:
-                job = queue.popleft()
-                if queue:
-                    self.queues[identity] = queue
-                return job
-        return None
+        """Round-robin: of the clients waiting, the one with the fewest requests in slots gets its
+        next job, and among equals the one served longest ago (never served: first, in line order).
+        So a client that arrived while another's job runs goes before that client's next one, and one
+        client's many requests share the free slots with everyone else's."""
+        for identity in [i for i, queue in self.queues.items() if not queue]:
+            del self.queues[identity]
+        if not self.queues:
+            return None
+        running = Counter(active.job.identity for active in self.active.values())
+        identity = min(self.queues, key=lambda i: (running[i], self.last_served.get(i, -1)))
+        queue = self.queues[identity]
+        job = queue.popleft()
+        self.admissions += 1
+        self.last_served[identity] = self.admissions
+        return job
 
     def serve(
         self, address: str, stop: threading.Event, curve: ServerKeys | None = None, insecure_plaintext: bool = False
