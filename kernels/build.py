@@ -19,6 +19,8 @@ import platform
 import shutil
 import subprocess
 import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -62,8 +64,9 @@ def _compiler() -> str:
 
 
 @cache
-def load() -> None:
-    """Build (if needed) and load the kernels into torch.ops.dflash."""
+def load() -> Path:
+    """Build (if needed) and load the kernels into torch.ops.dflash; returns their folder, which is
+    this machine's (its key names the source, compiler, torch and CPU flags)."""
 
     compiler = _compiler()
     try:
@@ -76,11 +79,19 @@ def load() -> None:
     folder = KERNEL_CACHE / key
     library = folder / "dflash_kernels.so"
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(folder):
         if not library.is_file():
             _compile(compiler, library)
     torch.ops.load_library(str(library))
+    return folder
+
+
+@contextmanager
+def locked(folder: Path) -> Iterator[None]:
+    """One process at a time in `folder`: concurrent daemons wait for one build (or one measurement)."""
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _compile(compiler: str, library: Path) -> None:
