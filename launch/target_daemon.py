@@ -146,7 +146,16 @@ def main(argv: list[str] | None = None) -> None:
         "--prefill-chunk",
         type=int,
         default=512,
-        help="prompt tokens per prefill forward; between chunks the daemon serves its socket (0: one forward)",
+        help="the most prompt tokens in one forward; between chunks the daemon serves its socket and the "
+        "other requests step (0: no cap)",
+    )
+    parser.add_argument(
+        "--prefill-budget-ms",
+        type=float,
+        default=200.0,
+        help="size prompt chunks so a forward that carries one takes about this long, from prefill rates "
+        "measured as it runs: other requests' tokens and first tokens wait at most about this (0: fixed "
+        "chunks of --prefill-chunk)",
     )
     parser.add_argument(
         "--max-messages-per-step",
@@ -179,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         tree_nodes=args.tree_nodes,
         on_finished=traffic_recorder(args.record, Path(str(target.config.name_or_path)).name) if args.record else None,
         prefill_chunk=args.prefill_chunk,
+        prefill_budget_s=args.prefill_budget_ms / 1000,
         max_messages_per_step=args.max_messages_per_step,
     )
     service.serve(args.bind, stop, curve, args.insecure_plaintext)

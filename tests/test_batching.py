@@ -13,6 +13,7 @@ import torch
 
 from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.governor import Governor
+from target_node.decoding.pace import FEWEST, FIRST_CHUNK, PrefillPace
 from target_node.decoding.sampling import SamplingParams
 from target_node.decoding.sequence import Sequence, generate, step
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
@@ -70,7 +71,7 @@ def alone(target, r) -> list[int]:
     ).tokens
 
 
-def batched(target, reqs) -> dict[int, list[int]]:
+def batched(target, reqs, pace: PrefillPace | None = None) -> dict[int, list[int]]:
     """A scheduler in a few lines: requests join at their arrival step into a free slot, all running
     ones step together, finished ones leave and free their slot."""
     waiting = sorted(range(len(reqs)), key=lambda i: reqs[i]["arrive"])
@@ -95,7 +96,7 @@ def batched(target, reqs) -> dict[int, list[int]]:
                 prefill_chunk=r["chunk"],
             )
         if running:
-            step(target, list(running.values()))
+            step(target, list(running.values()), pace)
             widest = max(widest, len(running))
         for i in [i for i, seq in running.items() if seq.done]:
             done[i] = running.pop(i).result().tokens
@@ -111,6 +112,36 @@ def test_every_request_decodes_as_it_would_alone(target, seed):
     got = batched(target, reqs)
     assert [got[i] for i in range(len(reqs))] == want
     assert max(r["arrive"] for r in reqs) > 0 and len({len(w) for w in want}) > 2
+
+
+def test_prompt_chunks_sized_by_a_time_budget_change_no_output(target):
+    """A pace with a budget no forward meets cuts every prompt into its smallest chunks, shared by
+    the prompts in prefill together: still each request's output alone."""
+    reqs = requests(target, 2, 9)
+    want = [alone(target, r) for r in reqs]
+    pace = PrefillPace(budget_s=1e-9, most=512)
+    got = batched(target, reqs, pace)
+    assert [got[i] for i in range(len(reqs))] == want
+    assert pace.rows_per_s is not None and pace.chunk() == FEWEST
+
+
+def test_the_pace_follows_the_measured_rate_and_grows_at_most_twofold():
+    pace = PrefillPace(budget_s=0.2, most=1000)
+    assert pace.chunk() == FIRST_CHUNK  # nothing measured yet
+    pace.record(rows=70, prompt_rows=64, seconds=0.01)  # 7,000 rows/s: 1,400 fit the budget
+    assert pace.chunk() == 2 * 64  # but one fast forward only doubles the chunk
+    pace.record(rows=128, prompt_rows=128, seconds=0.0128)  # 10,000 rows/s, averaged to 8,500
+    assert pace.chunk() == 256 and pace.chunk(prefilling=4) == 64
+    for _ in range(5):
+        pace.record(rows=1000, prompt_rows=1000, seconds=0.1)
+    assert pace.chunk() == 1000  # the cap
+    for _ in range(12):
+        pace.record(rows=500, prompt_rows=500, seconds=1.0)  # a long context: 500 rows/s
+    assert pace.chunk() == 100
+    pace.record(rows=9, prompt_rows=0, seconds=0.001)  # decode-only forwards say nothing of prefill
+    assert pace.chunk() == 100
+    with pytest.raises(ValueError, match="budget"):
+        PrefillPace(budget_s=0, most=10)
 
 
 def test_a_batched_forward_is_the_same_rows_as_separate_forwards(target):

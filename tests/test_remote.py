@@ -54,6 +54,33 @@ def test_remote_equals_local_equals_greedy(target, checkpoint, address):
         backend.close()
 
 
+def test_a_batch_of_remote_sessions_drafts_each_as_alone(target, checkpoint, tmp_path):
+    """Requests stepping together send their proposes first and then take the replies, so the
+    step waits for about one round trip; each session drafts what it would alone, exactly."""
+    from target_node.decoding.sequence import Sequence, step
+    from target_node.model.target import TargetModel
+
+    batch = TargetModel(target.model, slots=3)
+    address = f"ipc://{tmp_path}/draft.sock"
+    prompts = [*PROMPTS, [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    local = DFlashProposer(LocalDraftBackend(load_drafter(checkpoint)))
+    alone = [generate(batch, p, local, MAX_NEW, adaptive=False) for p in prompts]
+    with draft_daemon(address, checkpoint):
+        backends = [RemoteDraftBackend(address, batch) for _ in prompts]
+        sequences = [
+            Sequence(batch, p, DFlashProposer(b), MAX_NEW, slot=slot, adaptive=False)
+            for slot, (p, b) in enumerate(zip(prompts, backends, strict=True))
+        ]
+        while not all(seq.done for seq in sequences):
+            step(batch, [seq for seq in sequences if not seq.done])
+        for seq, want, backend in zip(sequences, alone, backends, strict=True):
+            got = seq.result()
+            assert got.tokens == want.tokens and got.stats.histogram == want.stats.histogram
+            counters = backend.counters
+            assert counters["sent_ahead"] == counters["proposals"] > 5 and counters["timeouts"] == 0
+            backend.close()
+
+
 def noise_block(target, cfg, g):
     """[last_tok's embedding (random here), MASK, ...]: rows 1.. are what the daemon holds since open."""
     mask = target.embed([cfg.mask_token_id])

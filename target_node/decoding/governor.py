@@ -161,9 +161,10 @@ class Governor:
 
     def pays_at(self, batch: int) -> bool:
         """Whether drafting for each of `batch` sequences stepping together beats plain steps for
-        them all, by what was measured: every drafting sequence pays its own draft (round trips
-        are one after another) and adds its usual verify width to the one forward, against one
-        row each. Alone (batch 1) the step-by-step judgement of `should_draft` decides."""
+        them all, by what was measured: every drafting sequence pays what it waited for its draft
+        (a batch's remote drafts overlap on the wire, so that is their share of one another's)
+        and adds its usual verify width to the one forward, against one row each. Alone (batch 1)
+        the step-by-step judgement of `should_draft` decides."""
         if batch <= 1 or not self.spec:
             return True
         drafting = batch * self.spec_tau() / (batch * self.draft_s + self.costs(round(batch * self.width)))

@@ -19,6 +19,7 @@ import torch
 
 from target_node.decoding.governor import Governor
 from target_node.decoding.output import OnCommit, Output
+from target_node.decoding.pace import PrefillPace
 from target_node.decoding.sampling import Sampler, SamplingParams
 from target_node.decoding.speculative import Plan, Step, finish_step, plan_step
 from target_node.decoding.stats import Stats
@@ -83,6 +84,7 @@ class Sequence:
         self.stats = Stats(prompt_tokens=len(self.prompt), requests=1)
         self.prefilled = 0  # prompt positions run so far
         self.plan: Plan | None = None
+        self.limit, self.hints = 0, []  # the next step's draft depth and known continuation (prepare)
         self.cancelled = False
         self.began = time.perf_counter()
         target.reset(slot)
@@ -100,25 +102,36 @@ class Sequence:
         self.cancelled = True
         self.output.finish = "cancelled"
 
-    def part(self, batch: int = 1) -> Part:
-        """This sequence's rows for the next forward, in which `batch` sequences step together."""
+    def prepare(self, batch: int = 1) -> None:
+        """Decide the next step before any sequence of the batch plans its own: whether to draft
+        (the governor, at `batch` sequences) and how deep, and start the drafts, so a remote
+        drafter works on this request's while the others' requests are on their way."""
+        self.limit, self.hints = 0, []
+        if self.prefilling:
+            return
+        budget = self.output.budget - 1  # the target's own next token always comes on top
+        self.hints = self.output.hinted(budget)
+        # Known continuations cost no drafting: they are verified whatever the governor thinks of the drafter.
+        governor = self.governor
+        drafting = governor is None or bool(self.hints) or (governor.pays_at(batch) and governor.should_draft())
+        self.limit = budget if drafting else 0
+        prefetch = getattr(self.proposer, "prefetch", None)
+        if self.limit > 0 and prefetch is not None:
+            prefetch(self.prompt + self.output.tokens, self.limit)
+
+    def part(self) -> Part:
+        """This sequence's rows for the next forward (after `prepare`)."""
         if self.prefilling:
             tokens = self.prompt[self.prefilled : self.prefilled + self.chunk]
             last = self.prefilled + len(tokens) == len(self.prompt)
             return Part(tokens, None, 1 if last else 0)
-        budget = self.output.budget - 1  # the target's own next token always comes on top
-        hints = self.output.hinted(budget)
-        # Known continuations cost no drafting: they are verified whatever the governor thinks of the drafter.
-        governor = self.governor
-        drafting = governor is None or bool(hints) or (governor.pays_at(batch) and governor.should_draft())
-        tokens = self.prompt + self.output.tokens
         self.plan = plan_step(
             self.target,
             self.proposer,
-            tokens,
-            budget if drafting else 0,
+            self.prompt + self.output.tokens,
+            self.limit,
             self.sampler,
-            hints,
+            self.hints,
             self.tree_nodes,
             self.governor,
         )
@@ -178,10 +191,18 @@ class Sequence:
         return Result(tokens, self.output.text, self.output.finish, stats)
 
 
-def step(target: TargetModel, sequences: list[Sequence]) -> None:
+def step(target: TargetModel, sequences: list[Sequence], pace: PrefillPace | None = None) -> None:
     """One forward for all `sequences` (not done), each offering its part; then one head projection
-    for every row that needs it, and each sequence takes its share."""
-    parts = [seq.part(len(sequences)) for seq in sequences]
+    for every row that needs it, and each sequence takes its share. A `pace` sizes the prompt
+    chunks in it to a time budget (else each sequence's own `prefill_chunk`)."""
+    prefilling = [seq for seq in sequences if seq.prefilling]
+    if pace is not None:
+        for seq in prefilling:
+            seq.chunk = pace.chunk(len(prefilling))
+    for seq in sequences:
+        seq.prepare(len(sequences))
+    parts = [seq.part() for seq in sequences]
+    prompt_rows = sum(len(p.tokens) for seq, p in zip(sequences, parts, strict=True) if seq.prefilling)
     taps = tuple(dict.fromkeys(t for seq in sequences for t in seq.proposer.taps))
     began = time.perf_counter()
     outs = target.forward_batch(
@@ -196,6 +217,8 @@ def step(target: TargetModel, sequences: list[Sequence]) -> None:
     else:
         choices = target.greedy(rows) if rows is not None and rows.shape[0] else []
     forward_s = time.perf_counter() - began
+    if pace is not None:
+        pace.record(sum(len(p.tokens) for p in parts), prompt_rows, forward_s)
     at = 0
     for seq, part, (_, features) in zip(sequences, parts, outs, strict=True):
         end = at + part.head_rows

@@ -40,6 +40,10 @@ class Proposer(Protocol):
 
     def propose(self, tokens: list[int], max_tokens: int) -> Proposal: ...
 
+    def prefetch(self, tokens: list[int], max_tokens: int) -> None:
+        """Optional: start the `propose` that follows with the same arguments (a remote drafter
+        sends its request now, so the drafts of a batch's requests overlap)."""
+
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         """The target committed positions [start, start + rows); `features` are their taps."""
 
@@ -55,6 +59,9 @@ class NoProposer:
 
     def propose(self, tokens: list[int], max_tokens: int) -> Proposal:
         return EMPTY
+
+    def prefetch(self, tokens: list[int], max_tokens: int) -> None:
+        pass
 
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         pass
@@ -133,27 +140,46 @@ class DFlashProposer:
         if features is not None and self.drafting is not None:
             self.drafting.ring.write(start, features)
 
+    def prefetch(self, tokens: list[int], max_tokens: int) -> None:
+        send = getattr(self.backend, "send_draft", None)
+        if send is None or self.drafting is None:
+            return
+        try:
+            request = self._request(tokens, max_tokens)
+            if request is not None:
+                send(*request)
+        except DrafterUnavailable:
+            self.synced = None  # `propose` falls back
+
     def propose(self, tokens: list[int], max_tokens: int) -> Proposal:
         drafting = self.drafting
         if drafting is None:
             return self.fallback.propose(tokens, max_tokens)
-        rows = min(drafting.block_size - 1, max_tokens)
-        if rows <= 0:
-            return EMPTY
-        position = len(tokens) - 1
-        ring = drafting.ring
         try:
-            if self.synced is None or self.synced < ring.oldest:
-                self.backend.reset(ring.oldest)
-                self.synced = ring.oldest
-            features = ring.read(self.synced, position)
-            hidden = self.backend.draft(self.synced, features, drafting.noise(tokens[-1]), position, rows)
+            request = self._request(tokens, max_tokens)
+            if request is None:
+                return EMPTY
+            hidden = self.backend.draft(*request)
         except DrafterUnavailable:
             self.synced = None
             return self.fallback.propose(tokens, max_tokens)
-        self.synced = position
+        self.synced = len(tokens) - 1
         logits = drafting.project(hidden)
         return Proposal(logits.argmax(-1).tolist(), logits, self.name)
+
+    def _request(self, tokens: list[int], max_tokens: int) -> tuple | None:
+        """The backend's draft arguments for this step (the drafter's context brought in sync first)."""
+        drafting = self.drafting
+        rows = min(drafting.block_size - 1, max_tokens)
+        if rows <= 0:
+            return None
+        position = len(tokens) - 1
+        ring = drafting.ring
+        if self.synced is None or self.synced < ring.oldest:
+            self.backend.reset(ring.oldest)
+            self.synced = ring.oldest
+        features = ring.read(self.synced, position)
+        return self.synced, features, drafting.noise(tokens[-1]), position, rows
 
 
 class LocalDraftBackend:

@@ -58,8 +58,9 @@ class RemoteDraftBackend:
         self.wire_dtype = "float32"
         self.attached = False  # session open on the daemon we are talking to
         self.retry_at = 0.0
+        self.pending: tuple[tuple[int, int, int], int, float] | None = None  # a propose sent ahead (send_draft)
         self.counters = dict.fromkeys(
-            ["round_trips", "timeouts", "errors", "bytes_out", "bytes_in", "proposals", "changes"], 0
+            ["round_trips", "timeouts", "errors", "bytes_out", "bytes_in", "proposals", "sent_ahead", "changes"], 0
         )
         self.counters.update(draft_ms=0.0, propose_rtt_ms=0.0)
         self.attach(self.timeout_s, strict=True)
@@ -68,10 +69,20 @@ class RemoteDraftBackend:
             log.warning("no drafter answered at %s yet: drafting with the fallback until it does", address)
 
     def _call(self, type_: str, fields: dict, tensors: dict | None = None, timeout_s: float | None = None) -> Message:
-        timeout_s = timeout_s or self.timeout_s
+        return self._wait(type_, self._send(type_, fields, tensors), timeout_s)
+
+    def _send(self, type_: str, fields: dict, tensors: dict | None = None) -> int:
         try:
             sent = self.client.send(type_, fields, tensors, wire_dtype=self.wire_dtype)
-            self.counters["bytes_out"] = self.client.bytes_out
+        except ProtocolError as exc:  # a request the wire refuses (too large): no use retrying it now
+            self._drop(f"could not send {type_}: {exc.message}")
+            raise DrafterUnavailable(exc.message) from exc
+        self.counters["bytes_out"] = self.client.bytes_out
+        return sent
+
+    def _wait(self, type_: str, sent: int, timeout_s: float | None = None) -> Message:
+        timeout_s = timeout_s or self.timeout_s
+        try:
             reply = self.client.wait(sent, type_, timeout_s)
         except ProtocolError as exc:  # a garbled or out-of-place reply: treat the peer as unreliable
             self._drop(f"bad reply to {type_}: {exc.message}")
@@ -96,7 +107,7 @@ class RemoteDraftBackend:
         """Lazy pirate: a socket that missed a reply may hold a stale one; build a new one later."""
         log.warning("drafter unavailable (%s); falling back, retrying in %.1f s", why, self.retry_s)
         self.client.close()
-        self.attached = False
+        self.attached, self.pending = False, None
         self.retry_at = time.monotonic() + self.retry_s
 
     def attach(self, timeout_s: float, strict: bool = False) -> None:
@@ -158,15 +169,25 @@ class RemoteDraftBackend:
         self.ensure()
         self._call("reset", {"session": self.session, "position": position})
 
-    def draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> torch.Tensor:
+    def send_draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> None:
+        """Send this propose now and take its reply in `draft` (same arguments): a batch's requests
+        each send theirs first, so the draft daemon works on one while the others' are on the
+        wire, and a step waits about one round trip, not one per request."""
         self.ensure()
         began = time.perf_counter()
-        # Rows 1.. of the noise block are the mask embedding the daemon holds since `open`.
-        reply = self._call(
-            "propose",
-            {"session": self.session, "start": start, "position": position, "rows": rows},
-            {"features": features, "noise": noise[:1]},
-        )
+        sent = self._send("propose", *self._propose(start, features, noise, position, rows))
+        self.pending = ((start, position, rows), sent, began)
+        self.counters["sent_ahead"] += 1
+
+    def draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> torch.Tensor:
+        self.ensure()
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] == (start, position, rows):
+            _, sent, began = pending
+        else:  # nothing sent ahead (or for another step: its reply is skipped as stale)
+            began = time.perf_counter()
+            sent = self._send("propose", *self._propose(start, features, noise, position, rows))
+        reply = self._wait("propose", sent)
         hidden = reply.tensor("hidden", self.target.device)  # in the wire dtype: the projection casts once
         if tuple(hidden.shape) != (rows, self.info["hidden_size"]) or not torch.isfinite(hidden).all():
             self.counters["errors"] += 1
@@ -175,6 +196,13 @@ class RemoteDraftBackend:
         self.counters["propose_rtt_ms"] += (time.perf_counter() - began) * 1000
         self.counters["proposals"] += 1
         return hidden
+
+    def _propose(
+        self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int
+    ) -> tuple[dict, dict]:
+        # Rows 1.. of the noise block are the mask embedding the daemon holds since `open`.
+        fields = {"session": self.session, "start": start, "position": position, "rows": rows}
+        return fields, {"features": features, "noise": noise[:1]}
 
     def close(self) -> None:
         if self.attached:

@@ -27,6 +27,7 @@ from protocol.keys import ServerKeys
 from protocol.messages import HEARTBEAT_MISSES
 from protocol.transport import CONTROL_MAX_FRAME, Server
 from target_node.decoding.governor import Governor
+from target_node.decoding.pace import PrefillPace
 from target_node.decoding.sampling import SamplingParams
 from target_node.decoding.sequence import Result, Sequence, step
 from target_node.drafting.proposers import Proposer
@@ -70,10 +71,13 @@ class TargetService:
         on_finished: Callable[[Message, list[int], Result], None] | None = None,
         prefill_chunk: int = 512,
         max_messages_per_step: int = 64,
+        prefill_budget_s: float = 0.2,
     ) -> None:
         """`proposers`: one per slot (requests run side by side, up to as many as the target has
         slots); one proposer serves one request at a time. `on_finished(request, prompt ids,
-        result)` sees every request served to its end (e.g. a recorder)."""
+        result)` sees every request served to its end (e.g. a recorder). Prompts run in chunks of
+        at most `prefill_chunk` tokens, sized so a forward takes about `prefill_budget_s` (0: fixed
+        chunks of `prefill_chunk`)."""
         self.on_finished = on_finished
         self.target = target
         self.adaptive = adaptive
@@ -99,6 +103,7 @@ class TargetService:
         self.served = 0
         self.metrics = ServedMetrics()  # what was served, for the `stats` reply
         self.prefill_chunk, self.max_messages_per_step = prefill_chunk, max_messages_per_step
+        self.pace = PrefillPace(prefill_budget_s, prefill_chunk or 1 << 20) if prefill_budget_s > 0 else None
         self.heard: dict[bytes, float] = {}  # client -> when it last sent anything (clients with work)
         self.counters = {"cancelled": 0, "abandoned": 0}  # abandoned: its client went away or silent
 
@@ -179,6 +184,7 @@ class TargetService:
             "max_batch": self.max_batch,
             "proposer": self.proposer.name,
             "drafter": drafter_state(self.proposer),
+            "prefill": self.pace.to_dict() if self.pace is not None else {"chunk": self.prefill_chunk},
             **self.counters,
             **self.metrics.to_dict(),
         }
@@ -364,7 +370,7 @@ class TargetService:
         running = [a for a in self.active.values() if not a.sequence.done]
         if running:
             try:
-                step(self.target, [a.sequence for a in running])
+                step(self.target, [a.sequence for a in running], self.pace)
             except Exception as exc:  # a failure inside a step: its requests end with the error
                 for active in running:
                     self.fail(active.job, exc)

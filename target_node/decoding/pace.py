@@ -1,0 +1,45 @@
+"""How many prompt tokens a batched forward may carry, so a long prompt does not stall the others.
+
+Every running request waits for each forward, so a forward that carries a chunk of a 3,000-token
+prompt is a pause in everyone else's stream, and a request that arrives meanwhile waits for it
+before its own first token. The pace sizes chunks to a time budget per forward from the rate
+prefill forwards were measured at on this machine, in this run: the rate falls as a prompt's
+context (its attention) grows, and differs by machine, model and dtype, so it is learned, not set.
+"""
+
+from __future__ import annotations
+
+FIRST_CHUNK = 64  # before any forward is measured: small enough to be quick anywhere
+FEWEST = 16  # below this a forward's fixed costs dominate its rows
+GROWTH = 2.0  # at most this many times the last chunk, so one fast forward cannot overshoot far
+
+
+class PrefillPace:
+    def __init__(self, budget_s: float, most: int) -> None:
+        """`budget_s`: what one forward that carries prompt rows should take; `most`: a cap on the
+        rows in one chunk (memory for activations grows with it)."""
+        if budget_s <= 0 or most < 1:
+            raise ValueError(f"a prefill pace needs a budget > 0 and a chunk cap >= 1, got {budget_s}, {most}")
+        self.budget_s, self.most = budget_s, most
+        self.rows_per_s: float | None = None
+        self.last = FIRST_CHUNK
+
+    def chunk(self, prefilling: int = 1) -> int:
+        """Prompt rows for each of `prefilling` requests in the next forward (they share the budget)."""
+        if self.rows_per_s is None:
+            rows = FIRST_CHUNK
+        else:
+            rows = min(self.rows_per_s * self.budget_s, self.last * GROWTH)
+        return max(FEWEST, min(self.most, int(rows / max(prefilling, 1))))
+
+    def record(self, rows: int, prompt_rows: int, seconds: float) -> None:
+        """A forward of `rows` rows in all, `prompt_rows` of them prompt chunks, took `seconds`."""
+        if prompt_rows <= 0 or seconds <= 0:
+            return
+        rate = rows / seconds
+        # The newest forward counts most: the rate moves with the prompt's context length.
+        self.rows_per_s = rate if self.rows_per_s is None else 0.5 * self.rows_per_s + 0.5 * rate
+        self.last = max(prompt_rows, FEWEST)
+
+    def to_dict(self) -> dict:
+        return {"budget_s": self.budget_s, "most": self.most, "rows_per_s": self.rows_per_s}
