@@ -6,7 +6,8 @@ Daemons (each a real process, SmolLM2 by default, with one draft daemon for thos
 `batched` (the default: `--max-batch` requests per forward, the default speculative mode),
 `batched plain` (`--proposer none`), and `serial` (`--max-batch 1`: one request at a time, as
 the daemon served before batching). For every N, each daemon in turn gets N clients at once,
-each streaming one chat request of 64-128 tokens (held-out prompts). Reported per daemon and N:
+each streaming `--requests` chat requests of 64-128 tokens one after another (held-out prompts),
+so the load is sustained rather than draining after one request each. Reported per daemon and N:
 aggregate generated tokens/s, per-request latency and time to first token (p50/p95), the
 batch sizes the daemon ran, and whether every output equals the same prompt alone (from the
 serial plain daemon, one at a time). A last scenario sends short requests while a 3,000-token
@@ -49,21 +50,31 @@ def request(address: str, ask: dict, out: dict) -> None:
     out.update(began=began, ttft_s=(first or time.monotonic()) - began, latency_s=time.monotonic() - began)
 
 
-def round_of(address: str, asks: list[dict]) -> dict:
-    """All `asks` at once, one client each; the round's figures."""
-    outs = [{} for _ in asks]
-    threads = [threading.Thread(target=request, args=(address, a, o)) for a, o in zip(asks, outs, strict=True)]
+def client_of(address: str, asks: list[dict], outs: list[dict]) -> None:
+    """One client sending its requests one after another, each as soon as the last one is done."""
+    for ask, out in zip(asks, outs, strict=True):
+        request(address, ask, out)
+
+
+def round_of(address: str, per_client: list[list[dict]]) -> dict:
+    """Every client at once, each with its own requests in turn; the round's figures."""
+    outs = [[{} for _ in asks] for asks in per_client]
+    threads = [
+        threading.Thread(target=client_of, args=(address, asks, o)) for asks, o in zip(per_client, outs, strict=True)
+    ]
     began = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.monotonic() - began
-    tokens = sum(len(o.get("tokens", [])) for o in outs)
-    latency = [o["latency_s"] for o in outs]
-    ttft = [o["ttft_s"] for o in outs]
+    flat = [o for client in outs for o in client]
+    tokens = sum(len(o.get("tokens", [])) for o in flat)
+    latency = [o["latency_s"] for o in flat]
+    ttft = [o["ttft_s"] for o in flat]
     return {
-        "clients": len(asks),
+        "clients": len(per_client),
+        "requests": len(flat),
         "tokens": tokens,
         "wall_s": round(wall, 3),
         "tok_s": round(tokens / wall, 2),
@@ -71,8 +82,10 @@ def round_of(address: str, asks: list[dict]) -> dict:
         "latency_p95_s": round(percentile(latency, 0.95), 3),
         "ttft_p50_s": round(percentile(ttft, 0.5), 3),
         "ttft_p95_s": round(percentile(ttft, 0.95), 3),
-        "batch_max": max(o.get("stats", {}).get("batch", 0) for o in outs),
-        "outputs": [o.get("tokens", []) for o in outs],
+        "batch_max": max(o.get("stats", {}).get("batch", 0) for o in flat),
+        "steps": sum(o.get("stats", {}).get("steps", 0) for o in flat),
+        "plain_steps": sum(o.get("stats", {}).get("plain_steps", 0) for o in flat),
+        "outputs": [o.get("tokens", []) for o in flat],
     }
 
 
@@ -109,6 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--drafter", help="drafter checkpoint (default: the model's default drafter)")
     ap.add_argument("--clients", default="1,2,4,8,16", help="concurrent clients per round, comma-separated")
     ap.add_argument("--max-batch", type=int, default=16, help="the batched daemons' --max-batch")
+    ap.add_argument(
+        "--requests", type=int, default=3, help="requests each client sends, one after another (a sustained load)"
+    )
     ap.add_argument("--min-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per daemon")
@@ -128,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
             "max_new_tokens": args.min_tokens + (i * 37) % (span + 1),
             "stream": True,
         }
-        for i in range(max(counts))
+        for i in range(max(counts) * args.requests)
     ]
     threads = ["--threads", str(args.threads)]
     common = ["--model", str(model), *threads, *args.extra.split()]
@@ -156,10 +172,13 @@ def main(argv: list[str] | None = None) -> dict:
             request(addresses["serial plain"], ask, out)
             alone.append(out["tokens"])
         for n in counts:
+            # Client c sends asks c, c + n, c + 2n, ...: every round runs the first n * requests asks.
+            per_client = [asks[c : n * args.requests : n] for c in range(n)]
+            want = [alone[i] for c in range(n) for i in range(c, n * args.requests, n)]
             for name, address in addresses.items():
-                result = round_of(address, asks[:n])
+                result = round_of(address, per_client)
                 result["daemon"] = name
-                result["identical_to_alone"] = sum(o == a for o, a in zip(result.pop("outputs"), alone, strict=False))
+                result["identical_to_alone"] = sum(o == a for o, a in zip(result.pop("outputs"), want, strict=True))
                 report["rounds"].append(result)
                 print(json.dumps(result), flush=True)
         if args.long_prompt:
@@ -181,16 +200,21 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def drafted_share(r: dict) -> float:
+    """Of the round's steps, the share that drafted (the governor's choice as the batch grows)."""
+    return (r["steps"] - r["plain_steps"]) / r["steps"] if r["steps"] else 0.0
+
+
 def print_table(report: dict) -> None:
     print(
         f"\n{'daemon':>14} {'N':>3} {'tok/s':>8} {'vs serial':>9} {'lat p50':>8} {'lat p95':>8} {'ttft p50':>9} "
-        f"{'ttft p95':>9} {'batch':>5} {'same':>5}"
+        f"{'ttft p95':>9} {'batch':>5} {'drafted':>7} {'same':>7}"
     )
     for r in report["rounds"]:
         print(
             f"{r['daemon']:>14} {r['clients']:>3} {r['tok_s']:8.1f} {r.get('vs_serial', 0):9.2f} "
             f"{r['latency_p50_s']:8.2f} {r['latency_p95_s']:8.2f} {r['ttft_p50_s']:9.2f} {r['ttft_p95_s']:9.2f} "
-            f"{r['batch_max']:5d} {r['identical_to_alone']:>3}/{r['clients']}"
+            f"{r['batch_max']:5d} {drafted_share(r):7.0%} {r['identical_to_alone']:>3}/{r['requests']}"
         )
     for name, r in report.get("long_prefill", {}).items():
         print(

@@ -134,8 +134,9 @@ class Governor:
         chain: bool = True,
     ) -> None:
         """One step: whether it drafted, tokens committed, its seconds (draft_s of them drafting),
-        the width verified, and the accepted drafts the drafter's probabilities predicted (if any)."""
-        self.costs.update(width, seconds - draft_s)
+        the width verified, and the accepted drafts the drafter's probabilities predicted (if any).
+        What the forward cost by its width is `measured` apart: in a batch, one forward is every
+        sequence's, and its width is theirs together."""
         if drafted:
             self.draft_s = draft_s if not self.spec else 0.8 * self.draft_s + 0.2 * draft_s
             self.width = width if not self.spec else 0.8 * self.width + 0.2 * width
@@ -170,6 +171,10 @@ class Governor:
         drafting = batch * self.spec_tau() / (batch * self.draft_s + self.costs(round(batch * self.width)))
         plain = batch / self.costs(batch)
         return drafting >= self.margin * plain
+
+    def measured(self, width: int, seconds: float) -> None:
+        """A target forward of `width` rows (a batch's together) took `seconds`."""
+        self.costs.update(width, seconds)
 
     # --- how many drafts to verify ---------------------------------------------
 

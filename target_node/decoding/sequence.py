@@ -217,8 +217,12 @@ def step(target: TargetModel, sequences: list[Sequence], pace: PrefillPace | Non
     else:
         choices = target.greedy(rows) if rows is not None and rows.shape[0] else []
     forward_s = time.perf_counter() - began
+    width = sum(len(p.tokens) for p in parts)
     if pace is not None:
-        pace.record(sum(len(p.tokens) for p in parts), prompt_rows, forward_s)
+        pace.record(width, prompt_rows, forward_s)
+    if not prefilling:  # a decode forward: what its width costs (once per governor, shared or not)
+        for governor in {id(seq.governor): seq.governor for seq in sequences if seq.governor is not None}.values():
+            governor.measured(width, forward_s)
     at = 0
     for seq, part, (_, features) in zip(sequences, parts, outs, strict=True):
         end = at + part.head_rows

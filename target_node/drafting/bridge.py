@@ -10,6 +10,8 @@ be exact, verification is).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 import kernels
@@ -31,27 +33,36 @@ class Drafting:
         self.target, self.info = target, dict(drafter)
         self.taps = tuple(drafter["target_layer_ids"])
         self.block_size, self.mask_token_id = drafter["block_size"], drafter["mask_token_id"]
-        dtype = target.model.dtype
-        self.ring = FeatureRing(drafter["ring_capacity"], drafter["feature_width"], dtype, target.device)
+        self.ring = FeatureRing(drafter["ring_capacity"], drafter["feature_width"], target.model.dtype, target.device)
         self.mask_row = target.embed([self.mask_token_id])
-        weight = target.head.weight.detach()
-        vocab = drafter.get("draft_vocab") or []
-        self.vocab = torch.tensor(vocab, dtype=torch.long, device=target.device) if vocab else None
-        rows = weight[self.vocab] if self.vocab is not None else weight
-        # bf16 where the target found bf16 matmuls faster than fp32 ones; packed for the CPU kernels
-        # where they run (their small-row matmul beats torch's), torch's matmul elsewhere.
-        self.head = rows.to(torch.bfloat16) if target.fast_bf16 else rows
-        self.packed = None
-        if self.head.device.type == "cpu":
-            try:
-                kernels.load()
-                self.packed = kernels.pack(self.head)
-            except kernels.KernelsUnavailable:
-                pass
+        self.head = draft_head(target, tuple(drafter.get("draft_vocab") or ()))
 
     def noise(self, last_token: int) -> torch.Tensor:
         """The embedded block [last_tok, MASK, ..., MASK]."""
         return torch.cat([self.target.embed([last_token]), self.mask_row.expand(self.block_size - 1, -1)])
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.project(hidden)
+
+
+class DraftHead:
+    """The target's LM head for drafts: its rows for the drafter's vocabulary (all of them if it
+    has none), in bf16 where that is faster, packed for the CPU kernels where they run (their
+    small-row matmul beats torch's), torch's matmul elsewhere."""
+
+    def __init__(self, target: TargetModel, vocab: tuple[int, ...]) -> None:
+        self.target = target
+        weight = target.head.weight.detach()
+        self.vocab = torch.tensor(vocab, dtype=torch.long, device=target.device) if vocab else None
+        rows = weight[self.vocab] if self.vocab is not None else weight
+        self.weight = rows.to(torch.bfloat16) if target.fast_bf16 else rows
+        self.packed = None
+        if self.weight.device.type == "cpu":
+            try:
+                kernels.load()
+                self.packed = kernels.pack(self.weight)
+            except kernels.KernelsUnavailable:
+                pass
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -60,10 +71,22 @@ class Drafting:
         if self.packed is not None:
             sub = self.target.scale_logits(kernels.linear(hidden.float().contiguous(), self.packed))
         else:
-            hidden = hidden.to(device=self.head.device, dtype=self.head.dtype)
-            sub = self.target.scale_logits((hidden @ self.head.T).float())
+            hidden = hidden.to(device=self.weight.device, dtype=self.weight.dtype)
+            sub = self.target.scale_logits((hidden @ self.weight.T).float())
         if self.vocab is None:
             return sub
         logits = sub.new_full((sub.shape[0], self.target.vocab_size), float("-inf"))
         logits[:, self.vocab] = sub
         return logits
+
+
+# One head per target and vocabulary, however many requests draft at once: building one packs
+# the whole LM head (tens of MB, ~0.1 s), which every slot's proposer would otherwise repeat.
+_HEADS: weakref.WeakKeyDictionary[TargetModel, dict[tuple[int, ...], DraftHead]] = weakref.WeakKeyDictionary()
+
+
+def draft_head(target: TargetModel, vocab: tuple[int, ...]) -> DraftHead:
+    heads = _HEADS.setdefault(target, {})
+    if vocab not in heads:
+        heads[vocab] = DraftHead(target, vocab)
+    return heads[vocab]
