@@ -173,6 +173,61 @@ def bench(model: Path, drafter: Path, device: str, prompts: int, max_new: int, t
     return {"modes": result["modes"], "mismatches": result["mismatches"], "prompts": result["prompts"]}
 
 
+def batching(model: Path, drafter: Path, device: str, prompts: int, max_new: int, widest: int) -> dict:
+    """Requests decoded side by side, one forward per step on this device, against each alone:
+    outputs that differ (must be none, greedy and seeded-sampled, plain and drafting) and the
+    aggregate tokens/s by batch size."""
+    from draft_node.checkpoint import load_drafter
+    from target_node.decoding.governor import Governor
+    from target_node.decoding.sampling import SamplingParams
+    from target_node.decoding.sequence import Sequence, generate, step
+    from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NoProposer
+    from target_node.model.target import TargetModel
+    from training.prompts import read_prompts
+
+    target = TargetModel.load(model, device, "auto", slots=widest)
+    weights = load_drafter(drafter, device, torch.bfloat16)
+    kinds = {"plain": NoProposer, "dflash": lambda: DFlashProposer(LocalDraftBackend(weights))}
+    texts = read_prompts(ROOT / "data" / "eval_prompts.jsonl")[:prompts]
+    asks = [target.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    # Every third request samples at a seed of its own: its draws must not depend on its neighbours.
+    sampling = [SamplingParams(temperature=0.8, top_k=50, seed=i) if i % 3 == 2 else None for i in range(widest)]
+    options = dict(stop_on_eos=False, tree_nodes=8)
+    alone = {
+        (kind, i): generate(target, asks[i % len(asks)], make(), max_new, sampling=sampling[i], **options).tokens
+        for kind, make in kinds.items()
+        for i in range(widest)
+    }
+    rounds = {}
+    for batch in sorted({1, min(4, widest), min(8, widest), widest}):
+        for kind, make in kinds.items():
+            governor = Governor(max_nodes=8)
+            sequences = [
+                Sequence(
+                    target,
+                    asks[i % len(asks)],
+                    make(),
+                    max_new,
+                    slot=i,
+                    sampling=sampling[i],
+                    governor=governor,
+                    **options,
+                )
+                for i in range(batch)
+            ]
+            began = time.perf_counter()
+            while not all(seq.done for seq in sequences):
+                step(target, [seq for seq in sequences if not seq.done])
+            seconds = time.perf_counter() - began
+            results = [seq.result() for seq in sequences]
+            rounds[f"{kind} x{batch}"] = {
+                "tok_s": round(sum(len(r.tokens) for r in results) / seconds, 1),
+                "differs": sum(r.tokens != alone[kind, i] for i, r in enumerate(results)),
+                "drafted_steps": sum(r.stats.steps - r.stats.plain_steps for r in results),
+            }
+    return {"prompts": len(asks), "max_new_tokens": max_new, "rounds": rounds}
+
+
 def train_args(model: Path, out: Path, cache: Path, device: str, tiny: bool) -> list[str]:
     shape = ["--block-size", "4", "--layers", "1"] if tiny else []
     return ["--model", str(model), "--device", device, "--cache", str(cache), "--out", str(out / "drafter"), *shape]
@@ -309,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = config_for_target(TargetModel.load(model).config, block_size=4, num_layers=1, mask_token_id=0)
         shipped = save_drafter(random_drafter(cfg), cache / "tiny-drafter")
         sizes = {"prompts": 2, "max_new": 8, "batch": 8, "gen": 0.4, "train": 0.3, "steps": 20, "dtype": "float32"}
-        sizes.update(answer=24, exact_prompts=1)
+        sizes.update(answer=24, exact_prompts=1, widest=3)
     else:
         from target_node.model.default_model import ensure_default_model
 
@@ -325,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
             "steps": 100000,
             "dtype": "bfloat16" if gpu else "float32",
             "exact_prompts": 6,
+            "widest": 16 if gpu else 4,
         }
     common = train_args(model, out, cache, args.device, args.tiny)
     run.results["environment"] = environment(args.device)
@@ -332,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     run.phase("invariance", run_invariance, args.device, max(90.0, min(180.0, 0.2 * run.left())))
     run.phase("exactness", exactness, model, shipped, args.device, sizes["exact_prompts"], sizes["max_new"])
     run.phase("bench", bench, model, shipped, args.device, sizes["prompts"], sizes["max_new"], args.threads)
+    run.phase("batching", batching, model, shipped, args.device, sizes["prompts"], sizes["max_new"], sizes["widest"])
     run.phase("gen", generate_answers, common, out, sizes["gen"], sizes["batch"], sizes["dtype"], sizes["answer"])
     run.phase("train", train_drafter, common, out, sizes["train"], None if args.tiny else shipped, sizes["steps"])
     drafters = {"shipped": shipped, "new": out / "drafter"}
