@@ -14,12 +14,26 @@ from launch.common import DRAFT_ADDRESS, TARGET_ADDRESS, add_model_args, apply_r
 from launch.net import add_server_security_args, client_security, server_security
 from protocol import FLOAT_DTYPES, Message
 from protocol.keys import ClientKeys
+from protocol.messages import MAX_REPLY_TOKENS
 from protocol.transport import stop_on_signals
 from target_node.decoding.sequence import Result
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposer
 from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES
 from target_node.model.target import TargetModel
 from target_node.serving.daemon import TargetService
+
+
+def byte_size(text: str) -> int:
+    """'268435456', '256M', '1G' -> bytes (K, M, G are powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    scale = units.get(text[-1:].upper(), 1)
+    try:
+        value = int(text[:-1] if scale > 1 else text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes such as 268435456 or 256M, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value * scale
 
 
 def build_proposers(
@@ -120,9 +134,20 @@ def main(argv: list[str] | None = None) -> None:
         help="requests decoded at once, each in its own slot of the engine's cache, all in one forward per step "
         "(the transformers path, for models the engine does not serve, decodes one at a time)",
     )
-    parser.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens accepted")
+    parser.add_argument(
+        "--max-new-tokens-limit",
+        type=int,
+        default=4096,
+        help=f"largest max_new_tokens accepted (at most {MAX_REPLY_TOKENS}, what one reply carries)",
+    )
     parser.add_argument("--max-queued", type=int, default=1024, help="requests queued over all clients (then: busy)")
     parser.add_argument("--max-queued-per-client", type=int, default=64, help="requests one client may queue")
+    parser.add_argument(
+        "--max-queued-bytes",
+        type=byte_size,
+        default="256M",
+        help="memory queued requests may hold, over all clients (then: busy); a number of bytes, or with K, M or G",
+    )
     parser.add_argument(
         "--record",
         metavar="DIR",
@@ -175,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     stop = stop_on_signals()
     if args.max_batch < 1:
         parser.error("--max-batch must be at least 1")
+    if not 1 <= args.max_new_tokens_limit <= MAX_REPLY_TOKENS:
+        parser.error(f"--max-new-tokens-limit must be in [1, {MAX_REPLY_TOKENS}]: one reply carries at most that many")
     target = TargetModel.load(
         resolve_model(args.model), args.device, args.dtype, args.cache_policy, slots=args.max_batch
     )
@@ -185,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         adaptive=not args.always_draft,
         max_queued=args.max_queued,
         max_queued_per_client=args.max_queued_per_client,
+        max_queued_bytes=args.max_queued_bytes,
         tree_nodes=args.tree_nodes,
         on_finished=traffic_recorder(args.record, Path(str(target.config.name_or_path)).name) if args.record else None,
         prefill_chunk=args.prefill_chunk,

@@ -81,6 +81,7 @@ SESSION = Str(1, MAX_SESSION_LEN)
 MAX_POSITION = 2**31 - 1
 POSITION = Int(0, MAX_POSITION)
 COUNT = Int(1)
+MAX_REPLY_TOKENS = 1 << 16  # token ids one `chunk` or `done` carries: a daemon's new-token limit stays within it
 FLOAT_DTYPE = Str(choices=FLOAT_DTYPES)
 FLOAT_DTYPE_LIST = List(FLOAT_DTYPE, 1, len(FLOAT_DTYPES) * 2)
 
@@ -207,12 +208,12 @@ SCHEMAS: dict[str, Schema] = {
         replies=("chunk", "done"),
         check=_check_generate,
     ),
-    "chunk": Schema(Struct({"text": Str(0, MAX_PROMPT_CHARS), "token_ids": List(Int(0), 0, 1 << 16)})),
+    "chunk": Schema(Struct({"text": Str(0, MAX_PROMPT_CHARS), "token_ids": List(Int(0), 0, MAX_REPLY_TOKENS)})),
     "done": Schema(
         Struct(
             {
                 "text": Str(0, MAX_PROMPT_CHARS),
-                "token_ids": List(Int(0), 0, 1 << 16),
+                "token_ids": List(Int(0), 0, MAX_REPLY_TOKENS),
                 "finish_reason": Str(1, 32),
                 "stats": Json(),
             }

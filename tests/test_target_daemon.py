@@ -131,9 +131,27 @@ def test_a_request_longer_than_the_model_is_refused_before_any_work(address):
         with pytest.raises(ProtocolError, match=r"\(2000 tokens\) plus max_new_tokens \(100\).*holds 2048") as err:
             client.generate(token_ids=[5] * 2000, max_new_tokens=100)
         assert err.value.code.value == "context_length" and time.monotonic() - began < 5
+        # Over the model and over this daemon's own limit (4096) too: the model's bound is named.
+        with pytest.raises(ProtocolError, match=r"plus max_new_tokens \(5000\).*holds 2048") as err:
+            client.generate(token_ids=PROMPT, max_new_tokens=5000)
+        assert err.value.code.value == "context_length"
         assert client.generate(token_ids=PROMPT, max_new_tokens=4)["finish_reason"] in ("length", "eos")
     finally:
         client.close()
+
+
+def test_a_new_token_limit_past_what_one_reply_carries_is_refused_at_start(capsys):
+    """Else a request would be accepted, run to its end, and its `done` be refused by the wire."""
+    from launch import target_daemon
+    from protocol.messages import MAX_REPLY_TOKENS
+    from target_node.drafting.proposers import NoProposer
+    from target_node.serving.daemon import TargetService
+
+    with pytest.raises(SystemExit):
+        target_daemon.main(["--max-new-tokens-limit", str(MAX_REPLY_TOKENS + 1)])
+    assert f"--max-new-tokens-limit must be in [1, {MAX_REPLY_TOKENS}]" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="max_new_tokens_limit must be in"):
+        TargetService(tiny_target("llama"), [NoProposer()], max_new_tokens_limit=MAX_REPLY_TOKENS + 1)
 
 
 def test_queue_limits_answer_busy_and_lose_nothing_accepted(model_dir, tmp_path):
@@ -160,6 +178,39 @@ def test_queue_limits_answer_busy_and_lose_nothing_accepted(model_dir, tmp_path)
         finally:
             a.close(0)
             b.close(0)
+
+
+def test_the_queue_is_bounded_in_bytes_and_holds_prompts_compactly(model_dir, tmp_path):
+    """Requests queued behind a busy slot count by what they hold: 60,000-id prompts as 4-byte
+    arrays (~235 KiB each, not ~2 MiB as Python ints), two of them under a 600 KiB bound."""
+    from protocol.codec import Message
+    from target_node.serving.daemon import compact
+
+    msg = Message("generate", 1, {"token_ids": list(range(60_000)), "hints": [1, 2], "prompt": "", "messages": []})
+    held = compact(msg)
+    assert 240_000 < held < 242_000 and msg["token_ids"].itemsize == 4 and list(msg["token_ids"][:3]) == [0, 1, 2]
+    address = f"ipc://{tmp_path}/bytes.sock"
+    args = ["--model", str(model_dir), "--proposer", "none", "--max-batch", "1", "--max-queued-bytes", "600K"]
+    with daemon("target daemon", "launch.target_daemon", address, args, 120):
+        sock = dealer(zmq.Context.instance(), address)
+        try:
+            sock.send_multipart(encode("generate", 1, {"token_ids": PROMPT, "max_new_tokens": 1500}))
+            assert receive(sock, 1, time.monotonic() + 60).type == "chunk"  # it holds the one slot
+            big = {"token_ids": [7] * 60_000, "max_new_tokens": 4, "stream": False}
+            for i in (2, 3, 4):
+                sock.send_multipart(encode("generate", i, big))
+            sock.send_multipart(encode("cancel", 1, {}))
+            replies = {}
+            while len(replies) < 3 and sock.poll(60_000):
+                reply = decode(sock.recv_multipart())
+                if reply.id != 1:
+                    replies[reply.id] = reply
+            assert replies[4].type == "error" and replies[4]["code"] == "busy"
+            assert "queued requests hold 471 KiB, this one 235 KiB (limit 600 KiB)" in replies[4]["message"]
+            # The two that fitted were queued, then refused at admission for the model's length.
+            assert all(replies[i].type == "error" and replies[i]["code"] == "context_length" for i in (2, 3))
+        finally:
+            sock.close(0)
 
 
 def test_concurrent_clients_are_batched_and_each_gets_its_output_alone(model_dir, address):

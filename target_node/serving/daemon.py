@@ -15,8 +15,10 @@ its requests.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
+from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from protocol import ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
-from protocol.messages import HEARTBEAT_MISSES
+from protocol.messages import HEARTBEAT_MISSES, MAX_REPLY_TOKENS
 from protocol.transport import CONTROL_MAX_FRAME, Server
 from target_node.decoding.governor import Governor
 from target_node.decoding.pace import PrefillPace
@@ -44,6 +46,21 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     received: float = field(default_factory=time.monotonic)
     lost: bool = False  # its client is gone: cancelled, and nobody to answer
+    held: int = 0  # bytes its request holds while queued, about (see compact)
+
+
+def size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def compact(msg: Message) -> int:
+    """Hold a queued request's token ids as 4-byte arrays, not lists of Python ints (~36 bytes
+    each: a queue of 65,536-id prompts cost 2.9 MB a request), and return about what it holds."""
+    fields = msg.fields
+    for key in ("token_ids", "hints"):
+        fields[key] = array("i", fields[key])  # ids are < 2**31 (the schema's bound)
+    text = sys.getsizeof(fields["prompt"]) + sum(sys.getsizeof(m["content"]) for m in fields["messages"])
+    return 4 * (len(fields["token_ids"]) + len(fields["hints"])) + text + 1024  # + the message's own
 
 
 @dataclass
@@ -67,6 +84,7 @@ class TargetService:
         adaptive: bool = True,
         max_queued: int = 1024,
         max_queued_per_client: int = 64,
+        max_queued_bytes: int = 256 << 20,
         tree_nodes: int = 16,
         on_finished: Callable[[Message, list[int], Result], None] | None = None,
         prefill_chunk: int = 512,
@@ -78,6 +96,12 @@ class TargetService:
         result)` sees every request served to its end (e.g. a recorder). Prompts run in chunks of
         at most `prefill_chunk` tokens, sized so a forward takes about `prefill_budget_s` (0: fixed
         chunks of `prefill_chunk`)."""
+        if not 1 <= max_new_tokens_limit <= MAX_REPLY_TOKENS:
+            # Else a request would be accepted, run to its end, and have its `done` refused by the wire.
+            raise ValueError(
+                f"max_new_tokens_limit must be in [1, {MAX_REPLY_TOKENS}] (what one reply carries), "
+                f"got {max_new_tokens_limit}"
+            )
         self.on_finished = on_finished
         self.target = target
         self.adaptive = adaptive
@@ -95,6 +119,7 @@ class TargetService:
         self.active: dict[int, Active] = {}  # slot -> the request in it
         self.max_new_tokens_limit = max_new_tokens_limit
         self.max_queued, self.max_queued_per_client = max_queued, max_queued_per_client
+        self.max_queued_bytes = max_queued_bytes
         # The line of clients waiting, each with its jobs in order (see next_job for who goes first).
         self.queues: OrderedDict[bytes, deque[Job]] = OrderedDict()
         self.admissions = 0
@@ -160,19 +185,25 @@ class TargetService:
             why = f"request id {msg.id} is already queued or running for this client: ids must be unique"
             self.send(identity, encode_error(msg.id, ErrorCode.BAD_FIELD, why))
             return
+        held = compact(msg)
         if len(queue) >= self.max_queued_per_client:
             why = f"this client has {len(queue)} requests queued (limit {self.max_queued_per_client})"
         elif self.pending() >= self.max_queued:
             why = f"{self.pending()} requests are queued (limit {self.max_queued})"
+        elif (queued := self.queued_bytes()) + held > self.max_queued_bytes:
+            why = f"queued requests hold {size(queued)}, this one {size(held)} (limit {size(self.max_queued_bytes)})"
         else:
             self.queues[identity] = queue
-            queue.append(Job(identity, msg))
+            queue.append(Job(identity, msg, held=held))
             return
         self.metrics.refuse(ErrorCode.BUSY.value)
         self.send(identity, encode_error(msg.id, ErrorCode.BUSY, why + "; retry later"))
 
     def pending(self) -> int:
         return sum(len(q) for q in self.queues.values())
+
+    def queued_bytes(self) -> int:
+        return sum(job.held for q in self.queues.values() for job in q)
 
     def report(self) -> dict:
         """The `stats` reply: what was served since start, the queue now, and the drafter's state."""
@@ -291,7 +322,8 @@ class TargetService:
         except Exception as exc:  # the tokenizer or chat template refused this input
             raise ProtocolError(ErrorCode.BAD_FIELD, f"the prompt cannot be tokenized: {exc}") from exc
         vocab = self.target.vocab_size  # read once, not once per token
-        bad = [t for t in (*ids, *msg["hints"]) if t >= vocab]
+        top = max(max(ids, default=0), max(msg["hints"], default=0))  # in C: a 65,536-id prompt in ~1 ms
+        bad = [t for t in (*ids, *msg["hints"]) if t >= vocab] if top >= vocab else []
         if bad:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"token ids {bad[:5]} are outside the vocabulary ({vocab})")
         if not ids:
@@ -321,7 +353,11 @@ class TargetService:
             msg, identity = job.request, job.identity
             slot = self.free[0]
             try:
-                prompt, sampling = self.prompt_ids(msg), self.sampling(msg)
+                prompt = self.prompt_ids(msg)
+                # The model's bound before this daemon's own limit: a request over both is told the
+                # one it can act on (what OpenAI clients know as context_length_exceeded).
+                self.target.check_length(len(prompt), msg["max_new_tokens"])
+                sampling = self.sampling(msg)
                 clock = RequestClock(job.received)
                 proposer = self.proposers[slot]
 
@@ -337,7 +373,7 @@ class TargetService:
                     msg["max_new_tokens"],
                     slot=slot,
                     stop_strings=tuple(msg["stop"]),
-                    hint_tokens=msg["hints"],
+                    hint_tokens=list(msg["hints"]),
                     on_commit=on_commit,
                     sampling=sampling,
                     adaptive=self.adaptive,
