@@ -50,7 +50,7 @@ def test_bad_requests_get_errors_and_the_daemon_carries_on(address):
         client.generate(messages=[{"role": "user", "content": "hi"}], max_new_tokens=4)
     with pytest.raises(ProtocolError, match="temperature"):
         client.generate(token_ids=PROMPT, max_new_tokens=4, sampling={"temperature": -1.0})
-    with pytest.raises(ProtocolError, match="exceeds this daemon's limit"):
+    with pytest.raises(ProtocolError, match="holds 2048"):  # over the model's positions and the daemon's limit
         client.generate(token_ids=PROMPT, max_new_tokens=100_000)
     assert client.generate(token_ids=PROMPT, max_new_tokens=4)["finish_reason"] in ("length", "eos")
     client.close()
@@ -157,10 +157,15 @@ def test_a_new_token_limit_past_what_one_reply_carries_is_refused_at_start(capsy
 def test_queue_limits_answer_busy_and_lose_nothing_accepted(model_dir, tmp_path):
     address = f"ipc://{tmp_path}/busy.sock"
     args = ["--model", str(model_dir), "--proposer", "none", "--max-queued-per-client", "2", "--max-queued", "3"]
+    args += ["--max-new-tokens-limit", "300"]
     with daemon("target daemon", "launch.target_daemon", address, args, 120):
         context = zmq.Context.instance()
         a, b = dealer(context, address), dealer(context, address)
         try:
+            limited = TargetClient(address, timeout_s=60)
+            with pytest.raises(ProtocolError, match="max_new_tokens 301 exceeds this daemon's limit 300"):
+                limited.generate(token_ids=PROMPT, max_new_tokens=301)
+            limited.close()
             request = {"token_ids": PROMPT, "max_new_tokens": 200, "stream": False}
             for i in range(6):
                 a.send_multipart(encode("generate", 10 + i, request))
