@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +49,11 @@ class DraftService:
         max_sessions: int = 64,
         idle_timeout_s: float = 600.0,
         reclaim_after_s: float = 30.0,
+        max_sessions_per_peer: int = 32,
     ) -> None:
+        """Sessions are shared fairly between peers: one peer holds at most
+        `max_sessions_per_peer`, and a full daemon takes a slot from another peer only if that
+        peer holds more than its fair share and has left one idle for `reclaim_after_s`."""
         self.drafter = drafter
         self.config = drafter.config
         self.ring_capacity = ring_capacity
@@ -57,6 +62,7 @@ class DraftService:
         # A full daemon takes a slot from another peer only if that session has been idle this
         # long: a live target touches its session every step.
         self.reclaim_after_s = reclaim_after_s
+        self.max_sessions_per_peer = max_sessions_per_peer
         self.sessions: dict[tuple[str, str], Session] = {}  # (owner, name) -> session
         self.wire_dtypes = list(FLOAT_DTYPES)
         self.counters = {"requests": 0, "errors": 0, "proposals": 0, "evicted": 0, "draft_ms": 0.0}
@@ -107,7 +113,7 @@ class DraftService:
                 f"no common wire dtype: target offers {msg['wire_dtypes']}, drafter {self.wire_dtypes}",
             )
         chosen = self.preferred_wire_dtype if self.preferred_wire_dtype in offered else offered[0]
-        log.info("hello from %r: wire dtype %s", msg["client"], chosen)
+        log.debug("hello from %r: wire dtype %s", msg["client"], chosen)  # names stay out of INFO logs
         return encode("hello_ok", msg.id, {"drafter": self.info, "wire_dtype": chosen, "wire_dtypes": self.wire_dtypes})
 
     def on_open(self, msg: Message) -> list:
@@ -123,18 +129,37 @@ class DraftService:
         return encode("ok", msg.id)
 
     def make_room(self, peer: str) -> None:
-        """Free a slot for `peer`: an expired session, else its own least recently used one, else
-        another peer's long-idle one. A daemon full of live sessions answers busy."""
+        """Free a slot for a new session of `peer`, or answer busy. Its own sessions come first:
+        at its quota it gives up its longest-idle one (a restarted target's leftovers); in a full
+        daemon, its least recently used. A peer with none may take another peer's session only
+        if that peer holds more than its fair share (max_sessions over the peers) and left it
+        idle `reclaim_after_s`, so a peer keeping many sessions alive takes no one's slot."""
         self.evict_idle()
+        now = time.monotonic()
+        held = Counter(owner for owner, _ in self.sessions)
+        own = [key for key in self.sessions if key[0] == peer]
+        if held[peer] >= self.max_sessions_per_peer:
+            idle = [key for key in own if now - self.sessions[key].last_used > self.reclaim_after_s]
+            if not idle:
+                raise ProtocolError(
+                    ErrorCode.BUSY,
+                    f"this peer holds {held[peer]} sessions (limit {self.max_sessions_per_peer}), all in use; "
+                    "close one or retry later",
+                )
+            self.evict(min(idle, key=lambda k: self.sessions[k].last_used))
+            return
         if len(self.sessions) < self.max_sessions:
             return
-        now = time.monotonic()
-        own = [k for k in self.sessions if k[0] == peer]
-        idle = [k for k, s in self.sessions.items() if now - s.last_used > self.reclaim_after_s]
-        candidates = own or idle
-        if not candidates:
+        if own:
+            self.evict(min(own, key=lambda k: self.sessions[k].last_used))
+            return
+        share = self.max_sessions // (len(held) + 1)
+        idle = [
+            key for key, s in self.sessions.items() if held[key[0]] > share and now - s.last_used > self.reclaim_after_s
+        ]
+        if not idle:
             raise ProtocolError(ErrorCode.BUSY, f"all {self.max_sessions} sessions belong to live targets; retry later")
-        self.evict(min(candidates, key=lambda k: self.sessions[k].last_used))
+        self.evict(min(idle, key=lambda k: self.sessions[k].last_used))
 
     def session(self, msg: Message) -> Session:
         # Another peer's session answers exactly as one that does not exist.
@@ -190,7 +215,9 @@ class DraftService:
         return encode("proposal", msg.id, {"draft_ms": draft_ms}, {"hidden": hidden}, wire_dtype=noise_spec.dtype)
 
     def on_ping(self, msg: Message) -> list:
-        return encode("pong", msg.id, {"time": time.time(), "sessions": len(self.sessions)})
+        # The asking peer's own sessions: how many others hold is theirs to know.
+        mine = sum(owner == msg.peer for owner, _ in self.sessions)
+        return encode("pong", msg.id, {"time": time.time(), "sessions": mine})
 
     def on_stats(self, msg: Message) -> list:
         stats = dict(self.counters, sessions=len(self.sessions), block_size=self.config.block_size)
@@ -205,7 +232,8 @@ class DraftService:
             self.evict(key)
 
     def evict(self, key: tuple[str, str]) -> None:
-        log.info("evicting session %r", key[1])
+        log.info("evicting a session (%d left)", len(self.sessions) - 1)
+        log.debug("evicted session %r", key[1])
         del self.sessions[key]
         self.counters["evicted"] += 1
 

@@ -21,13 +21,21 @@ def main(argv: list[str] | None = None) -> None:
         "--bind", default=DRAFT_ADDRESS, help="ZeroMQ address to bind, e.g. tcp://0.0.0.0:5555 (default %(default)s)"
     )
     parser.add_argument("--ring-capacity", type=int, default=4096, help="context positions kept per session")
-    parser.add_argument("--max-sessions", type=int, default=64)
+    parser.add_argument("--max-sessions", type=int, default=64, help="sessions held at once, over all targets")
+    parser.add_argument(
+        "--max-sessions-per-peer",
+        type=int,
+        default=32,
+        help="sessions one target (one CURVE key, or one connection without CURVE) may hold; a target "
+        "needs one per request it runs at once (its --max-batch)",
+    )
     parser.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session is evicted")
     parser.add_argument(
         "--reclaim-after",
         type=float,
         default=30.0,
-        help="when all sessions are taken, another target's session idle this many seconds may be evicted",
+        help="when all sessions are taken, a session idle this many seconds of a target holding more than its "
+        "fair share may be evicted",
     )
     add_server_security_args(parser)
     add_model_args(parser, "drafter")
@@ -37,7 +45,14 @@ def main(argv: list[str] | None = None) -> None:
     stop = stop_on_signals()
     dtype = dtype_of(args)
     drafter = load_drafter(args.checkpoint or ensure_default_drafter(), args.device, dtype)
-    service = DraftService(drafter, args.ring_capacity, args.max_sessions, args.idle_timeout, args.reclaim_after)
+    service = DraftService(
+        drafter,
+        args.ring_capacity,
+        args.max_sessions,
+        args.idle_timeout,
+        args.reclaim_after,
+        max_sessions_per_peer=args.max_sessions_per_peer,
+    )
     logging.getLogger("draft_daemon").info(
         "drafter: %d layers, block %d, taps %s on %s/%s",
         drafter.config.num_hidden_layers,

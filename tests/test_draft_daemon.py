@@ -24,10 +24,12 @@ def service():
     return svc
 
 
-def call(svc, type_, tensors=None, **fields):
+def call(svc, type_, tensors=None, peer="", **fields):
     if type_ == "open" and tensors is None:
         tensors = {"mask": torch.randn(1, 32)}
-    return decode(svc.handle(decode(encode(type_, 9, fields, tensors))))
+    msg = decode(encode(type_, 9, fields, tensors))
+    msg.peer = peer  # who the transport says sent it
+    return decode(svc.handle(msg))
 
 
 def propose(svc, session="a", start=0, position=3, width=64, block=(1, 32), **extra):
@@ -105,6 +107,38 @@ def test_sessions_are_evicted_when_idle_or_when_full(service):
     time.sleep(0.01)
     service.evict_idle()
     assert service.sessions == {} and service.counters["evicted"] == 3
+
+
+def test_a_peer_keeping_many_sessions_alive_takes_no_other_peers_slot():
+    svc = DraftService(
+        random_drafter(CFG), ring_capacity=16, max_sessions=6, reclaim_after_s=0.05, max_sessions_per_peer=4
+    )
+    for name in ("v0", "v1"):
+        assert call(svc, "open", peer="victim", session=name).type == "ok"
+    for i in range(4):
+        assert call(svc, "open", peer="squatter", session=f"s{i}").type == "ok"
+    refused = call(svc, "open", peer="squatter", session="s4")
+    assert error_code(refused) == "busy" and "holds 4 sessions (limit 4)" in refused["message"]
+    time.sleep(0.1)  # the victim's sessions idle past reclaim_after; the squatter keeps its own alive
+    for i in range(4):
+        call(svc, "reset", peer="squatter", session=f"s{i}", position=0)
+    assert error_code(call(svc, "open", peer="newcomer", session="n0")) == "busy"
+    assert {name for owner, name in svc.sessions if owner == "victim"} == {"v0", "v1"}  # at its fair share (6 // 3)
+    time.sleep(0.1)  # now the squatter's are idle too: it holds more than its share, so one of its goes
+    assert call(svc, "open", peer="newcomer", session="n0").type == "ok"
+    assert {name for owner, name in svc.sessions if owner == "victim"} == {"v0", "v1"}
+    assert sum(owner == "squatter" for owner, _ in svc.sessions) == 3
+    # In a full daemon a peer's new session takes its own least recently used one.
+    assert call(svc, "open", peer="squatter", session="s5").type == "ok"
+    assert sum(owner == "squatter" for owner, _ in svc.sessions) == 3 and len(svc.sessions) == 6
+    # At its quota, a peer gives up its own longest-idle session (a restarted target's leftovers).
+    assert call(svc, "close", peer="newcomer", session="n0").type == "ok"
+    assert call(svc, "open", peer="squatter", session="s6").type == "ok"  # room: its 4th
+    time.sleep(0.1)
+    assert call(svc, "open", peer="squatter", session="s7").type == "ok"
+    squatter = {name for owner, name in svc.sessions if owner == "squatter"}
+    assert len(squatter) == 4 and "s7" in squatter and len(svc.sessions) == 6
+    assert call(svc, "ping", peer="victim")["sessions"] == 2  # its own, not the daemon's
 
 
 def test_ping_and_stats(service):
