@@ -220,10 +220,15 @@ class DraftService:
         return encode("pong", msg.id, {"time": time.time(), "sessions": mine})
 
     def on_stats(self, msg: Message) -> list:
-        stats = dict(self.counters, sessions=len(self.sessions), block_size=self.config.block_size)
-        # Per session, the asking peer's own only: other peers' session names are not shown.
+        """The asking peer's own figures only: what other tenants do (their sessions, their
+        traffic) is not theirs to see; the daemon-wide counters go to its log at shutdown."""
         mine = {name: s for (owner, name), s in self.sessions.items() if owner == msg.peer}
-        stats["per_session"] = {name: {"steps": s.steps, "rows_in": s.rows_in} for name, s in mine.items()}
+        stats = {
+            "sessions": len(mine),
+            "block_size": self.config.block_size,
+            "proposals": sum(s.steps for s in mine.values()),
+            "per_session": {name: {"steps": s.steps, "rows_in": s.rows_in} for name, s in mine.items()},
+        }
         return encode("stats_ok", msg.id, {"stats": stats})
 
     def evict_idle(self) -> None:
@@ -270,4 +275,4 @@ def serve(
             service.evict_idle()
     finally:
         server.close()
-        log.info("draft daemon stopped")
+        log.info("draft daemon stopped; served %s", service.counters)

@@ -21,17 +21,18 @@ from protocol.keys import client_keys, create_keypair, load_public
 
 class LocalKeys:
     """Throwaway keys for one all-in-one run (`dflash-local --curve`): the flags each daemon
-    gets, and this process's keys as a client of each (readiness pings, the prompts)."""
+    gets, and this process's keys as a client of each. Only the target's key opens the draft
+    daemon, so this process pings it for readiness as the target it starts; the client's key
+    opens the target daemon alone."""
 
     def __init__(self, folder: str | Path) -> None:
         keys = Path(folder)
         for name in ("draft", "target", "client"):
             create_keypair(keys, name)
         self.draft_args = ["--curve-key", str(keys / "draft.key_secret"), "--curve-allow", str(keys / "target.key")]
-        self.draft_args += ["--curve-allow", str(keys / "client.key")]
         self.target_args = ["--curve-key", str(keys / "target.key_secret"), "--drafter-key", str(keys / "draft.key")]
         self.target_args += ["--curve-allow", str(keys / "client.key")]
-        self.client_to_draft = client_keys(keys / "client.key_secret", keys / "draft.key")
+        self.launcher_to_draft = client_keys(keys / "target.key_secret", keys / "draft.key")
         self.client_to_target = client_keys(keys / "client.key_secret", keys / "target.key")
 
 

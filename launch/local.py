@@ -110,7 +110,7 @@ def local_daemons(args: argparse.Namespace) -> Iterator[str]:
                 ["--checkpoint", checkpoint, "--device", args.draft_device, "--dtype", args.dtype, *threads]
                 + (keys.draft_args if keys else []),
                 args.ready_timeout,
-                keys.client_to_draft if keys else None,
+                keys.launcher_to_draft if keys else None,
             )
         )
         stack.enter_context(

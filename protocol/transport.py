@@ -85,7 +85,9 @@ def router(
     # Sending to a peer that is gone, or whose queue is full because it stopped reading, fails
     # instead of vanishing silently: the target daemon cancels that peer's work.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    # A client that rebuilt its socket (lazy pirate) keeps its routing id, and its queue.
+    # A client that rebuilt its socket (lazy pirate) keeps its routing id, and its queue. It stays
+    # on under CURVE too: routing ids are 128 random bits a daemon never shows another peer, so
+    # no peer can present another's to take over its replies.
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if curve is not None:
         sock.curve_secretkey, sock.curve_publickey = curve.secret, curve.public

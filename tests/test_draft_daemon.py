@@ -145,7 +145,15 @@ def test_ping_and_stats(service):
     assert call(service, "ping")["sessions"] == 1
     propose(service)
     stats = call(service, "stats")["stats"]
-    assert stats["proposals"] == 1 and stats["per_session"]["a"]["steps"] == 1
+    assert stats["proposals"] == 1 and stats["per_session"]["a"]["steps"] == 1 and stats["sessions"] == 1
+    # Another tenant sees its own figures, not this one's traffic.
+    assert call(service, "stats", peer="other")["stats"] == {
+        "sessions": 0,
+        "block_size": 4,
+        "proposals": 0,
+        "per_session": {},
+    }
+    assert call(service, "ping", peer="other")["sessions"] == 0
 
 
 def test_garbage_over_a_real_socket_gets_errors_and_the_daemon_lives(tmp_path):

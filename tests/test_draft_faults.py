@@ -82,6 +82,21 @@ def test_an_allowed_target_drafts_and_other_keys_get_nothing(target, keys, draft
     assert request(drafter.address, "ping", timeout_s=10, curve=link(keys, "other")).type == "pong"
 
 
+def test_the_all_in_one_keys_let_only_the_target_into_the_draft_daemon(target, tmp_path):
+    """`dflash-local --curve`: the client's key opens the target daemon, not the drafter's."""
+    from launch.keys import LocalKeys
+
+    keys = LocalKeys(tmp_path / "keys")
+    folder = tmp_path / "ckpt"
+    save_drafter(random_drafter(config_for_target(target.config, block_size=4, num_taps=2)), folder)
+    address = free_tcp_address()
+    args = ["--checkpoint", str(folder), "--threads", "1", *keys.draft_args]
+    with daemon("draft daemon", "launch.draft_daemon", address, args, 60, curve=keys.launcher_to_draft):
+        assert request(address, "ping", timeout_s=10, curve=keys.launcher_to_draft).type == "pong"
+        as_client = client_keys(tmp_path / "keys" / "client.key_secret", tmp_path / "keys" / "draft.key")
+        assert request(address, "ping", timeout_s=1.0, curve=as_client) is None
+
+
 def test_one_target_cannot_see_or_touch_another_targets_session(target, keys, drafter):
     owner = RemoteDraftBackend(drafter.address, target, curve=link(keys, "target"), name="shared")
     proposer = DFlashProposer(owner)
