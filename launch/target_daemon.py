@@ -52,7 +52,9 @@ def build_proposers(
         checkpoint = args.drafter_checkpoint or ensure_default_drafter(resolve_model(args.model))
         drafter = load_drafter(checkpoint, args.device, target.model.dtype)
         return [DFlashProposer(LocalDraftBackend(drafter, args.ring_capacity), NGramProposer()) for _ in range(count)]
-    from target_node.drafting.remote import RemoteDraftBackend
+    from target_node.drafting.remote import Reachability, RemoteDraftBackend
+
+    reach = Reachability()  # one daemon behind every slot's session: one probe when it is away
 
     def remote() -> Proposer:
         backend = RemoteDraftBackend(
@@ -62,6 +64,7 @@ def build_proposers(
             retry_s=args.draft_retry,
             wire_dtype=args.wire_dtype,
             curve=drafter_keys,
+            reach=reach,
         )
         return DFlashProposer(backend, NGramProposer() if args.fallback == "ngram" else NoProposer())
 
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--prefill-budget-ms",
         type=float,
-        default=200.0,
+        default=150.0,
         help="size prompt chunks so a forward that carries one takes about this long, from prefill rates "
         "measured as it runs: other requests' tokens and first tokens wait at most about this (0: fixed "
         "chunks of --prefill-chunk)",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +32,15 @@ from target_node.model.target import TargetModel
 log = logging.getLogger("remote_drafter")
 
 
+@dataclass
+class Reachability:
+    """What a target's backends to one draft daemon know of it together. Every probe of a dead
+    or stopped daemon stalls a step for the probe's timeout, so one backend's failed probe
+    holds the others back until `retry_at` too."""
+
+    retry_at: float = 0.0
+
+
 class RemoteDraftBackend:
     def __init__(
         self,
@@ -43,6 +53,7 @@ class RemoteDraftBackend:
         wire_dtype: str | None = None,
         name: str | None = None,
         curve: ClientKeys | None = None,
+        reach: Reachability | None = None,
     ) -> None:
         """Raises DrafterMismatch if a drafter answers now and was built for another target (an
         operator's mistake to see at once); a drafter that does not answer yet is picked up later."""
@@ -57,7 +68,9 @@ class RemoteDraftBackend:
         self.unfit: str | None = None  # why the drafter that answered last does not fit (logged once)
         self.wire_dtype = "float32"
         self.attached = False  # session open on the daemon we are talking to
-        self.retry_at = 0.0
+        # Shared by the backends of one target (one per slot): after one found the daemon
+        # unreachable, none probes it again before `retry_at`.
+        self.reach = reach or Reachability()
         self.pending: tuple[tuple[int, int, int], int, float] | None = None  # a propose sent ahead (send_draft)
         self.counters = dict.fromkeys(
             ["round_trips", "timeouts", "errors", "bytes_out", "bytes_in", "proposals", "sent_ahead", "changes"], 0
@@ -108,7 +121,7 @@ class RemoteDraftBackend:
         log.warning("drafter unavailable (%s); falling back, retrying in %.1f s", why, self.retry_s)
         self.client.close()
         self.attached, self.pending = False, None
-        self.retry_at = time.monotonic() + self.retry_s
+        self.reach.retry_at = time.monotonic() + self.retry_s
 
     def attach(self, timeout_s: float, strict: bool = False) -> None:
         """Handshake and open our session; leaves `attached` False if the daemon does not answer
@@ -140,16 +153,16 @@ class RemoteDraftBackend:
             if str(exc) != self.unfit:
                 log.error("%s; drafting with the fallback until a drafter that fits answers", exc)
             self.info, self.unfit = None, str(exc)
-            self.retry_at = time.monotonic() + self.retry_s
+            self.reach.retry_at = time.monotonic() + self.retry_s
         except DrafterUnavailable:
-            self.retry_at = max(self.retry_at, time.monotonic() + self.retry_s)
+            self.reach.retry_at = max(self.reach.retry_at, time.monotonic() + self.retry_s)
 
     def ensure(self) -> None:
         """Attach if we are not, without waiting long: the loop must not stall on a dead daemon.
         A drafter that changed mid-request is not used before the next request: this request's
         features were tapped for the old one."""
         if not self.attached:
-            if time.monotonic() < self.retry_at:
+            if time.monotonic() < self.reach.retry_at:
                 raise DrafterUnavailable("draft daemon unavailable; waiting before the next probe")
             self.attach(self.probe_timeout_s)
             if not self.attached:
@@ -160,7 +173,7 @@ class RemoteDraftBackend:
     def begin_request(self) -> None:
         """A new request probes a daemon that was down (or unfit) at once, instead of after
         `retry_s`, so a drafter that appeared or came back is used from this request on."""
-        self.retry_at = 0.0
+        self.reach.retry_at = 0.0
         if not self.attached:
             self.attach(self.probe_timeout_s)
         self.request_info = self.info
@@ -183,11 +196,13 @@ class RemoteDraftBackend:
         self.ensure()
         pending, self.pending = self.pending, None
         if pending is not None and pending[0] == (start, position, rows):
+            # The deadline runs from the send: a batch's proposes, sent together, time out together.
             _, sent, began = pending
+            timeout_s = max(0.001, self.timeout_s - (time.perf_counter() - began))
         else:  # nothing sent ahead (or for another step: its reply is skipped as stale)
-            began = time.perf_counter()
+            began, timeout_s = time.perf_counter(), self.timeout_s
             sent = self._send("propose", *self._propose(start, features, noise, position, rows))
-        reply = self._wait("propose", sent)
+        reply = self._wait("propose", sent, timeout_s)
         hidden = reply.tensor("hidden", self.target.device)  # in the wire dtype: the projection casts once
         if tuple(hidden.shape) != (rows, self.info["hidden_size"]) or not torch.isfinite(hidden).all():
             self.counters["errors"] += 1

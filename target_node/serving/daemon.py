@@ -46,6 +46,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     received: float = field(default_factory=time.monotonic)
     lost: bool = False  # its client is gone: cancelled, and nobody to answer
+    dropped: bool = False  # cancelled because its client went away or silent (abandon)
     held: int = 0  # bytes its request holds while queued, about (see compact)
 
 
@@ -89,7 +90,7 @@ class TargetService:
         on_finished: Callable[[Message, list[int], Result], None] | None = None,
         prefill_chunk: int = 512,
         max_messages_per_step: int = 64,
-        prefill_budget_s: float = 0.2,
+        prefill_budget_s: float = 0.15,
     ) -> None:
         """`proposers`: one per slot (requests run side by side, up to as many as the target has
         slots); one proposer serves one request at a time. `on_finished(request, prompt ids,
@@ -237,9 +238,11 @@ class TargetService:
                 self.metrics.finish("cancelled")
                 self.send(identity, cancelled(request_id))
 
-    def abandon(self, identity: bytes, why: str) -> None:
+    def abandon(self, identity: bytes, why: str, listening: bool = False) -> None:
         """The client is gone (or broke its heartbeat promise): stop its running requests and drop
-        its queued ones, each answered `cancelled` in case anyone is still listening."""
+        its queued ones, the queued answered `cancelled` in case anyone is still listening. A
+        client that only fell silent (`listening`) may come back: its running requests end with
+        `done`/`cancelled` too; one whose reply could not be delivered gets nothing more."""
         queued = list(self.queues.pop(identity, ()))
         for job in queued:
             self.metrics.finish("cancelled")
@@ -247,8 +250,8 @@ class TargetService:
         jobs = list(queued)
         for active in self.active.values():
             job = active.job
-            if job.identity == identity and not job.lost:
-                job.lost = True
+            if job.identity == identity and not job.dropped:
+                job.dropped, job.lost = True, job.lost or not listening
                 job.cancel.set()
                 jobs.append(job)
         if jobs:
@@ -264,7 +267,8 @@ class TargetService:
             interval = job.request["heartbeat_s"]
             silent = now - self.heard.get(job.identity, now)
             if interval > 0 and silent > HEARTBEAT_MISSES * interval:
-                self.abandon(job.identity, f"silent for {silent:.1f} s (promised a heartbeat every {interval:g} s)")
+                why = f"silent for {silent:.1f} s (promised a heartbeat every {interval:g} s)"
+                self.abandon(job.identity, why, listening=True)
         with_work = {job.identity for job in jobs}
         self.heard = {identity: self.heard[identity] for identity in with_work & set(self.heard)}
         # Who was served when matters only while a client has work here: the rest is forgotten.

@@ -1,0 +1,20 @@
+"""The soak test's short form: clients that behave, cancel, die or fall silent against both
+daemons while the drafter is stopped and restarted; nothing lost, wrong or duplicated."""
+
+import json
+import subprocess
+import sys
+
+
+def test_a_short_soak_loses_nothing_and_every_greedy_output_is_its_own(tmp_path):
+    out = tmp_path / "soak.json"
+    command = [sys.executable, "-m", "launch.soak", "--tiny", "--seconds", "25", "--clients", "4"]
+    command += ["--chaos-every", "6", "--max-batch", "4", "--json", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["wrong"] == report["lost"] == report["duplicates"] == 0
+    assert report["identical"] > 10 and report["cancelled"] > 0 and report["died"] > 0
+    assert report["dropped_silent"] > 0  # a silent client's running request ends, and says so
+    assert [f["fault"] for f in report["faults"]] == ["drafter stopped 3 s", "drafter killed and restarted"]
+    assert report["ping_max_ms_outside_faults"] <= 250
