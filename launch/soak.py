@@ -125,11 +125,13 @@ class Replies:
 
     def done(self, request_id: int, heartbeat_s: float, until: float, chunks: list):
         """Replies to `request_id` until its `done` (or error), beating while waiting; None at `until`."""
+        beat = time.monotonic() + heartbeat_s
         while time.monotonic() < until:
-            reply = self.next(request_id, min(until, time.monotonic() + (heartbeat_s or 1.0)))
+            if heartbeat_s and time.monotonic() >= beat:  # by the clock: chunks coming in are no beat
+                self.sock.send_multipart(encode("heartbeat", request_id, {}))
+                beat = time.monotonic() + heartbeat_s
+            reply = self.next(request_id, min(until, beat if heartbeat_s else time.monotonic() + 1.0))
             if reply is None:
-                if heartbeat_s:
-                    self.sock.send_multipart(encode("heartbeat", request_id, {}))
                 continue
             if reply.type == "chunk":
                 chunks.extend(reply["token_ids"])
@@ -200,6 +202,9 @@ def client(address: str, pool: list[dict], want: dict[int, list[int]], tally: Ta
                 if stream and chunks != done["token_ids"]:
                     tally.add("wrong")
                     tally.problem(f"request {index}: streamed chunks differ from its done")
+                elif done["finish_reason"] == "cancelled":
+                    tally.add("wrong")
+                    tally.problem(f"request {index}: cancelled, though its client kept its promises")
                 elif spec["seed"] is None and done["token_ids"] != want[index]:
                     tally.add("wrong")
                     tally.problem(f"request {index}: output differs from the same request alone")
