@@ -77,9 +77,15 @@ def environment(device: str) -> dict:
 
 
 def run_tests(timeout_s: float) -> dict:
+    return pytest_run(["tests/test_cuda.py"], timeout_s)
+
+
+def pytest_run(args: list[str], timeout_s: float, env: dict | None = None) -> dict:
+    """pytest on `args` in a subprocess: its return code, summary line and the end of its output."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=max(30.0, timeout_s),
@@ -94,16 +100,7 @@ def run_invariance(device: str, timeout_s: float) -> dict:
     kind = device.split(":")[0]
     env = dict(os.environ, DFLASH_ENGINE_TEST_DEVICE=kind)
     select = ["-k", "torch"] if kind == "cpu" else []
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_engine.py", *select],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=max(30.0, timeout_s),
-    )
-    tail = done.stdout.strip().splitlines()[-1:] or [""]
-    return {"returncode": done.returncode, "summary": tail[0], "output": done.stdout[-3000:] + done.stderr[-1000:]}
+    return pytest_run(["tests/test_engine.py", *select], timeout_s, env)
 
 
 def exactness(model: Path, drafter: Path, device: str, prompts: int, max_new: int) -> dict:

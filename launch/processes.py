@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+from pathlib import Path
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
@@ -16,3 +17,11 @@ def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process, from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")

@@ -47,29 +47,15 @@ from pathlib import Path
 
 import zmq
 
+from launch.bench_serving import percentile
 from launch.local import colocated_env, free_address
-from launch.processes import stop
+from launch.processes import rss_mb, stop
 from protocol import decode, encode
 from protocol.transport import dealer, receive, wait_ready
 
 KINDS = ("normal", "normal", "normal", "cancel", "die", "silent")
 DEADLINE_S = 120.0  # a request not done by then is lost
 FAULT_AFTERMATH_S = 2.0  # pings this long after a fault ends still count as during it
-
-
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p * (len(ordered) - 1)))] if ordered else 0.0
-
-
-def rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 class Tally:

@@ -14,7 +14,6 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgpack
 import zmq
@@ -238,11 +237,3 @@ def _answer(sock: zmq.Socket, verdict, case: Case):
         assert isinstance(verdict, ProtocolError) or reply.id == verdict.id, (reply.id, reply.fields)
         if reply.type != "chunk":
             return reply
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process, from /proc (Linux)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")

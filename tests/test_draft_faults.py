@@ -9,13 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import zmq
-from fuzz import Fuzzer, Template, rss_mb, run
+from fuzz import Fuzzer, Template, run
 from helpers import assert_lossless, drafter_config, free_tcp_address, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 from draft_node.daemon import DraftService
 from launch.draft_daemon import main as draft_daemon_main
 from launch.local import daemon
+from launch.processes import rss_mb
 from protocol import decode, encode
 from protocol.keys import client_keys, create_keypair
 from protocol.transport import Client, InsecureBind, Server, dealer, is_local, request

@@ -10,12 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import zmq
-from fuzz import Fuzzer, Template, rss_mb, run
+from fuzz import Fuzzer, Template, run
 from helpers import assert_lossless, greedy
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from launch.client import TargetClient
 from launch.local import daemon
+from launch.processes import rss_mb
 from protocol import decode, encode
 from protocol.keys import client_keys, create_keypair
 from protocol.transport import dealer, receive, request
