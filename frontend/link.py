@@ -23,6 +23,10 @@ from protocol.transport import Client, request
 
 WAIT_SLICE_S = 0.2  # longest a worker thread blocks on one reply
 QUIET_S = 0.5  # silence after which the daemon is pinged
+# Each request promises the daemon a heartbeat this often, so a front end that dies (or hangs)
+# frees its requests' slots within three of them; an HTTP client that stops reading a stream
+# for that long loses it too.
+HEARTBEAT_S = 2.0
 
 
 class DaemonUnreachable(RuntimeError):
@@ -100,8 +104,9 @@ class GenerateCall:
         self.link = link
         self.client = Client(link.address, link.context, curve=link.curve)
         self.finished = False  # a `done` or `error` reply arrived
+        self.beat = time.monotonic() + HEARTBEAT_S  # when the next heartbeat is due
         try:
-            self.id = self.client.send("generate", fields)
+            self.id = self.client.send("generate", {"heartbeat_s": HEARTBEAT_S, **fields})
         except Exception:
             self.client.close()
             raise
@@ -114,6 +119,9 @@ class GenerateCall:
         """
         quiet_since = time.monotonic()
         while True:
+            if time.monotonic() >= self.beat:  # by the clock: replies coming in are no beat
+                self.client.send("heartbeat", {}, request_id=self.id)
+                self.beat = time.monotonic() + HEARTBEAT_S
             reply = await to_thread.run_sync(
                 self.client.wait, self.id, "generate", WAIT_SLICE_S, limiter=self.link.limiter
             )

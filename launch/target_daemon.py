@@ -186,6 +186,14 @@ def main(argv: list[str] | None = None) -> None:
         "chunks of --prefill-chunk)",
     )
     parser.add_argument(
+        "--max-silence",
+        type=float,
+        default=600.0,
+        help="seconds a client that promised no heartbeats (heartbeat_s 0) may send nothing while its requests "
+        "run or wait; then they are cancelled, as for a client gone (0: wait forever). Clients that heartbeat "
+        "(dflash-client, dflash-serve) are dropped after 3 missed beats instead",
+    )
+    parser.add_argument(
         "--max-messages-per-step",
         type=int,
         default=64,
@@ -203,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     stop = stop_on_signals()
     if args.max_batch < 1:
         parser.error("--max-batch must be at least 1")
+    if args.max_silence < 0:
+        parser.error("--max-silence must be 0 (wait forever) or a number of seconds")
     if not 1 <= args.max_new_tokens_limit <= MAX_REPLY_TOKENS:
         parser.error(f"--max-new-tokens-limit must be in [1, {MAX_REPLY_TOKENS}]: one reply carries at most that many")
     target = TargetModel.load(
@@ -221,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         prefill_chunk=args.prefill_chunk,
         prefill_budget_s=args.prefill_budget_ms / 1000,
         max_messages_per_step=args.max_messages_per_step,
+        max_silence_s=args.max_silence,
     )
     service.serve(args.bind, stop, curve, args.insecure_plaintext)
 

@@ -20,7 +20,9 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import zmq
@@ -44,6 +46,12 @@ DEFAULT_MAX_FRAME = MAX_FRAME_BYTES + FRAME_OVERHEAD
 CONTROL_MAX_FRAME = MAX_HEADER_BYTES + FRAME_OVERHEAD
 ZAP_DOMAIN = b"dflash"
 LOOPBACK_HOSTS = ("localhost", "lo", "::1", "[::1]")
+# Messages the answering helper takes in during one lend (and holds for next() at most); past
+# this many it stops reading, so a flood meets ZeroMQ's own per-peer queue limits again.
+HELD_MAX = 256
+# The helper reads only once a step has run this long: a short step leaves requests to the
+# caller's own loop (which bounds its intake per step), so a flood of pings cannot slow it.
+ANSWER_AFTER_S = 0.05
 
 
 class InsecureBind(ValueError):
@@ -269,12 +277,27 @@ class Server:
         self.logged: dict[int, tuple[float, int]] = {}  # event -> (last logged, suppressed since)
         if plaintext_abroad:
             log.warning("serving %s in plaintext: anyone who can reach it can use it and read its traffic", address)
+        # The answering helper (see answering): it holds the socket only while the caller computes.
+        self.helper: threading.Thread | None = None
+        self.lending = False  # the helper holds the socket now
+        self.lent, self.returned = threading.Event(), threading.Event()
+        self.answers: Mapping[str, Callable[[bytes, Message], Frames]] = {}
+        self.held: deque[tuple[bytes, Message | ProtocolError]] = deque()  # taken in by the helper
+        self.outbox: deque[tuple[bytes, Frames]] = deque()  # replies sent while the helper holds the socket
+        self.undelivered_ids: deque[bytes] = deque()  # peers a reply sent meanwhile did not reach
 
     def next(self, timeout_ms: int = 0) -> tuple[bytes, Message | ProtocolError] | None:
         """One request, waiting up to timeout_ms: (peer identity, the message or its decode error)."""
+        if self.lending:
+            raise RuntimeError("next() while the answering helper holds the socket")
         self._log_events()
+        if self.held:
+            return self.held.popleft()
         if not self.sock.poll(timeout_ms):
             return None
+        return self._take()
+
+    def _take(self) -> tuple[bytes, Message | ProtocolError]:
         identity, *frames = self.sock.recv_multipart(copy=False)
         try:
             message = decode(frames, max_frame_bytes=self.max_frame_bytes)
@@ -289,7 +312,92 @@ class Server:
         return identity.bytes.hex()
 
     def send(self, identity: bytes, frames: Frames) -> bool:
-        """Queue a reply; False (and nothing sent) when the peer is gone or has stopped reading."""
+        """Queue a reply; False (and nothing sent) when the peer is gone or has stopped reading.
+
+        While the helper holds the socket the reply goes out through it, True is returned, and a
+        failed delivery is reported by undelivered() instead."""
+        if self.lending:
+            self.outbox.append((identity, frames))
+            self.wake_out.send(b"", zmq.NOBLOCK)
+            return True
+        return self._deliver(identity, frames)
+
+    def undelivered(self) -> list[bytes]:
+        """The peers that replies sent during answering() did not reach (each reported once)."""
+        gone = []
+        while self.undelivered_ids:
+            gone.append(self.undelivered_ids.popleft())
+        return gone
+
+    @contextmanager
+    def answering(self, answers: Mapping[str, Callable[[bytes, Message], Frames]]) -> Iterator[None]:
+        """Lend the socket to a helper thread while the caller computes (a daemon's step), so the
+        request types in `answers` (a ping) are answered within ANSWER_AFTER_S, not after the step.
+
+        The caller's work must release the GIL (torch and the kernels do). Other requests are
+        held for next() in arrival order; replies sent meanwhile go out through the helper at
+        once. `answers[type](identity, message)` runs on the helper thread: it may read only what the
+        caller does not change meanwhile."""
+        if self.helper is None:
+            self.wake_in = self.context.socket(zmq.PAIR)
+            self.wake_in.bind(f"inproc://server-wake-{id(self):x}")
+            self.wake_out = self.context.socket(zmq.PAIR)
+            self.wake_out.connect(f"inproc://server-wake-{id(self):x}")
+            self.helper = threading.Thread(target=self._help, name="answering", daemon=True)
+            self.helper.start()
+        self.answers = answers
+        self.returned.clear()
+        self.lending = True
+        self.lent.set()
+        try:
+            yield
+        finally:
+            self.lending = False
+            self.wake_out.send(b"", zmq.NOBLOCK)
+            self.returned.wait()
+
+    def _help(self) -> None:
+        """The helper thread: holds the socket while lent, parked otherwise; ends with close()."""
+        poller = zmq.Poller()
+        poller.register(self.wake_in, zmq.POLLIN)
+        while True:
+            self.lent.wait()
+            if self.helper is None:  # closed
+                return
+            taken = 0  # this lend's: a flood costs a step at most HELD_MAX messages' work
+            reading_from = time.monotonic() + ANSWER_AFTER_S
+            while True:
+                self._flush()
+                if not self.lending:
+                    break
+                early = reading_from - time.monotonic()
+                reading = early <= 0 and max(taken, len(self.held)) < HELD_MAX
+                if reading:
+                    poller.register(self.sock, zmq.POLLIN)
+                events = dict(poller.poll(100 if early <= 0 else max(1, int(early * 1000))))
+                if reading:
+                    poller.unregister(self.sock)
+                while self.wake_in.poll(0):
+                    self.wake_in.recv()
+                if self.sock in events:
+                    while max(taken, len(self.held)) < HELD_MAX and self.sock.poll(0):
+                        identity, message = self._take()
+                        taken += 1
+                        answer = self.answers.get(message.type) if isinstance(message, Message) else None
+                        if answer is None:
+                            self.held.append((identity, message))
+                        elif not self._deliver(identity, answer(identity, message)):
+                            self.undelivered_ids.append(identity)
+            self.lent.clear()
+            self.returned.set()
+
+    def _flush(self) -> None:
+        while self.outbox:
+            identity, frames = self.outbox.popleft()
+            if not self._deliver(identity, frames):
+                self.undelivered_ids.append(identity)
+
+    def _deliver(self, identity: bytes, frames: Frames) -> bool:
         try:
             self.sock.send_multipart([identity, *frames], copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -314,6 +422,12 @@ class Server:
             self.logged[event] = (now, 0)
 
     def close(self) -> None:
+        if self.helper is not None:
+            helper, self.helper = self.helper, None
+            self.lent.set()  # it wakes, sees it is closed, and ends
+            helper.join()
+            self.wake_in.close(0)
+            self.wake_out.close(0)
         self.sock.disable_monitor()
         self.monitor.close(0)
         self.sock.close(0)

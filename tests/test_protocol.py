@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import msgpack
 import pytest
@@ -21,6 +22,7 @@ from protocol import (
     frame_to_tensor,
     tensor_to_frame,
 )
+from protocol.transport import Client, Server
 
 HIDDEN, WIDTH, BLOCK = 8, 24, 4
 
@@ -496,3 +498,41 @@ def test_generate_needs_exactly_one_prompt_form(given):
 def test_generate_stream_must_be_a_bool():
     frames = tamper(encode("generate", 1, {"max_new_tokens": 4, "prompt": "p"}), lambda h: h.update(stream=1))
     assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
+def test_a_server_answers_pings_while_its_caller_computes(tmp_path):
+    """While a daemon's step computes, the server's helper answers pings, holds other requests for
+    next() in order, sends replies at once, and reports replies it could not deliver."""
+    address = f"ipc://{tmp_path}/answering.sock"
+    server = Server(address)
+    asker, pinger, leaver = Client(address), Client(address), Client(address)
+    try:
+        asker.send("stats")
+        leaver.send("stats")
+        assert {server.next(2000)[0] for _ in range(2)} == {asker.routing_id, leaver.routing_id}
+        asker_id, leaver_id = asker.routing_id, leaver.routing_id
+        leaver.close()
+        time.sleep(0.2)  # the connection's end reaches the server
+        pong = lambda identity, m: encode("pong", m.id, {"time": 0.0, "sessions": 7})  # noqa: E731
+        with server.answering({"ping": pong}):
+            began = time.monotonic()
+            answer = pinger.call("ping", timeout_s=2.0)
+            assert answer is not None and answer["sessions"] == 7, answer
+            assert time.monotonic() - began < 1.0
+            late = asker.send("stats")  # held for next()
+            assert server.send(asker_id, encode("stats_ok", 1, {"stats": {"n": 1}}))
+            reply = asker.wait(1, "stats", 2.0)  # out before the step ends
+            assert reply is not None and reply["stats"] == {"n": 1}
+            assert server.send(leaver_id, encode("stats_ok", 1, {"stats": {}}))  # reported later
+            with pytest.raises(RuntimeError):
+                server.next()
+            time.sleep(0.2)  # the held request arrives meanwhile
+        assert server.undelivered() == [leaver_id]
+        assert server.undelivered() == []
+        identity, held = server.next(0)
+        assert identity == asker_id and held.type == "stats" and held.id == late
+        assert server.next(0) is None
+    finally:
+        for client in (asker, pinger, leaver):
+            client.close()
+        server.close()

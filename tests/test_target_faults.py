@@ -309,6 +309,68 @@ def test_a_long_prompt_does_not_stop_the_daemon_answering(served, keys):
     assert_lossless(served.model, prompt, replies[-1]["token_ids"], greedy(served.model, prompt, 4))
 
 
+def test_pings_are_answered_while_one_long_forward_runs(served, tmp_path):
+    """A step the daemon cannot cut (here one forward over a whole 8,000-token prompt: pacing off)
+    still leaves it answering: the server's helper thread answers pings while the step computes.
+    Before it, every ping waited for the whole forward."""
+    address = f"ipc://{tmp_path}/unpaced.sock"
+    args = ["--model", served.model.config.name_or_path, "--proposer", "none", "--threads", "1"]
+    args += ["--prefill-budget-ms", "0", "--prefill-chunk", "8192", "--max-new-tokens-limit", "8"]
+    prompt = [random.Random(4).randrange(2, 300) for _ in range(8000)]
+    with daemon("target daemon", "launch.target_daemon", address, args, 180):
+        context = zmq.Context.instance()
+        asker, pinger = dealer(context, address), dealer(context, address)
+        rtts = []
+        try:
+            began = time.monotonic()
+            asker.send_multipart(encode("generate", 1, {"token_ids": prompt, "max_new_tokens": 2, "stream": False}))
+            while not asker.poll(0):
+                sent = time.monotonic()
+                pinger.send_multipart(encode("ping", len(rtts) + 1, {}))
+                assert receive(pinger, len(rtts) + 1, sent + 30) is not None
+                rtts.append(time.monotonic() - sent)
+                time.sleep(0.05)
+            took = time.monotonic() - began
+            done = decode(asker.recv_multipart())
+        finally:
+            asker.close(0)
+            pinger.close(0)
+    print(f"request {took:.2f} s, {len(rtts)} pings, slowest {max(rtts) * 1000:.0f} ms")
+    assert done["token_ids"] == greedy(served.model, prompt, 2)
+    assert took > 1.0, took  # the forward is long enough for the bound below to mean something
+    assert max(rtts) < min(0.5, took / 2), rtts
+
+
+def test_a_client_silent_past_the_daemons_bound_loses_its_requests(served, tmp_path):
+    """A client that promised no heartbeats and then says nothing (hung, or gone without a
+    word: non-streaming, so no reply fails to arrive) loses its running and queued requests
+    after --max-silence; it is answered `cancelled` in case it still listens. Before the bound,
+    they ran to their end (LONG tokens, tens of seconds) for nobody."""
+    address = f"ipc://{tmp_path}/silence.sock"
+    args = ["--model", served.model.config.name_or_path, "--proposer", "none", "--threads", "1"]
+    args += ["--max-batch", "1", "--max-new-tokens-limit", str(LONG), "--max-silence", "1.5"]
+    with daemon("target daemon", "launch.target_daemon", address, args, 180):
+        sock = dealer(zmq.Context.instance(), address)
+        try:
+            began = time.monotonic()
+            fields = {"token_ids": PROMPT, "max_new_tokens": LONG, "stream": False}
+            for rid in (1, 2):  # one runs, one waits for the slot
+                sock.send_multipart(encode("generate", rid, fields))
+            replies = {}
+            while len(replies) < 2 and sock.poll(int(max(0.0, began + 15 - time.monotonic()) * 1000)):
+                reply = decode(sock.recv_multipart())
+                replies[reply.id] = reply
+            took = time.monotonic() - began
+            answer = request(address, "stats", timeout_s=30)["stats"]
+        finally:
+            sock.close(0)
+    assert sorted(replies) == [1, 2] and all(r.type == "done" for r in replies.values()), replies
+    assert [replies[rid]["finish_reason"] for rid in (1, 2)] == ["cancelled", "cancelled"]
+    assert len(replies[1]["token_ids"]) < LONG  # cut short
+    assert 1.5 < took < 10, took
+    assert answer["abandoned"] == 2 and answer["running"] == 0 and answer["queued"] == 0, answer
+
+
 def test_eight_concurrent_clients_all_get_what_they_get_alone(served, keys):
     prompts = [[5 + i, 17, 42 + i, 99, 3, 7] for i in range(8)]
     want = [greedy(served.model, p, 16) for p in prompts]

@@ -9,7 +9,8 @@ leaves on EOS, stop, budget, cancel or a vanished client, freeing its slot for t
 output is the same whatever it was batched with: the engine computes each row as if alone.
 Queues are per client and served round-robin, so one busy client cannot starve the others. A
 client that is gone (a reply cannot be delivered) or silent past its promised heartbeats loses
-its requests.
+its requests. While a step computes, the server's helper thread answers pings and takes the
+other messages in for the next step, so the daemon is never deaf for a step's length.
 """
 
 from __future__ import annotations
@@ -91,12 +92,14 @@ class TargetService:
         prefill_chunk: int = 512,
         max_messages_per_step: int = 64,
         prefill_budget_s: float = 0.15,
+        max_silence_s: float = 600.0,
     ) -> None:
         """`proposers`: one per slot (requests run side by side, up to as many as the target has
         slots); one proposer serves one request at a time. `on_finished(request, prompt ids,
         result)` sees every request served to its end (e.g. a recorder). Prompts run in chunks of
         at most `prefill_chunk` tokens, sized so a forward takes about `prefill_budget_s` (0: fixed
-        chunks of `prefill_chunk`)."""
+        chunks of `prefill_chunk`). A client that promised no heartbeats loses its requests after
+        `max_silence_s` without a word (0: never), so a vanished one does not hold a slot forever."""
         if not 1 <= max_new_tokens_limit <= MAX_REPLY_TOKENS:
             # Else a request would be accepted, run to its end, and have its `done` refused by the wire.
             raise ValueError(
@@ -132,6 +135,9 @@ class TargetService:
         self.pace = PrefillPace(prefill_budget_s, prefill_chunk or 1 << 20) if prefill_budget_s > 0 else None
         self.heard: dict[bytes, float] = {}  # client -> when it last sent anything (clients with work)
         self.counters = {"cancelled": 0, "abandoned": 0}  # abandoned: its client went away or silent
+        self.waiting = 0  # requests queued, as of the last pump (what a pong says)
+        self.pinged: deque[bytes] = deque()  # peers pinged during a step (see pong)
+        self.max_silence_s = max_silence_s
 
     @property
     def proposer(self) -> Proposer:
@@ -167,7 +173,7 @@ class TargetService:
             elif msg.type == "cancel":
                 self.cancel(identity, msg.id)
             elif msg.type == "ping":
-                self.send(identity, encode("pong", msg.id, {"time": time.time(), "sessions": self.pending()}))
+                self.send(identity, self.pong(identity, msg))
             elif msg.type == "heartbeat":
                 pass  # being heard from is all it says
             elif msg.type == "stats":
@@ -177,7 +183,18 @@ class TargetService:
                     identity,
                     encode_error(msg.id, ErrorCode.UNKNOWN_TYPE, f"the target daemon does not serve '{msg.type}'"),
                 )
+        while self.pinged:  # pings the helper answered during the last step: heard from, too
+            self.heard[self.pinged.popleft()] = time.monotonic()
+        for identity in self.server.undelivered():  # replies sent during the last step
+            self.abandon(identity, "a reply could not be delivered")
         self.reap()
+        self.waiting = self.pending()
+
+    def pong(self, identity: bytes, msg: Message) -> list:
+        """Also answered by the server's helper thread during a step: it reads only `waiting`,
+        which changes between steps, and notes the peer in `pinged` for the next pump."""
+        self.pinged.append(identity)
+        return encode("pong", msg.id, {"time": time.time(), "sessions": self.waiting})
 
     def enqueue(self, identity: bytes, msg: Message) -> None:
         queue = self.queues.get(identity, deque())
@@ -259,7 +276,8 @@ class TargetService:
             log.warning("client %s: %s; dropped its %d request(s)", identity.hex()[:16], why, len(jobs))
 
     def reap(self) -> None:
-        """Abandon clients silent for HEARTBEAT_MISSES of the heartbeat interval they asked for."""
+        """Abandon clients silent for HEARTBEAT_MISSES of the heartbeat interval they asked for,
+        or, having promised none, for `max_silence_s`."""
         now = time.monotonic()
         jobs = [job for queue in self.queues.values() for job in queue]
         jobs += [active.job for active in self.active.values()]
@@ -268,6 +286,9 @@ class TargetService:
             silent = now - self.heard.get(job.identity, now)
             if interval > 0 and silent > HEARTBEAT_MISSES * interval:
                 why = f"silent for {silent:.1f} s (promised a heartbeat every {interval:g} s)"
+                self.abandon(job.identity, why, listening=True)
+            elif interval == 0 and 0 < self.max_silence_s < silent:
+                why = f"silent for {silent:.1f} s, with no heartbeats promised (--max-silence {self.max_silence_s:g} s)"
                 self.abandon(job.identity, why, listening=True)
         with_work = {job.identity for job in jobs}
         self.heard = {identity: self.heard[identity] for identity in with_work & set(self.heard)}
@@ -306,9 +327,13 @@ class TargetService:
         try:
             while not stop.is_set():
                 self.pump(0 if self.active else 100)
-                self.admit()
-                if self.active:
-                    self.advance()
+                if not (self.active or self.queues):
+                    continue
+                # Pings are answered during the step too: a prefill or a wide verify is never deaf.
+                with self.server.answering({"ping": self.pong}):
+                    self.admit()
+                    if self.active:
+                        self.advance()
         finally:
             self.server.close()
             log.info("target daemon stopped")
