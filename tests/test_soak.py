@@ -17,4 +17,4 @@ def test_a_short_soak_loses_nothing_and_every_greedy_output_is_its_own(tmp_path)
     assert report["identical"] > 10 and report["cancelled"] > 0 and report["died"] > 0
     assert report["dropped_silent"] > 0  # a silent client's running request ends, and says so
     assert [f["fault"] for f in report["faults"]] == ["drafter stopped 3 s", "drafter killed and restarted"]
-    assert report["ping_max_ms_outside_faults"] <= 250
+    assert report["ping_max_ms"] <= 250  # during the drafter's faults too
