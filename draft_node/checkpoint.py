@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from draft_node.config import CheckpointError, DFlashConfig
+from draft_node.config import DFLASH2, CheckpointError, DFlashConfig
 from draft_node.model import DFlashDrafter
 
 
@@ -114,8 +114,12 @@ def config_for_target(
     num_taps: int = 5,
     sliding_window: int | None = None,
     layer_types: list[str] | None = None,
+    dflash2: bool = False,
 ) -> DFlashConfig:
-    """A drafter shaped to fit a target: its hidden size, its depth, a mask id its vocabulary has."""
+    """A drafter shaped to fit a target: its hidden size, its depth, a mask id its vocabulary has.
+    `dflash2`: in the DFlash2 format, with the published convolution and selector shapes (kernel
+    2, groups of 16 channels, rank 256, top 16; smaller where the target is smaller) and blocks
+    that see all their rows, as the published checkpoints have them."""
     target_config = target_config.get_text_config(decoder=True)
     hidden = target_config.hidden_size
     depth = target_config.num_hidden_layers
@@ -131,7 +135,19 @@ def config_for_target(
         # Spread over depth, from layer 1 up to the second-to-last layer.
         spread = (round(1 + i * (depth - 3) / max(taps - 1, 1)) for i in range(taps))
         target_layer_ids = sorted({min(depth - 1, max(0, layer)) for layer in spread})
+    v2 = {}
+    if dflash2:
+        v2 = dict(
+            architecture=DFLASH2,
+            is_causal=False,
+            conv_kernel_size=2,
+            conv_group_size=max(g for g in (1, 2, 4, 8, 16) if hidden % g == 0),
+            selector_rank=min(256, hidden),
+            selector_top_k=min(16, target_config.vocab_size),
+            vocab_size=target_config.vocab_size,
+        )
     return DFlashConfig(
+        **v2,
         hidden_size=hidden,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,

@@ -7,6 +7,10 @@ from typing import Any
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+# The two public checkpoint formats, by their config's `architectures`. DFlash2 adds a grouped
+# dynamic convolution around every sublayer and a candidate selector (see model.py).
+DFLASH, DFLASH2 = "DFlashDraftModel", "DFlash2DraftModel"
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 # RoPE variants the drafter computes (through transformers' own frequency functions): fixed
 # frequencies, so context keys cached at one step stay right at every later step.
@@ -42,6 +46,21 @@ class DFlashConfig:
     # A scaled RoPE's parameters (`rope_type` one of ROPE_SCALINGS, `factor`, ...); None: plain RoPE.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     max_position_embeddings: int | None = None
+    architecture: str = DFLASH
+    # Whether block rows see only earlier block rows: the config's `is_causal` (or
+    # `dflash_config.causal`); None keeps DFlash's rule, causal in sliding layers only.
+    is_causal: bool | None = None
+    # DFlash2 only (0 elsewhere): the convolution's taps and channels per dynamic group, the
+    # selector's codebook rank and candidates per position, and the vocabulary its codebooks span.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    vocab_size: int = 0
+    input_embedding_scale: float = 1.0  # multiplies the block's embeddings
+    # Applied to the selector's top-k logits (the target's own head scaling, then a tanh cap; 0: none).
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -65,8 +84,30 @@ class DFlashConfig:
             problems.append(f"target_layer_ids {out_of_range} outside the target's {self.num_target_layers} layers")
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ROPE_SCALINGS:
             problems.append(f"rope_scaling {self.rope_scaling} is none of {', '.join(ROPE_SCALINGS)}")
+        if self.architecture not in (DFLASH, DFLASH2):
+            problems.append(f"architecture {self.architecture!r} is neither {DFLASH} nor {DFLASH2}")
+        if self.architecture == DFLASH2:
+            problems += self._dflash2_problems()
         if problems:
             raise CheckpointError("bad drafter config: " + "; ".join(problems))
+
+    def _dflash2_problems(self) -> list[str]:
+        problems = [f"{DFLASH2} needs a positive {k}" for k in (*DFLASH2_KEYS, "vocab_size") if getattr(self, k) < 1]
+        if self.conv_group_size > 0 and self.hidden_size % self.conv_group_size:
+            problems.append(f"conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}")
+        if self.selector_top_k > self.vocab_size > 0:
+            problems.append(f"selector_top_k {self.selector_top_k} exceeds the vocabulary ({self.vocab_size})")
+        if self.output_multiplier <= 0:
+            problems.append(f"output_multiplier must be positive, got {self.output_multiplier}")
+        return problems
+
+    @property
+    def dflash2(self) -> bool:
+        return self.architecture == DFLASH2
+
+    def causal(self, layer_type: str) -> bool:
+        """Whether a layer's block rows see only the block rows at or before their own."""
+        return self.is_causal if self.is_causal is not None else layer_type == SLIDING
 
     @property
     def feature_width(self) -> int:
@@ -78,12 +119,19 @@ class DFlashConfig:
         body = asdict(self)
         dflash = {k: body.pop(k) for k in ("target_layer_ids", "block_size", "mask_token_id")}
         dflash["target_layer_ids"] = list(dflash["target_layer_ids"])
+        extra = {k: body.pop(k) for k in (*DFLASH2_KEYS, "input_embedding_scale", "output_multiplier")}
+        softcap, vocab = body.pop("final_logit_softcapping"), body.pop("vocab_size")
+        if self.dflash2:  # where the published DFlash2 configs keep them
+            dflash.update(extra)
+            if softcap:
+                dflash["final_logit_softcapping"] = softcap
+            body["vocab_size"] = vocab
         body["layer_types"] = list(body["layer_types"])
-        for optional in ("rope_scaling", "max_position_embeddings"):
+        for optional in ("rope_scaling", "max_position_embeddings", "is_causal"):
             if body[optional] is None:
                 del body[optional]
         body.update(
-            architectures=["DFlashDraftModel"],
+            architectures=[body.pop("architecture")],
             model_type="qwen3",
             attention_bias=False,
             hidden_act="silu",
@@ -107,6 +155,15 @@ class DFlashConfig:
 
         if raw.get("attention_bias"):
             raise CheckpointError("attention_bias=true drafters are not supported")
+        architecture = (raw.get("architectures") or [DFLASH])[0]
+        if architecture not in (DFLASH, DFLASH2):
+            raise CheckpointError(f"config.json describes a {architecture!r}, not a {DFLASH} or {DFLASH2} drafter")
+        v2 = architecture == DFLASH2
+        if v2:
+            missing = [k for k in DFLASH2_KEYS if k not in dflash]
+            if missing:
+                raise CheckpointError(f"a {DFLASH2} config needs dflash_config.{', '.join(missing)}")
+        is_causal = raw.get("is_causal", dflash.get("causal"))
         rope_theta, rope_scaling = read_rope(raw)
         hidden = int(pick("hidden_size"))
         heads = int(pick("num_attention_heads"))
@@ -128,6 +185,19 @@ class DFlashConfig:
             sliding_window=raw.get("sliding_window"),
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings"),
+            architecture=architecture,
+            is_causal=None if is_causal is None else bool(is_causal),
+            **(
+                {k: int(dflash[k]) for k in DFLASH2_KEYS}
+                | {
+                    "vocab_size": int(pick("vocab_size")),
+                    "input_embedding_scale": float(dflash.get("input_embedding_scale", 1.0)),
+                    "output_multiplier": float(pick("output_multiplier", 1.0, required=False) or 1.0),
+                    "final_logit_softcapping": float(pick("final_logit_softcapping", 0.0, required=False) or 0.0),
+                }
+                if v2
+                else {}
+            ),
         )
 
 
@@ -159,8 +229,9 @@ def read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, {"rope_type": kind, **params}
 
 
-def drafter_info(cfg: DFlashConfig, draft_vocab: list[int], ring_capacity: int) -> dict[str, Any]:
-    """What a target needs to know of a drafter (the wire's DRAFTER_INFO), wherever the drafter runs."""
+def drafter_info(cfg: DFlashConfig, draft_vocab: list[int], ring_capacity: int, checksum: str = "") -> dict[str, Any]:
+    """What a target needs to know of a drafter (the wire's DRAFTER_INFO), wherever the drafter runs;
+    `checksum` names a DFlash2 drafter's codebooks."""
     return {
         "block_size": cfg.block_size,
         "hidden_size": cfg.hidden_size,
@@ -170,4 +241,20 @@ def drafter_info(cfg: DFlashConfig, draft_vocab: list[int], ring_capacity: int) 
         "ring_capacity": ring_capacity,
         "num_target_layers": cfg.num_target_layers,
         "draft_vocab": list(draft_vocab),
+        **(selector_info(cfg, checksum) if cfg.dflash2 else {}),
+    }
+
+
+def selector_info(cfg: DFlashConfig, checksum: str) -> dict[str, Any]:
+    """What a target needs to run a DFlash2 drafter's candidate selector (DRAFTER_INFO.selector)."""
+    return {
+        "format": "dflash2",
+        "selector": {
+            "rank": cfg.selector_rank,
+            "top_k": cfg.selector_top_k,
+            "vocab_size": cfg.vocab_size,
+            "output_multiplier": cfg.output_multiplier,
+            "final_logit_softcapping": cfg.final_logit_softcapping,
+            "checksum": checksum,
+        },
     }

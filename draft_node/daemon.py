@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_node.config import drafter_info
 from draft_node.kv_cache import DraftKVCache, OutOfOrderError
 from draft_node.model import DFlashDrafter
 from protocol import FLOAT_DTYPES, MAX_HEADER_BYTES, ErrorCode, Message, ProtocolError, encode, encode_error
@@ -97,12 +96,18 @@ class DraftService:
 
     @property
     def info(self) -> dict:
-        return drafter_info(self.config, self.drafter.draft_vocab, self.ring_capacity)
+        return self.drafter.describe(self.ring_capacity)
 
     def on_unexpected(self, msg: Message) -> list:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"the draft daemon does not serve '{msg.type}' requests")
 
     def on_hello(self, msg: Message) -> list:
+        kind = self.info.get("format", "dflash")
+        if kind not in msg["formats"]:
+            raise ProtocolError(
+                ErrorCode.CONFIG_MISMATCH,
+                f"this drafter is {kind}; the target drives {' and '.join(msg['formats'])} drafters only",
+            )
         problems = fit_problems(self.info, msg["target"])
         if problems:
             raise ProtocolError(ErrorCode.CONFIG_MISMATCH, "drafter does not fit this target: " + "; ".join(problems))
@@ -205,6 +210,10 @@ class DraftService:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{exc}; reset the session to {start} first") from exc
         block = torch.cat([last, session.mask.expand(cfg.block_size - 1, -1)])
         hidden = session.cache.draft(block, position)[1 : 1 + rows]
+        tensors = {"hidden": hidden}
+        if cfg.dflash2:
+            with torch.inference_mode():
+                tensors["gate"] = self.drafter.gate(hidden)
         if hidden.device.type == "cuda":
             torch.cuda.synchronize(hidden.device)
         draft_ms = (time.perf_counter() - began) * 1000
@@ -212,7 +221,18 @@ class DraftService:
         session.rows_in += features_spec.shape[0]
         self.counters["proposals"] += 1
         self.counters["draft_ms"] += draft_ms
-        return encode("proposal", msg.id, {"draft_ms": draft_ms}, {"hidden": hidden}, wire_dtype=noise_spec.dtype)
+        return encode("proposal", msg.id, {"draft_ms": draft_ms}, tensors, wire_dtype=noise_spec.dtype)
+
+    def on_codebook(self, msg: Message) -> list:
+        """Rows of a DFlash2 drafter's selector codebooks, in the drafter's own dtype."""
+        if not self.config.dflash2:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "this drafter is dflash: it has no codebooks")
+        start, rows, vocab = msg["start"], msg["rows"], self.config.vocab_size
+        if start + rows > vocab:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"rows [{start}, {start + rows}) pass the codebooks' {vocab}")
+        predecessor, successor = (book[start : start + rows] for book in self.drafter.codebooks())
+        tensors = {"predecessor": predecessor, "successor": successor}
+        return encode("codebook_ok", msg.id, {}, tensors, wire_dtype=self.preferred_wire_dtype)
 
     def on_ping(self, msg: Message) -> list:
         # The asking peer's own sessions: how many others hold is theirs to know.

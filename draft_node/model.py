@@ -6,10 +6,15 @@ adds is context: features tapped from the target's layers are fused into one row
 committed position and injected as extra keys/values into every layer's attention.
 Those context keys/values depend only on the row and its position, so they are computed
 once per committed position (see kv_cache.py); the noise block is recomputed each step.
+
+DFlash2 wraps each attention and MLP in a grouped dynamic causal convolution over the block's
+rows (GroupedConv) and adds a candidate selector whose codebooks turn the target's top-k per
+position into one coherent chain (CandidateSelector; the walk runs where the logits are).
 """
 
 from __future__ import annotations
 
+import hashlib
 from functools import cache
 
 import torch
@@ -17,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from draft_node.config import SLIDING, DFlashConfig
+from draft_node.config import SLIDING, DFlashConfig, drafter_info
 
 
 class Linear(nn.Linear):
@@ -132,14 +137,16 @@ def attention_mask(
     ctx_positions: torch.Tensor,
     row_positions: torch.Tensor,
     row_anchors: torch.Tensor,
+    causal: bool | None = None,
 ) -> torch.Tensor:
     """Which keys each block row may see: [..., rows, context + rows], True = visible.
 
     Keys are the context slots (at `ctx_positions`; negative marks an empty slot) followed by
     the block rows themselves. A row at position p in the block whose slot 0 sits at anchor a
-    sees the context before a, and the rows of its own block: all of them in full-attention
-    layers, those at or before p in sliding layers (which also drop context older than the
-    window). One block at inference, many anchors per sequence in training: the same rule.
+    sees the context before a, and the rows of its own block: all of them, or those at or
+    before p where the block is `causal` (by default: in sliding layers). Sliding layers also
+    drop context older than the window. One block at inference, many anchors per sequence in
+    training: the same rule.
     """
     ctx = ctx_positions[..., None, :]
     pos, anchor = row_positions[..., :, None], row_anchors[..., :, None]
@@ -147,8 +154,56 @@ def attention_mask(
     sees_row = anchor == row_anchors[..., None, :]
     if layer_type == SLIDING:
         sees_ctx = sees_ctx & (ctx > pos - window)
+    if (layer_type == SLIDING) if causal is None else causal:
         sees_row = sees_row & (row_positions[..., None, :] <= pos)
     return torch.cat([sees_ctx, sees_row], -1)
+
+
+class GroupedConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution around one sublayer, over a block's rows.
+
+    Its kernel is a learned base plus a delta computed from the sublayer's (normed) input row,
+    one delta per group of `group` adjacent channels. Side 0 convolves the sublayer's input,
+    side 1 its output, both with the deltas of the input row:
+    out[t, c] = sum over taps j <= t (within the block) of (base[j, c] + delta[t, j, c // group]) * x[t - j, c].
+    """
+
+    def __init__(self, hidden: int, taps: int, group: int) -> None:
+        super().__init__()
+        self.taps, self.group, self.groups = taps, group, hidden // group
+        self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden))
+        self.kernel_projection = Linear(hidden, 2 * taps * self.groups, bias=False)
+
+    def prepare(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [S, R, hidden], R a whole number of blocks: (x convolved by side 0, side 1's deltas)."""
+        deltas = self.kernel_projection(x).unflatten(-1, (2, self.taps, self.groups))
+        return self.convolve(x, self.base_kernel[0], deltas[..., 0, :, :], block), deltas[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, deltas: torch.Tensor, block: int) -> torch.Tensor:
+        return self.convolve(y, self.base_kernel[1], deltas, block)
+
+    def convolve(self, x: torch.Tensor, base: torch.Tensor, deltas: torch.Tensor, block: int) -> torch.Tensor:
+        s, rows, hidden = x.shape
+        blocks = x.view(s, rows // block, block, hidden)
+        kernel = base[None, None] + deltas.repeat_interleave(self.group, -1)  # [S, R, taps, hidden]
+        kernel = kernel.view(s, rows // block, block, self.taps, hidden)
+        out = blocks * kernel[..., 0, :]
+        for j in range(1, min(self.taps, block)):  # tap j reads row t - j; the block's first j rows see zeros
+            out = out + F.pad(blocks[:, :, :-j], (0, 0, j, 0)) * kernel[..., j, :]
+        return out.reshape(s, rows, hidden)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's codebooks: a drafted token's score given its predecessor adds
+    <predecessor_codebook[prev] * hidden_projection(h), successor_codebook[token]> to its logit.
+    The drafter computes the projection (its `gate`); the walk needs the target's logits and runs
+    beside them (target_node/drafting/selector.py)."""
+
+    def __init__(self, hidden: int, vocab: int, rank: int) -> None:
+        super().__init__()
+        self.hidden_projection = Linear(hidden, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -212,11 +267,14 @@ class Attention(nn.Module):
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer_type: str) -> None:
         super().__init__()
-        self.layer_type = layer_type
+        self.layer_type, self.block = layer_type, cfg.block_size
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.dflash2:
+            self.attention_conv = GroupedConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = GroupedConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
     def forward(
         self,
@@ -227,8 +285,16 @@ class DraftLayer(nn.Module):
         ctx_len: int,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, k_buf, v_buf, ctx_len, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """Rows x [S, R, hidden]: R is a whole number of blocks, each block's rows in order."""
+        attend = lambda u: self.self_attn(u, positions, k_buf, v_buf, ctx_len, mask)  # noqa: E731
+        x = x + self.sublayer(attend, self.input_layernorm(x), getattr(self, "attention_conv", None))
+        return x + self.sublayer(self.mlp, self.post_attention_layernorm(x), getattr(self, "mlp_conv", None))
+
+    def sublayer(self, run, u: torch.Tensor, conv: GroupedConv | None) -> torch.Tensor:
+        if conv is None:
+            return run(u)
+        u, deltas = conv.prepare(u, self.block)
+        return conv.finish(run(u), deltas, self.block)
 
 
 class DFlashDrafter(nn.Module):
@@ -239,6 +305,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.dflash2:
+            self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank)
         self.draft_vocab: list[int] = []  # token ids it proposes from; [] = the whole vocabulary
 
     @property
@@ -248,6 +316,31 @@ class DFlashDrafter(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    def describe(self, ring_capacity: int) -> dict:
+        """What a target needs to know of this drafter (the wire's DRAFTER_INFO)."""
+        return drafter_info(self.config, self.draft_vocab, ring_capacity, self.codebook_checksum())
+
+    def codebook_checksum(self) -> str:
+        """DFlash2: a digest of the selector's codebooks, taken once ("" for DFlash)."""
+        if not self.config.dflash2:
+            return ""
+        if getattr(self, "_checksum", None) is None:
+            digest = hashlib.sha256()
+            for book in self.codebooks():
+                digest.update(book.detach().float().cpu().numpy().tobytes())
+            self._checksum = digest.hexdigest()[:32]
+        return self._checksum
+
+    def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """DFlash2: the selector's (predecessor, successor) codebooks [vocab, rank]."""
+        selector = self.candidate_selector
+        return selector.predecessor_codebook.detach(), selector.successor_codebook.detach()
+
+    def gate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """DFlash2: the selector's projection [rows, rank] of block hidden states (the final-normed
+        rows the target projects through its head), sent with them."""
+        return self.candidate_selector.hidden_projection(hidden)
 
     def context_kv(
         self, features: torch.Tensor, positions: torch.Tensor, scale: torch.Tensor | None = None
@@ -275,12 +368,15 @@ class DFlashDrafter(nn.Module):
         kv_buffers: per layer, [S, kv_heads, >= C+R, head_dim] keys and values whose first C
         slots hold the context at `ctx_positions` ([C] or [S, C]; negative: an empty slot).
         """
+        cfg = self.config
         x = noise.to(self.dtype)
+        if cfg.input_embedding_scale != 1.0:
+            x = x * cfg.input_embedding_scale
         # Additive float masks: SDPA converts a bool mask on every call otherwise.
         masks = {
             t: torch.zeros((), dtype=x.dtype, device=x.device)
             .masked_fill(
-                ~attention_mask(t, self.config.sliding_window, ctx_positions, row_positions, row_anchors),
+                ~attention_mask(t, cfg.sliding_window, ctx_positions, row_positions, row_anchors, cfg.causal(t)),
                 float("-inf"),
             )
             .expand(x.shape[0], -1, -1)

@@ -135,6 +135,16 @@ class Struct:
 
 
 @dataclass(frozen=True)
+class Maybe:
+    """A value `inner` accepts, or nil (msgpack's None): a part of a map some senders have."""
+
+    inner: Validator
+
+    def check(self, path: str, value: Any) -> Any:
+        return None if value is None else self.inner.check(path, value)
+
+
+@dataclass(frozen=True)
 class Json:
     """Free-form map of str keys to msgpack-native scalars, lists and maps.
 

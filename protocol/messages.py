@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ErrorCode, ProtocolError
-from .fields import Bool, Float, Int, Json, List, Str, Struct
+from .fields import Bool, Float, Int, Json, List, Maybe, Str, Struct
 from .tensors import FLOAT_DTYPES, TensorSpec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Header keys owned by the envelope; no message may use them as field names.
 RESERVED_KEYS = ("v", "type", "id", "tensors")
@@ -35,6 +35,7 @@ class TensorRule:
     name: str
     dtypes: tuple[str, ...]
     min_shape: tuple[int, ...]
+    optional: bool = False  # a message may leave it out
 
 
 CrossCheck = Callable[[Mapping[str, Any], Mapping[str, TensorSpec]], None]
@@ -81,11 +82,27 @@ SESSION = Str(1, MAX_SESSION_LEN)
 MAX_POSITION = 2**31 - 1
 POSITION = Int(0, MAX_POSITION)
 COUNT = Int(1)
+MAX_CODEBOOK_ROWS = 1 << 14  # rows per `codebook` reply: 16 MiB per codebook at rank 256 in fp32
 MAX_REPLY_TOKENS = 1 << 16  # token ids one `chunk` or `done` carries: a daemon's new-token limit stays within it
 FLOAT_DTYPE = Str(choices=FLOAT_DTYPES)
 FLOAT_DTYPE_LIST = List(FLOAT_DTYPE, 1, len(FLOAT_DTYPES) * 2)
 
 TARGET_INFO = Struct({"hidden_size": COUNT, "num_hidden_layers": COUNT, "vocab_size": COUNT})
+# Drafter checkpoint formats: DFlash, and DFlash2 (a convolution in the drafter, and a candidate
+# selector the target runs over its logits with the drafter's codebooks).
+FORMATS = ("dflash", "dflash2")
+FORMAT_LIST = List(Str(choices=FORMATS), 1, len(FORMATS))
+SELECTOR_INFO = Struct(
+    {
+        "rank": COUNT,
+        "top_k": COUNT,
+        "vocab_size": COUNT,
+        "output_multiplier": Float(0.0),
+        "final_logit_softcapping": Float(0.0),
+        # Names the codebooks' contents: a target that holds them (from any daemon) need not fetch them again.
+        "checksum": Str(1, 64),
+    }
+)
 DRAFTER_INFO = Struct(
     {
         "block_size": COUNT,
@@ -99,7 +116,11 @@ DRAFTER_INFO = Struct(
     # Token ids the drafter's proposals are restricted to (its training vocabulary, most
     # frequent first); empty means the whole vocabulary. Projecting onto fewer rows of the
     # target's LM head is most of the cost of a draft on the target side.
-    optional={"draft_vocab": (List(Int(0, 2**31 - 1), 0, 1 << 17), [])},
+    optional={
+        "draft_vocab": (List(Int(0, 2**31 - 1), 0, 1 << 17), []),
+        "format": (Str(choices=FORMATS), "dflash"),
+        "selector": (Maybe(SELECTOR_INFO), None),  # dflash2 only
+    },
 )
 
 
@@ -131,6 +152,14 @@ def fit_problems(drafter: Mapping[str, Any], target: Mapping[str, Any]) -> list[
     vocab = drafter.get("draft_vocab") or []
     if vocab and max(vocab) >= target["vocab_size"]:
         problems.append("the drafter's draft vocabulary has ids outside the target's vocabulary")
+    selector = drafter.get("selector")
+    if drafter.get("format", "dflash") == "dflash2" and not selector:
+        problems.append("a dflash2 drafter must describe its selector")
+    if selector and selector["vocab_size"] != target["vocab_size"]:
+        problems.append(
+            f"the selector's codebooks cover {selector['vocab_size']} tokens, the target's vocabulary "
+            f"{target['vocab_size']}"
+        )
     return problems
 
 
@@ -147,7 +176,8 @@ SCHEMAS: dict[str, Schema] = {
     "hello": Schema(
         Struct(
             {"wire_dtypes": FLOAT_DTYPE_LIST, "target": TARGET_INFO},
-            optional={"client": (Str(0, 128), "")},
+            # The drafter formats this target can drive; a drafter of another is refused.
+            optional={"client": (Str(0, 128), ""), "formats": (FORMAT_LIST, ["dflash"])},
         ),
         replies=("hello_ok",),
     ),
@@ -178,9 +208,18 @@ SCHEMAS: dict[str, Schema] = {
         replies=("proposal",),
         check=_check_propose,
     ),
+    # `gate` (dflash2): the selector's projection of the same rows, [rows, selector rank].
     "proposal": Schema(
         Struct({"draft_ms": Float(0.0)}),
-        tensors=(TensorRule("hidden", FLOAT_DTYPES, (0, 1)),),
+        tensors=(TensorRule("hidden", FLOAT_DTYPES, (0, 1)), TensorRule("gate", FLOAT_DTYPES, (0, 1), optional=True)),
+    ),
+    # A dflash2 drafter's selector codebooks, rows [start, start + rows) of each: fetched once,
+    # in pieces that keep a reply small.
+    "codebook": Schema(
+        Struct({"start": Int(0, 2**31 - 1), "rows": Int(1, MAX_CODEBOOK_ROWS)}), replies=("codebook_ok",)
+    ),
+    "codebook_ok": Schema(
+        tensors=(TensorRule("predecessor", FLOAT_DTYPES, (1, 1)), TensorRule("successor", FLOAT_DTYPES, (1, 1)))
     ),
     "ping": Schema(replies=("pong",)),
     "pong": Schema(Struct({"time": Float(), "sessions": Int(0)})),

@@ -59,14 +59,18 @@ def _check_tensors(type: str, schema: Schema, specs: list[TensorSpec]) -> dict[s
         if spec.name in by_name:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"{type}: tensor {spec.name!r} appears twice")
         by_name[spec.name] = spec
-    wanted = [rule.name for rule in schema.tensors]
-    if sorted(by_name) != sorted(wanted):
+    wanted = {rule.name for rule in schema.tensors if not rule.optional}
+    allowed = {rule.name for rule in schema.tensors}
+    if not wanted <= set(by_name) <= allowed:
+        optional = f" (and optionally {sorted(allowed - wanted)})" if allowed != wanted else ""
         raise ProtocolError(
             ErrorCode.BAD_TENSOR,
-            f"{type}: expected tensors {sorted(wanted)}, got {sorted(by_name)}",
+            f"{type}: expected tensors {sorted(wanted)}{optional}, got {sorted(by_name)}",
         )
     for rule in schema.tensors:
-        spec = by_name[rule.name]
+        spec = by_name.get(rule.name)
+        if spec is None:
+            continue
         where = f"{type}: tensor {rule.name!r}"
         if spec.dtype not in rule.dtypes:
             raise ProtocolError(

@@ -37,7 +37,16 @@ DRAFTER = {
     "draft_vocab": [4, 8, 15],
 }
 
-# type -> (fields, tensors); every schema entry must appear here.
+SELECTOR = {
+    "rank": 16,
+    "top_k": 8,
+    "vocab_size": 99,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": 0.0,
+    "checksum": "ab12",
+}
+
+# type -> (fields, tensors); every schema entry must appear here ("...2": a second sample of one).
 SAMPLES = {
     "hello": (
         {
@@ -54,6 +63,14 @@ SAMPLES = {
         {"drafter": DRAFTER, "wire_dtype": "bfloat16", "wire_dtypes": ["bfloat16"]},
         {},
     ),
+    "hello_ok2": (
+        {
+            "drafter": {**DRAFTER, "format": "dflash2", "selector": SELECTOR},
+            "wire_dtype": "float32",
+            "wire_dtypes": ["float32"],
+        },
+        {},
+    ),
     "open": ({"session": "s-1"}, {"mask": torch.randn(1, HIDDEN)}),
     "reset": ({"session": "s-1", "position": 0}, {}),
     "close": ({"session": "s-1"}, {}),
@@ -61,7 +78,9 @@ SAMPLES = {
         {"session": "s-1", "start": 3, "position": 5},
         {"features": torch.randn(2, WIDTH), "noise": torch.randn(BLOCK, HIDDEN)},
     ),
-    "proposal": ({"draft_ms": 1.25}, {"hidden": torch.randn(BLOCK, HIDDEN)}),
+    "proposal": ({"draft_ms": 1.25}, {"hidden": torch.randn(BLOCK, HIDDEN), "gate": torch.randn(BLOCK, 16)}),
+    "codebook": ({"start": 4096, "rows": 4096}, {}),
+    "codebook_ok": ({}, {"predecessor": torch.randn(4, 16), "successor": torch.randn(4, 16)}),
     "ping": ({}, {}),
     "pong": ({"time": 1700000000.5, "sessions": 2}, {}),
     "stats": ({}, {}),
@@ -120,18 +139,22 @@ def code_of(frames: list, **kw) -> ErrorCode:
 
 
 def test_samples_cover_schema():
-    assert set(SAMPLES) == set(SCHEMAS)
+    assert {name.rstrip("2") for name in SAMPLES} == set(SCHEMAS)
     assert all(r in SCHEMAS for schema in SCHEMAS.values() for r in schema.replies)
 
 
 @pytest.mark.parametrize("type_", sorted(SAMPLES))
 def test_round_trip_every_type(type_):
     fields, tensors = SAMPLES[type_]
+    sample, type_ = type_, type_.rstrip("2")
     msg = decode(encode(type_, 42, fields, tensors))
     assert (msg.type, msg.id) == (type_, 42)
     expected = dict(fields)
     if type_ == "hello":
         expected["client"] = ""  # optional field, default filled in
+        expected["formats"] = ["dflash"]  # a target that says nothing drives dflash drafters
+    if sample == "hello_ok":
+        expected["drafter"] = {**DRAFTER, "format": "dflash", "selector": None}
     if type_ == "propose":
         expected["rows"] = 0
     assert msg.fields == expected
@@ -536,3 +559,11 @@ def test_a_server_answers_pings_while_its_caller_computes(tmp_path):
         for client in (asker, pinger, leaver):
             client.close()
         server.close()
+
+
+def test_an_optional_tensor_may_be_left_out_but_no_stranger_comes_in():
+    """A dflash proposal carries no `gate`; an unknown tensor is still refused by name."""
+    bare = decode(encode("proposal", 1, {"draft_ms": 0.5}, {"hidden": torch.randn(2, HIDDEN)}))
+    assert set(bare.tensors) == {"hidden"}
+    with pytest.raises(ProtocolError, match=r"expected tensors \['hidden'\] \(and optionally \['gate'\]\)"):
+        encode("proposal", 1, {"draft_ms": 0.5}, {"hidden": torch.randn(2, HIDDEN), "logits": torch.randn(2, 3)})

@@ -41,15 +41,16 @@ def test_answers_are_coherent(smollm, prompts, references):
     assert "def " in text and "prime" in text.lower()
 
 
-@pytest.mark.parametrize("kind", ["random-dflash", "ngram"])
+@pytest.mark.parametrize("kind", ["random-dflash", "random-dflash2", "ngram"])
 def test_speculative_equals_greedy(smollm, prompts, references, kind):
     if kind == "ngram":
         proposer = NGramProposer()
-    else:
-        cfg = config_for_target(smollm.config, block_size=8, mask_token_id=0)
+    else:  # dflash2: a random drafter in the DFlash2 format, its selector's chains drafted as a tree
+        cfg = config_for_target(smollm.config, block_size=8, mask_token_id=0, dflash2=kind.endswith("2"))
         proposer = DFlashProposer(LocalDraftBackend(random_drafter(cfg)))
+    trees = {"random-dflash2": 16}.get(kind, 0)
     for prompt, want in zip(prompts, references, strict=True):
-        result = generate(smollm, prompt, proposer, MAX_NEW)
+        result = generate(smollm, prompt, proposer, MAX_NEW, adaptive=not trees, tree_nodes=trees)
         assert_lossless(smollm, prompt, result.tokens, want)
         assert result.stats.proposed > 0
 

@@ -264,8 +264,8 @@ class MirrorProposer(NoProposer):
 
 
 def proposer_for(kind: str, target, block: int):
-    if kind == "random":
-        cfg = config_for_target(target.config, block_size=block, num_taps=2)
+    if kind in ("random", "dflash2"):  # dflash2: the selector's chains, made q's first choices
+        cfg = config_for_target(target.config, block_size=block, num_taps=2, dflash2=kind == "dflash2")
         return DFlashProposer(LocalDraftBackend(random_drafter(cfg, seed=1, std=0.2)))
     if kind == "oracle":  # peaked q along the greedy path, so sampled drafts are often right
         path = PROMPT + greedy(target, PROMPT, 8, stop_on_eos=False)
@@ -285,8 +285,9 @@ def proposer_for(kind: str, target, block: int):
         ("random", SamplingParams(temperature=1.0, top_p=0.9)),
         ("mirror", SamplingParams(temperature=1.2, top_k=6)),
         ("ngram", SamplingParams(temperature=1.5, top_p=0.8)),
+        ("dflash2", SamplingParams(temperature=0.9, top_k=8)),
     ],
-    ids=["random-top_p-hinted", "mirror-top_k", "ngram-hot"],
+    ids=["random-top_p-hinted", "mirror-top_k", "ngram-hot", "dflash2-selector"],
 )
 def test_sampled_output_has_the_targets_law(target, kind, params):
     length, n = 4, RUNS

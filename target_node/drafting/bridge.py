@@ -11,12 +11,14 @@ be exact, verification is).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
 import kernels
 from protocol.messages import fit_problems
 from target_node.drafting.feature_ring import FeatureRing
+from target_node.drafting.selector import Selector, SelectorSpec, rerank
 from target_node.model.target import TargetModel
 
 
@@ -25,8 +27,14 @@ class DrafterMismatch(ValueError):
 
 
 class Drafting:
-    def __init__(self, target: TargetModel, drafter: dict) -> None:
-        """`drafter`: the drafter's description (the wire's DRAFTER_INFO), from wherever it runs."""
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: dict,
+        codebooks: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
+        """`drafter`: the drafter's description (the wire's DRAFTER_INFO), from wherever it runs;
+        `codebooks()` fetches a DFlash2 drafter's selector codebooks (once per target and drafter)."""
         problems = fit_problems(drafter, target.info)
         if problems:
             raise DrafterMismatch("drafter does not fit this target: " + "; ".join(problems))
@@ -36,6 +44,8 @@ class Drafting:
         self.ring = FeatureRing(drafter["ring_capacity"], drafter["feature_width"], target.model.dtype, target.device)
         self.mask_row = target.embed([self.mask_token_id])
         self.head = draft_head(target, tuple(drafter.get("draft_vocab") or ()))
+        spec = SelectorSpec.from_info(drafter)
+        self.selector = None if spec is None or codebooks is None else selector_for(target, spec, drafter, codebooks)
 
     def noise(self, last_token: int) -> torch.Tensor:
         """The embedded block [last_tok, MASK, ..., MASK]."""
@@ -43,6 +53,15 @@ class Drafting:
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.project(hidden)
+
+    def guesses(self, hidden: torch.Tensor, gate: torch.Tensor | None, anchor: int) -> tuple[list[int], torch.Tensor]:
+        """(first choices, draft logits) for the drafter's rows after `anchor`: the argmaxes, or
+        with a DFlash2 selector its chain, made the logits' first choices (selector.rerank)."""
+        logits = self.project(hidden)
+        if self.selector is None or gate is None:
+            return logits.argmax(-1).tolist(), logits
+        chain = self.selector.walk(logits, gate, anchor)
+        return chain, rerank(logits, chain)
 
 
 class DraftHead:
@@ -90,3 +109,19 @@ def draft_head(target: TargetModel, vocab: tuple[int, ...]) -> DraftHead:
     if vocab not in heads:
         heads[vocab] = DraftHead(target, vocab)
     return heads[vocab]
+
+
+# One selector per target and codebooks (named by their checksum): fetched once however many
+# slots draft, and not again when the same drafter comes back after a restart.
+_SELECTORS: weakref.WeakKeyDictionary[TargetModel, dict[str, Selector]] = weakref.WeakKeyDictionary()
+
+
+def selector_for(
+    target: TargetModel, spec: SelectorSpec, drafter: dict, codebooks: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+) -> Selector:
+    selectors = _SELECTORS.setdefault(target, {})
+    key = drafter["selector"]["checksum"]
+    if key not in selectors:
+        predecessor, successor = codebooks()
+        selectors[key] = Selector(spec, predecessor.to(target.device), successor.to(target.device))
+    return selectors[key]

@@ -101,8 +101,14 @@ class DraftBackend(Protocol):
     def reset(self, position: int) -> None:
         """Forget context at and after `position`; if it holds less, start the context there."""
 
-    def draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> torch.Tensor:
-        """Append feature rows from `start`, then return block hidden states for slots 1..rows."""
+    def draft(
+        self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append feature rows from `start`, then return block hidden states for slots 1..rows and,
+        from a DFlash2 drafter, their selector gate."""
+
+    def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A DFlash2 drafter's selector codebooks (predecessor, successor) [vocab, rank]."""
 
 
 class DrafterUnavailable(RuntimeError):
@@ -130,7 +136,10 @@ class DFlashProposer:
         if info is None:  # no drafter yet (or none that fits): the fallback drafts this request
             self.drafting = None
         elif self.drafting is None or self.drafting.target is not target or self.drafting.info != info:
-            self.drafting = Drafting(target, info)
+            try:
+                self.drafting = Drafting(target, info, self.backend.codebooks)
+            except DrafterUnavailable:  # its codebooks did not come: the fallback drafts this request
+                self.drafting = None
         if self.drafting is not None:
             self.drafting.ring.reset()
         self.fallback.begin(target)
@@ -159,13 +168,13 @@ class DFlashProposer:
             request = self._request(tokens, max_tokens)
             if request is None:
                 return EMPTY
-            hidden = self.backend.draft(*request)
+            hidden, gate = self.backend.draft(*request)
         except DrafterUnavailable:
             self.synced = None
             return self.fallback.propose(tokens, max_tokens)
         self.synced = len(tokens) - 1
-        logits = drafting.project(hidden)
-        return Proposal(logits.argmax(-1).tolist(), logits, self.name)
+        guesses, logits = drafting.guesses(hidden, gate, tokens[-1])
+        return Proposal(guesses, logits, self.name)
 
     def _request(self, tokens: list[int], max_tokens: int) -> tuple | None:
         """The backend's draft arguments for this step (the drafter's context brought in sync first)."""
@@ -186,10 +195,10 @@ class LocalDraftBackend:
     """The drafter in this process, with its context K/V ring."""
 
     def __init__(self, drafter, capacity: int = 4096) -> None:  # a DFlashDrafter
-        from draft_node.config import drafter_info
         from draft_node.kv_cache import DraftKVCache
 
-        self.info = drafter_info(drafter.config, drafter.draft_vocab, capacity)
+        self.info = drafter.describe(capacity)
+        self.drafter = drafter
         self.cache = DraftKVCache(drafter, capacity)
         self.counters = {"proposals": 0, "draft_ms": 0.0}
 
@@ -199,10 +208,19 @@ class LocalDraftBackend:
     def reset(self, position: int) -> None:
         self.cache.reset(position)
 
-    def draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> torch.Tensor:
+    def draft(
+        self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         began = time.perf_counter()
         self.cache.append(start, features)
         hidden = self.cache.draft(noise, position)[1 : 1 + rows]
+        gate = None
+        if self.drafter.config.dflash2:
+            with torch.inference_mode():
+                gate = self.drafter.gate(hidden)
         self.counters["proposals"] += 1
         self.counters["draft_ms"] += (time.perf_counter() - began) * 1000
-        return hidden
+        return hidden, gate
+
+    def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.drafter.codebooks()

@@ -23,7 +23,7 @@ import torch
 
 from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError
 from protocol.keys import ClientKeys
-from protocol.messages import fit_problems
+from protocol.messages import FORMATS, MAX_CODEBOOK_ROWS, fit_problems
 from protocol.transport import Client
 from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.proposers import DrafterUnavailable
@@ -131,7 +131,7 @@ class RemoteDraftBackend:
         try:
             reply = self._call(
                 "hello",
-                {"wire_dtypes": offered, "target": target.info, "client": self.session},
+                {"wire_dtypes": offered, "target": target.info, "client": self.session, "formats": list(FORMATS)},
                 timeout_s=timeout_s,
             )
             info = reply["drafter"]
@@ -192,7 +192,9 @@ class RemoteDraftBackend:
         self.pending = ((start, position, rows), sent, began)
         self.counters["sent_ahead"] += 1
 
-    def draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> torch.Tensor:
+    def draft(
+        self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.ensure()
         pending, self.pending = self.pending, None
         if pending is not None and pending[0] == (start, position, rows):
@@ -207,10 +209,33 @@ class RemoteDraftBackend:
         if tuple(hidden.shape) != (rows, self.info["hidden_size"]) or not torch.isfinite(hidden).all():
             self.counters["errors"] += 1
             raise DrafterUnavailable(f"the drafter's reply {list(hidden.shape)} is misshapen or holds NaN/Inf")
+        selector = self.info.get("selector")
+        gate = reply.tensor("gate", self.target.device) if selector and "gate" in reply.tensors else None
+        if gate is not None and (tuple(gate.shape) != (rows, selector["rank"]) or not torch.isfinite(gate).all()):
+            self.counters["errors"] += 1
+            raise DrafterUnavailable(f"the drafter's gate {list(gate.shape)} is misshapen or holds NaN/Inf")
         self.counters["draft_ms"] += reply["draft_ms"]
         self.counters["propose_rtt_ms"] += (time.perf_counter() - began) * 1000
         self.counters["proposals"] += 1
-        return hidden
+        return hidden, gate
+
+    def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's selector codebooks, in pieces of MAX_CODEBOOK_ROWS rows (50 MB for a
+        49,152-token vocabulary at rank 256 in bf16: once per target and drafter)."""
+        self.ensure()
+        selector = self.info["selector"]
+        vocab, pieces = selector["vocab_size"], ([], [])
+        for start in range(0, vocab, MAX_CODEBOOK_ROWS):
+            rows = min(MAX_CODEBOOK_ROWS, vocab - start)
+            reply = self._call("codebook", {"start": start, "rows": rows})
+            for name, into in zip(("predecessor", "successor"), pieces, strict=True):
+                piece = reply.tensor(name, self.target.device).float()
+                if tuple(piece.shape) != (rows, selector["rank"]):
+                    raise DrafterUnavailable(
+                        f"codebook rows {list(piece.shape)}, expected [{rows}, {selector['rank']}]"
+                    )
+                into.append(piece)
+        return torch.cat(pieces[0]), torch.cat(pieces[1])
 
     def _propose(
         self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int

@@ -1,0 +1,91 @@
+"""DFlash2's candidate selector, run where the target's logits are.
+
+A block drafter guesses each position on its own, so its first choices often do not chain
+(the second token fits a first token it did not pick). DFlash2 scores each of the top-k
+candidates at a position by its logit plus a low-rank pair term with the token chosen before
+it, and walks the block from the verified anchor: one coherent chain, no wider a verify.
+
+The pair term is <predecessor[prev] * gate[s], successor[candidate]>, with `gate` the drafter's
+projection of its row (sent with the hidden states) and the two codebooks [vocab, rank] the
+drafter's, fetched once per drafter. Only the top-k values are scaled (the target's head
+multiplier, then a tanh cap): the candidates are the raw logits' top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SelectorSpec:
+    """What DRAFTER_INFO.selector says of a drafter's selector."""
+
+    rank: int
+    top_k: int
+    vocab_size: int
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
+
+    @classmethod
+    def from_info(cls, info: dict) -> SelectorSpec | None:
+        selector = dict(info.get("selector") or {})
+        selector.pop("checksum", None)
+        return cls(**selector) if selector.get("rank") else None
+
+
+class Selector:
+    def __init__(self, spec: SelectorSpec, predecessor: torch.Tensor, successor: torch.Tensor) -> None:
+        """The codebooks [vocab, rank] are kept in fp32: a bf16 pair term flips close argmaxes."""
+        expected = (spec.vocab_size, spec.rank)
+        for name, book in (("predecessor", predecessor), ("successor", successor)):
+            if tuple(book.shape) != expected:
+                raise ValueError(f"{name} codebook is {list(book.shape)}, the drafter said {list(expected)}")
+        self.spec = spec
+        self.predecessor, self.successor = predecessor.float(), successor.float()
+
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unary scores [rows, k] fp32, candidate ids [rows, k]): the raw logits' top-k, best first,
+        ties to the lower id, with only the kept values scaled and capped."""
+        spec = self.spec
+        k = min(spec.top_k, logits.shape[-1])
+        # A stable descending sort keeps equal logits in id order: the same candidates every run.
+        order = torch.sort(logits.float(), dim=-1, descending=True, stable=True)
+        values, ids = order.values[:, :k], order.indices[:, :k]
+        unary = values * spec.output_multiplier
+        if spec.final_logit_softcapping > 0:
+            unary = torch.tanh(unary / spec.final_logit_softcapping) * spec.final_logit_softcapping
+        return unary, ids
+
+    def walk(self, logits: torch.Tensor, gate: torch.Tensor, anchor: int) -> list[int]:
+        """Greedy chain [rows] from draft logits [rows, vocab] (the target's head over the drafter's
+        rows 1..) and the gate [rows, rank], starting after the verified `anchor` token."""
+        unary, ids = self.candidates(logits)
+        books_device = self.successor.device
+        gate, ids_here = gate.float().to(books_device), ids.to(books_device)
+        successors = self.successor[ids_here]  # [rows, k, rank]
+        chain, prev = [], anchor
+        for s in range(ids.shape[0]):
+            pair = successors[s] @ (self.predecessor[prev] * gate[s])  # [k]
+            scores = unary[s].to(books_device) + pair
+            best = int(torch.argmax(scores))  # the first of equal maxima: the better logit
+            prev = int(ids_here[s, best])
+            chain.append(prev)
+        return chain
+
+
+def rerank(logits: torch.Tensor, chain: list[int]) -> torch.Tensor:
+    """Draft logits whose first choice at each position is the chain's token: its logit and the
+    position's best one change places (the chain's then one ulp up, so a tie cannot hide it).
+    So everything that reads first choices (a chain, the main path of a tree, the governor's
+    estimates) follows the selector, the other candidates keep their values, and sampled drafts
+    are still drawn from the distribution they are verified against."""
+    out = logits.clone()
+    rows = torch.arange(len(chain), device=logits.device)
+    picked = torch.tensor(chain, device=logits.device)
+    best = logits[: len(chain)].argmax(-1)
+    top = logits[rows, best]
+    out[rows, best] = logits[rows, picked]
+    out[rows, picked] = torch.nextafter(top, torch.full_like(top, float("inf")))
+    return out
