@@ -1,4 +1,4 @@
-"""Start the draft daemon: load a DFlash checkpoint on a device and serve target sessions."""
+"""Start the draft daemon: load a DFlash or DFlash2 checkpoint on a device and serve target sessions."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from protocol.transport import stop_on_signals
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dflash-draft-daemon", description=__doc__)
     parser.add_argument(
-        "--checkpoint", help="drafter folder (config.json + model.safetensors); default: the default model's drafter"
+        "--checkpoint",
+        help="drafter folder (config.json + model.safetensors) in the public DFlash or DFlash2 layout; default: the "
+        "default model's drafter",
     )
     parser.add_argument(
         "--bind", default=DRAFT_ADDRESS, help="ZeroMQ address to bind, e.g. tcp://0.0.0.0:5555 (default %(default)s)"

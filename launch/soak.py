@@ -13,7 +13,8 @@ ids, length, greedy or seeded-sampled) and a way to behave:
 - **cancel**: a cancel after the first chunk. A `done` must come, cancelled or finished.
 - **die**: the socket is closed after the first chunk, with nothing said (a killed client).
 - **silent**: heartbeats are promised, then the client stops reading and beating for longer
-  than 3 beats. The daemon must drop the request, and the client's `done` must say cancelled.
+  than 3 beats. The daemon must drop the request, and the client's `done` must say cancelled,
+  unless the answer ended before 3 beats (and a step) had passed.
 
 Meanwhile:
 - a pinger measures the target daemon's answers every 100 ms;
@@ -55,6 +56,7 @@ from protocol.transport import dealer, receive, wait_ready
 KINDS = ("normal", "normal", "normal", "cancel", "die", "silent")
 DEADLINE_S = 120.0  # a request not done by then is lost
 FAULT_AFTERMATH_S = 2.0  # pings this long after a fault ends still count as during it
+SILENCE_GRACE_S = 1.0  # past 3 missed beats, the longest a step may take before the daemon drops a silent request
 
 
 class Tally:
@@ -63,7 +65,9 @@ class Tally:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.counts = dict.fromkeys(
-            ["sent", "done", "identical", "wrong", "lost", "duplicates", "cancelled", "died", "dropped_silent"], 0
+            ["sent", "done", "identical", "wrong", "lost", "duplicates", "cancelled", "died", "dropped_silent"]
+            + ["silent_finished_first"],
+            0,
         )
         self.latency: list[float] = []
         self.problems: list[str] = []
@@ -177,8 +181,12 @@ def client(address: str, pool: list[dict], want: dict[int, list[int]], tally: Ta
                 continue
             tally.add("done")
             if kind == "silent":
+                # It never beats: 3 missed beats after its send, plus a step's grace, the daemon must have seen it.
+                noticed_by = began + 3 * heartbeat + SILENCE_GRACE_S
                 if done["finish_reason"] == "cancelled":
                     tally.add("dropped_silent")
+                elif time.monotonic() <= noticed_by:
+                    tally.add("silent_finished_first")  # its answer ended before its silence could count
                 else:
                     tally.add("wrong")
                     tally.problem(f"request {index}: its client fell silent, yet it ran to {done['finish_reason']}")

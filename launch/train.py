@@ -6,6 +6,7 @@
     python -m launch.train --stage variety                   # how varied the stored prompts are
     python -m launch.train --stage average --init A --average-with B --weight 0.5 --out C  # weight-average two drafters
     python -m launch.train --stage estimate --drafters A,B      # offline chain tau on the held-out prompts' answers
+    python -m launch.train --stage selector --out drafters/smollm2-dflash2   # DFlash2: shipped backbone + selector
     python -m launch.train                                   # gen, features, train in turn
 
 The answer store (token ids, compressed) lives in the repository under data/answers and
@@ -44,11 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--name", default="smollm2", help="cache folder name under ~/.cache/dflash-split/train/")
     ap.add_argument(
         "--stage",
-        choices=["gen", "features", "train", "all", "vocab", "variety", "average", "estimate"],
+        choices=["gen", "features", "train", "all", "vocab", "variety", "average", "estimate", "selector"],
         default="all",
         help="vocab: only (re)write --out's draft vocabulary from the stored answers; "
         "average: write (1 - w) * --init + w * --average-with to --out; "
-        "estimate: score --drafters offline on the target's answers to --prompts and on the store's held-out answers",
+        "estimate: score --drafters offline on the target's answers to --prompts and on the store's held-out answers; "
+        "selector: a DFlash2 drafter at --out from the DFlash drafter --init (default the shipped one), its selector "
+        "trained on the backbone's outputs",
     )
     ap.add_argument("--cache", default=str(CACHE_ROOT), help="where features, state and logs go (default %(default)s)")
     ap.add_argument("--device", default="cpu")
@@ -91,6 +94,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--drafters", default="", help="--stage estimate: comma-separated drafter checkpoints")
     ap.add_argument("--prompts", default=str(EVAL_PROMPTS), help="--stage estimate: held-out prompts (jsonl)")
     ap.add_argument("--estimate-tokens", type=int, default=160, help="--stage estimate: answer length")
+    ap.add_argument("--selector-rank", type=int, default=256, help="--stage selector: codebook rank")
+    ap.add_argument("--selector-top-k", type=int, default=16, help="--stage selector: candidates per position")
+    ap.add_argument("--selector-steps", type=int, default=400, help="--stage selector: optimizer steps")
+    ap.add_argument("--selector-lr", type=float, default=3e-3, help="--stage selector: learning rate")
+    ap.add_argument(
+        "--selector-batches", type=int, default=40, help="--stage selector: batches of block rows collected"
+    )
     ap.add_argument("--out", default=str(ROOT / "drafters" / "smollm2"), help="public checkpoint folder")
     ap.add_argument("--save-dtype", choices=FLOAT_DTYPES, default="bfloat16", help="checkpoint weights dtype")
     ap.add_argument(
@@ -200,6 +210,50 @@ def estimate_stage(args: argparse.Namespace, target, store, cache: Path, log) ->
     log("chain tau, estimated offline:\n" + "\n".join(rows))
 
 
+def selector_stage(args: argparse.Namespace, target, answers, cache: Path, log) -> None:
+    """A DFlash2 drafter from a trained DFlash one (--init, default the shipped drafter): the same
+    backbone, identity convolutions, and a selector trained on its block rows (training.selector).
+    Logs chain tau on the held-out answers with each position's first choice and with the walk."""
+    from draft_node.checkpoint import load_drafter, save_draft_vocab, save_drafter
+    from launch.common import SHIPPED_DRAFTER
+    from target_node.drafting.selector import Selector, SelectorSpec
+    from training.features import FeatureCache
+    from training.selector import as_dflash2, chain_tau, fit, positions
+    from training.trainer import Trainer, TrainOptions, export_drafter
+
+    backbone = load_drafter(args.init or SHIPPED_DRAFTER)
+    drafter = as_dflash2(backbone.float(), target.vocab_size, args.selector_rank, args.selector_top_k, args.seed)
+    cfg = drafter.config
+    taps = "-".join(map(str, cfg.target_layer_ids))
+    features = FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{taps}", cfg.feature_width)
+    # The answers whose features are cached (--stage features fills the rest): the backbone's rows need them.
+    log(f"selector: {sum(a.key in features for a in answers)} of {len(answers)} answers have cached features")
+    opts = TrainOptions(
+        batch=args.batch, anchors=args.anchors, max_len=args.max_len, seed=args.seed, val_answers=args.val_answers,
+        draft_vocab=0,
+    )  # fmt: skip
+    trainer = Trainer(target, cfg, answers, features, opts)
+    trainer.use_vocabulary(list(backbone.draft_vocab or []))
+    trainer.init_from(drafter)
+    spec = SelectorSpec(cfg.selector_rank, cfg.selector_top_k, cfg.vocab_size)
+    picker = Selector(spec, *trainer.drafter.codebooks())  # candidates only: its codebooks are not read
+    data = positions(trainer, picker, [trainer.batch(i) for i in range(args.selector_batches)])
+    log(f"selector: {len(data.label)} draft positions from {args.selector_batches} batches")
+    before = chain_tau(trainer, trainer.drafter, trainer.val_records)
+    losses = fit(trainer.drafter, data, args.selector_steps, args.selector_lr, seed=args.seed)
+    after = chain_tau(trainer, trainer.drafter, trainer.val_records)
+    log(f"selector: loss {losses[0]:.4f} -> {sum(losses[-20:]) / len(losses[-20:]):.4f} over {len(losses)} steps")
+    log(
+        f"chain tau on {after['blocks']} held-out blocks: first choices {after['chain']:.3f}, "
+        f"selector walk {after['selector']:.3f} (before training {before['selector']:.3f})"
+    )
+    out = Path(args.out)
+    save_drafter(export_drafter(trainer.drafter, trainer.scale).to(torch_dtype(args.save_dtype)), out)
+    if backbone.draft_vocab:
+        save_draft_vocab(out, list(backbone.draft_vocab))
+    log(f"selector: DFlash2 drafter -> {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -249,6 +303,9 @@ def main(argv: list[str] | None = None) -> None:
         log(f"features: {added} answers filled by prefill; {len(features)} cached")
     if args.stage == "estimate":
         estimate_stage(args, target, store, cache, log)
+        return
+    if args.stage == "selector":
+        selector_stage(args, target, answers, cache, log)
         return
     if args.stage == "vocab":
         from training.trainer import draft_vocabulary, samples

@@ -87,7 +87,10 @@ class OracleBackend:
         head = self.target.model.get_output_embeddings().weight
         wanted = self.reference[position + 1 : position + 1 + rows]
         wanted += [0] * (rows - len(wanted))
-        return head[wanted] / head[wanted].norm(dim=-1, keepdim=True) * 50.0
+        return head[wanted] / head[wanted].norm(dim=-1, keepdim=True) * 50.0, None
+
+    def codebooks(self):
+        raise AssertionError("an oracle has no selector")
 
 
 def free_tcp_address() -> str:

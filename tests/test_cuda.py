@@ -29,9 +29,10 @@ def test_the_target_runs_on_the_gpu_and_decodes_like_cpu(target):
     assert_lossless(cpu, PROMPT, greedy(target, PROMPT, MAX_NEW), greedy(cpu, PROMPT, MAX_NEW))
 
 
-@pytest.mark.parametrize("tree_nodes", [0, 12])
-def test_speculation_on_the_gpu_is_lossless(target, tree_nodes):
-    cfg = config_for_target(target.config, block_size=8, num_taps=3)
+@pytest.mark.parametrize("tree_nodes, dflash2", [(0, False), (12, False), (12, True)])
+def test_speculation_on_the_gpu_is_lossless(target, tree_nodes, dflash2):
+    """dflash2: a DFlash2 drafter on the GPU, its convolution and its selector's walk there too."""
+    cfg = config_for_target(target.config, block_size=8, num_taps=3, dflash2=dflash2)
     drafter = random_drafter(cfg).to("cuda")
     result = generate(target, PROMPT, DFlashProposer(LocalDraftBackend(drafter)), MAX_NEW, tree_nodes=tree_nodes)
     assert_lossless(target, PROMPT, result.tokens, greedy(target, PROMPT, MAX_NEW))

@@ -100,11 +100,11 @@ def test_remote_hidden_states_equal_in_process_drafter(target, checkpoint, tmp_p
             backend.reset(0)
         for start, end in [(0, 12), (12, 13), (13, 20), (17, 25)]:  # the last one rewinds
             noise = noise_block(target, cfg, g)
-            got = remote.draft(start, features[start:end], noise, end, cfg.block_size - 1)
-            want = local.draft(start, features[start:end], noise, end, cfg.block_size - 1)
+            got, _ = remote.draft(start, features[start:end], noise, end, cfg.block_size - 1)
+            want, _ = local.draft(start, features[start:end], noise, end, cfg.block_size - 1)
             assert torch.equal(got, want)
         # The reply carries only the rows the target asked for.
-        assert remote.draft(25, features[25:26], noise, 26, 3).shape == (3, cfg.hidden_size)
+        assert remote.draft(25, features[25:26], noise, 26, 3)[0].shape == (3, cfg.hidden_size)
         remote.close()
 
 
@@ -230,9 +230,9 @@ def test_reduced_precision_wire_is_close_and_still_lossless(target, checkpoint, 
         remote = RemoteDraftBackend(address, target, wire_dtype=wire)
         assert remote.wire_dtype == wire
         remote.reset(0)
-        got = remote.draft(0, features, noise, 12, cfg.block_size - 1)
+        got, _ = remote.draft(0, features, noise, 12, cfg.block_size - 1)
         local = LocalDraftBackend(drafter)
-        want = local.draft(0, features, noise, 12, cfg.block_size - 1)
+        want, _ = local.draft(0, features, noise, 12, cfg.block_size - 1)
         assert got.dtype == getattr(torch, wire) and not torch.equal(got.float(), want)
         torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
         half_bytes = remote.counters["bytes_out"]

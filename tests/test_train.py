@@ -504,3 +504,40 @@ def test_the_offline_estimate_scores_every_drafter_on_the_same_blocks(setup, tmp
     said = {t for a in store.answers for t in a.tokens}
     trained.draft_vocab = [next(t for t in range(target.model.config.vocab_size) if t not in said)]
     assert estimate(target, trained, store.answers, features, anchors=8)["tau"] == 1.0
+
+
+def test_a_selector_trained_on_a_backbone_chains_its_drafts_better(setup, tmp_path):
+    """DFlash2 from a trained DFlash drafter: identity convolutions draft exactly as the backbone,
+    and the selector, trained on the backbone's rows alone, raises the walk's chain tau over the
+    first choices' on the blocks it learned from; the export loads and stays lossless."""
+    from target_node.drafting.selector import Selector, SelectorSpec
+    from training.selector import as_dflash2, chain_tau, fit, positions
+
+    target, cfg, store, features = setup
+    train(target, cfg, store.answers, features, opts(steps=150), tmp_path / "s.pt", tmp_path / "dflash", log=print)
+    backbone = load_drafter(tmp_path / "dflash").float()
+    drafter = as_dflash2(backbone, target.vocab_size, rank=16, top_k=8)
+    features_in = torch.randn(9, cfg.feature_width)
+    noise = torch.randn(cfg.block_size, cfg.hidden_size)
+    same = drafter(features_in, torch.arange(9), noise, 9)
+    assert torch.equal(same, backbone(features_in, torch.arange(9), noise, 9))
+
+    trainer = Trainer(target, drafter.config, store.answers, features, opts(draft_vocab=0))
+    trainer.init_from(drafter)
+    picker = Selector(SelectorSpec(16, 8, target.vocab_size), *trainer.drafter.codebooks())
+    data = positions(trainer, picker, [trainer.batch(i) for i in range(8)])
+    before = chain_tau(trainer, trainer.drafter, trainer.train_records)
+    losses = fit(trainer.drafter, data, steps=300, lr=1e-2)
+    after = chain_tau(trainer, trainer.drafter, trainer.train_records)
+    print(before, after, losses[0], losses[-1])
+    assert sum(losses[-20:]) / 20 < 0.8 * losses[0]
+    assert before["selector"] == pytest.approx(before["chain"], abs=0.02)  # small random codebooks: ~ first choices
+    assert after["selector"] > after["chain"] and after["chain"] == before["chain"]
+
+    out = save_drafter(export_drafter(trainer.drafter, trainer.scale), tmp_path / "dflash2")
+    loaded = load_drafter(out)
+    assert loaded.config.dflash2
+    for a in store.answers[:3]:
+        prompt = a.tokens[: a.prompt_len]
+        result = generate(target, prompt, DFlashProposer(LocalDraftBackend(loaded)), 30, adaptive=False)
+        assert result.tokens == greedy(target, prompt, 30)

@@ -252,13 +252,19 @@ class Trainer:
 
         Only labelled slots go through the LM head: it is most of the step's cost.
         """
+        hidden, labels = self.block_rows(batch)
+        labelled = labels >= 0
+        return self.project(hidden[labelled]), self.vocab_slot[labels[labelled]], labelled
+
+    def block_rows(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's block hidden states [S, N, B, hidden] and the labels [S, N, B], on the device."""
         noise = F.embedding(batch.block_tokens.to(self.dev), self.embed)
         features, anchors = batch.features.to(self.dev), batch.anchors.to(self.dev)
-        hidden = self.drafter.forward_anchors(features, anchors, noise, self.scale)
-        labels = batch.labels.to(self.dev)
-        labelled = labels >= 0
-        logits = (hidden[labelled].to(self.head.dtype) @ self.head.T).float()
-        return logits, self.vocab_slot[labels[labelled]], labelled
+        return self.drafter.forward_anchors(features, anchors, noise, self.scale), batch.labels.to(self.dev)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [rows, draft vocab] of hidden rows, through the target's frozen head."""
+        return (hidden.to(self.head.dtype) @ self.head.T).float()
 
     def _weighted_ce(self, logits: torch.Tensor, slots: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
         weight = self.slot_weight.expand_as(labelled)[labelled] * (slots >= 0)

@@ -1,0 +1,143 @@
+"""Train a DFlash2 candidate selector on a trained backbone, cheaply.
+
+The backbone stays as it is: a DFlash drafter becomes a DFlash2 one whose convolutions are the
+identity (`as_dflash2`: it drafts exactly as before), and only the selector learns. Its data
+are the backbone's block rows at answer anchors, computed once without gradients; each draft
+position is then a tiny classification, teacher-forced as the published recipe does: the
+predecessor is the answer's token before the position (the anchor for the first), the
+classes are the top-k candidates of the draft logits, and the answer's token is the label
+(positions whose token is not among them teach nothing). Scores are the walk's own
+(`pair_scores`), so what is trained is what the target runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from draft_node.config import DFLASH2
+from draft_node.model import DFlashDrafter
+from target_node.drafting.selector import Selector, SelectorSpec, pair_scores
+from training.trainer import Batch, Sample, Trainer, make_batch
+
+
+def as_dflash2(
+    drafter: DFlashDrafter, vocab_size: int, rank: int = 256, top_k: int = 16, seed: int = 0
+) -> DFlashDrafter:
+    """`drafter` in the DFlash2 format: identity convolutions (two taps, the published groups of
+    16 channels where they divide the width), and a selector of small random codebooks (a
+    zero start has no gradient: the pair term is a product)."""
+    cfg = drafter.config
+    group = max(g for g in (1, 2, 4, 8, 16) if cfg.hidden_size % g == 0)
+    v2 = replace(
+        cfg, architecture=DFLASH2, conv_kernel_size=2, conv_group_size=group, selector_rank=rank,
+        selector_top_k=top_k, vocab_size=vocab_size,
+    )  # fmt: skip
+    out = DFlashDrafter(v2).to(drafter.dtype)
+    state = {k: v.clone() for k, v in drafter.state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    for name, p in out.state_dict().items():
+        if name in state:
+            continue
+        if name.endswith("base_kernel"):
+            identity = torch.zeros_like(p)
+            identity[:, 0] = 1.0  # tap 0 passes the row through, on both sides
+            state[name] = identity
+        elif name.endswith("kernel_projection.weight"):
+            state[name] = torch.zeros_like(p)
+        else:
+            state[name] = (torch.randn(p.shape, generator=g) * 0.02).to(p.dtype)
+    out.load_state_dict(state)
+    out.draft_vocab = list(drafter.draft_vocab)
+    return out.eval()
+
+
+@dataclass
+class Positions:
+    """Draft positions of many blocks, what the selector is trained and judged on."""
+
+    hidden: torch.Tensor  # [n, hidden]: the backbone's row
+    unary: torch.Tensor  # [n, k]: the candidates' scores
+    ids: torch.Tensor  # [n, k]: the candidates (token ids)
+    prev: torch.Tensor  # [n]: the answer's token before the position
+    label: torch.Tensor  # [n]: the answer's token there
+
+
+def positions(trainer: Trainer, selector: Selector, batches: list[Batch]) -> Positions:
+    parts = []
+    with torch.no_grad():
+        for batch in batches:
+            hidden, labels = trainer.block_rows(batch)
+            before = torch.cat([batch.block_tokens[..., :1].to(labels.device), labels[..., :-1]], -1)
+            labelled = labels >= 0
+            unary, slots = selector.candidates(trainer.project(hidden[labelled]))
+            parts.append((hidden[labelled], unary, trainer.vocab[slots], before[labelled], labels[labelled]))
+    return Positions(*(torch.cat(column) for column in zip(*parts, strict=True)))
+
+
+def fit(
+    drafter: DFlashDrafter, data: Positions, steps: int, lr: float = 3e-3, batch: int = 2048, seed: int = 0
+) -> list[float]:
+    """Train the selector's three tensors on `data`; returns the loss per step."""
+    selector = drafter.candidate_selector
+    params = [selector.hidden_projection.weight, selector.predecessor_codebook, selector.successor_codebook]
+    for p in drafter.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.Adam(params, lr=lr)
+    target = (data.ids == data.label[:, None]).float()
+    usable = target.any(-1).nonzero().flatten()  # the answer's token is a candidate
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    with torch.enable_grad():
+        for _ in range(steps):
+            pick = usable[torch.randint(len(usable), (min(batch, len(usable)),), generator=g)]
+            gate = F.linear(data.hidden[pick].float(), selector.hidden_projection.weight)
+            scores = pair_scores(
+                data.unary[pick], data.ids[pick], data.prev[pick], gate,
+                selector.predecessor_codebook, selector.successor_codebook,
+            )  # fmt: skip
+            loss = F.cross_entropy(scores, target[pick].argmax(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+    for p in params:
+        p.requires_grad_(False)
+    return losses
+
+
+def chain_tau(trainer: Trainer, drafter: DFlashDrafter, records: list[Sample], anchors: int = 8) -> dict:
+    """Chain tau on `records`' blocks two ways: each position's first choice (DFlash's chain) and
+    the selector's walk from the anchor. tau = 1 + leading drafts equal to the answer, over
+    blocks whose labels all lie inside the answer (what a decoding step sees)."""
+    spec = SelectorSpec(drafter.config.selector_rank, drafter.config.selector_top_k, drafter.config.vocab_size)
+    selector = Selector(spec, *drafter.codebooks())
+    block = drafter.config.block_size
+    lead = {"chain": [], "selector": []}
+    with torch.no_grad():
+        for start in range(0, len(records), trainer.opts.batch):
+            gen = torch.Generator().manual_seed(12345 + start)
+            batch = make_batch(
+                records[start : start + trainer.opts.batch],
+                trainer.features,
+                trainer.cfg,
+                anchors,
+                trainer.opts.max_len,
+                gen,
+            )
+            hidden, labels = trainer.block_rows(batch)
+            for s, n in zip(*((labels[..., 1:] >= 0).all(-1)).nonzero(as_tuple=True), strict=True):
+                rows, want = hidden[s, n, 1:], labels[s, n, 1:].tolist()
+                unary, slots = selector.candidates(trainer.project(rows))
+                ids = trainer.vocab[slots]
+                walk = selector.walk_candidates(unary, ids, drafter.gate(rows), int(batch.block_tokens[s, n, 0]))
+                for name, chain in (("chain", ids[:, 0].tolist()), ("selector", walk)):
+                    count = 0
+                    while count < block - 1 and chain[count] == want[count]:
+                        count += 1
+                    lead[name].append(count)
+    return {name: 1.0 + sum(v) / max(len(v), 1) for name, v in lead.items()} | {"blocks": len(lead["chain"])}
