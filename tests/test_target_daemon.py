@@ -157,7 +157,9 @@ def test_a_new_token_limit_past_what_one_reply_carries_is_refused_at_start(capsy
 def test_queue_limits_answer_busy_and_lose_nothing_accepted(model_dir, tmp_path):
     address = f"ipc://{tmp_path}/busy.sock"
     args = ["--model", str(model_dir), "--proposer", "none", "--max-queued-per-client", "2", "--max-queued", "3"]
-    args += ["--max-new-tokens-limit", "300"]
+    # One slot: the first request runs and two wait, however the six arrive across intakes (with
+    # eight slots, requests read in a later intake found an empty queue and ran).
+    args += ["--max-new-tokens-limit", "300", "--max-batch", "1"]
     with daemon("target daemon", "launch.target_daemon", address, args, 120):
         context = zmq.Context.instance()
         a, b = dealer(context, address), dealer(context, address)
