@@ -102,13 +102,14 @@ class DraftService:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"the draft daemon does not serve '{msg.type}' requests")
 
     def on_hello(self, msg: Message) -> list:
-        kind = self.info.get("format", "dflash")
+        info = self.info
+        kind = info.get("format", "dflash")
         if kind not in msg["formats"]:
             raise ProtocolError(
                 ErrorCode.CONFIG_MISMATCH,
                 f"this drafter is {kind}; the target drives {' and '.join(msg['formats'])} drafters only",
             )
-        problems = fit_problems(self.info, msg["target"])
+        problems = fit_problems(info, msg["target"])
         if problems:
             raise ProtocolError(ErrorCode.CONFIG_MISMATCH, "drafter does not fit this target: " + "; ".join(problems))
         offered = [d for d in msg["wire_dtypes"] if d in self.wire_dtypes]
@@ -119,7 +120,7 @@ class DraftService:
             )
         chosen = self.preferred_wire_dtype if self.preferred_wire_dtype in offered else offered[0]
         log.debug("hello from %r: wire dtype %s", msg["client"], chosen)  # names stay out of INFO logs
-        return encode("hello_ok", msg.id, {"drafter": self.info, "wire_dtype": chosen, "wire_dtypes": self.wire_dtypes})
+        return encode("hello_ok", msg.id, {"drafter": info, "wire_dtype": chosen, "wire_dtypes": self.wire_dtypes})
 
     def on_open(self, msg: Message) -> list:
         spec = msg.tensors["mask"][0]
@@ -209,11 +210,8 @@ class DraftService:
         except OutOfOrderError as exc:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{exc}; reset the session to {start} first") from exc
         block = torch.cat([last, session.mask.expand(cfg.block_size - 1, -1)])
-        hidden = session.cache.draft(block, position)[1 : 1 + rows]
-        tensors = {"hidden": hidden}
-        if cfg.dflash2:
-            with torch.inference_mode():
-                tensors["gate"] = self.drafter.gate(hidden)
+        hidden, gate = session.cache.draft_rows(block, position, rows)
+        tensors = {"hidden": hidden} if gate is None else {"hidden": hidden, "gate": gate}
         if hidden.device.type == "cuda":
             torch.cuda.synchronize(hidden.device)
         draft_ms = (time.perf_counter() - began) * 1000

@@ -63,6 +63,13 @@ class DraftKVCache:
         self.length = start + rows
 
     @torch.inference_mode()
+    def draft_rows(self, noise: torch.Tensor, position: int, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The hidden states of block slots 1..rows (slot 0, last_tok, is never a draft) and, for
+        a DFlash2 drafter, their selector gate: what a proposal carries, wherever it is drafted."""
+        hidden = self.draft(noise, position)[1 : 1 + rows]
+        return hidden, self.drafter.gate(hidden) if self.drafter.config.dflash2 else None
+
+    @torch.inference_mode()
     def draft(self, noise: torch.Tensor, position: int) -> torch.Tensor:
         """Block hidden states for a noise block whose slot 0 is the token at `position`."""
         if position != self.length:

@@ -113,14 +113,16 @@ def draft_head(target: TargetModel, vocab: tuple[int, ...]) -> DraftHead:
 
 # One selector per target and codebooks (named by their checksum): fetched once however many
 # slots draft, and not again when the same drafter comes back after a restart.
-_SELECTORS: weakref.WeakKeyDictionary[TargetModel, dict[str, Selector]] = weakref.WeakKeyDictionary()
+_SELECTORS: weakref.WeakKeyDictionary[TargetModel, dict[tuple[str, SelectorSpec], Selector]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def selector_for(
     target: TargetModel, spec: SelectorSpec, drafter: dict, codebooks: Callable[[], tuple[torch.Tensor, torch.Tensor]]
 ) -> Selector:
     selectors = _SELECTORS.setdefault(target, {})
-    key = drafter["selector"]["checksum"]
+    key = (drafter["selector"]["checksum"], spec)  # the same codebooks with another top-k are another selector
     if key not in selectors:
         predecessor, successor = codebooks()
         selectors[key] = Selector(spec, predecessor.to(target.device), successor.to(target.device))

@@ -213,11 +213,7 @@ class LocalDraftBackend:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         began = time.perf_counter()
         self.cache.append(start, features)
-        hidden = self.cache.draft(noise, position)[1 : 1 + rows]
-        gate = None
-        if self.drafter.config.dflash2:
-            with torch.inference_mode():
-                gate = self.drafter.gate(hidden)
+        hidden, gate = self.cache.draft_rows(noise, position, rows)
         self.counters["proposals"] += 1
         self.counters["draft_ms"] += (time.perf_counter() - began) * 1000
         return hidden, gate
