@@ -7,12 +7,13 @@ drafters) use the same layout so every path through the system loads them the sa
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from draft_node.config import DFLASH2, CheckpointError, DFlashConfig
+from draft_node.config import CheckpointError, DFlashConfig, in_dflash2
 from draft_node.model import DFlashDrafter
 
 
@@ -135,19 +136,7 @@ def config_for_target(
         # Spread over depth, from layer 1 up to the second-to-last layer.
         spread = (round(1 + i * (depth - 3) / max(taps - 1, 1)) for i in range(taps))
         target_layer_ids = sorted({min(depth - 1, max(0, layer)) for layer in spread})
-    v2 = {}
-    if dflash2:
-        v2 = dict(
-            architecture=DFLASH2,
-            is_causal=False,
-            conv_kernel_size=2,
-            conv_group_size=max(g for g in (1, 2, 4, 8, 16) if hidden % g == 0),
-            selector_rank=min(256, hidden),
-            selector_top_k=min(16, target_config.vocab_size),
-            vocab_size=target_config.vocab_size,
-        )
-    return DFlashConfig(
-        **v2,
+    cfg = DFlashConfig(
         hidden_size=hidden,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
@@ -163,3 +152,4 @@ def config_for_target(
         layer_types=tuple(layer_types or ()),
         sliding_window=sliding_window,
     )
+    return replace(in_dflash2(cfg, target_config.vocab_size), is_causal=False) if dflash2 else cfg

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 FULL = "full_attention"
@@ -199,6 +199,26 @@ class DFlashConfig:
                 else {}
             ),
         )
+
+
+def in_dflash2(cfg: DFlashConfig, vocab_size: int, rank: int = 0, top_k: int = 0) -> DFlashConfig:
+    """`cfg` in the DFlash2 format, with the published convolution and selector shapes (kernel 2,
+    groups of 16 channels, rank 256, top 16; smaller where the drafter is smaller, `rank` and
+    `top_k` where given). Its blocks see the rows they saw before, said explicitly where every
+    layer agrees (the published configs say `is_causal`). A DFlash2 config is returned as it is."""
+    if cfg.dflash2:
+        return cfg
+    causal = {cfg.causal(t) for t in cfg.layer_types}
+    return replace(
+        cfg,
+        architecture=DFLASH2,
+        is_causal=causal.pop() if len(causal) == 1 else cfg.is_causal,
+        conv_kernel_size=2,
+        conv_group_size=max(g for g in (1, 2, 4, 8, 16) if cfg.hidden_size % g == 0),
+        selector_rank=rank or min(256, cfg.hidden_size),
+        selector_top_k=top_k or min(16, vocab_size),
+        vocab_size=vocab_size,
+    )
 
 
 def read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

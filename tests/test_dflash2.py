@@ -23,7 +23,7 @@ from target_node.decoding.sequence import generate
 from target_node.drafting import remote
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
 from target_node.drafting.remote import RemoteDraftBackend
-from target_node.drafting.selector import Selector, SelectorSpec, rerank
+from target_node.drafting.selector import Lattice, Selector, SelectorSpec, rerank
 
 H, HEADS, KV, HD, INNER, LAYERS, VOCAB = 64, 4, 2, 16, 96, 2, 200
 BLOCK, TAPS, GROUP, RANK, TOP_K, WINDOW = 8, 2, 16, 12, 5, 6
@@ -255,13 +255,57 @@ def test_selector_walk_equals_the_reference(tmp_path, multiplier, cap):
         hidden, logits = torch.randn(BLOCK - 1, H, generator=g), torch.randn(BLOCK - 1, VOCAB, generator=g) * 2
         logits[0, :3] = logits[0].max()  # ties: the lower id goes first
         anchor = trial * 7 % VOCAB
-        chain = selector.walk(logits, drafter.gate(hidden), anchor)
+        chain = selector.lattice(logits, drafter.gate(hidden), anchor).greedy()
         assert chain == ref_walk(w, logits, hidden, anchor, multiplier, cap)
         differs += chain != logits.argmax(-1).tolist()
         reranked = rerank(logits, chain)
         assert reranked.argmax(-1).tolist() == chain  # and the values are the same, the top one an ulp up
         torch.testing.assert_close(reranked.sort(-1).values, logits.sort(-1).values, rtol=1e-6, atol=0)
     assert differs > 0, "the pair term never changed a choice: the walk was not exercised"
+
+
+def test_candidates_searched_among_a_draft_vocabulary_are_those_of_the_whole_one():
+    """A drafter with a draft vocabulary has finite logits only there: searching those ids alone
+    finds the same candidates in the same order, ties at the top (in id order) included."""
+    g = torch.Generator().manual_seed(8)
+    among = torch.randperm(VOCAB, generator=g)[: VOCAB // 3]
+    selector = Selector(SelectorSpec(RANK, TOP_K, VOCAB), torch.randn(VOCAB, RANK), torch.randn(VOCAB, RANK))
+    for _ in range(10):
+        logits = torch.full((BLOCK - 1, VOCAB), float("-inf"))
+        logits[:, among] = torch.randn(BLOCK - 1, len(among), generator=g)
+        logits[:, among[:3]] = logits.max(-1, keepdim=True).values  # three ids tie for first place
+        whole, searched = selector.candidates(logits), selector.candidates(logits, among)
+        assert torch.equal(whole[0], searched[0]) and torch.equal(whole[1], searched[1])
+
+
+def test_a_sampled_walk_draws_each_draft_from_the_q_it_reports():
+    """At T > 0 the walk draws row by row, each row's candidate from softmax(scores / T) after the
+    candidate drawn before it: the pairs' frequencies follow that chained law (not the rows'
+    marginals), and each q row is the distribution its draft came from, zero off the candidates."""
+    from target_node.decoding.sampling import Sampler, SamplingParams, probabilities
+
+    g = torch.Generator().manual_seed(5)
+    k, vocab, temperature = 3, 11, 0.7
+    ids = torch.tensor([[4, 9, 1], [2, 7, 5]])
+    scores = torch.randn(2, k, k, generator=g) * 2
+    scores[0] = scores[0, 0]  # row 0 follows the anchor: the same for every predecessor
+    lattice = Lattice(ids, scores, vocab)
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=3))
+    first = torch.softmax(scores[0, 0] / temperature, -1)
+    law = {(int(ids[0, i]), int(ids[1, j])): float(first[i] * torch.softmax(scores[1, i] / temperature, -1)[j])
+           for i in range(k) for j in range(k)}  # fmt: skip
+    runs, counts = 20000, {}
+    for _ in range(runs):
+        drafts, q = sampler.draft([0, 0], None, lattice)
+        counts[tuple(drafts)] = counts.get(tuple(drafts), 0) + 1
+        i = ids[0].tolist().index(drafts[0])
+        torch.testing.assert_close(q[0, ids[0]], first)
+        torch.testing.assert_close(q[1, ids[1]], probabilities(scores[1, i], sampler.params))
+        assert float(q.sum(-1).sub(1).abs().max()) < 1e-6 and int((q > 0).sum()) <= 2 * k
+    for pair, p in law.items():  # 4 sigma of a binomial count
+        assert abs(counts.get(pair, 0) / runs - p) <= 4 * math.sqrt(p * (1 - p) / runs) + 1e-3, (pair, p)
+    greedy_params = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=3))
+    assert greedy_params.draft([0, 0], None, lattice)[0] == lattice.greedy()
 
 
 def test_a_config_missing_a_dflash2_key_is_refused_by_name(tmp_path):

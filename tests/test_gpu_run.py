@@ -50,6 +50,7 @@ def test_tiny_mode_runs_every_phase(tmp_path):
     assert all(r["differs"] == 0 for r in rounds.values()) and rounds["dflash x3"]["drafted_steps"] > 0
     assert phases["gen"]["answers"] > 0 and list((out / "answers").glob("*.jsonl.gz"))
     assert (out / "drafter" / "model.safetensors").is_file()
+    assert json.loads((out / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     compared = {k: v for k, v in phases["eval"].items() if k in ("shipped", "new")}
     assert len(compared) == 2 and all(m["mismatches"] == 0 and m["tau"] >= 1.0 for m in compared.values())
     assert (out / "log.txt").read_text().count("== ") == 8

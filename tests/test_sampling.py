@@ -277,8 +277,8 @@ def proposer_for(kind: str, target, block: int):
 
 # Four tokens: a first plain one, then blocks of up to two drafts plus a bonus; both 3-token windows
 # are checked, so acceptance, rejection at either draft and the bonus draw all count.
-# The random drafter also gets a hint that fixes the first draft of the first block (one-hot q)
-# while the drafter samples the second.
+# The random drafters also get a hint that fixes the first draft of the first block (one-hot q)
+# while the drafter samples the second (DFlash2: walking its selector's lattice from its own draw).
 @pytest.mark.parametrize(
     "kind, params",
     [
@@ -287,12 +287,12 @@ def proposer_for(kind: str, target, block: int):
         ("ngram", SamplingParams(temperature=1.5, top_p=0.8)),
         ("dflash2", SamplingParams(temperature=0.9, top_k=8)),
     ],
-    ids=["random-top_p-hinted", "mirror-top_k", "ngram-hot", "dflash2-selector"],
+    ids=["random-top_p-hinted", "mirror-top_k", "ngram-hot", "dflash2-walk-hinted"],
 )
 def test_sampled_output_has_the_targets_law(target, kind, params):
     length, n = 4, RUNS
     proposer = proposer_for(kind, target, block=3)
-    hints = greedy(target, PROMPT, 2, stop_on_eos=False) if kind == "random" else None
+    hints = greedy(target, PROMPT, 2, stop_on_eos=False) if kind in ("random", "dflash2") else None
     counts: list[Counter] = [Counter(), Counter()]
     proposed = accepted = 0
     for seed in range(n):
@@ -311,7 +311,7 @@ def test_sampled_output_has_the_targets_law(target, kind, params):
 # --- determinism and the greedy path ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["random", "mirror", "ngram"])
+@pytest.mark.parametrize("kind", ["random", "mirror", "ngram", "dflash2"])
 def test_seeds_reproduce_exactly(target, kind):
     def run(seed):
         sampling = SamplingParams(temperature=1.2, top_p=0.95, seed=seed)
@@ -323,7 +323,7 @@ def test_seeds_reproduce_exactly(target, kind):
     assert run(12)[0] != first[0]
 
 
-@pytest.mark.parametrize("kind", ["random", "oracle", "mirror", "ngram", "none"])
+@pytest.mark.parametrize("kind", ["random", "oracle", "mirror", "ngram", "dflash2", "none"])
 def test_top_k_one_is_greedy(target, kind):
     """With all mass on the argmax, sampling must retrace greedy decoding, drafts and all."""
     want = greedy(target, PROMPT, 20, stop_on_eos=False)

@@ -511,7 +511,8 @@ def test_a_selector_trained_on_a_backbone_chains_its_drafts_better(setup, tmp_pa
     and the selector, trained on the backbone's rows alone, raises the walk's chain tau over the
     first choices' on the blocks it learned from; the export loads and stays lossless."""
     from target_node.drafting.selector import Selector, SelectorSpec
-    from training.selector import as_dflash2, chain_tau, fit, positions
+    from training.selector import chain_tau, fit, positions
+    from training.trainer import as_dflash2
 
     target, cfg, store, features = setup
     train(target, cfg, store.answers, features, opts(steps=150), tmp_path / "s.pt", tmp_path / "dflash", log=print)
@@ -537,7 +538,49 @@ def test_a_selector_trained_on_a_backbone_chains_its_drafts_better(setup, tmp_pa
     out = save_drafter(export_drafter(trainer.drafter, trainer.scale), tmp_path / "dflash2")
     loaded = load_drafter(out)
     assert loaded.config.dflash2
+    scored = estimate(target, loaded, store.answers, features, anchors=8)  # offline, the walk beside the chain
+    assert scored["selector_tau"] > scored["tau"] > 1.0
     for a in store.answers[:3]:
         prompt = a.tokens[: a.prompt_len]
         result = generate(target, prompt, DFlashProposer(LocalDraftBackend(loaded)), 30, adaptive=False)
+        assert result.tokens == greedy(target, prompt, 30)
+
+
+def test_launch_train_makes_a_dflash2_drafter_from_a_dflash_one(setup, tmp_path):
+    """`--format dflash2 --init DFLASH`: the backbone starts out drafting exactly as the DFlash
+    drafter (identity convolutions), its convolutions then learn with it, and its selector learns
+    on its outputs; the checkpoint loads as DFlash2 and decodes losslessly."""
+    from launch.train import main
+
+    target, cfg, store, features = setup
+    dflash = tmp_path / "dflash"
+    train(target, cfg, store.answers, features, opts(steps=60), tmp_path / "a.pt", dflash, log=lambda m: None)
+    v2_cfg = config_for_target(target.config, num_layers=1, block_size=4, mask_token_id=0, dflash2=True)
+    before, after = (Trainer(target, c, store.answers, features, opts()) for c in (cfg, v2_cfg))
+    before.init_from(load_drafter(dflash))
+    after.init_from(load_drafter(dflash))
+    with torch.no_grad():
+        batch = before.batch(0)
+        assert torch.equal(after.logits(batch)[0], before.logits(batch)[0])
+
+    model_dir, out = tmp_path / "model", tmp_path / "dflash2"
+    target.model.save_pretrained(model_dir)
+    main(
+        ["--model", str(model_dir), "--store", str(store.folder), "--cache", str(tmp_path / "cache"), "--name", "v2",
+         "--block-size", "4", "--threads", "1", "--stage", "train", "--format", "dflash2", "--init", str(dflash),
+         "--out", str(out), "--steps", "40", "--lr", "5e-3", "--warmup", "5", "--batch", "4", "--anchors", "8",
+         "--eval-every", "0", "--draft-vocab", "0", "--selector-rank", "16", "--selector-batches", "4",
+         "--selector-steps", "80", "--selector-lr", "1e-2"]
+    )  # fmt: skip
+    drafter = load_drafter(out)
+    assert drafter.config.dflash2 and drafter.config.selector_rank == 16
+    conv = dict(drafter.named_parameters())
+    assert conv["layers.0.attention_conv.base_kernel"][:, 1].abs().sum() > 0  # the second tap learned
+    assert conv["layers.0.mlp_conv.kernel_projection.weight"].abs().sum() > 0  # and the dynamic part
+    log = (tmp_path / "cache" / "train" / "v2" / "train.log").read_text()
+    first, last = re.search(r"selector: loss ([\d.]+) -> ([\d.]+)", log).groups()
+    assert float(last) < float(first)
+    for a in store.answers[:3]:
+        prompt = a.tokens[: a.prompt_len]
+        result = generate(target, prompt, DFlashProposer(LocalDraftBackend(drafter)), 30, adaptive=False)
         assert result.tokens == greedy(target, prompt, 30)

@@ -1,10 +1,10 @@
 """Train a DFlash2 candidate selector on a trained backbone, cheaply.
 
-The backbone stays as it is: a DFlash drafter becomes a DFlash2 one whose convolutions are the
-identity (`as_dflash2`: it drafts exactly as before), and only the selector learns. Its data
-are the backbone's block rows at answer anchors, computed once without gradients; each draft
-position is then a tiny classification, teacher-forced as the published recipe does: the
-predecessor is the answer's token before the position (the anchor for the first), the
+The backbone stays as it is (a DFlash drafter becomes a DFlash2 one whose convolutions are the
+identity, `training.trainer.as_dflash2`: it drafts exactly as before), and only the selector
+learns. Its data are the backbone's block rows at answer anchors, computed once without
+gradients; each draft position is then a tiny classification, teacher-forced as the published
+recipe does: the predecessor is the answer's token before the position (the anchor for the first), the
 classes are the top-k candidates of the draft logits, and the answer's token is the label
 (positions whose token is not among them teach nothing). Scores are the walk's own
 (`pair_scores`), so what is trained is what the target runs.
@@ -12,46 +12,15 @@ classes are the top-k candidates of the draft logits, and the answer's token is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from draft_node.config import DFLASH2
 from draft_node.model import DFlashDrafter
 from target_node.drafting.selector import Selector, SelectorSpec, pair_scores
 from training.trainer import Batch, Sample, Trainer, make_batch
-
-
-def as_dflash2(
-    drafter: DFlashDrafter, vocab_size: int, rank: int = 256, top_k: int = 16, seed: int = 0
-) -> DFlashDrafter:
-    """`drafter` in the DFlash2 format: identity convolutions (two taps, the published groups of
-    16 channels where they divide the width), and a selector of small random codebooks (a
-    zero start has no gradient: the pair term is a product)."""
-    cfg = drafter.config
-    group = max(g for g in (1, 2, 4, 8, 16) if cfg.hidden_size % g == 0)
-    v2 = replace(
-        cfg, architecture=DFLASH2, conv_kernel_size=2, conv_group_size=group, selector_rank=rank,
-        selector_top_k=top_k, vocab_size=vocab_size,
-    )  # fmt: skip
-    out = DFlashDrafter(v2).to(drafter.dtype)
-    state = {k: v.clone() for k, v in drafter.state_dict().items()}
-    g = torch.Generator().manual_seed(seed)
-    for name, p in out.state_dict().items():
-        if name in state:
-            continue
-        if name.endswith("base_kernel"):
-            identity = torch.zeros_like(p)
-            identity[:, 0] = 1.0  # tap 0 passes the row through, on both sides
-            state[name] = identity
-        elif name.endswith("kernel_projection.weight"):
-            state[name] = torch.zeros_like(p)
-        else:
-            state[name] = (torch.randn(p.shape, generator=g) * 0.02).to(p.dtype)
-    out.load_state_dict(state)
-    out.draft_vocab = list(drafter.draft_vocab)
-    return out.eval()
 
 
 @dataclass
@@ -110,6 +79,25 @@ def fit(
     return losses
 
 
+def train_selector(trainer: Trainer, batches: int, steps: int, lr: float, log: Callable[[str], None] = print) -> dict:
+    """Train the selector of `trainer`'s DFlash2 drafter on its backbone's rows at the anchors of
+    the first `batches` training batches; returns (and logs) chain tau on the held-out answers
+    with each position's first choice and with the walk, before and after."""
+    cfg = trainer.drafter.config
+    picker = Selector(SelectorSpec(cfg.selector_rank, cfg.selector_top_k, cfg.vocab_size), *trainer.drafter.codebooks())
+    data = positions(trainer, picker, [trainer.batch(i) for i in range(batches)])  # its codebooks are not read
+    log(f"selector: {len(data.label)} draft positions from {batches} batches")
+    before = chain_tau(trainer, trainer.drafter, trainer.val_records)
+    losses = fit(trainer.drafter, data, steps, lr, seed=trainer.opts.seed)
+    after = chain_tau(trainer, trainer.drafter, trainer.val_records)
+    log(f"selector: loss {losses[0]:.4f} -> {sum(losses[-20:]) / len(losses[-20:]):.4f} over {len(losses)} steps")
+    log(
+        f"chain tau on {after['blocks']} held-out blocks: first choices {after['chain']:.3f}, "
+        f"selector walk {after['selector']:.3f} (before training {before['selector']:.3f})"
+    )
+    return {"before": before, "after": after}
+
+
 def chain_tau(trainer: Trainer, drafter: DFlashDrafter, records: list[Sample], anchors: int = 8) -> dict:
     """Chain tau on `records`' blocks two ways: each position's first choice (DFlash's chain) and
     the selector's walk from the anchor. tau = 1 + leading drafts equal to the answer, over
@@ -134,7 +122,8 @@ def chain_tau(trainer: Trainer, drafter: DFlashDrafter, records: list[Sample], a
                 rows, want = hidden[s, n, 1:], labels[s, n, 1:].tolist()
                 unary, slots = selector.candidates(trainer.project(rows))
                 ids = trainer.vocab[slots]
-                walk = selector.walk_candidates(unary, ids, drafter.gate(rows), int(batch.block_tokens[s, n, 0]))
+                anchor, vocab = int(batch.block_tokens[s, n, 0]), drafter.config.vocab_size
+                walk = selector.lattice_of_candidates(unary, ids, drafter.gate(rows), anchor, vocab).greedy()
                 for name, chain in (("chain", ids[:, 0].tolist()), ("selector", walk)):
                     count = 0
                     while count < block - 1 and chain[count] == want[count]:

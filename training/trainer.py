@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from draft_node.checkpoint import load_drafter, random_drafter, save_draft_vocab, save_drafter
-from draft_node.config import DFlashConfig
+from draft_node.config import DFlashConfig, in_dflash2
 from draft_node.model import DFlashDrafter
 from training.answer_store import Answer
 from training.features import FeatureCache
@@ -48,6 +48,7 @@ class TrainOptions:
     eval_every: int = 200
     save_every: int = 200
     weight_decay: float = 0.01
+    conv_lr_scale: float = 1.0  # DFlash2: the convolutions' learning rate, relative to lr
     out_scale: float = 0.3  # initial output-norm weight
     device: str = "cpu"
     # bf16 halves the head's memory, but CPUs without native bf16 units run its matmuls several
@@ -102,11 +103,29 @@ def init_drafter(cfg: DFlashConfig, seed: int, out_scale: float = 0.3) -> DFlash
 
     Starting the output norm at 1 (or at the target's own final norm) gives confident random
     logits and a first phase spent only unlearning them; 0.3 measured lower loss on SmolLM2.
+    DFlash2's convolutions start as the identity: random kernels would scale every sublayer's
+    input and output by ~0.02.
     """
     drafter = random_drafter(cfg, seed=seed)
     with torch.no_grad():
         drafter.norm.weight.fill_(out_scale)
+        for name, p in drafter.named_parameters():
+            if name.endswith(("base_kernel", "kernel_projection.weight")):
+                p.copy_(_dflash2_start(name, p))
     return drafter
+
+
+def _dflash2_start(name: str, like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The first value of a tensor DFlash2 adds to a DFlash drafter: convolutions that pass each
+    row through (tap 0 is 1 on both sides, no dynamic part), and small random codebooks and
+    projection (a zero start has no gradient: the selector's pair term is a product)."""
+    if name.endswith("base_kernel"):
+        identity = torch.zeros(like.shape)
+        identity[:, 0] = 1.0
+        return identity
+    if name.endswith("kernel_projection.weight"):
+        return torch.zeros(like.shape)
+    return torch.randn(like.shape, generator=generator) * 0.02
 
 
 def feature_scale(features: np.ndarray, rows: int = 20000, seed: int = 0) -> torch.Tensor:
@@ -131,25 +150,50 @@ def export_drafter(drafter: DFlashDrafter, scale: torch.Tensor) -> DFlashDrafter
 
 
 def grown_state(drafter: DFlashDrafter, cfg: DFlashConfig) -> dict[str, torch.Tensor]:
-    """`drafter`'s weights for a drafter of config `cfg` with as many or more layers.
+    """`drafter`'s weights for a drafter of config `cfg` with as many or more layers, and in the
+    DFlash2 format where `cfg` is and `drafter` is not.
 
     Each added layer copies the last trained one but with zero output projections (o_proj,
-    down_proj), so it adds nothing to the residual stream: the grown drafter's outputs equal
-    the trained one's, and training starts from there rather than from noise.
+    down_proj), so it adds nothing to the residual stream; DFlash2's additions start as
+    `_dflash2_start` has them, identity convolutions. Either way the grown drafter's outputs
+    equal the trained one's, and training starts from there rather than from noise.
     """
     have = drafter.config.num_hidden_layers
-    same_shape = replace(drafter.config, num_hidden_layers=cfg.num_hidden_layers, layer_types=cfg.layer_types)
+    source = (
+        in_dflash2(drafter.config, cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k)
+        if cfg.dflash2
+        else drafter.config
+    )
+    same_shape = replace(source, num_hidden_layers=cfg.num_hidden_layers, layer_types=cfg.layer_types)
     if same_shape != cfg or have > cfg.num_hidden_layers:
         raise ValueError(f"--init drafter has config {drafter.config}, this run trains {cfg}")
     state = dict(drafter.state_dict())
+    if source is not drafter.config:
+        with torch.device("meta"):
+            skeleton = DFlashDrafter(replace(cfg, num_hidden_layers=have, layer_types=cfg.layer_types[:have]))
+        generator = torch.Generator().manual_seed(0)
+        for name, p in skeleton.state_dict().items():
+            if name not in state:
+                state[name] = _dflash2_start(name, p, generator)
     last = f"layers.{have - 1}."
     for i in range(have, cfg.num_hidden_layers):
-        for name, weight in drafter.state_dict().items():
+        for name, weight in list(state.items()):
             if name.startswith(last):
                 new = f"layers.{i}." + name[len(last) :]
                 zero = name.endswith(("o_proj.weight", "down_proj.weight"))
                 state[new] = torch.zeros_like(weight) if zero else weight.clone()
     return state
+
+
+def as_dflash2(drafter: DFlashDrafter, vocab_size: int, rank: int = 0, top_k: int = 0) -> DFlashDrafter:
+    """`drafter` in the DFlash2 format (`in_dflash2`'s shapes): it drafts exactly as before, through
+    identity convolutions, with a selector of small random codebooks. A DFlash2 drafter comes back
+    as a copy."""
+    cfg = in_dflash2(drafter.config, vocab_size, rank, top_k)
+    out = DFlashDrafter(cfg)
+    out.load_state_dict({k: v.float() for k, v in grown_state(drafter, cfg).items()})
+    out.draft_vocab = list(drafter.draft_vocab)
+    return out.to(drafter.dtype).eval()
 
 
 def make_batch(
@@ -206,18 +250,33 @@ class Trainer:
         self.use_vocabulary(draft_vocabulary(self.train_records, opts.draft_vocab) if opts.draft_vocab else [])
         self.drafter = init_drafter(cfg, opts.seed, opts.out_scale).to(self.dev)
         self.scale = feature_scale(self.features, seed=opts.seed).to(self.dev)
-        decay = [p for name, p in self.drafter.named_parameters() if not name.endswith("norm.weight")]
-        keep = [p for name, p in self.drafter.named_parameters() if name.endswith("norm.weight")]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": opts.weight_decay}, {"params": keep, "weight_decay": 0.0}],
-            lr=opts.lr,
-            betas=(0.9, 0.95),
-        )
+        self.optimizer = torch.optim.AdamW(self._param_groups(), lr=opts.lr, betas=(0.9, 0.95))
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         k = torch.arange(cfg.block_size, dtype=torch.float32)
         self.slot_weight = torch.where(k >= 1, torch.exp(-(k - 1) / opts.gamma), torch.zeros(())).to(self.dev)
         self.step = 0
         self.history: list[float] = []
+
+    def _param_groups(self) -> list[dict]:
+        """The backbone learns here; a DFlash2 selector learns on its outputs afterwards
+        (training.selector). Norms and DFlash2's base kernels start at one and stay undecayed;
+        DFlash2's convolutions may learn at their own rate (`conv_lr_scale`), so that on a trained
+        backbone the new, identity-started parts do not shake it while Adam finds their scale."""
+        groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+        for name, p in self.drafter.named_parameters():
+            if name.startswith("candidate_selector."):
+                continue
+            conv = "_conv." in name
+            keep = name.endswith(("norm.weight", "base_kernel"))
+            groups.setdefault((conv, keep), []).append(p)
+        return [
+            {
+                "params": params,
+                "weight_decay": 0.0 if keep else self.opts.weight_decay,
+                "lr": self.opts.lr * (self.opts.conv_lr_scale if conv else 1.0),
+            }
+            for (conv, keep), params in groups.items()
+        ]
 
     def use_vocabulary(self, ids: list[int]) -> None:
         """Propose from these tokens only ([]: all of them).
@@ -432,7 +491,8 @@ def estimate(
     features: FeatureCache,
     anchors: int = 100,
 ) -> dict:
-    """A drafter's greedy-chain acceptance on `answers` (held out or not), offline.
+    """A drafter's greedy-chain acceptance on `answers` (held out or not), offline; a DFlash2
+    drafter's also with its selector's walk (`selector_tau`).
 
     The count `Trainer.evaluate` makes, through the drafter's own draft vocabulary, at anchors
     fixed by the answer list: drafters scored on one list are scored on the same blocks, in
@@ -441,4 +501,10 @@ def estimate(
     trainer = Trainer(target, drafter.config, answers, features, TrainOptions(draft_vocab=0))
     trainer.use_vocabulary(list(drafter.draft_vocab or []))
     trainer.init_from(drafter)
-    return trainer.evaluate(samples(answers, features), anchors=anchors)
+    records = samples(answers, features)
+    result = trainer.evaluate(records, anchors=anchors)
+    if result and drafter.config.dflash2:  # and the selector's walk, on the same blocks
+        from training.selector import chain_tau  # (it builds on this module)
+
+        result["selector_tau"] = chain_tau(trainer, trainer.drafter, records, anchors)["selector"]
+    return result

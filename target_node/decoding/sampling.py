@@ -10,8 +10,9 @@ n-gram guess, a hint) is the same rule: accept with probability p(x), else draw 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
+from typing import Protocol
 
 import torch
 
@@ -156,6 +157,14 @@ def one_hot_drafts(drafts: list[int], vocab: int, device: torch.device | str = "
     return q
 
 
+class Walk(Protocol):
+    """Drafts drawn one after another, each from a distribution that depends on the one before (a
+    DFlash2 selector's lattice): `draw(scores)` gives a distribution over a row's candidates and
+    one of them; `sample` returns the drafts and q [rows, vocab]."""
+
+    def sample(self, draw: Callable[[torch.Tensor], tuple[torch.Tensor, int]]) -> tuple[list[int], torch.Tensor]: ...
+
+
 class Sampler:
     """One request's sampling: its options, and the generator every draw comes from."""
 
@@ -167,12 +176,23 @@ class Sampler:
         """The token after a prefill: a plain draw from the processed target distribution."""
         return int(sample(probabilities(logits, self.params), self.generator))
 
-    def draft(self, tokens: list[int], logits: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
-        """Drafts drawn from the drafter's processed distribution q; guesses without logits stay one-hot."""
+    def draft(
+        self, tokens: list[int], logits: torch.Tensor | None, walk: Walk | None = None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Drafts and the distributions q they were drawn from: each position on its own from the
+        drafter's processed distribution, or, with a DFlash2 selector's `walk`, each from the
+        processed scores of its candidates after the draft before it. Guesses without logits
+        stay one-hot (q None)."""
+        if walk is not None and tokens:
+            return walk.sample(self._draw)
         if logits is None or not tokens:
             return tokens, None
         q = probabilities(logits[: len(tokens)], self.params)
         return sample(q, self.generator).tolist(), q
+
+    def _draw(self, scores: torch.Tensor) -> tuple[torch.Tensor, int]:
+        probs = probabilities(scores, self.params)
+        return probs, int(sample(probs, self.generator))
 
     def verify(
         self, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, fixed: int = 0

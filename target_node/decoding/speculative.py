@@ -119,7 +119,7 @@ def plan_step(
         tree, probabilities = draft_tree(proposal, limit, hints, trees, governor)
         predicted = tree.expected()[-1] if probabilities else None
     else:
-        drafts, q = sampler.draft(proposal.tokens, proposal.logits)
+        drafts, q = sampler.draft(proposal.tokens, proposal.logits, proposal.walk)
         drafts = [hints[i] if i < len(hints) else drafts[i] for i in range(max(len(drafts), len(hints)))]
         tree, predicted = DraftTree.chain(drafts), None
         if governor is not None:

@@ -18,7 +18,7 @@ import torch
 import kernels
 from protocol.messages import fit_problems
 from target_node.drafting.feature_ring import FeatureRing
-from target_node.drafting.selector import Selector, SelectorSpec, rerank
+from target_node.drafting.selector import Lattice, Selector, SelectorSpec, rerank
 from target_node.model.target import TargetModel
 
 
@@ -54,14 +54,18 @@ class Drafting:
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.project(hidden)
 
-    def guesses(self, hidden: torch.Tensor, gate: torch.Tensor | None, anchor: int) -> tuple[list[int], torch.Tensor]:
-        """(first choices, draft logits) for the drafter's rows after `anchor`: the argmaxes, or
-        with a DFlash2 selector its chain, made the logits' first choices (selector.rerank)."""
+    def guesses(
+        self, hidden: torch.Tensor, gate: torch.Tensor | None, anchor: int
+    ) -> tuple[list[int], torch.Tensor, Lattice | None]:
+        """(first choices, draft logits, the selector's lattice or None) for the drafter's rows after
+        `anchor`: the argmaxes, or with a DFlash2 selector its greedy chain, made the logits' first
+        choices (selector.rerank); sampled steps walk the lattice by drawing instead."""
         logits = self.project(hidden)
         if self.selector is None or gate is None:
-            return logits.argmax(-1).tolist(), logits
-        chain = self.selector.walk(logits, gate, anchor)
-        return chain, rerank(logits, chain)
+            return logits.argmax(-1).tolist(), logits, None
+        lattice = self.selector.lattice(logits, gate, anchor, self.head.vocab)
+        chain = lattice.greedy()
+        return chain, rerank(logits, chain), lattice
 
 
 class DraftHead:

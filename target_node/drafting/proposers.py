@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from target_node.drafting.bridge import Drafting
+from target_node.drafting.selector import Lattice
 from target_node.model.target import TargetModel
 
 
@@ -26,6 +27,8 @@ class Proposal:
     # None means the proposal is one-hot.
     logits: torch.Tensor | None = None
     source: str = ""
+    # A DFlash2 selector's lattice: sampled steps draw their drafts by walking it.
+    walk: Lattice | None = None
 
 
 EMPTY = Proposal([])
@@ -173,8 +176,8 @@ class DFlashProposer:
             self.synced = None
             return self.fallback.propose(tokens, max_tokens)
         self.synced = len(tokens) - 1
-        guesses, logits = drafting.guesses(hidden, gate, tokens[-1])
-        return Proposal(guesses, logits, self.name)
+        guesses, logits, walk = drafting.guesses(hidden, gate, tokens[-1])
+        return Proposal(guesses, logits, self.name, walk)
 
     def _request(self, tokens: list[int], max_tokens: int) -> tuple | None:
         """The backend's draft arguments for this step (the drafter's context brought in sync first)."""

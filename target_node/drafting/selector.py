@@ -13,6 +13,7 @@ multiplier, then a tanh cap): the candidates are the raw logits' top-k.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,13 +46,18 @@ class Selector:
         self.spec = spec
         self.predecessor, self.successor = predecessor.float(), successor.float()
 
-    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def candidates(self, logits: torch.Tensor, among: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(unary scores [rows, k] fp32, candidate ids [rows, k]): the raw logits' top-k, best first,
         equal logits in id order, with only the kept values scaled and capped. (A tie across the
-        k-th place is topk's to break: a full stable sort of the vocabulary costs 17 ms a step.)"""
+        k-th place is topk's to break: a full stable sort of the vocabulary costs 17 ms a step.)
+        `among`: the only ids whose logits are finite (a draft vocabulary), searched alone: a
+        sixth of SmolLM2's vocabulary takes a sixth of the time."""
         spec = self.spec
-        k = min(spec.top_k, logits.shape[-1])
-        values, ids = logits.float().topk(k, dim=-1)
+        pool = logits if among is None else logits.index_select(-1, among)
+        k = min(spec.top_k, pool.shape[-1])
+        values, ids = pool.float().topk(k, dim=-1)
+        if among is not None:
+            ids = among[ids]
         ids, by_id = ids.sort(-1)
         order = torch.sort(values.gather(-1, by_id), dim=-1, descending=True, stable=True).indices
         values, ids = values.gather(-1, by_id).gather(-1, order), ids.gather(-1, order)
@@ -60,29 +66,61 @@ class Selector:
             unary = torch.tanh(unary / spec.final_logit_softcapping) * spec.final_logit_softcapping
         return unary, ids
 
-    def walk(self, logits: torch.Tensor, gate: torch.Tensor, anchor: int) -> list[int]:
-        """Greedy chain [rows] from draft logits [rows, vocab] (the target's head over the drafter's
-        rows 1..) and the gate [rows, rank], starting after the verified `anchor` token."""
-        unary, ids = self.candidates(logits)
-        return self.walk_candidates(unary, ids, gate, anchor)
+    def lattice(
+        self, logits: torch.Tensor, gate: torch.Tensor, anchor: int, among: torch.Tensor | None = None
+    ) -> Lattice:
+        """The walk's lattice from draft logits [rows, vocab] (the target's head over the drafter's
+        rows 1..; finite only `among` these ids, if given) and the gate [rows, rank], starting after
+        the verified `anchor` token."""
+        unary, ids = self.candidates(logits, among)
+        return self.lattice_of_candidates(unary, ids, gate, anchor, logits.shape[-1])
 
-    def walk_candidates(self, unary: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, anchor: int) -> list[int]:
-        """The walk over candidates already chosen (unary scores and token ids [rows, k]): every
-        (predecessor candidate, candidate) score at once, then the walk over plain numbers."""
+    def lattice_of_candidates(
+        self, unary: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, anchor: int, vocab: int
+    ) -> Lattice:
+        """Every (predecessor candidate, candidate) score of candidates already chosen (unary
+        scores and token ids [rows, k]) at once: what a walk, greedy or drawn, then reads."""
         device = self.successor.device
         unary, ids, gate = unary.to(device), ids.to(device), gate.float().to(device)
         rows, k = ids.shape
         before = torch.cat([torch.full((1, k), anchor, dtype=ids.dtype, device=device), ids[:-1]])  # row 0: the anchor
-        lattice = pair_scores(
-            unary[:, None].expand(rows, k, k), ids[:, None].expand(rows, k, k), before,
-            gate[:, None].expand(rows, k, -1), self.predecessor, self.successor,
-        ).tolist()  # fmt: skip  # [row][predecessor's index][candidate]
-        chain, prev, ids = [], 0, ids.tolist()
-        for s in range(rows):
-            scores = lattice[s][prev]
-            prev = max(range(k), key=scores.__getitem__)  # the first of equal maxima: the better logit
-            chain.append(ids[s][prev])
+        # [row, predecessor's index, candidate]: each candidate's code gathered once, not once per predecessor.
+        scores = pair_scores(unary[:, None], ids[:, None], before, gate[:, None], self.predecessor, self.successor)
+        return Lattice(ids, scores, vocab)
+
+
+@dataclass
+class Lattice:
+    """A block's candidates and the scores a walk can meet: `scores[row][i][j]` is candidate j's
+    at `row` after the previous row's candidate i (row 0 follows the anchor, the same for every i)."""
+
+    ids: torch.Tensor  # [rows, k] token ids
+    scores: torch.Tensor  # [rows, k, k] fp32
+    vocab: int
+
+    def greedy(self) -> list[int]:
+        """The temperature-0 walk: each row's best candidate after the one chosen before it (the first
+        of equal maxima: the better logit), over plain numbers, a row of k at a time."""
+        lattice, ids = self.scores.tolist(), self.ids.tolist()
+        chain, prev = [], 0
+        for row, scores in enumerate(lattice):
+            prev = max(range(len(scores[prev])), key=scores[prev].__getitem__)
+            chain.append(ids[row][prev])
         return chain
+
+    def sample(self, draw: Callable[[torch.Tensor], tuple[torch.Tensor, int]]) -> tuple[list[int], torch.Tensor]:
+        """A walk by drawing: `draw(scores [k])` turns a row's scores after the candidate drawn before
+        it into a distribution over the k candidates (the request's temperature, top-k and top-p)
+        and draws one. Returns the drafts and q [rows, vocab], the distribution each came from:
+        drawn drafts verified against it by the rejection rule keep the target's law exactly."""
+        rows = self.ids.shape[0]
+        q = torch.zeros(rows, self.vocab, device=self.scores.device)
+        chain, prev = [], 0
+        for row in range(rows):
+            probs, prev = draw(self.scores[row, prev])
+            q[row, self.ids[row]] = probs.to(q.dtype)
+            chain.append(int(self.ids[row, prev]))
+        return chain, q
 
 
 def pair_scores(
@@ -94,7 +132,8 @@ def pair_scores(
     successor: torch.Tensor,
 ) -> torch.Tensor:
     """Candidates' scores [..., k] given the token before them (prev [...]): unary + <predecessor[prev]
-    * gate, successor[candidate]>. One formula for the walk's lattice and for training the codebooks."""
+    * gate, successor[candidate]>, the leading dimensions broadcast. One formula for the walk's
+    lattice and for training the codebooks."""
     return unary + torch.einsum("...kd,...d->...k", successor[ids], predecessor[prev] * gate)
 
 
