@@ -259,6 +259,8 @@ def test_selector_walk_equals_the_reference(tmp_path, multiplier, cap):
         assert chain == ref_walk(w, logits, hidden, anchor, multiplier, cap)
         differs += chain != logits.argmax(-1).tolist()
         reranked = rerank(logits, chain)
+        lattice = selector.lattice(logits, drafter.gate(hidden), anchor)
+        assert torch.equal(rerank(logits, chain, lattice.ids[:, 0]), reranked)  # the candidates name the argmax
         assert reranked.argmax(-1).tolist() == chain  # and the values are the same, the top one an ulp up
         torch.testing.assert_close(reranked.sort(-1).values, logits.sort(-1).values, rtol=1e-6, atol=0)
     assert differs > 0, "the pair term never changed a choice: the walk was not exercised"
@@ -373,3 +375,14 @@ def test_a_target_that_drives_dflash_only_is_refused_with_the_reason(target, che
         assert "dflash2" in reply["message"] and "drives dflash drafters only" in reply["message"]
         codebook = request(address, "codebook", {"start": target.vocab_size, "rows": 1}, timeout_s=30)
         assert codebook.type == "error" and "pass the codebooks" in codebook["message"]
+
+
+def test_the_selector_benchmark_times_both_paths_on_a_saved_drafter(target, checkpoint, tmp_path):
+    from launch.bench_selector import main
+
+    target.model.save_pretrained(tmp_path / "model")
+    result = main(["--drafter", str(checkpoint), "--model", str(tmp_path / "model"), "--rounds", "1", "--calls", "3"])
+    assert result["dflash_ms"] > 0 and result["dflash2_ms"] > 0
+    with pytest.raises(SystemExit, match="not a DFlash2 drafter"):
+        dflash = save_drafter(random_drafter(config_for_target(target.config, num_layers=1)), tmp_path / "v1")
+        main(["--drafter", str(dflash), "--model", str(tmp_path / "model")])

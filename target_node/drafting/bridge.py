@@ -65,7 +65,7 @@ class Drafting:
             return logits.argmax(-1).tolist(), logits, None
         lattice = self.selector.lattice(logits, gate, anchor, self.head.vocab)
         chain = lattice.greedy()
-        return chain, rerank(logits, chain), lattice
+        return chain, rerank(logits, chain, lattice.ids[:, 0]), lattice  # the candidates' first: the argmax
 
 
 class DraftHead:

@@ -137,16 +137,16 @@ def pair_scores(
     return unary + torch.einsum("...kd,...d->...k", successor[ids], predecessor[prev] * gate)
 
 
-def rerank(logits: torch.Tensor, chain: list[int]) -> torch.Tensor:
+def rerank(logits: torch.Tensor, chain: list[int], best: torch.Tensor | None = None) -> torch.Tensor:
     """Draft logits whose first choice at each position is the chain's token: its logit and the
-    position's best one change places (the chain's then one ulp up, so a tie cannot hide it).
-    So everything that reads first choices (a chain, the main path of a tree, the governor's
-    estimates) follows the selector, the other candidates keep their values, and sampled drafts
-    are still drawn from the distribution they are verified against."""
+    position's best one (`best`, where the candidates already name it) change places, the chain's
+    then one ulp up, so a tie cannot hide it. So everything that reads first choices (a chain,
+    the main path of a tree, the governor's estimates) follows the selector, and the other
+    candidates keep their values."""
     out = logits.clone()
     rows = torch.arange(len(chain), device=logits.device)
     picked = torch.tensor(chain, device=logits.device)
-    best = logits[: len(chain)].argmax(-1)
+    best = logits[: len(chain)].argmax(-1) if best is None else best[: len(chain)].to(logits.device)
     top = logits[rows, best]
     out[rows, best] = logits[rows, picked]
     out[rows, picked] = torch.nextafter(top, torch.full_like(top, float("inf")))
