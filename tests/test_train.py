@@ -526,7 +526,7 @@ def test_a_selector_trained_on_a_backbone_chains_its_drafts_better(setup, tmp_pa
     trainer = Trainer(target, drafter.config, store.answers, features, opts(draft_vocab=0))
     trainer.init_from(drafter)
     picker = Selector(SelectorSpec(16, 8, target.vocab_size), *trainer.drafter.codebooks())
-    data = positions(trainer, picker, [trainer.batch(i) for i in range(8)])
+    data = positions(trainer, picker, (trainer.batch(i) for i in range(8)))
     before = chain_tau(trainer, trainer.drafter, trainer.train_records)
     losses = fit(trainer.drafter, data, steps=300, lr=1e-2)
     after = chain_tau(trainer, trainer.drafter, trainer.train_records)

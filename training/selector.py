@@ -12,7 +12,7 @@ classes are the top-k candidates of the draft logits, and the answer's token is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +34,9 @@ class Positions:
     label: torch.Tensor  # [n]: the answer's token there
 
 
-def positions(trainer: Trainer, selector: Selector, batches: list[Batch]) -> Positions:
+def positions(trainer: Trainer, selector: Selector, batches: Iterable[Batch]) -> Positions:
+    """The draft positions of `batches`, made one batch at a time: a batch's context features are
+    tens of MB (400 batches held at once took 12 GB), its positions a tenth of that."""
     parts = []
     with torch.no_grad():
         for batch in batches:
@@ -85,7 +87,7 @@ def train_selector(trainer: Trainer, batches: int, steps: int, lr: float, log: C
     with each position's first choice and with the walk, before and after."""
     cfg = trainer.drafter.config
     picker = Selector(SelectorSpec(cfg.selector_rank, cfg.selector_top_k, cfg.vocab_size), *trainer.drafter.codebooks())
-    data = positions(trainer, picker, [trainer.batch(i) for i in range(batches)])  # its codebooks are not read
+    data = positions(trainer, picker, (trainer.batch(i) for i in range(batches)))  # its codebooks are not read
     log(f"selector: {len(data.label)} draft positions from {batches} batches")
     before = chain_tau(trainer, trainer.drafter, trainer.val_records)
     losses = fit(trainer.drafter, data, steps, lr, seed=trainer.opts.seed)
