@@ -4,10 +4,11 @@ The backbone stays as it is (a DFlash drafter becomes a DFlash2 one whose convol
 identity, `training.trainer.as_dflash2`: it drafts exactly as before), and only the selector
 learns. Its data are the backbone's block rows at answer anchors, computed once without
 gradients; each draft position is then a tiny classification, teacher-forced as the published
-recipe does: the predecessor is the answer's token before the position (the anchor for the first), the
-classes are the top-k candidates of the draft logits, and the answer's token is the label
-(positions whose token is not among them teach nothing). Scores are the walk's own
-(`pair_scores`), so what is trained is what the target runs.
+recipe does: the predecessor is the answer's token before the position (the anchor for the
+first), the classes are the top-k candidates of the draft logits, and the answer's token is the
+label (positions whose token is not among them teach nothing). Scores are the walk's own
+(`pair_scores`) under the spec the target reads (`selector_of`), so what is trained is what the
+target runs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from draft_node.config import selector_info
 from draft_node.model import DFlashDrafter
 from target_node.drafting.selector import Selector, SelectorSpec, pair_scores
 from training.trainer import Batch, Sample, Trainer, make_batch
@@ -81,13 +83,18 @@ def fit(
     return losses
 
 
+def selector_of(drafter: DFlashDrafter) -> Selector:
+    """The selector a target runs for `drafter`: its spec read from the description the wire
+    carries (the head's multiplier and cap included), over the drafter's current codebooks."""
+    return Selector(SelectorSpec.from_info(selector_info(drafter.config, "")), *drafter.codebooks())
+
+
 def train_selector(trainer: Trainer, batches: int, steps: int, lr: float, log: Callable[[str], None] = print) -> dict:
     """Train the selector of `trainer`'s DFlash2 drafter on its backbone's rows at the anchors of
     the first `batches` training batches; returns (and logs) chain tau on the held-out answers
     with each position's first choice and with the walk, before and after."""
-    cfg = trainer.drafter.config
-    picker = Selector(SelectorSpec(cfg.selector_rank, cfg.selector_top_k, cfg.vocab_size), *trainer.drafter.codebooks())
-    data = positions(trainer, picker, (trainer.batch(i) for i in range(batches)))  # its codebooks are not read
+    picker = selector_of(trainer.drafter)  # for its candidates: its codebooks are not read
+    data = positions(trainer, picker, (trainer.batch(i) for i in range(batches)))
     log(f"selector: {len(data.label)} draft positions from {batches} batches")
     before = chain_tau(trainer, trainer.drafter, trainer.val_records)
     losses = fit(trainer.drafter, data, steps, lr, seed=trainer.opts.seed)
@@ -104,8 +111,7 @@ def chain_tau(trainer: Trainer, drafter: DFlashDrafter, records: list[Sample], a
     """Chain tau on `records`' blocks two ways: each position's first choice (DFlash's chain) and
     the selector's walk from the anchor. tau = 1 + leading drafts equal to the answer, over
     blocks whose labels all lie inside the answer (what a decoding step sees)."""
-    spec = SelectorSpec(drafter.config.selector_rank, drafter.config.selector_top_k, drafter.config.vocab_size)
-    selector = Selector(spec, *drafter.codebooks())
+    selector = selector_of(drafter)
     block = drafter.config.block_size
     lead = {"chain": [], "selector": []}
     with torch.no_grad():
