@@ -16,9 +16,9 @@ import time
 import torch
 
 from draft_node.checkpoint import load_drafter
+from launch.common import resolve_model
 from target_node.drafting.bridge import Drafting
 from target_node.drafting.proposers import LocalDraftBackend
-from target_node.model.default_model import DEFAULT_MODEL_DIR
 from target_node.model.target import TargetModel
 
 
@@ -32,12 +32,15 @@ def per_call_ms(fn, calls: int) -> float:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="dflash-bench-selector", description=__doc__)
     ap.add_argument("--drafter", required=True, help="a DFlash2 drafter checkpoint folder")
-    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local HF folder of the target")
+    ap.add_argument(
+        "--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct, converted once into the cache)"
+    )
     ap.add_argument("--dtype", default="auto", help="the target's dtype (auto: as the daemon picks)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=10, help="turns of each")
     ap.add_argument("--calls", type=int, default=200, help="calls per turn")
     args = ap.parse_args(argv)
+    args.model = resolve_model(args.model)
     torch.set_num_threads(args.threads)
     target = TargetModel.load(args.model, "cpu", args.dtype)
     drafter = load_drafter(args.drafter)

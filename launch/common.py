@@ -82,9 +82,14 @@ def dtype_of(args: argparse.Namespace, device: str | None = None) -> torch.dtype
     (`TargetModel.load`), since it also depends on whether the engine serves the model."""
     if args.dtype != "auto":
         return torch_dtype(args.dtype)
+    return native_dtype(device or getattr(args, "device", "cpu"))
+
+
+def native_dtype(device: str) -> torch.dtype:
+    """bf16 on a GPU or a CPU with native bf16 units (AVX512-BF16, AMX), else fp32."""
     import torch
 
     from kernels import native_bf16
 
-    kind = torch.device(device or getattr(args, "device", "cpu")).type
+    kind = torch.device(device).type
     return torch.bfloat16 if kind == "cuda" or (kind == "cpu" and native_bf16()) else torch.float32

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from launch.common import native_dtype, resolve_model
 from protocol import FLOAT_DTYPES
 from protocol.tensors import torch_dtype
 from target_node import CACHE_ROOT
-from target_node.model.default_model import DEFAULT_MODEL_DIR
 from training.answer_store import STORE
 from training.prompts import EVAL_PROMPTS
 
@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="dflash-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local HF folder of the target")
+    ap.add_argument(
+        "--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct, converted once into the cache)"
+    )
     ap.add_argument("--name", default="smollm2", help="cache folder name under ~/.cache/dflash-split/train/")
     ap.add_argument(
         "--stage",
@@ -62,7 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data", action="append", default=[], help="more answer folders to train on (recorded traffic)")
     ap.add_argument("--starter", default=str(STARTER), help="extra prompts file (jsonl), answered first if present")
     ap.add_argument(
-        "--gen-dtype", choices=FLOAT_DTYPES, default="float32", help="target dtype for generation (bf16 on a GPU)"
+        "--gen-dtype",
+        choices=("auto", *FLOAT_DTYPES),
+        default="auto",
+        help="target dtype for generation; auto: bf16 on a GPU or a CPU with native bf16 (2.3x the answers "
+        "of fp32 on an AVX512-BF16 EPYC core), else fp32; bf16 answers get their features by fp32 prefill",
     )
     ap.add_argument("--gen-batch", type=int, default=64, help="rows decoded at once (finished rows are refilled)")
     ap.add_argument("--max-new", type=int, default=192, help="answer token cap")
@@ -270,6 +276,7 @@ def selector_stage(args: argparse.Namespace, target, answers, cache: Path, log) 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    args.model = str(resolve_model(args.model))
     torch.set_num_threads(args.threads)
     from draft_node.checkpoint import config_for_target, save_draft_vocab
     from target_node.model.target import TargetModel
@@ -293,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     # Generation may run the target in reduced precision (a GPU); features and training use
     # fp32, as inference does.
     generating = args.stage in ("gen", "all")
-    target = TargetModel.load(args.model, args.device, torch_dtype(args.gen_dtype if generating else "float32"))
+    gen_dtype = native_dtype(args.device) if args.gen_dtype == "auto" else torch_dtype(args.gen_dtype)
+    target = TargetModel.load(args.model, args.device, gen_dtype if generating else torch.float32)
     taps = [int(x) for x in args.taps.split(",")] if args.taps else None
     cfg = config_for_target(
         target.config,

@@ -266,6 +266,25 @@ def test_selector_walk_equals_the_reference(tmp_path, multiplier, cap):
     assert differs > 0, "the pair term never changed a choice: the walk was not exercised"
 
 
+def test_many_blocks_walked_at_once_take_each_blocks_own_walk(tmp_path):
+    """The offline estimate walks thousands of blocks in one pass per row (`block_scores`,
+    `greedy_walk`): each block's chain is the one its own lattice walks, ties included."""
+    from target_node.drafting.selector import greedy_walk
+
+    drafter = load_drafter(public_checkpoint(tmp_path / "public", seed=4))
+    selector = Selector(SelectorSpec(RANK, TOP_K, VOCAB), *drafter.codebooks())
+    g = torch.Generator().manual_seed(6)
+    blocks = 12
+    hidden, logits = torch.randn(blocks, BLOCK - 1, H, generator=g), torch.randn(blocks, BLOCK - 1, VOCAB, generator=g)
+    logits[0, 0, :3] = logits[0, 0].max()  # a tie at the top
+    anchors = torch.randint(VOCAB, (blocks,), generator=g)
+    unary, ids = selector.candidates(logits)
+    walks = greedy_walk(selector.block_scores(unary, ids, drafter.gate(hidden), anchors), ids)
+    alone = [selector.lattice(logits[b], drafter.gate(hidden[b]), int(anchors[b])).greedy() for b in range(blocks)]
+    assert walks.tolist() == alone
+    assert walks.tolist() != ids[..., 0].tolist(), "the pair term never changed a choice"
+
+
 def test_candidates_searched_among_a_draft_vocabulary_are_those_of_the_whole_one():
     """A drafter with a draft vocabulary has finite logits only there: searching those ids alone
     finds the same candidates in the same order, ties at the top (in id order) included."""

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from draft_node.config import selector_info
 from draft_node.model import DFlashDrafter
-from target_node.drafting.selector import Selector, SelectorSpec, pair_scores
+from target_node.drafting.selector import Selector, SelectorSpec, greedy_walk, pair_scores
 from training.trainer import Batch, Sample, Trainer, make_batch
 
 
@@ -112,7 +112,6 @@ def chain_tau(trainer: Trainer, drafter: DFlashDrafter, records: list[Sample], a
     the selector's walk from the anchor. tau = 1 + leading drafts equal to the answer, over
     blocks whose labels all lie inside the answer (what a decoding step sees)."""
     selector = selector_of(drafter)
-    block = drafter.config.block_size
     lead = {"chain": [], "selector": []}
     with torch.no_grad():
         for start in range(0, len(records), trainer.opts.batch):
@@ -126,15 +125,12 @@ def chain_tau(trainer: Trainer, drafter: DFlashDrafter, records: list[Sample], a
                 gen,
             )
             hidden, labels = trainer.block_rows(batch)
-            for s, n in zip(*((labels[..., 1:] >= 0).all(-1)).nonzero(as_tuple=True), strict=True):
-                rows, want = hidden[s, n, 1:], labels[s, n, 1:].tolist()
-                unary, slots = selector.candidates(trainer.project(rows))
-                ids = trainer.vocab[slots]
-                anchor, vocab = int(batch.block_tokens[s, n, 0]), drafter.config.vocab_size
-                walk = selector.lattice_of_candidates(unary, ids, drafter.gate(rows), anchor, vocab).greedy()
-                for name, chain in (("chain", ids[:, 0].tolist()), ("selector", walk)):
-                    count = 0
-                    while count < block - 1 and chain[count] == want[count]:
-                        count += 1
-                    lead[name].append(count)
+            full = (labels[..., 1:] >= 0).all(-1)  # blocks wholly inside their answers
+            rows, want = hidden[full][:, 1:], labels[full][:, 1:]
+            unary, slots = selector.candidates(trainer.project(rows))
+            ids = trainer.vocab[slots]
+            tokens_at_anchor = batch.block_tokens[..., 0].to(full.device)[full]
+            walk = greedy_walk(selector.block_scores(unary, ids, drafter.gate(rows), tokens_at_anchor), ids)
+            for name, chain in (("chain", ids[..., 0]), ("selector", walk)):
+                lead[name] += (chain == want).long().cumprod(-1).sum(-1).tolist()
     return {name: 1.0 + sum(v) / max(len(v), 1) for name, v in lead.items()} | {"blocks": len(lead["chain"])}

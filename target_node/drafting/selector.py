@@ -81,12 +81,23 @@ class Selector:
         """Every (predecessor candidate, candidate) score of candidates already chosen (unary
         scores and token ids [rows, k]) at once: what a walk, greedy or drawn, then reads."""
         device = self.successor.device
-        unary, ids, gate = unary.to(device), ids.to(device), gate.float().to(device)
-        rows, k = ids.shape
-        before = torch.cat([torch.full((1, k), anchor, dtype=ids.dtype, device=device), ids[:-1]])  # row 0: the anchor
-        # [row, predecessor's index, candidate]: each candidate's code gathered once, not once per predecessor.
-        scores = pair_scores(unary[:, None], ids[:, None], before, gate[:, None], self.predecessor, self.successor)
-        return Lattice(ids, scores, vocab)
+        unary, ids = unary.to(device), ids.to(device)
+        return Lattice(ids, self.block_scores(unary, ids, gate, torch.tensor(anchor, device=device)), vocab)
+
+    def block_scores(
+        self, unary: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, anchor: torch.Tensor
+    ) -> torch.Tensor:
+        """Scores [..., rows, k, k] of blocks' candidates (unary, ids [..., rows, k]; gate [..., rows,
+        rank]) after their anchors [...]: `scores[..., row, i, j]` is candidate j's after the previous
+        row's candidate i (row 0 follows the anchor, the same for every i). Any number of blocks at once."""
+        k = ids.shape[-1]
+        first = anchor.to(ids)[..., None, None].expand(*ids.shape[:-2], 1, k)
+        before = torch.cat([first, ids[..., :-1, :]], -2)
+        # [..., row, predecessor's index, candidate]: each candidate's code gathered once, not once per predecessor.
+        return pair_scores(
+            unary[..., None, :], ids[..., None, :], before, gate.float().to(ids.device)[..., None, :],
+            self.predecessor, self.successor,
+        )  # fmt: skip
 
 
 @dataclass
@@ -99,14 +110,8 @@ class Lattice:
     vocab: int
 
     def greedy(self) -> list[int]:
-        """The temperature-0 walk: each row's best candidate after the one chosen before it (the first
-        of equal maxima: the better logit), over plain numbers, a row of k at a time."""
-        lattice, ids = self.scores.tolist(), self.ids.tolist()
-        chain, prev = [], 0
-        for row, scores in enumerate(lattice):
-            prev = max(range(len(scores[prev])), key=scores[prev].__getitem__)
-            chain.append(ids[row][prev])
-        return chain
+        """The temperature-0 walk: each row's best candidate after the one chosen before it."""
+        return greedy_walk(self.scores, self.ids).tolist()
 
     def sample(self, draw: Callable[[torch.Tensor], tuple[torch.Tensor, int]]) -> tuple[list[int], torch.Tensor]:
         """A walk by drawing: `draw(scores [k])` turns a row's scores after the candidate drawn before
@@ -121,6 +126,22 @@ class Lattice:
             q[row, self.ids[row]] = probs.to(q.dtype)
             chain.append(int(self.ids[row, prev]))
         return chain, q
+
+
+def greedy_walk(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The temperature-0 walks [..., rows] of blocks' lattices (scores [..., rows, k, k], ids [..., rows, k]):
+    each row's best candidate after the one chosen before it, the first of equal maxima (the
+    better logit, as candidates come best first). Every row's best after every predecessor is
+    found at once; the walk then only follows them, one gather per row for any number of blocks
+    (as fast for one block as a walk over Python lists)."""
+    *lead, rows, k = ids.shape
+    best = scores.reshape(-1, rows, k, k).argmax(-1)  # [block, row, predecessor's index] -> candidate's
+    prev = torch.zeros(best.shape[0], 1, dtype=torch.long, device=best.device)
+    picks = []
+    for row in range(rows):
+        prev = best[:, row].gather(1, prev)
+        picks.append(prev)
+    return ids.reshape(-1, rows, k).gather(2, torch.cat(picks, 1)[..., None])[..., 0].view(*lead, rows)
 
 
 def pair_scores(
