@@ -80,13 +80,14 @@ def dtype_of(args: argparse.Namespace, device: str | None = None) -> torch.dtype
     """The torch dtype a `--dtype` flag names; "auto" as a drafter resolves it (drafts need not be
     exact, so bf16 wherever the device computes it natively). A target resolves "auto" itself
     (`TargetModel.load`), since it also depends on whether the engine serves the model."""
-    if args.dtype != "auto":
-        return torch_dtype(args.dtype)
-    return native_dtype(device or getattr(args, "device", "cpu"))
+    return named_dtype(args.dtype, device or getattr(args, "device", "cpu"))
 
 
-def native_dtype(device: str) -> torch.dtype:
-    """bf16 on a GPU or a CPU with native bf16 units (AVX512-BF16, AMX), else fp32."""
+def named_dtype(name: str, device: str) -> torch.dtype:
+    """The torch dtype a dtype flag's value names; "auto": bf16 on a GPU or a CPU with native bf16
+    units (AVX512-BF16, AMX), else fp32."""
+    if name != "auto":
+        return torch_dtype(name)
     import torch
 
     from kernels import native_bf16

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from launch.common import native_dtype, resolve_model
+from launch.common import named_dtype, resolve_model
 from protocol import FLOAT_DTYPES
 from protocol.tensors import torch_dtype
 from target_node import CACHE_ROOT
@@ -297,11 +297,11 @@ def main(argv: list[str] | None = None) -> None:
         average_stage(args, log)
         return
 
-    # Generation may run the target in reduced precision (a GPU); features and training use
-    # fp32, as inference does.
+    # Generation may run the target in bf16 (a GPU, a CPU with native bf16); features and
+    # training use fp32, as inference does.
     generating = args.stage in ("gen", "all")
-    gen_dtype = native_dtype(args.device) if args.gen_dtype == "auto" else torch_dtype(args.gen_dtype)
-    target = TargetModel.load(args.model, args.device, gen_dtype if generating else torch.float32)
+    dtype = named_dtype(args.gen_dtype, args.device) if generating else torch.float32
+    target = TargetModel.load(args.model, args.device, dtype)
     taps = [int(x) for x in args.taps.split(",")] if args.taps else None
     cfg = config_for_target(
         target.config,
