@@ -109,6 +109,29 @@ def test_store_round_trips_resumes_and_keeps_its_split(setup, tmp_path):
     assert grown.answer_tokens == sum(len(a.tokens) - a.prompt_len for a in grown.answers)
 
 
+def test_shards_started_in_one_second_read_back_in_the_order_written(tmp_path, monkeypatch):
+    """A random tag decides the order of two shards named in the same second; reopening must
+    still read the older shard's answers first (CI once saw the newer shard sort first)."""
+    import training.answer_store as answer_store
+
+    tags = iter(["f" * 32, "0" * 32, "8" * 32])
+    monkeypatch.setattr(answer_store.uuid, "uuid4", lambda: type("U", (), {"hex": next(tags)})())
+    monkeypatch.setattr(answer_store.time, "strftime", lambda fmt, t=None: "20261202-125618")
+
+    def answer(i: int) -> Answer:
+        return Answer(f"k{i}", f"j{i}", "text", [["user", str(i)]], tokens=[1, 2, 3], prompt_len=1)
+
+    written = []
+    for i in range(3):  # three runs, each its own store and shard, all in one second
+        store = AnswerStore(tmp_path, shard_records=1)
+        assert store.add(answer(i))
+        store.flush()
+        written.append(f"k{i}")
+    names = sorted(p.name for p in tmp_path.glob("*.jsonl.gz"))
+    assert len(names) == 3 and names[0] == "20261202-125618-ffffffff.jsonl.gz"
+    assert [a.key for a in AnswerStore(tmp_path).answers] == written
+
+
 def test_a_crash_mid_conversation_resumes_with_its_next_turn(setup, tmp_path):
     target, cfg, store, features = setup
     tiny = _TokenTarget(target)

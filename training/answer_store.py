@@ -6,7 +6,9 @@ So the store is small enough to commit, and it grows across machines and session
 
 - `data/answers/*.jsonl.gz`: shards of JSON lines, one answer each. A generation run writes
   its own shard, named by its start time and a random tag, rewriting it atomically as it goes (a crash
-  loses at most the last few answers) and starting a new one past `shard_records`.
+  loses at most the last few answers) and starting a new one past `shard_records`. A new shard's
+  name sorts after every shard already in the folder (two started in one second included), so a
+  reopened store reads its answers in the order they were written.
 - Every answer has a `key` (a hash of the conversation it answers), so resuming skips what
   is done, and two machines' shards merge by keeping the first copy of a key.
 - The held-out split is a function of the job an answer belongs to, so an answer never
@@ -61,7 +63,9 @@ class AnswerStore:
         self._shard: Path | None = None
         self._shard_answers: list[Answer] = []
         self._flushed_at = time.monotonic()
+        self._last_name = ""
         for path in sorted(self.folder.glob("*.jsonl.gz")):
+            self._last_name = path.name
             for answer in read_shard(path):
                 self._keep(answer)
 
@@ -90,13 +94,23 @@ class AnswerStore:
             return False
         if self._shard is None or len(self._shard_answers) >= self.shard_records:
             self.flush()
-            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-            self._shard = self.folder / f"{stamp}-{uuid.uuid4().hex[:8]}.jsonl.gz"
+            self._shard = self.folder / self._next_name()
             self._shard_answers = []
         self._shard_answers.append(answer)
         if time.monotonic() - self._flushed_at > flush_every_s:
             self.flush()
         return True
+
+    def _next_name(self) -> str:
+        """Start time and tag. Within the start's second a random tag may sort first, so a name
+        that would not sort last extends the last one's stem with "_" and the tag ("_" sorts after
+        the "." that ends the stem, so the longer name sorts right after the last)."""
+        tag = uuid.uuid4().hex[:8]
+        name = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{tag}.jsonl.gz"
+        if name <= self._last_name:
+            name = f"{self._last_name.removesuffix('.jsonl.gz')}_{tag}.jsonl.gz"
+        self._last_name = name
+        return name
 
     def flush(self) -> None:
         """Rewrite the current shard atomically."""
