@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_node.kv_cache import DraftKVCache, OutOfOrderError
+from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, propose
 from draft_node.model import DFlashDrafter
 from protocol import FLOAT_DTYPES, MAX_HEADER_BYTES, ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
@@ -26,6 +26,8 @@ from protocol.tensors import ITEMSIZE, wire_dtype_of
 from protocol.transport import FRAME_OVERHEAD, Server
 
 log = logging.getLogger("draft_daemon")
+
+MAX_BURST = 64  # requests taken from the socket at once, at most
 
 
 @dataclass
@@ -64,7 +66,8 @@ class DraftService:
         self.max_sessions_per_peer = max_sessions_per_peer
         self.sessions: dict[tuple[str, str], Session] = {}  # (owner, name) -> session
         self.wire_dtypes = list(FLOAT_DTYPES)
-        self.counters = {"requests": 0, "errors": 0, "proposals": 0, "evicted": 0, "draft_ms": 0.0}
+        # batched: proposals drafted in one pass with at least one other session's
+        self.counters = {"requests": 0, "errors": 0, "proposals": 0, "batched": 0, "evicted": 0, "draft_ms": 0.0}
 
     @property
     def preferred_wire_dtype(self) -> str:
@@ -187,6 +190,72 @@ class DraftService:
         return encode("ok", msg.id)
 
     def on_propose(self, msg: Message) -> list:
+        return self.draft_together([msg])[0]
+
+    def handle_all(self, requests: list[Message | ProtocolError]) -> list[list]:
+        """Replies to requests that arrived together, in their order. A run of proposes for
+        distinct sessions (a batching target's step: one per slot) is drafted in one pass where
+        the drafter computes each row alone, so each gets the bits of its propose alone."""
+        replies: list[list] = [[] for _ in requests]
+        run: list[int] = []
+
+        def flush() -> None:
+            self.counters["requests"] += len(run)
+            for i, reply in zip(run, self.draft_together([requests[i] for i in run]), strict=True):
+                replies[i] = reply
+            run.clear()
+
+        for i, request in enumerate(requests):
+            if self.drafter.rows_independent and isinstance(request, Message) and request.type == "propose":
+                if any(_same_session(requests[j], request) for j in run):
+                    flush()
+                run.append(i)
+                continue
+            flush()
+            replies[i] = self.handle(request)
+        flush()
+        return replies
+
+    def draft_together(self, msgs: list[Message]) -> list[list]:
+        """Proposes of distinct sessions, each checked alone (a bad one gets its error, the rest
+        are drafted), then drafted in one pass; each reports its share of the pass's time."""
+        replies: list[list] = [[] for _ in msgs]
+        admitted: list[tuple[int, Session, DraftStep]] = []
+        for i, msg in enumerate(msgs):
+            try:
+                admitted.append((i, *self.admit_propose(msg)))
+            except ProtocolError as exc:
+                self.counters["errors"] += 1
+                replies[i] = encode_error(msg.id, exc.code, exc.message)
+        if not admitted:
+            return replies
+        began = time.perf_counter()
+        try:
+            drafted = propose([step for _, _, step in admitted])
+            if self.drafter.device.type == "cuda":
+                torch.cuda.synchronize(self.drafter.device)
+        except Exception as exc:  # a bug must cost these replies, not the daemon
+            log.exception("internal error")
+            for i, _, _ in admitted:
+                self.counters["errors"] += 1
+                replies[i] = encode_error(msgs[i].id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return replies
+        draft_ms = (time.perf_counter() - began) * 1000 / len(admitted)
+        if len(admitted) > 1:
+            self.counters["batched"] += len(admitted)
+        for (i, session, step), (hidden, gate) in zip(admitted, drafted, strict=True):
+            msg = msgs[i]
+            tensors = {"hidden": hidden} if gate is None else {"hidden": hidden, "gate": gate}
+            session.steps += 1
+            session.rows_in += step.features.shape[0]
+            self.counters["proposals"] += 1
+            self.counters["draft_ms"] += draft_ms
+            wire = msg.tensors["noise"][0].dtype
+            replies[i] = encode("proposal", msg.id, {"draft_ms": draft_ms}, tensors, wire_dtype=wire)
+        return replies
+
+    def admit_propose(self, msg: Message) -> tuple[Session, DraftStep]:
+        """A propose's session and step, or the error that refuses it; nothing changes yet."""
         cfg = self.config
         features_spec, noise_spec = msg.tensors["features"][0], msg.tensors["noise"][0]
         if features_spec.shape[1] != cfg.feature_width:
@@ -199,27 +268,17 @@ class DraftService:
                 ErrorCode.CONFIG_MISMATCH,
                 f"noise is {list(noise_spec.shape)}: send last_tok's embedding, [1, {cfg.hidden_size}]",
             )
-        start, position, rows = msg["start"], msg["position"], msg["rows"] or cfg.block_size - 1
+        start, rows = msg["start"], msg["rows"] or cfg.block_size - 1
         if rows > cfg.block_size - 1:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"rows {rows} > block_size - 1 = {cfg.block_size - 1}")
-        began = time.perf_counter()
         features, last = finite(msg, "features", self.drafter), finite(msg, "noise", self.drafter)
         session = self.session(msg)
         try:
-            session.cache.append(start, features)
+            session.cache.check(start)
         except OutOfOrderError as exc:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{exc}; reset the session to {start} first") from exc
         block = torch.cat([last, session.mask.expand(cfg.block_size - 1, -1)])
-        hidden, gate = session.cache.draft_rows(block, position, rows)
-        tensors = {"hidden": hidden} if gate is None else {"hidden": hidden, "gate": gate}
-        if hidden.device.type == "cuda":
-            torch.cuda.synchronize(hidden.device)
-        draft_ms = (time.perf_counter() - began) * 1000
-        session.steps += 1
-        session.rows_in += features_spec.shape[0]
-        self.counters["proposals"] += 1
-        self.counters["draft_ms"] += draft_ms
-        return encode("proposal", msg.id, {"draft_ms": draft_ms}, tensors, wire_dtype=noise_spec.dtype)
+        return session, DraftStep(session.cache, start, features, block, rows)
 
     def on_codebook(self, msg: Message) -> list:
         """Rows of a DFlash2 drafter's selector codebooks, in the drafter's own dtype."""
@@ -261,6 +320,10 @@ class DraftService:
         self.counters["evicted"] += 1
 
 
+def _same_session(a: Message, b: Message) -> bool:
+    return a.peer == b.peer and a.fields.get("session") == b.fields.get("session")
+
+
 def finite(msg: Message, name: str, drafter: DFlashDrafter) -> torch.Tensor:
     """A tensor on the drafter's device and dtype, refused if it holds NaN or Inf: one such
     row would poison every later draft of its session."""
@@ -288,8 +351,13 @@ def serve(
         while not stop.is_set():
             request = server.next(100)
             if request is not None:
-                identity, message = request
-                server.send(identity, service.handle(message))
+                # Whatever else has arrived is answered together: a batching target sends one
+                # propose per slot before it waits for any reply.
+                burst = [request]
+                while len(burst) < MAX_BURST and (more := server.next(0)) is not None:
+                    burst.append(more)
+                for (identity, _), reply in zip(burst, service.handle_all([m for _, m in burst]), strict=True):
+                    server.send(identity, reply)
             service.evict_idle()
     finally:
         server.close()

@@ -7,9 +7,11 @@ then costs the same at 128 or 4096 tokens of context. Noise-block K/V never ente
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from draft_node.model import DFlashDrafter
+from draft_node.model import Context, DFlashDrafter
 
 
 class OutOfOrderError(ValueError):
@@ -43,39 +45,100 @@ class DraftKVCache:
             self.positions.fill_(-1)
         self.length = position
 
-    @torch.inference_mode()
-    def append(self, start: int, features: torch.Tensor) -> None:
-        """Add feature rows for positions [start, start+rows). Rows we already hold are recomputed."""
+    def check(self, start: int) -> None:
+        """Refuse, before anything changes, feature rows that would leave a hole in the context."""
         if start > self.length:
             raise OutOfOrderError(f"feature rows start at {start} but the context ends at {self.length}")
+
+    def take(self, start: int, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make room for rows [start, start + n): the context ends at `start`; returns the
+        positions and rows to compute (only the newest `capacity` can be kept)."""
+        self.check(start)
         self.reset(start)
-        rows = features.shape[0]
-        if rows == 0:
+        if features.shape[0] > self.capacity:
+            start, features = start + features.shape[0] - self.capacity, features[-self.capacity :]
+        return torch.arange(start, start + features.shape[0], device=self.drafter.device), features
+
+    def store(self, positions: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep per-layer context keys/values [n, kv_heads, head_dim] of `positions` (from `take`)."""
+        if positions.numel() == 0:
             return
-        if rows > self.capacity:  # only the newest `capacity` rows can be kept
-            start, features, rows = start + rows - self.capacity, features[-self.capacity :], self.capacity
-        positions = torch.arange(start, start + rows, device=self.drafter.device)
         slots = positions % self.capacity
-        for i, (k, v) in enumerate(self.drafter.context_kv(features.to(self.drafter.device), positions)):
+        for i, (k, v) in enumerate(kv):
             self.keys[i][:, slots] = k.transpose(0, 1)
             self.values[i][:, slots] = v.transpose(0, 1)
         self.positions[slots] = positions
-        self.length = start + rows
+        self.length = int(positions[-1]) + 1
 
-    @torch.inference_mode()
+    def append(self, start: int, features: torch.Tensor) -> None:
+        """Add feature rows for positions [start, start+rows). Rows we already hold are recomputed."""
+        propose([DraftStep(self, start, features)])
+
+    def context(self) -> Context:
+        """Where a block drafted now reads its context: the whole ring, and the block's own
+        keys/values in the slots at and past `live`, which hold nothing valid (before the ring
+        wraps, slot == position), right after the context."""
+        live = min(self.length, self.capacity)
+        kv = [(self.keys[i][None], self.values[i][None]) for i in range(len(self.drafter.layers))]
+        return Context(kv, self.positions[:live])
+
     def draft_rows(self, noise: torch.Tensor, position: int, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The hidden states of block slots 1..rows (slot 0, last_tok, is never a draft) and, for
-        a DFlash2 drafter, their selector gate: what a proposal carries, wherever it is drafted."""
-        hidden = self.draft(noise, position)[1 : 1 + rows]
-        return hidden, self.drafter.gate(hidden) if self.drafter.config.dflash2 else None
-
-    @torch.inference_mode()
-    def draft(self, noise: torch.Tensor, position: int) -> torch.Tensor:
-        """Block hidden states for a noise block whose slot 0 is the token at `position`."""
+        a DFlash2 drafter, their selector gate, for a noise block whose slot 0 is the token at
+        `position`: what a proposal carries, wherever it is drafted."""
         if position != self.length:
             raise OutOfOrderError(f"noise block at position {position} but the context ends at {self.length}")
-        # Slots at and past `live` hold nothing valid (before the ring wraps, slot == position),
-        # so the block's keys/values go there, right after the context.
-        live = min(self.length, self.capacity)
-        kv = [(self.keys[i], self.values[i]) for i in range(len(self.drafter.layers))]
-        return self.drafter.forward_block(noise.to(self.drafter.device), position, kv, self.positions[:live])
+        empty = torch.empty(0, self.drafter.config.feature_width)
+        return propose([DraftStep(self, position, empty, noise, rows)])[0]
+
+
+@dataclass
+class DraftStep:
+    """One session's step: feature rows for [start, start + n), then (with `noise`) the block
+    `noise` [block, hidden] whose slot 0 sits at start + n, of which slots 1..rows are drafts."""
+
+    cache: DraftKVCache
+    start: int
+    features: torch.Tensor
+    noise: torch.Tensor | None = None
+    rows: int = 0
+
+
+@torch.inference_mode()
+def propose(steps: list[DraftStep]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Many sessions' steps in one pass: every row-wise layer (the fusion of features, the
+    projections, the MLP, the selector's gate) runs over all their rows at once, and attention
+    over each session's own ring, where its keys lie. Where the drafter computes each row
+    alone (`rows_independent`), a session's bits are those of its step alone. Every step is
+    checked before any cache changes. Returns (hidden [rows, hidden], gate or None) per step
+    with a noise block, in order."""
+    caches = [step.cache for step in steps]
+    if len({id(c) for c in caches}) < len(caches):
+        raise ValueError("two steps of one session in one pass")
+    for step in steps:
+        step.cache.check(step.start)
+    if not steps:
+        return []
+    drafter = caches[0].drafter
+    taken = [step.cache.take(step.start, step.features.to(drafter.device)) for step in steps]
+    counts = [positions.numel() for positions, _ in taken]
+    if sum(counts):
+        kv = drafter.context_kv(torch.cat([f for _, f in taken]), torch.cat([p for p, _ in taken]))
+        split = [(k.split(counts), v.split(counts)) for k, v in kv]
+        for i, (cache, (positions, _)) in enumerate(zip(caches, taken, strict=True)):
+            cache.store(positions, [(k[i], v[i]) for k, v in split])
+    drafting = [step for step in steps if step.noise is not None]
+    if not drafting:
+        return []
+    block = drafting[0].noise.shape[0]
+    noise = torch.stack([step.noise.to(drafter.device) for step in drafting])
+    anchors = torch.tensor([step.cache.length for step in drafting], device=drafter.device)[:, None]
+    row_positions = anchors + torch.arange(block, device=drafter.device)
+    hidden = drafter.run_blocks(
+        noise, row_positions, anchors.expand(-1, block), [step.cache.context() for step in drafting]
+    )
+    drafts = [hidden[i, 1 : 1 + step.rows] for i, step in enumerate(drafting)]
+    if not drafter.config.dflash2:
+        return [(h, None) for h in drafts]
+    gates = drafter.gate(torch.cat(drafts)).split([step.rows for step in drafting])
+    return list(zip(drafts, gates, strict=True))

@@ -15,6 +15,7 @@ position into one coherent chain (CandidateSelector; the walk runs where the log
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -206,6 +207,23 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank))
 
 
+@dataclass
+class Context:
+    """A run of sequences whose context keys/values share one layout: per layer, buffers
+    [sequences, kv_heads, >= C+R, head_dim] whose first C slots hold the context at `positions`
+    ([C] or [sequences, C]; negative: an empty slot), the next R free for the block rows' own."""
+
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    positions: torch.Tensor
+
+    @property
+    def sequences(self) -> int:
+        return self.buffers[0][0].shape[0]
+
+
+LayerContext = tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]  # one layer's keys, values, C, mask
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention without copying K/V per query head.
 
@@ -238,30 +256,29 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim)
         return self.rotary(k, positions), v
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
-        ctx_len: int,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Block rows x [S, R, hidden] at positions [S, R] attend over [context, block rows] under mask [S, R, C+R].
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, contexts: list[LayerContext]) -> torch.Tensor:
+        """Block rows x [S, R, hidden] at positions [S, R] attend over their context and block rows.
 
-        k_buf/v_buf [S, kv_heads, >= C+R, head_dim] hold the context keys/values in their first
-        C slots; the rows' own keys/values are written into the next R, so attention reads one
-        contiguous run with no concatenation.
+        `contexts` split the S sequences into runs, in order, each with its own buffers
+        [S_run, kv_heads, >= C+R, head_dim] whose first C slots hold that run's context; the rows'
+        own keys/values are written into the next R, so attention reads one contiguous run with
+        no concatenation. The projections see every run's rows at once (they are row-wise);
+        attention reads each run where its keys lie.
         """
         s, rows, _ = x.shape
         flat, where = x.reshape(s * rows, -1), positions.reshape(-1)
         q = self.rotary(self.q_norm(self.q_proj(flat).view(-1, self.heads, self.head_dim)), where)
         k, v = self.keys_values(flat, where)
-        k_buf[:, :, ctx_len : ctx_len + rows] = k.view(s, rows, self.kv_heads, -1).transpose(1, 2)
-        v_buf[:, :, ctx_len : ctx_len + rows] = v.view(s, rows, self.kv_heads, -1).transpose(1, 2)
-        end = ctx_len + rows
-        out = attend(q.view(s, rows, self.heads, -1), k_buf[:, :, :end], v_buf[:, :, :end], mask)
-        return self.o_proj(out)
+        q = q.view(s, rows, self.heads, -1)
+        k, v = k.view(s, rows, self.kv_heads, -1), v.view(s, rows, self.kv_heads, -1)
+        out, first = [], 0
+        for k_buf, v_buf, ctx_len, mask in contexts:
+            run, end = slice(first, first + k_buf.shape[0]), ctx_len + rows
+            k_buf[:, :, ctx_len:end] = k[run].transpose(1, 2)
+            v_buf[:, :, ctx_len:end] = v[run].transpose(1, 2)
+            out.append(attend(q[run], k_buf[:, :, :end], v_buf[:, :, :end], mask))
+            first = run.stop
+        return self.o_proj(out[0] if len(out) == 1 else torch.cat(out))
 
 
 class DraftLayer(nn.Module):
@@ -276,17 +293,9 @@ class DraftLayer(nn.Module):
             self.attention_conv = GroupedConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
             self.mlp_conv = GroupedConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
-        ctx_len: int,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, contexts: list[LayerContext]) -> torch.Tensor:
         """Rows x [S, R, hidden]: R is a whole number of blocks, each block's rows in order."""
-        attend = lambda u: self.self_attn(u, positions, k_buf, v_buf, ctx_len, mask)  # noqa: E731
+        attend = lambda u: self.self_attn(u, positions, contexts)  # noqa: E731
         x = x + self.sublayer(attend, self.input_layernorm(x), getattr(self, "attention_conv", None))
         return x + self.sublayer(self.mlp, self.post_attention_layernorm(x), getattr(self, "mlp_conv", None))
 
@@ -316,6 +325,14 @@ class DFlashDrafter(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    @property
+    def rows_independent(self) -> bool:
+        """Whether inference computes each row by the same operations whatever rows run beside
+        it, so sessions drafted in one pass get the bits each gets alone: on the CPU kernels'
+        linear, yes (the rest is element-wise, row-wise norms, or attention per sequence);
+        torch's matmul elsewhere picks its kernel by the row count."""
+        return self.device.type == "cpu" and _kernels_here()
 
     def describe(self, ring_capacity: int) -> dict:
         """What a target needs to know of this drafter (the wire's DRAFTER_INFO)."""
@@ -360,31 +377,40 @@ class DFlashDrafter(nn.Module):
         noise: torch.Tensor,
         row_positions: torch.Tensor,
         row_anchors: torch.Tensor,
-        kv_buffers: list[tuple[torch.Tensor, torch.Tensor]],
-        ctx_positions: torch.Tensor,
+        contexts: list[Context],
     ) -> torch.Tensor:
         """Hidden states [S, R, hidden] of block rows (noise embeddings [S, R, hidden]).
 
-        kv_buffers: per layer, [S, kv_heads, >= C+R, head_dim] keys and values whose first C
-        slots hold the context at `ctx_positions` ([C] or [S, C]; negative: an empty slot).
+        `contexts` hold the S sequences' context keys/values, in order: one run of sequences
+        that share a context layout each (training's batch), or one per sequence (a draft daemon's
+        sessions, each in its own ring). Every row-wise operation runs over all S at once.
         """
         cfg = self.config
         x = noise.to(self.dtype)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
-        # Additive float masks: SDPA converts a bool mask on every call otherwise.
-        masks = {
-            t: torch.zeros((), dtype=x.dtype, device=x.device)
-            .masked_fill(
-                ~attention_mask(t, cfg.sliding_window, ctx_positions, row_positions, row_anchors, cfg.causal(t)),
-                float("-inf"),
-            )
-            .expand(x.shape[0], -1, -1)
-            for t in set(self.config.layer_types)
-        }
-        ctx_len = ctx_positions.shape[-1]
-        for layer, (k, v) in zip(self.layers, kv_buffers, strict=True):
-            x = layer(x, row_positions, k, v, ctx_len, masks[layer.layer_type])
+        per_layer: list[list[LayerContext]] = [[] for _ in self.layers]
+        first = 0
+        for context in contexts:
+            run = slice(first, first + context.sequences)
+            # Additive float masks: SDPA converts a bool mask on every call otherwise.
+            masks = {
+                t: torch.zeros((), dtype=x.dtype, device=x.device)
+                .masked_fill(
+                    ~attention_mask(
+                        t, cfg.sliding_window, context.positions, row_positions[run], row_anchors[run], cfg.causal(t)
+                    ),
+                    float("-inf"),
+                )
+                .expand(context.sequences, -1, -1)
+                for t in set(cfg.layer_types)
+            }
+            ctx_len = context.positions.shape[-1]
+            for into, layer, (k, v) in zip(per_layer, self.layers, context.buffers, strict=True):
+                into.append((k, v, ctx_len, masks[layer.layer_type]))
+            first = run.stop
+        for layer, layer_contexts in zip(self.layers, per_layer, strict=True):
+            x = layer(x, row_positions, layer_contexts)
         return self.norm(x)
 
     def forward_block(
@@ -401,8 +427,8 @@ class DFlashDrafter(nn.Module):
         """
         block = noise.shape[0]
         rows = torch.arange(position, position + block, device=noise.device)[None]
-        buffers = [(k[None], v[None]) for k, v in kv_buffers]
-        return self.run_blocks(noise[None], rows, torch.full_like(rows, position), buffers, ctx_positions)[0]
+        context = Context([(k[None], v[None]) for k, v in kv_buffers], ctx_positions)
+        return self.run_blocks(noise[None], rows, torch.full_like(rows, position), [context])[0]
 
     @torch.inference_mode()
     def forward(
@@ -440,5 +466,6 @@ class DFlashDrafter(nn.Module):
             v_buf[:, :, :span] = v.view(s, span, *v.shape[1:]).transpose(1, 2)
             buffers.append((k_buf, v_buf))
         row_anchors = anchors.repeat_interleave(block, 1)
-        hidden = self.run_blocks(noise.reshape(s, n * block, -1), rows, row_anchors, buffers, ctx_positions)
+        context = Context(buffers, ctx_positions)
+        hidden = self.run_blocks(noise.reshape(s, n * block, -1), rows, row_anchors, [context])
         return hidden.view(s, n, block, -1)

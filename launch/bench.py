@@ -207,7 +207,7 @@ def _cached_step(cache: DraftKVCache, features: torch.Tensor, noise: torch.Tenso
     """A typical step: two newly committed rows arrive, then the block is drafted."""
     p = cache.length
     cache.append(p, features[p : p + 2])
-    cache.draft(noise, p + 2)
+    cache.draft_rows(noise, p + 2, cache.drafter.config.block_size - 1)
 
 
 def bench_context(drafter, contexts: list[int], repeats: int) -> list[dict]:

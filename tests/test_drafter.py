@@ -141,14 +141,14 @@ def test_cached_drafter_equals_recompute(block_size):
     while n < 190:
         noise = torch.randn(block_size, cfg.hidden_size, generator=g)
         cache.append(synced, all_features[synced:n])
-        cached = cache.draft(noise, n)
+        cached, _ = cache.draft_rows(noise, n, block_size - 1)
         # A rewind after the ring wrapped leaves fewer rows: the slots it freed held positions
         # already overwritten. The cache must hold exactly a contiguous run ending at n.
         held = sorted(cache.positions[cache.positions >= 0].tolist())
         lo = held[0]
         assert held == list(range(lo, n)) and lo >= n - capacity - 3
         reference = drafter(all_features[lo:n], torch.arange(lo, n), noise, n)
-        torch.testing.assert_close(cached, reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cached, reference[1:], rtol=1e-5, atol=1e-5)
         synced = n
         steps += 1
         if steps % 7 == 0:  # the target rolled back a few positions
@@ -166,7 +166,7 @@ def test_cache_refuses_gaps_and_can_restart_later():
     with pytest.raises(OutOfOrderError):
         cache.append(6, features[6:8])
     with pytest.raises(OutOfOrderError):
-        cache.draft(torch.randn(cfg.block_size, cfg.hidden_size), 5)
+        cache.draft_rows(torch.randn(cfg.block_size, cfg.hidden_size), 5, cfg.block_size - 1)
     cache.reset(6)  # a sender whose older rows are gone starts the context here
     cache.append(6, features[6:8])
     assert cache.length == 8 and sorted(cache.positions[cache.positions >= 0].tolist()) == [6, 7]

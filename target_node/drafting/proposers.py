@@ -214,9 +214,13 @@ class LocalDraftBackend:
     def draft(
         self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from draft_node.kv_cache import DraftStep, propose
+
+        if position != start + features.shape[0]:
+            end = start + features.shape[0]
+            raise ValueError(f"feature rows [{start}, {end}) must end where the block starts, {position}")
         began = time.perf_counter()
-        self.cache.append(start, features)
-        hidden, gate = self.cache.draft_rows(noise, position, rows)
+        ((hidden, gate),) = propose([DraftStep(self.cache, start, features, noise, rows)])
         self.counters["proposals"] += 1
         self.counters["draft_ms"] += (time.perf_counter() - began) * 1000
         return hidden, gate

@@ -1,0 +1,118 @@
+"""What drafting a burst of proposes in one pass saves the draft daemon, in turns in one process.
+
+A batching target sends one propose per drafting slot before it waits for any reply. The draft
+daemon answers the proposes that arrived together in one pass (`DraftService.handle_all`); before,
+it answered them one by one (`handle`, which a lone propose still takes). Both run here on the
+same encoded messages, decode and encode included, alternating round by round so machine noise
+falls on both alike; the replies of the two are checked equal, bit for bit.
+
+    python -m launch.bench_draft_batch --sessions 1,2,4,8,16 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from draft_node.checkpoint import load_drafter
+from draft_node.daemon import DraftService
+from launch.common import DTYPE_CHOICES, ensure_default_drafter, named_dtype
+from protocol import Message, decode, encode
+
+
+def _message(type_: str, request_id: int, fields: dict, tensors: dict, peer: str) -> Message:
+    msg = decode(encode(type_, request_id, fields, tensors))
+    msg.peer = peer
+    return msg
+
+
+class Burst:
+    """`sessions` open sessions with `context` rows each, and a propose per session per step:
+    `new` fresh feature rows (what a step with a few accepted drafts commits), then the block."""
+
+    def __init__(self, service: DraftService, sessions: int, context: int, new: int, seed: int = 0) -> None:
+        cfg = service.config
+        self.service, self.new, self.g = service, new, torch.Generator().manual_seed(seed)
+        self.width, self.hidden = cfg.feature_width, cfg.hidden_size
+        self.length = [context] * sessions
+        for i in range(sessions):
+            peer = f"slot-{i}"  # a target's slots each speak over their own socket
+            service.handle(
+                _message("open", 0, {"session": "s"}, {"mask": torch.randn(1, self.hidden, generator=self.g)}, peer)
+            )
+            features = torch.randn(context, self.width, generator=self.g)
+            noise = torch.randn(1, self.hidden, generator=self.g)
+            fields = {"session": "s", "start": 0, "position": context}
+            service.handle(_message("propose", 0, fields, {"features": features, "noise": noise}, peer))
+
+    def step(self) -> list[Message]:
+        burst = []
+        for i, start in enumerate(self.length):
+            features = torch.randn(self.new, self.width, generator=self.g)
+            noise = torch.randn(1, self.hidden, generator=self.g)
+            fields = {"session": "s", "start": start, "position": start + self.new}
+            burst.append(_message("propose", i, fields, {"features": features, "noise": noise}, f"slot-{i}"))
+            self.length[i] = start + self.new
+        return burst
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="dflash-bench-draft-batch", description=__doc__)
+    ap.add_argument("--drafter", help="drafter checkpoint folder (default: the default model's drafter)")
+    ap.add_argument("--sessions", default="1,2,4,8,16", help="burst sizes: proposes arriving together")
+    ap.add_argument("--dtypes", default="float32,auto", help=f"drafter dtypes, in turns ({', '.join(DTYPE_CHOICES)})")
+    ap.add_argument("--context", type=int, default=256, help="context rows each session holds")
+    ap.add_argument("--new", type=int, default=3, help="feature rows each propose brings")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=8, help="turns of each way")
+    ap.add_argument("--steps", type=int, default=10, help="bursts per turn")
+    ap.add_argument("--out", help="write the result as JSON here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    folder = args.drafter or ensure_default_drafter()
+    dtypes = list(dict.fromkeys(named_dtype(name, "cpu") for name in args.dtypes.split(",")))
+    rows = []
+    for dtype in dtypes:
+        drafter = load_drafter(folder, "cpu", dtype)
+        for sessions in (int(n) for n in args.sessions.split(",")):
+            # Each way drafts its own copy of the same sessions, so both see the same contexts.
+            ways = {way: DraftService(drafter, ring_capacity=4096) for way in ("one_by_one", "together")}
+            bursts = {way: Burst(service, sessions, args.context, args.new) for way, service in ways.items()}
+            spent, last = dict.fromkeys(ways, 0.0), {}
+            for _ in range(args.rounds):
+                for way, service in ways.items():
+                    for _ in range(args.steps):
+                        burst = bursts[way].step()
+                        began = time.perf_counter()
+                        if way == "together":
+                            replies = service.handle_all(burst)
+                        else:
+                            replies = [service.handle(msg) for msg in burst]
+                        spent[way] += time.perf_counter() - began
+                    last[way] = [decode(reply).tensor("hidden") for reply in replies]
+                # Same seeds, same steps: the two ways' last bursts are the same messages.
+                pairs = zip(last["together"], last["one_by_one"], strict=True)
+                if not all(torch.equal(a, b) for a, b in pairs):
+                    raise SystemExit("drafting together changed a session's drafts")
+            bursts_timed = args.rounds * args.steps
+            row = {
+                "dtype": str(dtype).removeprefix("torch."),
+                "sessions": sessions,
+                "batched_in_one_pass": drafter.rows_independent,
+                **{f"{way}_ms": round(spent[way] / bursts_timed * 1000, 3) for way in ways},
+            }
+            row["together_vs_one_by_one"] = round(row["together_ms"] / row["one_by_one_ms"], 3)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    result = {"threads": args.threads, "context": args.context, "new_rows": args.new, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Sessions drafted together: each gets the bits of its step drafted alone.
+
+A draft daemon drafts the proposes that arrive together in one pass (draft_node/kv_cache.py's
+`propose`). That must change nothing a target can see: a seeded sampled request's output
+depends on its drafts, and it must not depend on who else the daemon served that step.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import drafter_config
+
+from draft_node.checkpoint import load_drafter, random_drafter
+from draft_node.config import FULL, SLIDING, in_dflash2
+from draft_node.daemon import DraftService
+from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, propose
+from protocol import decode, encode
+
+SHIPPED = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
+
+
+def _drafter(kind: str, dtype: torch.dtype):
+    if kind == "shipped":  # the real checkpoint: real widths, where kernels pick their paths
+        return load_drafter(SHIPPED, "cpu", dtype)
+    cfg = drafter_config(block_size=4, layer_types=(FULL, SLIDING), sliding_window=6)
+    if kind == "dflash2":
+        cfg = in_dflash2(cfg, vocab_size=50, rank=8, top_k=4)
+    return random_drafter(cfg, seed=3, std=0.3).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["shipped", "tiny", "dflash2"])
+def test_sessions_drafted_together_get_the_bits_of_each_alone(kind, dtype):
+    drafter = _drafter(kind, dtype)
+    if not drafter.rows_independent:
+        pytest.skip("this drafter's linears are not the row-independent CPU kernels here: the daemon drafts one by one")
+    cfg = drafter.config
+    g = torch.Generator().manual_seed(0)
+    capacity = 40
+    contexts = [0, 3, 17, 39, 60]  # empty, short, long, full, wrapped
+    alone = [DraftKVCache(drafter, capacity) for _ in contexts]
+    for cache, n in zip(alone, contexts, strict=True):
+        cache.append(0, torch.randn(n, cfg.feature_width, generator=g).to(dtype))
+    together = [copy.deepcopy(cache) for cache in alone]
+    for round_ in range(4):
+        steps = []
+        for i, cache in enumerate(alone):
+            back = (i + round_) % 3  # rows resent after a rollback, or none
+            start = max(0, cache.length - back)
+            new = (i * 3 + round_) % (cfg.block_size + 1)  # 0 .. block_size new rows
+            features = torch.randn(cache.length - start + new, cfg.feature_width, generator=g).to(dtype)
+            noise = torch.randn(cfg.block_size, cfg.hidden_size, generator=g).to(dtype)
+            steps.append((start, features, noise, 1 + (i + round_) % (cfg.block_size - 1)))
+        want = [propose([DraftStep(c, *step)])[0] for c, step in zip(alone, steps, strict=True)]
+        got = propose([DraftStep(c, *step) for c, step in zip(together, steps, strict=True)])
+        for (h_want, g_want), (h_got, g_got) in zip(want, got, strict=True):
+            assert torch.equal(h_got, h_want)
+            assert (g_want is None and g_got is None) or torch.equal(g_got, g_want)
+        for a, b in zip(alone, together, strict=True):
+            assert a.length == b.length and torch.equal(a.positions, b.positions)
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_step_out_of_order_changes_no_session():
+    drafter = _drafter("tiny", torch.float32)
+    cfg = drafter.config
+    caches = [DraftKVCache(drafter, 16) for _ in range(2)]
+    for cache in caches:
+        cache.append(0, torch.randn(5, cfg.feature_width))
+    before = copy.deepcopy(caches)
+    noise = torch.randn(cfg.block_size, cfg.hidden_size)
+    steps = [DraftStep(caches[0], 5, torch.randn(1, cfg.feature_width), noise, 2)]
+    steps.append(DraftStep(caches[1], 7, torch.randn(1, cfg.feature_width), noise, 2))  # a hole at 5, 6
+    with pytest.raises(OutOfOrderError):
+        propose(steps)
+    for a, b in zip(before, caches, strict=True):
+        assert a.length == b.length and torch.equal(a.keys, b.keys)
+    with pytest.raises(ValueError, match="two steps of one session"):
+        propose([steps[0], DraftStep(caches[0], 6, torch.randn(0, cfg.feature_width), noise, 2)])
+
+
+def _request(type_, fields, tensors=None, peer="p", request_id=1):
+    msg = decode(encode(type_, request_id, fields, tensors))
+    msg.peer = peer
+    return msg
+
+
+def test_the_service_drafts_a_burst_together_and_answers_each_as_alone():
+    """handle_all: proposes of distinct sessions in one pass, the rest in arrival order, a bad
+    propose answered with its error while the others of its burst are drafted."""
+    drafter = _drafter("tiny", torch.float32)
+    cfg = drafter.config
+    alone, together = DraftService(drafter, ring_capacity=32), DraftService(drafter, ring_capacity=32)
+    mask = torch.randn(1, cfg.hidden_size)
+    g = torch.Generator().manual_seed(1)
+    burst = []
+    for i in range(4):
+        for service in (alone, together):
+            service.handle(_request("open", {"session": f"s{i}"}, {"mask": mask}, request_id=100 + i))
+        n = 3 + 2 * i
+        tensors = {"features": torch.randn(n, cfg.feature_width, generator=g), "noise": torch.randn(1, cfg.hidden_size)}
+        fields = {"session": f"s{i}", "start": 0, "position": n, "rows": 2}
+        burst.append(_request("propose", fields, tensors, request_id=i))
+    burst.insert(2, _request("ping", {}, request_id=50))
+    nothing_new = {"features": torch.randn(0, cfg.feature_width), "noise": torch.randn(1, cfg.hidden_size)}
+    # s1's context ends at 5: a block at 9 leaves a hole; "nobody" was never opened.
+    burst.append(_request("propose", {"session": "s1", "start": 9, "position": 9}, nothing_new, request_id=60))
+    burst.append(_request("propose", {"session": "nobody", "start": 0, "position": 0}, nothing_new, request_id=61))
+    replies = [decode(frames) for frames in together.handle_all(burst)]
+    expected = [decode(alone.handle(msg)) for msg in burst]
+    assert [r.type for r in replies] == [r.type for r in expected]
+    assert [r.type for r in replies] == ["proposal"] * 2 + ["pong"] + ["proposal"] * 2 + ["error"] * 2
+    for got, want in zip(replies, expected, strict=True):
+        assert got.id == want.id
+        if got.type == "proposal":
+            assert torch.equal(got.tensor("hidden"), want.tensor("hidden"))
+        if got.type == "error":
+            assert got["code"] == want["code"]
+    assert together.counters["requests"] == alone.counters["requests"]
+    if drafter.rows_independent:
+        assert together.counters["batched"] == 4  # the four sessions' first proposes: two passes of two
