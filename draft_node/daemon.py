@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, propose
+from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, drafts_alone_in_one_pass, propose
 from draft_node.model import DFlashDrafter
 from protocol import FLOAT_DTYPES, MAX_HEADER_BYTES, ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
@@ -66,6 +66,13 @@ class DraftService:
         self.max_sessions_per_peer = max_sessions_per_peer
         self.sessions: dict[tuple[str, str], Session] = {}  # (owner, name) -> session
         self.wire_dtypes = list(FLOAT_DTYPES)
+        # Proposes that arrive together are drafted in one pass only where that was checked to
+        # give each session its bits alone, on this device, now.
+        self.together = drafts_alone_in_one_pass(drafter)
+        log.info(
+            "proposes that arrive together: %s",
+            "drafted in one pass" if self.together else "drafted one by one (a pass changes bits on this device)",
+        )
         # batched: proposals drafted in one pass with at least one other session's
         self.counters = {"requests": 0, "errors": 0, "proposals": 0, "batched": 0, "evicted": 0, "draft_ms": 0.0}
 
@@ -206,7 +213,7 @@ class DraftService:
             run.clear()
 
         for i, request in enumerate(requests):
-            if self.drafter.rows_independent and isinstance(request, Message) and request.type == "propose":
+            if self.together and isinstance(request, Message) and request.type == "propose":
                 if any(_same_session(requests[j], request) for j in run):
                     flush()
                 run.append(i)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draft_node.model import Context, DFlashDrafter
+from draft_node.model import Context, DFlashDrafter, row_independence
 
 
 class OutOfOrderError(ValueError):
@@ -108,10 +108,10 @@ class DraftStep:
 def propose(steps: list[DraftStep]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Many sessions' steps in one pass: every row-wise layer (the fusion of features, the
     projections, the MLP, the selector's gate) runs over all their rows at once, and attention
-    over each session's own ring, where its keys lie. Where the drafter computes each row
-    alone (`rows_independent`), a session's bits are those of its step alone. Every step is
-    checked before any cache changes. Returns (hidden [rows, hidden], gate or None) per step
-    with a noise block, in order."""
+    over each session's own ring, where its keys lie. It runs inside `row_independence`, so
+    where `drafts_alone_in_one_pass` holds on the device, a session's bits are those of its
+    step alone. Every step is checked before any cache changes. Returns (hidden [rows, hidden],
+    gate or None) per step with a noise block, in order."""
     caches = [step.cache for step in steps]
     if len({id(c) for c in caches}) < len(caches):
         raise ValueError("two steps of one session in one pass")
@@ -120,6 +120,12 @@ def propose(steps: list[DraftStep]) -> list[tuple[torch.Tensor, torch.Tensor | N
     if not steps:
         return []
     drafter = caches[0].drafter
+    with row_independence(drafter.device):
+        return _propose(drafter, steps)
+
+
+def _propose(drafter: DFlashDrafter, steps: list[DraftStep]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    caches = [step.cache for step in steps]
     taken = [step.cache.take(step.start, step.features.to(drafter.device)) for step in steps]
     counts = [positions.numel() for positions, _ in taken]
     if sum(counts):
@@ -142,3 +148,36 @@ def propose(steps: list[DraftStep]) -> list[tuple[torch.Tensor, torch.Tensor | N
         return [(h, None) for h in drafts]
     gates = drafter.gate(torch.cat(drafts)).split([step.rows for step in drafting])
     return list(zip(drafts, gates, strict=True))
+
+
+@torch.inference_mode()
+def drafts_alone_in_one_pass(drafter: DFlashDrafter, seed: int = 0) -> bool:
+    """Whether sessions drafted in one pass get, on this drafter's device, the bits each gets
+    alone: a few random sessions (an empty context, a wrapped ring, more rows than one block of
+    ROW_BLOCK) drafted both ways and compared. A daemon checks at load, as the engine checks its
+    model, and drafts one by one where this fails."""
+    cfg = drafter.config
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(drafter.device, drafter.dtype)
+
+    contexts, capacity = (0, 7, 90), 64
+    plans = [
+        (rand(n, cfg.feature_width), rand(3, cfg.feature_width), rand(cfg.block_size, cfg.hidden_size))
+        for n in contexts
+    ]
+    ways = []
+    for together in (False, True):
+        caches = [DraftKVCache(drafter, capacity) for _ in plans]
+        for cache, (context, _, _) in zip(caches, plans, strict=True):
+            cache.append(0, context)
+        steps = [
+            DraftStep(c, c.length, new, noise, cfg.block_size - 1)
+            for c, (_, new, noise) in zip(caches, plans, strict=True)
+        ]
+        ways.append(propose(steps) if together else [propose([step])[0] for step in steps])
+    return all(
+        torch.equal(h_alone, h_together) and (g_alone is None or torch.equal(g_alone, g_together))
+        for (h_alone, g_alone), (h_together, g_together) in zip(*ways, strict=True)
+    )

@@ -15,6 +15,8 @@ position into one coherent chain (CandidateSelector; the walk runs where the log
 from __future__ import annotations
 
 import hashlib
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cache
 
@@ -24,6 +26,9 @@ from torch import nn
 
 import kernels
 from draft_node.config import SLIDING, DFlashConfig, drafter_info
+
+ROW_BLOCK = 64  # rows per torch call where row-wise operations run in fixed blocks
+_row_block: ContextVar[int] = ContextVar("row_block", default=0)
 
 
 class Linear(nn.Linear):
@@ -37,7 +42,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.device.type != "cpu" or not _kernels_here():
-            return super().forward(x)
+            return _in_row_blocks(lambda rows: F.linear(rows, self.weight, self.bias), x)
         weight = self.weight
         if self._packed_from != (weight.data_ptr(), weight._version):
             self._packed, self._packed_from = kernels.pack(weight.detach()), (weight.data_ptr(), weight._version)
@@ -55,6 +60,37 @@ def _kernels_here() -> bool:
     return True
 
 
+def row_independence(device: torch.device) -> AbstractContextManager:
+    """What inference runs inside so that every row is computed by the same operations whatever
+    rows run beside it (a draft daemon's pass of many sessions). On the CPU kernels, nothing: their
+    linear is row-independent by construction, and the rest is element-wise, row-wise or per
+    sequence. Elsewhere torch picks a matmul's or a norm's kernel by the row count, so they run on
+    blocks of exactly ROW_BLOCK rows, the last padded: one shape, whatever the pass holds."""
+    if device.type == "cpu" and _kernels_here():
+        return nullcontext()
+    return _fixed_row_blocks()
+
+
+@contextmanager
+def _fixed_row_blocks():
+    token = _row_block.set(ROW_BLOCK)
+    try:
+        yield
+    finally:
+        _row_block.reset(token)
+
+
+def _in_row_blocks(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn over x's rows, in blocks of the current fixed size (padded with zero rows), or all at once."""
+    block = _row_block.get()
+    if not block:
+        return fn(x)
+    rows = x.reshape(-1, x.shape[-1])
+    padded = F.pad(rows, (0, 0, 0, -rows.shape[0] % block))
+    out = torch.cat([fn(chunk) for chunk in padded.split(block)])[: rows.shape[0]]
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -62,6 +98,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _in_row_blocks(self._normalize, x)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32 like the Qwen3 reference, so bf16 drafters match trained numerics.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -325,14 +364,6 @@ class DFlashDrafter(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
-
-    @property
-    def rows_independent(self) -> bool:
-        """Whether inference computes each row by the same operations whatever rows run beside
-        it, so sessions drafted in one pass get the bits each gets alone: on the CPU kernels'
-        linear, yes (the rest is element-wise, row-wise norms, or attention per sequence);
-        torch's matmul elsewhere picks its kernel by the row count."""
-        return self.device.type == "cpu" and _kernels_here()
 
     def describe(self, ring_capacity: int) -> dict:
         """What a target needs to know of this drafter (the wire's DRAFTER_INFO)."""

@@ -16,12 +16,15 @@ runs as one command, each phase time-boxed, every result written as it comes int
    each target's verify cost by width (what the governor weighs);
 4. `bench`: plain vs DFlash on the GPU, the draft daemon a separate process on the same GPU
    (`launch.evaluate` modes plain, chain, tree:8 and the adaptive default, on held-out prompts);
-5. `gen`: self-instruct answers from the target in bf16 with large batches, into `OUT/answers`
+5. `batching`: requests decoded side by side against each alone, and what drafting pays as N grows;
+6. `draft_batch`: the draft daemon's proposes in one pass against one by one, and whether its load
+   check (each session's bits as alone, torch's kernels in fixed row blocks) let it batch them;
+7. `gen`: self-instruct answers from the target in bf16 with large batches, into `OUT/answers`
    (answer-store shards: copy them into data/answers/ to keep them);
-6. `train`: the shipped drafter trained further on the store plus the new answers, into `OUT/drafter`,
+8. `train`: the shipped drafter trained further on the store plus the new answers, into `OUT/drafter`,
    in the DFlash2 format by default (its convolutions learn with the backbone from the identity, then
    its selector on the backbone's outputs; `--format dflash` keeps the first format);
-7. `eval`: the new drafter against the shipped one on the held-out prompts (drafting every step).
+9. `eval`: the new drafter against the shipped one on the held-out prompts (drafting every step).
 
 The GPU machine has torch and transformers but no pyzmq and no gguf: `launch/gpu_run.sh`
 installs them from carried wheels, joins the carried GGUF parts, then runs this.
@@ -227,6 +230,16 @@ def batching(model: Path, drafter: Path, device: str, prompts: int, max_new: int
     return {"prompts": len(asks), "max_new_tokens": max_new, "rounds": rounds}
 
 
+def draft_batch(drafter: Path, device: str, sessions: str) -> dict:
+    """The draft daemon's proposes drafted in one pass against one by one on this device, and
+    whether its load check let it draft them together (torch's kernels in fixed row blocks)."""
+    from launch import bench_draft_batch
+
+    return bench_draft_batch.main(
+        ["--drafter", str(drafter), "--device", device, "--sessions", sessions, "--rounds", "3", "--steps", "5"]
+    )
+
+
 def train_args(model: Path, out: Path, cache: Path, device: str, tiny: bool) -> list[str]:
     shape = ["--block-size", "4", "--layers", "1"] if tiny else []
     return ["--model", str(model), "--device", device, "--cache", str(cache), "--out", str(out / "drafter"), *shape]
@@ -391,6 +404,7 @@ def main(argv: list[str] | None = None) -> None:
     run.phase("exactness", exactness, model, shipped, args.device, sizes["exact_prompts"], sizes["max_new"])
     run.phase("bench", bench, model, shipped, args.device, sizes["prompts"], sizes["max_new"], args.threads)
     run.phase("batching", batching, model, shipped, args.device, sizes["prompts"], sizes["max_new"], sizes["widest"])
+    run.phase("draft_batch", draft_batch, shipped, args.device, "1,4" if args.tiny else "1,2,4,8,16,32")
     run.phase("gen", generate_answers, common, out, sizes["gen"], sizes["batch"], sizes["dtype"], sizes["answer"])
     init = None if args.tiny else shipped
     run.phase("train", train_drafter, common, out, sizes["train"], init, sizes["steps"], args.format)

@@ -37,7 +37,17 @@ def test_tiny_mode_runs_every_phase(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     phases = results["phases"]
-    assert list(phases) == ["tests", "invariance", "exactness", "bench", "batching", "gen", "train", "eval"]
+    assert list(phases) == [
+        "tests",
+        "invariance",
+        "exactness",
+        "bench",
+        "batching",
+        "draft_batch",
+        "gen",
+        "train",
+        "eval",
+    ]
     assert all(p["ok"] for p in phases.values()), {k: p.get("error") for k, p in phases.items()}
     assert phases["tests"]["returncode"] == 0  # on CPU: collected and skipped
     assert phases["invariance"]["returncode"] == 0, phases["invariance"]["output"]
@@ -45,6 +55,8 @@ def test_tiny_mode_runs_every_phase(tmp_path):
     assert set(exact) == {f"{d} {p}" for d in ("bfloat16", "float32") for p in ("engine", "transformers path")}
     assert all(n == 0 for name, row in exact.items() if "engine" in name for n in row["differs"].values())
     assert phases["bench"]["mismatches"] == 0 and set(phases["bench"]["modes"]) >= {"plain", "chain", "adaptive"}
+    drafts = phases["draft_batch"]["rows"]
+    assert {r["sessions"] for r in drafts} == {1, 4} and all(r["batched_in_one_pass"] for r in drafts)
     rounds = phases["batching"]["rounds"]
     assert set(rounds) == {f"{k} x{b}" for k in ("plain", "dflash") for b in (1, 3)}
     assert all(r["differs"] == 0 for r in rounds.values()) and rounds["dflash x3"]["drafted_steps"] > 0
@@ -53,4 +65,4 @@ def test_tiny_mode_runs_every_phase(tmp_path):
     assert json.loads((out / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     compared = {k: v for k, v in phases["eval"].items() if k in ("shipped", "new")}
     assert len(compared) == 2 and all(m["mismatches"] == 0 and m["tau"] >= 1.0 for m in compared.values())
-    assert (out / "log.txt").read_text().count("== ") == 8
+    assert (out / "log.txt").read_text().count("== ") == len(phases)
