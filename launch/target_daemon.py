@@ -17,7 +17,14 @@ from protocol.keys import ClientKeys
 from protocol.messages import MAX_REPLY_TOKENS
 from protocol.transport import stop_on_signals
 from target_node.decoding.sequence import Result
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposer
+from target_node.drafting.proposers import (
+    DFlashProposer,
+    DraftPass,
+    LocalDraftBackend,
+    NGramProposer,
+    NoProposer,
+    Proposer,
+)
 from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES
 from target_node.model.target import TargetModel
 from target_node.serving.daemon import TargetService
@@ -51,7 +58,11 @@ def build_proposers(
 
         checkpoint = args.drafter_checkpoint or ensure_default_drafter(resolve_model(args.model))
         drafter = load_drafter(checkpoint, args.device, target.model.dtype)
-        return [DFlashProposer(LocalDraftBackend(drafter, args.ring_capacity), NGramProposer()) for _ in range(count)]
+        together = DraftPass(drafter)  # the slots' drafts of one step in one pass
+        return [
+            DFlashProposer(LocalDraftBackend(drafter, args.ring_capacity, together), NGramProposer())
+            for _ in range(count)
+        ]
     from target_node.drafting.remote import Reachability, RemoteDraftBackend
 
     reach = Reachability()  # one daemon behind every slot's session: one probe when it is away

@@ -150,3 +150,42 @@ def test_a_device_where_a_pass_changes_bits_drafts_one_by_one(monkeypatch):
         burst.append(_request("propose", {"session": f"s{i}", "start": 0, "position": 4}, tensors, request_id=i))
     replies = [decode(frames) for frames in service.handle_all(burst)]
     assert [r.type for r in replies] == ["proposal"] * 3 and service.counters["batched"] == 0
+
+
+@pytest.mark.parametrize("dflash2", [False, True], ids=["dflash", "dflash2"])
+def test_a_targets_local_slots_draft_one_pass_per_step_and_decode_as_alone(dflash2):
+    """In-process drafting in a batch: the slots' backends share a DraftPass, so a step's drafts
+    are one pass; greedy and seeded-sampled requests give the tokens and acceptance they give alone."""
+    from helpers import tiny_target
+
+    from draft_node.checkpoint import config_for_target
+    from target_node.decoding.sampling import SamplingParams
+    from target_node.decoding.sequence import Sequence, generate, step
+    from target_node.drafting.proposers import DFlashProposer, DraftPass, LocalDraftBackend
+    from target_node.model.target import TargetModel
+
+    single = tiny_target("qwen3", seed=4)
+    batch = TargetModel(single.model, slots=4)
+    cfg = config_for_target(single.config, block_size=6, num_taps=3, dflash2=dflash2)
+    drafter = random_drafter(cfg, seed=1, std=0.1)
+    prompts = [[5, 17, 42, 99, 3, 7], [200, 11, 11, 11, 250, 12, 13, 14], [9, 8, 7, 6, 5, 4, 3, 2, 1], [1, 2, 3]]
+    sampling = [None, SamplingParams(temperature=0.9, seed=7), None, SamplingParams(temperature=0.7, top_k=20, seed=3)]
+
+    def proposer(together=None):
+        return DFlashProposer(LocalDraftBackend(drafter, 256, together))
+
+    alone = [
+        generate(batch, p, proposer(), 30, adaptive=False, sampling=s) for p, s in zip(prompts, sampling, strict=True)
+    ]
+    together = DraftPass(drafter)
+    sequences = [
+        Sequence(batch, p, proposer(together), 30, slot=slot, adaptive=False, sampling=s)
+        for slot, (p, s) in enumerate(zip(prompts, sampling, strict=True))
+    ]
+    while not all(seq.done for seq in sequences):
+        step(batch, [seq for seq in sequences if not seq.done])
+    for seq, want in zip(sequences, alone, strict=True):
+        got = seq.result()
+        assert got.tokens == want.tokens and got.stats.histogram == want.stats.histogram
+    if draft_model._kernels_here():
+        assert together.together and together.counters["batched"] > together.counters["passes"]
