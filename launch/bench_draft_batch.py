@@ -7,6 +7,10 @@ same encoded messages, decode and encode included, alternating round by round so
 falls on both alike; the replies of the two are checked equal, bit for bit.
 
     python -m launch.bench_draft_batch --sessions 1,2,4,8,16 --threads 1
+
+`--steps-of N` adds whole target steps: N requests of the target model decoding side by side,
+drafting every step with the in-process drafter, its slots sharing one pass against a pass
+each, in turns (draft and verify together: what a batching target daemon's step costs).
 """
 
 from __future__ import annotations
@@ -60,6 +64,45 @@ class Burst:
         return burst
 
 
+def target_steps(args: argparse.Namespace, folder: Path) -> dict:
+    """ms per batched step of `steps_of` requests drafting every step, one shared pass against a
+    pass each, alternating request by request; the outputs of both are checked equal."""
+    from launch.common import resolve_model
+    from target_node.decoding.sequence import Sequence, step
+    from target_node.drafting.proposers import DFlashProposer, DraftPass, LocalDraftBackend
+    from target_node.model.target import TargetModel
+
+    n = args.steps_of
+    target = TargetModel.load(resolve_model(args.model), args.device, "auto", slots=n)
+    drafter = load_drafter(folder, args.device, target.model.dtype)
+    asks = [target.encode_chat([{"role": "user", "content": f"Tell me fact {i} about rivers."}]) for i in range(n)]
+    spent, made, outputs = {"shared_pass": 0.0, "pass_each": 0.0}, dict.fromkeys(("shared_pass", "pass_each"), 0), {}
+    for _ in range(args.rounds):
+        for way in spent:
+            shared = DraftPass(drafter) if way == "shared_pass" else None
+            sequences = [
+                Sequence(
+                    target, ask, DFlashProposer(LocalDraftBackend(drafter, 1024, shared)), 48, slot=i, adaptive=False
+                )
+                for i, ask in enumerate(asks)
+            ]
+            while any(seq.prefilling for seq in sequences):
+                step(target, sequences)
+            began = time.perf_counter()
+            while not all(seq.done for seq in sequences):
+                step(target, [seq for seq in sequences if not seq.done])
+                made[way] += 1
+            spent[way] += time.perf_counter() - began
+            outputs[way] = [seq.result().tokens for seq in sequences]
+        if outputs["shared_pass"] != outputs["pass_each"]:
+            raise SystemExit("a shared pass changed a request's output")
+    row = {way: round(spent[way] / made[way] * 1000, 2) for way in spent}
+    row.update(requests=n, dtype=str(target.model.dtype).removeprefix("torch."))
+    row["shared_vs_each"] = round(row["shared_pass"] / row["pass_each"], 3)
+    print(json.dumps({"target_steps_ms": row}), flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="dflash-bench-draft-batch", description=__doc__)
     ap.add_argument("--drafter", help="drafter checkpoint folder (default: the default model's drafter)")
@@ -71,6 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=8, help="turns of each way")
     ap.add_argument("--steps", type=int, default=10, help="bursts per turn")
+    ap.add_argument("--steps-of", type=int, default=0, help="also time whole target steps of N requests (0: skip)")
+    ap.add_argument("--model", help="target for --steps-of (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--out", help="write the result as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -116,6 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
         "new_rows": args.new,
         "rows": rows,
     }
+    if args.steps_of:
+        result["target_steps"] = target_steps(args, folder)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result
