@@ -189,3 +189,30 @@ def test_a_targets_local_slots_draft_one_pass_per_step_and_decode_as_alone(dflas
         assert got.tokens == want.tokens and got.stats.histogram == want.stats.histogram
     if draft_model._kernels_here():
         assert together.together and together.counters["batched"] > together.counters["passes"]
+
+
+def test_a_step_shares_its_drafting_time_evenly_among_the_sequences_that_drafted():
+    """The first sequence to ask for its drafts waits for the whole pass, the others for none;
+    each governor must see its share, or the first would think drafting costs it the pass."""
+    from helpers import tiny_target
+
+    from draft_node.checkpoint import config_for_target
+    from target_node.decoding.sequence import Sequence, step
+    from target_node.drafting.proposers import DFlashProposer, DraftPass, LocalDraftBackend, NoProposer
+    from target_node.model.target import TargetModel
+
+    single = tiny_target("qwen3", seed=4)
+    batch = TargetModel(single.model, slots=4)
+    drafter = random_drafter(config_for_target(single.config, block_size=6, num_taps=3), seed=1, std=0.1)
+    together = DraftPass(drafter)
+    proposers = [DFlashProposer(LocalDraftBackend(drafter, 256, together)) for _ in range(3)] + [NoProposer()]
+    sequences = [
+        Sequence(batch, [5, 17, 42, 99, 3 + i], p, 20, slot=i, adaptive=False) for i, p in enumerate(proposers)
+    ]
+    while any(seq.prefilling for seq in sequences):
+        step(batch, sequences)
+    before = [seq.stats.propose_s for seq in sequences]
+    step(batch, sequences)
+    spent = [seq.stats.propose_s - b for seq, b in zip(sequences, before, strict=True)]
+    assert spent[0] == spent[1] == spent[2] > 0
+    assert spent[3] < spent[0]  # plain: it drafted nothing, and keeps its own (tiny) time

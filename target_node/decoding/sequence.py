@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,7 +23,7 @@ from target_node.decoding.pace import PrefillPace
 from target_node.decoding.sampling import Sampler, SamplingParams
 from target_node.decoding.speculative import Plan, Step, finish_step, plan_step
 from target_node.decoding.stats import Stats
-from target_node.drafting.proposers import Proposer
+from target_node.drafting.proposers import EMPTY, Proposer
 from target_node.model.target import TargetModel
 
 
@@ -199,9 +199,11 @@ def step(target: TargetModel, sequences: list[Sequence], pace: PrefillPace | Non
     if pace is not None:
         for seq in prefilling:
             seq.chunk = pace.chunk(len(prefilling))
+    began = time.perf_counter()
     for seq in sequences:
         seq.prepare(len(sequences))
     parts = [seq.part() for seq in sequences]
+    _share_draft_time(sequences, time.perf_counter() - began)
     prompt_rows = sum(len(p.tokens) for seq, p in zip(sequences, parts, strict=True) if seq.prefilling)
     taps = tuple(dict.fromkeys(t for seq in sequences for t in seq.proposer.taps))
     began = time.perf_counter()
@@ -229,6 +231,16 @@ def step(target: TargetModel, sequences: list[Sequence], pace: PrefillPace | Non
         mine = None if features is None else _select(features, taps, seq.proposer.taps, target.hidden_size)
         seq.take(mine, choices[at:end], None if logits is None else logits[at:end], forward_s)
         at = end
+
+
+def _share_draft_time(sequences: list[Sequence], seconds: float) -> None:
+    """Give every drafting sequence an even share of the time the step spent drafting. A batch's
+    drafts are one pass (local, or the draft daemon's burst): the first sequence to ask waits for
+    all of them and the rest for none, so each one's own wait would tell its governor that
+    drafting costs it the whole pass or nothing."""
+    drafting = [seq for seq in sequences if not seq.prefilling and seq.plan.proposal is not EMPTY]
+    for seq in drafting:
+        seq.plan = replace(seq.plan, propose_s=seconds / len(drafting))
 
 
 def _select(features: torch.Tensor, have: tuple[int, ...], want: tuple[int, ...], width: int) -> torch.Tensor | None:
