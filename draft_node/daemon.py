@@ -234,6 +234,10 @@ class DraftService:
             except ProtocolError as exc:
                 self.counters["errors"] += 1
                 replies[i] = encode_error(msg.id, exc.code, exc.message)
+            except Exception as exc:  # as in `handle`: a bug costs this reply, not the burst
+                self.counters["errors"] += 1
+                log.exception("internal error")
+                replies[i] = encode_error(msg.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         if not admitted:
             return replies
         began = time.perf_counter()

@@ -216,3 +216,25 @@ def test_a_step_shares_its_drafting_time_evenly_among_the_sequences_that_drafted
     spent = [seq.stats.propose_s - b for seq, b in zip(sequences, before, strict=True)]
     assert spent[0] == spent[1] == spent[2] > 0
     assert spent[3] < spent[0]  # plain: it drafted nothing, and keeps its own (tiny) time
+
+
+def test_a_bug_admitting_one_propose_of_a_burst_costs_its_reply_only(monkeypatch):
+    drafter = _drafter("tiny", torch.float32)
+    cfg = drafter.config
+    service = DraftService(drafter, ring_capacity=32)
+    burst = []
+    for i in range(3):
+        service.handle(_request("open", {"session": f"s{i}"}, {"mask": torch.randn(1, cfg.hidden_size)}))
+        tensors = {"features": torch.randn(2, cfg.feature_width), "noise": torch.randn(1, cfg.hidden_size)}
+        burst.append(_request("propose", {"session": f"s{i}", "start": 0, "position": 2}, tensors, request_id=i))
+    admit = service.admit_propose
+
+    def flaky(msg):
+        if msg["session"] == "s1":
+            raise RuntimeError("a bug")
+        return admit(msg)
+
+    monkeypatch.setattr(service, "admit_propose", flaky)
+    replies = [decode(frames) for frames in service.handle_all(burst)]
+    assert [r.type for r in replies] == ["proposal", "error", "proposal"]
+    assert replies[1]["code"] == "internal" and "a bug" in replies[1]["message"]
