@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, drafts_alone_in_one_pass, propose
+from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, drafts_alone_in_one_pass, timed_pass
 from draft_node.model import DFlashDrafter
 from protocol import FLOAT_DTYPES, MAX_HEADER_BYTES, ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
@@ -102,7 +102,7 @@ class DraftService:
         except Exception as exc:  # a bug must cost one reply, not the daemon
             self.counters["errors"] += 1
             log.exception("internal error")
-            return encode_error(request.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return internal_error(request.id, exc)
 
     @property
     def info(self) -> dict:
@@ -237,21 +237,17 @@ class DraftService:
             except Exception as exc:  # as in `handle`: a bug costs this reply, not the burst
                 self.counters["errors"] += 1
                 log.exception("internal error")
-                replies[i] = encode_error(msg.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+                replies[i] = internal_error(msg.id, exc)
         if not admitted:
             return replies
-        began = time.perf_counter()
         try:
-            drafted = propose([step for _, _, step in admitted])
-            if self.drafter.device.type == "cuda":
-                torch.cuda.synchronize(self.drafter.device)
+            drafted, draft_ms = timed_pass([step for _, _, step in admitted], together=True)
         except Exception as exc:  # a bug must cost these replies, not the daemon
             log.exception("internal error")
             for i, _, _ in admitted:
                 self.counters["errors"] += 1
-                replies[i] = encode_error(msgs[i].id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+                replies[i] = internal_error(msgs[i].id, exc)
             return replies
-        draft_ms = (time.perf_counter() - began) * 1000 / len(admitted)
         if len(admitted) > 1:
             self.counters["batched"] += len(admitted)
         for (i, session, step), (hidden, gate) in zip(admitted, drafted, strict=True):
@@ -329,6 +325,11 @@ class DraftService:
         log.debug("evicted session %r", key[1])
         del self.sessions[key]
         self.counters["evicted"] += 1
+
+
+def internal_error(request_id: int, exc: Exception) -> list:
+    """The reply to a request a bug failed: it names the bug, and the daemon serves on."""
+    return encode_error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
 def _same_session(a: Message, b: Message) -> bool:

@@ -7,6 +7,7 @@ then costs the same at 128 or 4096 tokens of context. Noise-block K/V never ente
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -125,14 +126,13 @@ def propose(steps: list[DraftStep]) -> list[tuple[torch.Tensor, torch.Tensor | N
 
 
 def _propose(drafter: DFlashDrafter, steps: list[DraftStep]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    caches = [step.cache for step in steps]
     taken = [step.cache.take(step.start, step.features.to(drafter.device)) for step in steps]
     counts = [positions.numel() for positions, _ in taken]
     if sum(counts):
         kv = drafter.context_kv(torch.cat([f for _, f in taken]), torch.cat([p for p, _ in taken]))
         split = [(k.split(counts), v.split(counts)) for k, v in kv]
-        for i, (cache, (positions, _)) in enumerate(zip(caches, taken, strict=True)):
-            cache.store(positions, [(k[i], v[i]) for k, v in split])
+        for i, (step, (positions, _)) in enumerate(zip(steps, taken, strict=True)):
+            step.cache.store(positions, [(k[i], v[i]) for k, v in split])
     drafting = [step for step in steps if step.noise is not None]
     if not drafting:
         return []
@@ -148,6 +148,17 @@ def _propose(drafter: DFlashDrafter, steps: list[DraftStep]) -> list[tuple[torch
         return [(h, None) for h in drafts]
     gates = drafter.gate(torch.cat(drafts)).split([step.rows for step in drafting])
     return list(zip(drafts, gates, strict=True))
+
+
+def timed_pass(steps: list[DraftStep], together: bool) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], float]:
+    """`propose` of steps that each draft a block, in one pass or (not `together`) one by one,
+    and each step's share of the time it took, in ms (the device synchronized first)."""
+    began = time.perf_counter()
+    drafted = propose(steps) if together else [propose([step])[0] for step in steps]
+    device = steps[0].cache.drafter.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return drafted, (time.perf_counter() - began) * 1000 / len(steps)
 
 
 @torch.inference_mode()

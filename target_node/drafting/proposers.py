@@ -9,7 +9,6 @@ names the layers in `taps`; the loop hands it the committed positions' features 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -225,15 +224,12 @@ class DraftPass:
         return (entry[1], entry[2]) if entry is not None and entry[0] == key else None
 
     def _run(self) -> None:
-        from draft_node.kv_cache import drafts_alone_in_one_pass, propose
+        from draft_node.kv_cache import drafts_alone_in_one_pass, timed_pass
 
         items, self.pending = list(self.pending.items()), {}
         if len(items) > 1 and self.together is None:
             self.together = drafts_alone_in_one_pass(self.drafter)
-        began = time.perf_counter()
-        steps = [step for _, (_, step) in items]
-        results = propose(steps) if self.together else [propose([step])[0] for step in steps]
-        share = (time.perf_counter() - began) * 1000 / len(items)
+        results, share = timed_pass([step for _, (_, step) in items], bool(self.together))
         self.counters["passes"] += 1
         self.counters["batched"] += len(items) if self.together and len(items) > 1 else 0
         for (owner, (key, _)), result in zip(items, results, strict=True):
