@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         default=150.0,
         help="size prompt chunks so a forward that carries one takes about this long, from prefill rates "
         "measured as it runs: other requests' tokens and first tokens wait at most about this (0: fixed "
-        "chunks of --prefill-chunk)",
+        "chunks of --prefill-chunk). A prompt alone, with no other request running or queued, takes "
+        "--prefill-chunk tokens a forward: it pauses no one",
     )
     parser.add_argument(
         "--max-silence",

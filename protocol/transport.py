@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -29,7 +29,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from .codec import MAX_FRAME_BYTES, MAX_HEADER_BYTES, Message, decode, encode
+from .codec import MAX_FRAME_BYTES, MAX_HEADER_BYTES, Message, decode, encode, encode_error
 from .errors import ErrorCode, ProtocolError
 from .keys import ClientKeys, ServerKeys
 from .messages import SCHEMAS
@@ -46,9 +46,15 @@ DEFAULT_MAX_FRAME = MAX_FRAME_BYTES + FRAME_OVERHEAD
 CONTROL_MAX_FRAME = MAX_HEADER_BYTES + FRAME_OVERHEAD
 ZAP_DOMAIN = b"dflash"
 LOOPBACK_HOSTS = ("localhost", "lo", "::1", "[::1]")
-# Messages the answering helper takes in during one lend (and holds for next() at most); past
-# this many it stops reading, so a flood meets ZeroMQ's own per-peer queue limits again.
+# Messages the answering helper holds for next() at most, and of them from one peer: past these
+# it answers a message `busy` at once, so a flood costs memory for HELD_MAX messages at most and
+# one peer's cannot crowd out the others' (their heartbeats and cancels still get in).
 HELD_MAX = 256
+HELD_PER_PEER = 64
+# The helper's intake, in messages a second after its first HELD_MAX: it keeps reading through a
+# step (a flood of pings must not make it deaf) but cannot take the step's share of the GIL;
+# past this rate ZeroMQ queues, and takes from peers in turn, so a lone ping is read soon.
+READ_RATE = 5000.0
 # The helper reads only once a step has run this long: a short step leaves requests to the
 # caller's own loop (which bounds its intake per step), so a flood of pings cannot slow it.
 ANSWER_AFTER_S = 0.05
@@ -281,8 +287,12 @@ class Server:
         self.helper: threading.Thread | None = None
         self.lending = False  # the helper holds the socket now
         self.lent, self.returned = threading.Event(), threading.Event()
-        self.answers: Mapping[str, Callable[[bytes, Message], Frames]] = {}
+        self.answers: Mapping[str, Callable[[bytes, Message], Frames | None]] = {}
         self.held: deque[tuple[bytes, Message | ProtocolError]] = deque()  # taken in by the helper
+        self.held_from: Counter[bytes] = Counter()  # of them, by peer
+        # When the helper last took a message from each peer (see heard()): a client's word counts
+        # from its arrival, not from when a step's backlog let the caller read it.
+        self.heard_at: dict[bytes, float] = {}
         self.outbox: deque[tuple[bytes, Frames]] = deque()  # replies sent while the helper holds the socket
         self.undelivered_ids: deque[bytes] = deque()  # peers a reply sent meanwhile did not reach
 
@@ -292,10 +302,20 @@ class Server:
             raise RuntimeError("next() while the answering helper holds the socket")
         self._log_events()
         if self.held:
-            return self.held.popleft()
+            identity, message = self.held.popleft()
+            self.held_from[identity] -= 1
+            if not self.held_from[identity]:
+                del self.held_from[identity]
+            return identity, message
         if not self.sock.poll(timeout_ms):
             return None
         return self._take()
+
+    def heard(self) -> dict[bytes, float]:
+        """When each peer the helper took a message from (answered, held or refused) since the
+        last call was last heard, in time.monotonic(): what next() returns later was heard then."""
+        heard, self.heard_at = self.heard_at, {}
+        return heard
 
     def _take(self) -> tuple[bytes, Message | ProtocolError]:
         identity, *frames = self.sock.recv_multipart(copy=False)
@@ -318,9 +338,17 @@ class Server:
         failed delivery is reported by undelivered() instead."""
         if self.lending:
             self.outbox.append((identity, frames))
-            self.wake_out.send(b"", zmq.NOBLOCK)
+            self._wake()
             return True
         return self._deliver(identity, frames)
+
+    def _wake(self) -> None:
+        """Tell the helper to look at the outbox (or that the lend ended). A full pipe means
+        wakes are already waiting for it: one is as good as many."""
+        try:
+            self.wake_out.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def undelivered(self) -> list[bytes]:
         """The peers that replies sent during answering() did not reach (each reported once)."""
@@ -330,14 +358,15 @@ class Server:
         return gone
 
     @contextmanager
-    def answering(self, answers: Mapping[str, Callable[[bytes, Message], Frames]]) -> Iterator[None]:
+    def answering(self, answers: Mapping[str, Callable[[bytes, Message], Frames | None]]) -> Iterator[None]:
         """Lend the socket to a helper thread while the caller computes (a daemon's step), so the
         request types in `answers` (a ping) are answered within ANSWER_AFTER_S, not after the step.
 
         The caller's work must release the GIL (torch and the kernels do). Other requests are
-        held for next() in arrival order; replies sent meanwhile go out through the helper at
-        once. `answers[type](identity, message)` runs on the helper thread: it may read only what the
-        caller does not change meanwhile."""
+        held for next() in arrival order (past HELD_MAX, or HELD_PER_PEER from one peer, they are
+        answered `busy`); replies sent meanwhile go out through the helper at once.
+        `answers[type](identity, message)` runs on the helper thread: it may read only what the
+        caller does not change meanwhile; it returns the reply, or None for a notice (heartbeat)."""
         if self.helper is None:
             self.wake_in = self.context.socket(zmq.PAIR)
             self.wake_in.bind(f"inproc://server-wake-{id(self):x}")
@@ -353,7 +382,7 @@ class Server:
             yield
         finally:
             self.lending = False
-            self.wake_out.send(b"", zmq.NOBLOCK)
+            self._wake()
             self.returned.wait()
 
     def _help(self) -> None:
@@ -364,32 +393,53 @@ class Server:
             self.lent.wait()
             if self.helper is None:  # closed
                 return
-            taken = 0  # this lend's: a flood costs a step at most HELD_MAX messages' work
+            taken = 0
             reading_from = time.monotonic() + ANSWER_AFTER_S
             while True:
+                while self.wake_in.poll(0):  # every wake, this lend's and any a past lend left
+                    self.wake_in.recv()
                 self._flush()
                 if not self.lending:
                     break
-                early = reading_from - time.monotonic()
-                reading = early <= 0 and max(taken, len(self.held)) < HELD_MAX
-                if reading:
+                since = time.monotonic() - reading_from
+                allowed = HELD_MAX + READ_RATE * since - taken  # what the intake allows now
+                if since < 0:
+                    wait_ms = -since * 1000
+                elif allowed < 1:
+                    wait_ms = (1 - allowed) * 1000 / READ_RATE
+                else:
+                    wait_ms = 100
                     poller.register(self.sock, zmq.POLLIN)
-                events = dict(poller.poll(100 if early <= 0 else max(1, int(early * 1000))))
-                if reading:
+                events = dict(poller.poll(max(1, int(wait_ms))))
+                if since >= 0 and allowed >= 1:
                     poller.unregister(self.sock)
-                while self.wake_in.poll(0):
-                    self.wake_in.recv()
                 if self.sock in events:
-                    while max(taken, len(self.held)) < HELD_MAX and self.sock.poll(0):
-                        identity, message = self._take()
+                    while taken < allowed and self.sock.poll(0):
                         taken += 1
-                        answer = self.answers.get(message.type) if isinstance(message, Message) else None
-                        if answer is None:
-                            self.held.append((identity, message))
-                        elif not self._deliver(identity, answer(identity, message)):
-                            self.undelivered_ids.append(identity)
+                        self._answer_or_hold(*self._take())
             self.lent.clear()
             self.returned.set()
+
+    def _answer_or_hold(self, identity: bytes, message: Message | ProtocolError) -> None:
+        """On the helper thread: answer a message of `answers`, hold another for next(), or,
+        past what may be held, answer it busy."""
+        self.heard_at[identity] = time.monotonic()
+        if isinstance(message, Message) and message.type in self.answers:
+            reply = self.answers[message.type](identity, message)
+        elif len(self.held) < HELD_MAX and self.held_from[identity] < HELD_PER_PEER:
+            self.held.append((identity, message))
+            self.held_from[identity] += 1
+            return
+        elif isinstance(message, ProtocolError):
+            reply = encode_error(message.request_id, message.code, message.message)
+        else:
+            why = (
+                f"{len(self.held)} messages wait for the step under way, {self.held_from[identity]} of them "
+                f"this peer's (limits {HELD_MAX}, {HELD_PER_PEER} a peer); retry later"
+            )
+            reply = encode_error(message.id, ErrorCode.BUSY, why)
+        if reply is not None and not self._deliver(identity, reply):
+            self.undelivered_ids.append(identity)
 
     def _flush(self) -> None:
         while self.outbox:

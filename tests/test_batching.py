@@ -16,7 +16,7 @@ from target_node.decoding.governor import Governor
 from target_node.decoding.pace import FEWEST, FIRST_CHUNK, PrefillPace
 from target_node.decoding.sampling import SamplingParams
 from target_node.decoding.sequence import Sequence, generate, step
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
+from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
 from target_node.model.target import TargetModel
 from target_node.model.tiny import tiny_target
 
@@ -123,6 +123,26 @@ def test_prompt_chunks_sized_by_a_time_budget_change_no_output(target):
     got = batched(target, reqs, pace)
     assert [got[i] for i in range(len(reqs))] == want
     assert pace.rows_per_s is not None and pace.chunk() == FEWEST
+
+
+def test_a_prompt_alone_takes_the_cap_and_is_paced_once_another_request_waits(target):
+    """A forward's fixed cost paid per budget-sized chunk made a long prompt alone 40% slower to
+    its first token; alone it pauses no one, so it takes --prefill-chunk rows, and the pace resumes
+    as soon as a request waits or runs beside it. The output is the same either way."""
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 300) for _ in range(200)]
+    want = generate(target, prompt, NoProposer(), 4, stop_on_eos=False, prefill_chunk=64).tokens
+    pace = PrefillPace(budget_s=1e-9, most=64)
+    seq = Sequence(target, prompt, NoProposer(), 4, slot=0, stop_on_eos=False, prefill_chunk=64)
+    chunks = []
+    for waiting in (False, True, True, False, False, False, False, False, False, False, False, False):
+        if seq.done:
+            break
+        prefilling = seq.prefilling
+        step(target, [seq], pace, waiting=waiting)
+        chunks.append(seq.chunk if prefilling else None)
+    assert chunks[:3] == [64, FEWEST, FEWEST] and chunks[3] == 64, chunks
+    assert seq.done and seq.result().tokens == want
 
 
 def test_the_pace_follows_the_measured_rate_and_grows_at_most_twofold():

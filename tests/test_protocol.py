@@ -22,7 +22,7 @@ from protocol import (
     frame_to_tensor,
     tensor_to_frame,
 )
-from protocol.transport import Client, Server
+from protocol.transport import HELD_PER_PEER, Client, Server
 
 HIDDEN, WIDTH, BLOCK = 8, 24, 4
 
@@ -567,3 +567,75 @@ def test_an_optional_tensor_may_be_left_out_but_no_stranger_comes_in():
     assert set(bare.tensors) == {"hidden"}
     with pytest.raises(ProtocolError, match=r"expected tensors \['hidden'\] \(and optionally \['gate'\]\)"):
         encode("proposal", 1, {"draft_ms": 0.5}, {"hidden": torch.randn(2, HIDDEN), "logits": torch.randn(2, 3)})
+
+
+def test_thirty_thousand_lends_with_replies_leave_no_wake_behind(tmp_path):
+    """Each lend whose replies went out before the helper looked used to leave wake bytes in the
+    inproc pipe; ~2,000 of them filled it and the next reply raised zmq.Again, which took the
+    target daemon down (a few thousand refused requests did it)."""
+    address = f"ipc://{tmp_path}/wakes.sock"
+    server = Server(address)
+    client = Client(address)
+    try:
+        client.send("stats")
+        identity, _ = server.next(2000)
+        reply = encode("stats_ok", 1, {"stats": {}})
+        for _ in range(30_000):
+            with server.answering({}):
+                for _ in range(3):
+                    assert server.send(identity, reply)  # the client reads none: most are undelivered
+        assert server.undelivered()  # reported, not raised
+        pong = lambda identity, m: encode("pong", m.id, {"time": 0.0, "sessions": 0})  # noqa: E731
+        pinger = Client(address)
+        with server.answering({"ping": pong}):
+            assert pinger.call("ping", timeout_s=2.0) is not None
+        pinger.close()
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_flood_during_a_step_is_held_within_bounds_and_every_peers_word_is_noted(tmp_path):
+    """What the helper takes in during a step: pings answered and heartbeats absorbed without
+    counting against what it holds; at most HELD_PER_PEER of one peer's other messages held, the
+    rest answered busy at once; and each peer stamped heard when its message arrived, so a
+    heartbeating client behind a flooder is not taken for silent."""
+    address = f"ipc://{tmp_path}/flood.sock"
+    server = Server(address)
+    flooder, beater, pinger = Client(address), Client(address), Client(address)
+    try:
+        pong = lambda identity, m: encode("pong", m.id, {"time": 0.0, "sessions": 0})  # noqa: E731
+        with server.answering({"ping": pong, "heartbeat": lambda identity, m: None}):
+            for i in range(1, 1501):  # a peer that reads nothing takes ~2,000 replies before ZeroMQ refuses more
+                flooder.send("ping", request_id=i)
+            for i in range(3001, 3001 + HELD_PER_PEER + 20):
+                flooder.send("stats", request_id=i)
+            began = time.monotonic()
+            answer = pinger.call("ping", timeout_s=2.0)
+            assert answer is not None and time.monotonic() - began < 0.25
+            for _ in range(5):
+                beater.send("heartbeat")
+                time.sleep(0.05)
+            beaten = time.monotonic()
+            time.sleep(1.0)  # the rest of the flood is read, at READ_RATE
+        pongs = busy = 0
+        while flooder.sock.poll(1000):
+            reply = decode(flooder.sock.recv_multipart())
+            if reply.type == "pong":
+                pongs += 1
+            else:
+                assert reply["code"] == "busy" and reply.id > 3000, reply
+                busy += 1
+        assert (pongs, busy) == (1500, 20)
+        heard = server.heard()
+        assert set(heard) == {flooder.routing_id, beater.routing_id, pinger.routing_id}
+        assert abs(heard[beater.routing_id] - beaten) < 0.1
+        held = []
+        while (taken := server.next(0)) is not None:
+            held.append(taken)
+        assert [m.id for _, m in held] == list(range(3001, 3001 + HELD_PER_PEER))
+        assert server.heard() == {}  # what next() reads outside a step is its caller's to note
+    finally:
+        for client in (flooder, beater, pinger):
+            client.close()
+        server.close()

@@ -24,8 +24,15 @@ class PrefillPace:
         self.rows_per_s: float | None = None
         self.last = FIRST_CHUNK
 
-    def chunk(self, prefilling: int = 1) -> int:
-        """Prompt rows for each of `prefilling` requests in the next forward (they share the budget)."""
+    def chunk(self, prefilling: int = 1, alone: bool = False) -> int:
+        """Prompt rows for each of `prefilling` requests in the next forward (they share the budget).
+
+        A prompt `alone` (no other request runs or waits) pauses no one: it takes the cap, since
+        every forward has a fixed cost (the weights read once more) that small chunks pay many
+        times: budget-sized chunks made a 3,000-token prompt's first token 40% later than one
+        forward. A request arriving meanwhile waits for that chunk, then the pace resumes."""
+        if alone:
+            return self.most
         if self.rows_per_s is None:
             rows = FIRST_CHUNK
         else:

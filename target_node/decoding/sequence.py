@@ -191,14 +191,18 @@ class Sequence:
         return Result(tokens, self.output.text, self.output.finish, stats)
 
 
-def step(target: TargetModel, sequences: list[Sequence], pace: PrefillPace | None = None) -> None:
+def step(
+    target: TargetModel, sequences: list[Sequence], pace: PrefillPace | None = None, waiting: bool = False
+) -> None:
     """One forward for all `sequences` (not done), each offering its part; then one head projection
     for every row that needs it, and each sequence takes its share. A `pace` sizes the prompt
-    chunks in it to a time budget (else each sequence's own `prefill_chunk`)."""
+    chunks in it to a time budget (else each sequence's own `prefill_chunk`), unless one prompt
+    runs alone and no other request is `waiting` to start."""
     prefilling = [seq for seq in sequences if seq.prefilling]
     if pace is not None:
+        alone = len(sequences) == 1 and not waiting
         for seq in prefilling:
-            seq.chunk = pace.chunk(len(prefilling))
+            seq.chunk = pace.chunk(len(prefilling), alone)
     began = time.perf_counter()
     for seq in sequences:
         seq.prepare(len(sequences))

@@ -134,9 +134,9 @@ class TargetService:
         self.prefill_chunk, self.max_messages_per_step = prefill_chunk, max_messages_per_step
         self.pace = PrefillPace(prefill_budget_s, prefill_chunk or 1 << 20) if prefill_budget_s > 0 else None
         self.heard: dict[bytes, float] = {}  # client -> when it last sent anything (clients with work)
+        self.reached: dict[bytes, float] = {}  # client -> when a reply to it last went out (streaming)
         self.counters = {"cancelled": 0, "abandoned": 0}  # abandoned: its client went away or silent
         self.waiting = 0  # requests queued, as of the last pump (what a pong says)
-        self.pinged: deque[bytes] = deque()  # peers pinged during a step (see pong)
         self.max_silence_s = max_silence_s
 
     @property
@@ -153,6 +153,8 @@ class TargetService:
     def send(self, identity: bytes, frames: list) -> None:
         if not self.server.send(identity, frames):
             self.abandon(identity, "a reply could not be delivered")
+        elif identity in self.heard:  # a client with work here: it takes what it is sent
+            self.reached[identity] = time.monotonic()
 
     def pump(self, timeout_ms: int = 0) -> None:
         """Take in what waits on the socket, at most `max_messages_per_step` messages (ZeroMQ
@@ -183,8 +185,10 @@ class TargetService:
                     identity,
                     encode_error(msg.id, ErrorCode.UNKNOWN_TYPE, f"the target daemon does not serve '{msg.type}'"),
                 )
-        while self.pinged:  # pings the helper answered during the last step: heard from, too
-            self.heard[self.pinged.popleft()] = time.monotonic()
+        # Messages the helper took during the last step (pings and heartbeats it answered, those it
+        # holds for the next steps) count from their arrival.
+        for identity, at in self.server.heard().items():
+            self.heard[identity] = max(at, self.heard.get(identity, at))
         for identity in self.server.undelivered():  # replies sent during the last step
             self.abandon(identity, "a reply could not be delivered")
         self.reap()
@@ -192,8 +196,7 @@ class TargetService:
 
     def pong(self, identity: bytes, msg: Message) -> list:
         """Also answered by the server's helper thread during a step: it reads only `waiting`,
-        which changes between steps, and notes the peer in `pinged` for the next pump."""
-        self.pinged.append(identity)
+        which changes between steps."""
         return encode("pong", msg.id, {"time": time.time(), "sessions": self.waiting})
 
     def enqueue(self, identity: bytes, msg: Message) -> None:
@@ -287,11 +290,16 @@ class TargetService:
             if interval > 0 and silent > HEARTBEAT_MISSES * interval:
                 why = f"silent for {silent:.1f} s (promised a heartbeat every {interval:g} s)"
                 self.abandon(job.identity, why, listening=True)
-            elif interval == 0 and 0 < self.max_silence_s < silent:
+                continue
+            # Without heartbeats promised, a client that takes its streamed replies is there too:
+            # ZeroMQ refuses a reply once a client stops reading (its queue fills), or is gone.
+            silent = min(silent, now - self.reached.get(job.identity, now - silent))
+            if interval == 0 and 0 < self.max_silence_s < silent:
                 why = f"silent for {silent:.1f} s, with no heartbeats promised (--max-silence {self.max_silence_s:g} s)"
                 self.abandon(job.identity, why, listening=True)
         with_work = {job.identity for job in jobs}
         self.heard = {identity: self.heard[identity] for identity in with_work & set(self.heard)}
+        self.reached = {identity: self.reached[identity] for identity in with_work & set(self.reached)}
         # Who was served when matters only while a client has work here: the rest is forgotten.
         self.last_served = {identity: n for identity, n in self.last_served.items() if identity in with_work}
 
@@ -330,7 +338,7 @@ class TargetService:
                 if not (self.active or self.queues):
                     continue
                 # Pings are answered during the step too: a prefill or a wide verify is never deaf.
-                with self.server.answering({"ping": self.pong}):
+                with self.server.answering({"ping": self.pong, "heartbeat": heard_only}):
                     self.admit()
                     if self.active:
                         self.advance()
@@ -435,7 +443,7 @@ class TargetService:
         running = [a for a in self.active.values() if not a.sequence.done]
         if running:
             try:
-                step(self.target, [a.sequence for a in running], self.pace)
+                step(self.target, [a.sequence for a in running], self.pace, waiting=self.pending() > 0)
             except Exception as exc:  # a failure inside a step: its requests end with the error
                 for active in running:
                     self.fail(active.job, exc)
@@ -478,6 +486,11 @@ class TargetService:
             before = active.drafter_before
             stats["drafter"] = {k: round(v - before.get(k, 0), 3) for k, v in counters.items()}
         return stats
+
+
+def heard_only(identity: bytes, msg: Message) -> None:
+    """A heartbeat during a step: being heard from (the server notes when) is all it says."""
+    return None
 
 
 def cancelled(request_id: int) -> list:
