@@ -54,7 +54,8 @@ class DraftService:
     ) -> None:
         """Sessions are shared fairly between peers: one peer holds at most
         `max_sessions_per_peer`, and a full daemon takes a slot from another peer only if that
-        peer holds more than its fair share and has left one idle for `reclaim_after_s`."""
+        peer holds more than its fair share, left that session idle for `reclaim_after_s` and has
+        itself said nothing for as long (a live target pings at least every KEEPALIVE_S)."""
         self.drafter = drafter
         self.config = drafter.config
         self.ring_capacity = ring_capacity
@@ -65,6 +66,7 @@ class DraftService:
         self.reclaim_after_s = reclaim_after_s
         self.max_sessions_per_peer = max_sessions_per_peer
         self.sessions: dict[tuple[str, str], Session] = {}  # (owner, name) -> session
+        self.heard: dict[str, float] = {}  # peer holding sessions -> when it last sent anything
         self.wire_dtypes = list(FLOAT_DTYPES)
         # Proposes that arrive together are drafted in one pass only where that was checked to
         # give each session its bits alone, on this device, now.
@@ -94,6 +96,7 @@ class DraftService:
         if isinstance(request, ProtocolError):
             self.counters["errors"] += 1
             return encode_error(request.request_id, request.code, request.message)
+        self.heard[request.peer] = time.monotonic()
         try:
             return getattr(self, f"on_{request.type}", self.on_unexpected)(request)
         except ProtocolError as exc:
@@ -139,42 +142,51 @@ class DraftService:
             raise ProtocolError(ErrorCode.CONFIG_MISMATCH, f"mask row {list(spec.shape)}, drafter wants {wanted}")
         mask = finite(msg, "mask", self.drafter)
         key = (msg.peer, msg["session"])
-        if key not in self.sessions and len(self.sessions) >= self.max_sessions:
+        if key not in self.sessions:
             self.make_room(msg.peer)
         self.sessions[key] = Session(msg.peer, DraftKVCache(self.drafter, self.ring_capacity), mask)
         return encode("ok", msg.id)
 
     def make_room(self, peer: str) -> None:
-        """Free a slot for a new session of `peer`, or answer busy. Its own sessions come first:
-        at its quota it gives up its longest-idle one (a restarted target's leftovers); in a full
-        daemon, its least recently used. A peer with none may take another peer's session only
-        if that peer holds more than its fair share (max_sessions over the peers) and left it
-        idle `reclaim_after_s`, so a peer keeping many sessions alive takes no one's slot."""
+        """Free a slot for a new session of `peer`, or answer busy. Never a session in use: at its
+        quota a peer gives up its own longest-idle one (a restarted target's leftovers) if idle
+        `reclaim_after_s`; in a full daemon, that, else a session another peer left idle as long
+        while silent as long itself (a live target pings: see KEEPALIVE_S) and holding more than
+        its fair share (max_sessions over the peers). So no peer, however many identities it
+        has, takes a session of a live target, and a peer keeping many alive takes no one's."""
         self.evict_idle()
         now = time.monotonic()
         held = Counter(owner for owner, _ in self.sessions)
-        own = [key for key in self.sessions if key[0] == peer]
+        own_idle = [
+            key for key, s in self.sessions.items() if key[0] == peer and now - s.last_used > self.reclaim_after_s
+        ]
         if held[peer] >= self.max_sessions_per_peer:
-            idle = [key for key in own if now - self.sessions[key].last_used > self.reclaim_after_s]
-            if not idle:
+            if not own_idle:
                 raise ProtocolError(
                     ErrorCode.BUSY,
                     f"this peer holds {held[peer]} sessions (limit {self.max_sessions_per_peer}), all in use; "
                     "close one or retry later",
                 )
-            self.evict(min(idle, key=lambda k: self.sessions[k].last_used))
+            self.evict(min(own_idle, key=lambda k: self.sessions[k].last_used))
             return
         if len(self.sessions) < self.max_sessions:
             return
-        if own:
-            self.evict(min(own, key=lambda k: self.sessions[k].last_used))
+        if own_idle:
+            self.evict(min(own_idle, key=lambda k: self.sessions[k].last_used))
             return
-        share = self.max_sessions // (len(held) + 1)
+        share = self.max_sessions // (len(held) + (peer not in held))
         idle = [
-            key for key, s in self.sessions.items() if held[key[0]] > share and now - s.last_used > self.reclaim_after_s
+            key
+            for key, s in self.sessions.items()
+            if held[key[0]] > share
+            and now - s.last_used > self.reclaim_after_s
+            and now - self.heard.get(key[0], 0.0) > self.reclaim_after_s
         ]
         if not idle:
-            raise ProtocolError(ErrorCode.BUSY, f"all {self.max_sessions} sessions belong to live targets; retry later")
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"all {self.max_sessions} sessions are in use or belong to live peers at their fair share; retry later",
+            )
         self.evict(min(idle, key=lambda k: self.sessions[k].last_used))
 
     def session(self, msg: Message) -> Session:
@@ -208,6 +220,8 @@ class DraftService:
 
         def flush() -> None:
             self.counters["requests"] += len(run)
+            for i in run:
+                self.heard[requests[i].peer] = time.monotonic()
             for i, reply in zip(run, self.draft_together([requests[i] for i in run]), strict=True):
                 replies[i] = reply
             run.clear()
@@ -316,9 +330,13 @@ class DraftService:
         return encode("stats_ok", msg.id, {"stats": stats})
 
     def evict_idle(self) -> None:
+        """Sessions idle past `idle_timeout_s` go, and what was heard of peers that hold none."""
         now = time.monotonic()
         for key in [k for k, s in self.sessions.items() if now - s.last_used > self.idle_timeout_s]:
             self.evict(key)
+        if len(self.heard) > len(self.sessions):
+            owners = {owner for owner, _ in self.sessions}
+            self.heard = {peer: at for peer, at in self.heard.items() if peer in owners}
 
     def evict(self, key: tuple[str, str]) -> None:
         log.info("evicting a session (%d left)", len(self.sessions) - 1)

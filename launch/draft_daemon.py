@@ -9,6 +9,7 @@ from draft_node.checkpoint import load_drafter
 from draft_node.daemon import DraftService, serve
 from launch.common import DRAFT_ADDRESS, add_model_args, apply_runtime_args, dtype_of, ensure_default_drafter
 from launch.net import add_server_security_args, server_security
+from protocol.messages import KEEPALIVE_S
 from protocol.transport import stop_on_signals
 
 
@@ -36,8 +37,9 @@ def main(argv: list[str] | None = None) -> None:
         "--reclaim-after",
         type=float,
         default=30.0,
-        help="when all sessions are taken, a session idle this many seconds of a target holding more than its "
-        "fair share may be evicted",
+        help="when all sessions are taken, a session idle this many seconds may be evicted if its target holds "
+        "more than its fair share and has said nothing for as long (live targets ping every "
+        f"{KEEPALIVE_S:g} s, so keep this well above that)",
     )
     add_server_security_args(parser)
     add_model_args(parser, "drafter")

@@ -168,6 +168,10 @@ MAX_PROMPT_CHARS = 512 * 1024
 # (heartbeats, or anything else) for this many intervals: the client is gone or stuck.
 HEARTBEAT_MISSES = 3
 MIN_HEARTBEAT_S = 0.05
+# A target pings the draft daemon at least this often while it holds sessions there, busy or not;
+# a draft daemon takes sessions only from a peer silent much longer (--reclaim-after), so no
+# newcomer, however many identities it has, evicts a live target's idle slots.
+KEEPALIVE_S = 10.0
 CHAT_MESSAGE = Struct({"role": Str(1, 32), "content": Str(0, MAX_PROMPT_CHARS)})
 
 SESSION_ONLY = Struct({"session": SESSION})

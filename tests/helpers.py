@@ -78,6 +78,9 @@ class OracleBackend:
     def begin_request(self) -> None:
         pass
 
+    def keepalive(self) -> None:
+        pass
+
     def reset(self, position: int) -> None:
         self.length = position
 

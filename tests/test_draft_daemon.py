@@ -101,12 +101,55 @@ def test_reset_rewinds_and_close_forgets(service):
 
 def test_sessions_are_evicted_when_idle_or_when_full(service):
     call(service, "open", session="b")
-    call(service, "open", session="c")  # max_sessions=2: the least recently used goes
+    # max_sessions=2, both in use: the peer's own live sessions are not evicted for its third.
+    refused = call(service, "open", session="c")
+    assert error_code(refused) == "busy" and {name for _, name in service.sessions} == {"a", "b"}
+    service.reclaim_after_s = 0.02
+    time.sleep(0.05)
+    call(service, "reset", session="b", position=0)
+    assert call(service, "open", session="c").type == "ok"  # its own idle one goes: "a"
     assert {name for _, name in service.sessions} == {"b", "c"}
     service.idle_timeout_s = 0.0
     time.sleep(0.01)
     service.evict_idle()
     assert service.sessions == {} and service.counters["evicted"] == 3
+
+
+def test_one_peer_holds_at_most_its_quota_whatever_the_tables_state():
+    """The quota used to be checked only when the table was full: on an empty daemon one peer
+    opened all 40 of 40 sessions. Now the 33rd is refused, and a later peer opens its own."""
+    svc = DraftService(random_drafter(CFG), ring_capacity=16, max_sessions=40, max_sessions_per_peer=32)
+    replies = [call(svc, "open", peer="hog", session=f"h{i}") for i in range(40)]
+    assert [r.type for r in replies] == ["ok"] * 32 + ["error"] * 8
+    assert "holds 32 sessions (limit 32)" in replies[-1]["message"]
+    assert all(call(svc, "open", peer="late", session=f"l{i}").type == "ok" for i in range(8))
+    assert sum(owner == "hog" for owner, _ in svc.sessions) == 32 and len(svc.sessions) == 40
+
+
+def test_a_full_table_evicts_no_live_session_and_no_live_peers_idle_one():
+    """A peer's second open in a full table used to evict its own first (a target's eight slots
+    evicted each other in turn); and any newcomer could take a session idle for --reclaim-after,
+    though its target was alive, only between requests. Now a session goes only if idle and its
+    owner silent that long, and a newcomer of many identities takes nothing from a live peer."""
+    svc = DraftService(
+        random_drafter(CFG), ring_capacity=16, max_sessions=8, reclaim_after_s=0.05, max_sessions_per_peer=8
+    )
+    for i in range(4):
+        assert call(svc, "open", peer="target", session=f"t{i}").type == "ok"
+    for i in range(4):
+        assert call(svc, "open", peer=f"sybil{i}", session="s").type == "ok"
+    assert error_code(call(svc, "open", peer="target", session="t4")) == "busy"
+    assert {name for owner, name in svc.sessions if owner == "target"} == {"t0", "t1", "t2", "t3"}
+    for round_ in range(3):  # the target idles between requests but pings; the sybils keep coming
+        time.sleep(0.06)
+        assert call(svc, "ping", peer="target")["sessions"] == 4
+        for i in range(4, 40):
+            assert error_code(call(svc, "open", peer=f"sybil{i}-{round_}", session="s")) == "busy"
+    assert {name for owner, name in svc.sessions if owner == "target"} == {"t0", "t1", "t2", "t3"}
+    assert all(call(svc, "reset", peer="target", session=f"t{i}", position=0).type == "ok" for i in range(4))
+    time.sleep(0.06)  # now a target that fell silent: over its fair share, its idle sessions may go
+    assert call(svc, "open", peer="newcomer", session="n").type == "ok"
+    assert sum(owner == "target" for owner, _ in svc.sessions) == 3
 
 
 def test_a_peer_keeping_many_sessions_alive_takes_no_other_peers_slot():

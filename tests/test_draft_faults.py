@@ -4,6 +4,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -19,9 +20,9 @@ from launch.local import daemon
 from launch.processes import rss_mb
 from protocol import decode, encode
 from protocol.keys import client_keys, create_keypair
-from protocol.transport import Client, InsecureBind, Server, dealer, is_local, request
+from protocol.transport import Client, InsecureBind, Server, dealer, is_local, receive, request
 from target_node.decoding.sequence import generate
-from target_node.drafting.proposers import DFlashProposer, NGramProposer
+from target_node.drafting.proposers import DFlashProposer, DrafterUnavailable, NGramProposer
 from target_node.drafting.remote import RemoteDraftBackend
 
 PROMPT = [200, 11, 11, 11, 250, 12, 13, 14]
@@ -274,3 +275,40 @@ def test_without_curve_a_session_belongs_to_the_connection_that_opened_it():
     assert call("bb", "stats")["stats"]["per_session"] == {}
     assert list(call("aa", "stats")["stats"]["per_session"]) == ["s"]
     assert call("aa", "reset", session="s", position=0).type == "ok"
+
+
+def test_many_identities_cannot_take_a_live_targets_idle_session(target, tmp_path):
+    """Without CURVE identities are free: 64 fresh routing ids used to take every slot, the idle
+    sessions of running targets included. A target's backend pings while idle (keepalive), and the
+    daemon takes sessions only from peers it has not heard from: the live target keeps its
+    session through a squat, while one that stays silent loses it."""
+    cfg = config_for_target(target.config, block_size=8, num_taps=3)
+    checkpoint = save_drafter(random_drafter(cfg, seed=1, std=0.1), tmp_path / "ckpt")
+    address = free_tcp_address()
+    args = ["--checkpoint", str(checkpoint), "--threads", "1", "--ring-capacity", "64"]
+    args += ["--max-sessions", "4", "--reclaim-after", "0.4"]
+    with daemon("draft daemon", "launch.draft_daemon", address, args, 60):
+        live = RemoteDraftBackend(address, target, keepalive_s=0.1)
+        silent = RemoteDraftBackend(address, target, keepalive_s=0.1)
+        assert live.attached and silent.attached
+        context, squatters, answers = zmq.Context.instance(), [], Counter()
+        try:
+            began = time.monotonic()
+            while time.monotonic() - began < 2.0:
+                sock = dealer(context, address)
+                squatters.append(sock)
+                sock.send_multipart(encode("open", 1, {"session": "squat"}, {"mask": torch.randn(1, cfg.hidden_size)}))
+                reply = receive(sock, 1, time.monotonic() + 5)
+                answers[reply.type if reply.type == "ok" else reply["code"]] += 1
+                live.keepalive()  # what the target daemon's loop calls between steps
+                time.sleep(0.02)
+            live.reset(0)  # its session is still there
+            with pytest.raises(DrafterUnavailable, match="no session"):
+                silent.reset(0)
+        finally:
+            for sock in squatters:
+                sock.close(0)
+            live.close()
+            silent.close()
+    print(f"squatters' opens: {answers}")
+    assert answers["ok"] >= 2, answers  # the squat took slots: the free ones, the silent target's

@@ -49,6 +49,9 @@ class Proposer(Protocol):
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         """The target committed positions [start, start + rows); `features` are their taps."""
 
+    def keepalive(self) -> None:
+        """Called between steps, busy or idle: a remote drafter shows its daemon it is alive."""
+
 
 class NoProposer:
     """Plain greedy decoding through the same loop: the reference the others must equal."""
@@ -66,6 +69,9 @@ class NoProposer:
         pass
 
     def commit(self, start: int, features: torch.Tensor | None) -> None:
+        pass
+
+    def keepalive(self) -> None:
         pass
 
 
@@ -112,6 +118,9 @@ class DraftBackend(Protocol):
     def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A DFlash2 drafter's selector codebooks (predecessor, successor) [vocab, rank]."""
 
+    def keepalive(self) -> None:
+        """Show the drafter this target is alive (remote: a ping now and then; local: nothing)."""
+
 
 class DrafterUnavailable(RuntimeError):
     """The drafter did not answer in time; the loop carries on without it."""
@@ -150,6 +159,9 @@ class DFlashProposer:
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         if features is not None and self.drafting is not None:
             self.drafting.ring.write(start, features)
+
+    def keepalive(self) -> None:
+        self.backend.keepalive()
 
     def prefetch(self, tokens: list[int], max_tokens: int) -> None:
         send = getattr(self.backend, "send_draft", None)
@@ -251,6 +263,9 @@ class LocalDraftBackend:
 
     def begin_request(self) -> None:
         self.drafting_pass.forget(self)
+
+    def keepalive(self) -> None:
+        pass
 
     def reset(self, position: int) -> None:
         self.drafting_pass.forget(self)

@@ -23,7 +23,7 @@ import torch
 
 from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError
 from protocol.keys import ClientKeys
-from protocol.messages import FORMATS, MAX_CODEBOOK_ROWS, fit_problems
+from protocol.messages import FORMATS, KEEPALIVE_S, MAX_CODEBOOK_ROWS, fit_problems
 from protocol.transport import Client
 from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.proposers import DrafterUnavailable
@@ -54,12 +54,14 @@ class RemoteDraftBackend:
         name: str | None = None,
         curve: ClientKeys | None = None,
         reach: Reachability | None = None,
+        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         """Raises DrafterMismatch if a drafter answers now and was built for another target (an
         operator's mistake to see at once); a drafter that does not answer yet is picked up later."""
         self.address = address
         self.target = target
         self.timeout_s, self.probe_timeout_s, self.retry_s = timeout_s, probe_timeout_s, retry_s
+        self.keepalive_s = keepalive_s
         self.session = name or f"target-{uuid.uuid4().hex[:12]}"
         self.wire_request = wire_dtype
         self.client = Client(address, curve=curve)
@@ -72,6 +74,7 @@ class RemoteDraftBackend:
         # unreachable, none probes it again before `retry_at`.
         self.reach = reach or Reachability()
         self.pending: tuple[tuple[int, int, int], int, float] | None = None  # a propose sent ahead (send_draft)
+        self.last_sent = time.monotonic()
         self.counters = dict.fromkeys(
             ["round_trips", "timeouts", "errors", "bytes_out", "bytes_in", "proposals", "sent_ahead", "changes"], 0
         )
@@ -91,7 +94,15 @@ class RemoteDraftBackend:
             self._drop(f"could not send {type_}: {exc.message}")
             raise DrafterUnavailable(exc.message) from exc
         self.counters["bytes_out"] = self.client.bytes_out
+        self.last_sent = time.monotonic()
         return sent
+
+    def keepalive(self) -> None:
+        """A ping, unanswered (its pong is skipped as stale by the next wait), when this backend has
+        sent nothing for `keepalive_s`: a daemon takes no session from a peer it hears from, so a
+        slot left idle between requests keeps its session against newcomers."""
+        if self.attached and time.monotonic() - self.last_sent > self.keepalive_s:
+            self._send("ping", {})
 
     def _wait(self, type_: str, sent: int, timeout_s: float | None = None) -> Message:
         timeout_s = timeout_s or self.timeout_s

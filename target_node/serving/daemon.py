@@ -335,6 +335,8 @@ class TargetService:
         try:
             while not stop.is_set():
                 self.pump(0 if self.active else 100)
+                for proposer in self.proposers:
+                    proposer.keepalive()
                 if not (self.active or self.queues):
                     continue
                 # Pings are answered during the step too: a prefill or a wide verify is never deaf.
