@@ -28,6 +28,14 @@ from protocol.transport import FRAME_OVERHEAD, Server
 log = logging.getLogger("draft_daemon")
 
 MAX_BURST = 64  # requests taken from the socket at once, at most
+# ... and the tensor bytes they carry: a burst of targets resending whole rings (after a restart)
+# is read a few at a time, not 32 x 22 MiB at once.
+MAX_BURST_BYTES = 64 << 20
+# Feature rows one drafting pass computes at most: a batching target's step brings a few rows a
+# session, so a burst of them is one pass; full-ring resends are drafted a few at a time, at the
+# memory and time of drafting them one by one (one pass over all of them held every session's
+# activations at once: 4 GB for 32 resends of 4,096 rows, and 2.6x the time).
+MAX_PASS_ROWS = 1024
 
 
 @dataclass
@@ -51,6 +59,7 @@ class DraftService:
         idle_timeout_s: float = 600.0,
         reclaim_after_s: float = 30.0,
         max_sessions_per_peer: int = 32,
+        max_pass_rows: int = MAX_PASS_ROWS,
     ) -> None:
         """Sessions are shared fairly between peers: one peer holds at most
         `max_sessions_per_peer`, and a full daemon takes a slot from another peer only if that
@@ -65,6 +74,7 @@ class DraftService:
         # long: a live target touches its session every step.
         self.reclaim_after_s = reclaim_after_s
         self.max_sessions_per_peer = max_sessions_per_peer
+        self.max_pass_rows = max_pass_rows
         self.sessions: dict[tuple[str, str], Session] = {}  # (owner, name) -> session
         self.heard: dict[str, float] = {}  # peer holding sessions -> when it last sent anything
         self.wire_dtypes = list(FLOAT_DTYPES)
@@ -238,33 +248,38 @@ class DraftService:
         return replies
 
     def draft_together(self, msgs: list[Message]) -> list[list]:
-        """Proposes of distinct sessions, each checked alone (a bad one gets its error, the rest
-        are drafted), then drafted in one pass; each reports its share of the pass's time."""
+        """Proposes of distinct sessions in passes of at most `max_pass_rows` feature rows, each
+        propose checked alone as its pass comes (a bad one gets its error, the rest are drafted;
+        a pass's tensors are read only then); each reports its share of its pass's time."""
         replies: list[list] = [[] for _ in msgs]
-        admitted: list[tuple[int, Session, DraftStep]] = []
-        for i, msg in enumerate(msgs):
-            try:
-                admitted.append((i, *self.admit_propose(msg)))
-            except ProtocolError as exc:
-                self.counters["errors"] += 1
-                replies[i] = encode_error(msg.id, exc.code, exc.message)
-            except Exception as exc:  # as in `handle`: a bug costs this reply, not the burst
-                self.counters["errors"] += 1
-                log.exception("internal error")
-                replies[i] = internal_error(msg.id, exc)
-        if not admitted:
-            return replies
+        for group in passes([msg.tensors["features"][0].shape[0] for msg in msgs], self.max_pass_rows):
+            admitted: list[tuple[int, Session, DraftStep]] = []
+            for i in group:
+                try:
+                    admitted.append((i, *self.admit_propose(msgs[i])))
+                except ProtocolError as exc:
+                    self.counters["errors"] += 1
+                    replies[i] = encode_error(msgs[i].id, exc.code, exc.message)
+                except Exception as exc:  # as in `handle`: a bug costs this reply, not the burst
+                    self.counters["errors"] += 1
+                    log.exception("internal error")
+                    replies[i] = internal_error(msgs[i].id, exc)
+            if admitted:
+                self._draft_pass(msgs, admitted, replies)
+        return replies
+
+    def _draft_pass(self, msgs: list[Message], group: list[tuple[int, Session, DraftStep]], replies: list) -> None:
         try:
-            drafted, draft_ms = timed_pass([step for _, _, step in admitted], together=True)
+            drafted, draft_ms = timed_pass([step for _, _, step in group], together=True)
         except Exception as exc:  # a bug must cost these replies, not the daemon
             log.exception("internal error")
-            for i, _, _ in admitted:
+            for i, _, _ in group:
                 self.counters["errors"] += 1
                 replies[i] = internal_error(msgs[i].id, exc)
-            return replies
-        if len(admitted) > 1:
-            self.counters["batched"] += len(admitted)
-        for (i, session, step), (hidden, gate) in zip(admitted, drafted, strict=True):
+            return
+        if len(group) > 1:
+            self.counters["batched"] += len(group)
+        for (i, session, step), (hidden, gate) in zip(group, drafted, strict=True):
             msg = msgs[i]
             tensors = {"hidden": hidden} if gate is None else {"hidden": hidden, "gate": gate}
             session.steps += 1
@@ -273,7 +288,6 @@ class DraftService:
             self.counters["draft_ms"] += draft_ms
             wire = msg.tensors["noise"][0].dtype
             replies[i] = encode("proposal", msg.id, {"draft_ms": draft_ms}, tensors, wire_dtype=wire)
-        return replies
 
     def admit_propose(self, msg: Message) -> tuple[Session, DraftStep]:
         """A propose's session and step, or the error that refuses it; nothing changes yet."""
@@ -345,6 +359,20 @@ class DraftService:
         self.counters["evicted"] += 1
 
 
+def passes(rows: list[int], max_rows: int) -> list[list[int]]:
+    """The indices of proposes bringing `rows` feature rows each, in order, cut into passes of at
+    most `max_rows` rows (a propose with more is a pass of its own)."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(rows):
+        if not groups or total + n > max_rows:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups
+
+
 def internal_error(request_id: int, exc: Exception) -> list:
     """The reply to a request a bug failed: it names the bug, and the daemon serves on."""
     return encode_error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -352,6 +380,21 @@ def internal_error(request_id: int, exc: Exception) -> list:
 
 def _same_session(a: Message, b: Message) -> bool:
     return a.peer == b.peer and a.fields.get("session") == b.fields.get("session")
+
+
+def take_burst(server: Server, first: tuple[bytes, Message | ProtocolError]) -> list:
+    """`first` and whatever else has arrived, to be answered together (a batching target sends one
+    propose per slot before it waits for any reply): at most MAX_BURST messages, and no more once
+    they carry MAX_BURST_BYTES of tensors."""
+    burst, size = [first], tensor_bytes(first[1])
+    while len(burst) < MAX_BURST and size < MAX_BURST_BYTES and (more := server.next(0)) is not None:
+        burst.append(more)
+        size += tensor_bytes(more[1])
+    return burst
+
+
+def tensor_bytes(request: Message | ProtocolError) -> int:
+    return sum(spec.nbytes for spec, _ in request.tensors.values()) if isinstance(request, Message) else 0
 
 
 def finite(msg: Message, name: str, drafter: DFlashDrafter) -> torch.Tensor:
@@ -381,11 +424,7 @@ def serve(
         while not stop.is_set():
             request = server.next(100)
             if request is not None:
-                # Whatever else has arrived is answered together: a batching target sends one
-                # propose per slot before it waits for any reply.
-                burst = [request]
-                while len(burst) < MAX_BURST and (more := server.next(0)) is not None:
-                    burst.append(more)
+                burst = take_burst(server, request)
                 for (identity, _), reply in zip(burst, service.handle_all([m for _, m in burst]), strict=True):
                     server.send(identity, reply)
             service.evict_idle()

@@ -11,19 +11,27 @@ falls on both alike; the replies of the two are checked equal, bit for bit.
 `--steps-of N` adds whole target steps: N requests of the target model decoding side by side,
 drafting every step with the in-process drafter, its slots sharing one pass against a pass
 each, in turns (draft and verify together: what a batching target daemon's step costs).
+
+`--resend N` adds the burst a restarted draft daemon meets: N sessions each resending a whole
+ring (`--resend-rows`, 4,096) in one burst, drafted one by one, in passes of at most
+`--max-pass-rows`, and in one pass; each way in a fresh process, for its peak memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from draft_node.checkpoint import load_drafter
-from draft_node.daemon import DraftService
+from draft_node.daemon import MAX_PASS_ROWS, DraftService
 from launch.common import DTYPE_CHOICES, ensure_default_drafter, named_dtype
 from protocol import Message, decode, encode
 
@@ -103,6 +111,91 @@ def target_steps(args: argparse.Namespace, folder: Path) -> dict:
     return row
 
 
+RESEND_WAYS = ("one_by_one", "bounded_passes", "one_pass")
+
+
+def resend_way(args: argparse.Namespace, folder: str) -> dict:
+    """One way of drafting a burst of whole-ring resends, in this (fresh) process: its time, its
+    peak memory over what the burst's messages already held, and a digest of its replies' bits."""
+    drafter = load_drafter(folder, args.device, named_dtype(args.dtypes.split(",")[-1], args.device))
+    cfg, g = drafter.config, torch.Generator().manual_seed(0)
+    rows_cap = {"bounded_passes": args.max_pass_rows, "one_pass": 1 << 40, "one_by_one": args.max_pass_rows}
+    service = DraftService(drafter, ring_capacity=args.resend_rows, max_pass_rows=rows_cap[args.resend_way])
+    wire = str(drafter.dtype).removeprefix("torch.")
+    burst = []
+    for i in range(args.resend):
+        peer = f"slot-{i}"
+        service.handle(
+            _message("open", 0, {"session": "s"}, {"mask": torch.randn(1, cfg.hidden_size, generator=g)}, peer)
+        )
+        tensors = {
+            "features": torch.randn(args.resend_rows, cfg.feature_width, generator=g),
+            "noise": torch.randn(1, cfg.hidden_size, generator=g),
+        }
+        fields = {"session": "s", "start": 0, "position": args.resend_rows}
+        msg = decode(encode("propose", i, fields, tensors, wire_dtype=wire))
+        msg.peer = peer
+        burst.append(msg)
+    held_mb = rss_now_mb()
+    with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) restarts from now: loading costs more than drafting
+    began = time.perf_counter()
+    if args.resend_way == "one_by_one":
+        replies = [service.handle(msg) for msg in burst]
+    else:
+        replies = service.handle_all(burst)
+    seconds = time.perf_counter() - began
+    peak_mb = status_mb("VmHWM")
+    digest = hashlib.sha256()
+    for reply in replies:
+        digest.update(decode(reply).tensor("hidden").float().numpy().tobytes())
+    return {"seconds": round(seconds, 3), "peak_over_burst_mb": round(peak_mb - held_mb, 1), "bits": digest.hexdigest()}
+
+
+def rss_now_mb() -> float:
+    return status_mb("VmRSS")
+
+
+def status_mb(key: str) -> float:
+    """A memory figure of this process from /proc (Linux), in MiB."""
+    with open(f"/proc/{os.getpid()}/status") as f:
+        line = next(line for line in f if line.startswith(key + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def resend_burst(args: argparse.Namespace, argv: list[str]) -> dict:
+    """Each way of `resend_way` in its own process (`argv` its flags), in turns; the best of two."""
+    runs: dict[str, list[dict]] = {way: [] for way in RESEND_WAYS}
+    for _ in range(max(1, min(args.rounds, 2))):
+        for way in RESEND_WAYS:
+            out = subprocess.run(
+                [sys.executable, "-m", "launch.bench_draft_batch", *argv, "--resend-way", way],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            runs[way].append(json.loads(out.strip().splitlines()[-1]))
+    row = {
+        way: {
+            "seconds": min(r["seconds"] for r in rs),
+            "peak_over_burst_mb": min(r["peak_over_burst_mb"] for r in rs),
+        }
+        for way, rs in runs.items()
+    }
+    digests = {r["bits"] for rs in runs.values() for r in rs}
+    base = row["one_by_one"]
+    for way in ("bounded_passes", "one_pass"):
+        row[way]["time_vs_one_by_one"] = round(row[way]["seconds"] / base["seconds"], 2)
+        row[way]["memory_vs_one_by_one"] = round(row[way]["peak_over_burst_mb"] / max(base["peak_over_burst_mb"], 1), 2)
+    row.update(
+        sessions=args.resend, rows=args.resend_rows, max_pass_rows=args.max_pass_rows, same_bits=len(digests) == 1
+    )
+    print(json.dumps({"resend_burst": row}), flush=True)
+    if len(digests) != 1:
+        raise SystemExit("the ways of drafting a resend burst gave different bits")
+    return row
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="dflash-bench-draft-batch", description=__doc__)
     ap.add_argument("--drafter", help="drafter checkpoint folder (default: the default model's drafter)")
@@ -116,10 +209,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=10, help="bursts per turn")
     ap.add_argument("--steps-of", type=int, default=0, help="also time whole target steps of N requests (0: skip)")
     ap.add_argument("--model", help="target for --steps-of (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--resend", type=int, default=0, help="also time a burst of N whole-ring resends (0: skip)")
+    ap.add_argument("--resend-rows", type=int, default=4096, help="rows each resend carries (its ring)")
+    ap.add_argument("--max-pass-rows", type=int, default=MAX_PASS_ROWS, help="the bound of the bounded way")
+    ap.add_argument("--resend-way", choices=RESEND_WAYS, help=argparse.SUPPRESS)  # one way, in a child
     ap.add_argument("--out", help="write the result as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     folder = args.drafter or ensure_default_drafter()
+    if args.resend_way:
+        result = resend_way(args, folder)
+        print(json.dumps(result), flush=True)
+        return result
+    if args.resend:
+        child = ["--drafter", str(folder), "--dtypes", args.dtypes, "--device", args.device]
+        child += ["--threads", str(args.threads), "--resend", str(args.resend)]
+        child += ["--resend-rows", str(args.resend_rows), "--max-pass-rows", str(args.max_pass_rows)]
+        result = {"resend_burst": resend_burst(args, child)}
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        return result
     dtypes = list(dict.fromkeys(named_dtype(name, args.device) for name in args.dtypes.split(",")))
     rows = []
     for dtype in dtypes:

@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from draft_node.checkpoint import load_drafter
-from draft_node.daemon import DraftService, serve
+from draft_node.daemon import MAX_PASS_ROWS, DraftService, serve
 from launch.common import DRAFT_ADDRESS, add_model_args, apply_runtime_args, dtype_of, ensure_default_drafter
 from launch.net import add_server_security_args, server_security
 from protocol.messages import KEEPALIVE_S
@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> None:
         "more than its fair share and has said nothing for as long (live targets ping every "
         f"{KEEPALIVE_S:g} s, so keep this well above that)",
     )
+    parser.add_argument(
+        "--max-pass-rows",
+        type=int,
+        default=MAX_PASS_ROWS,
+        help="feature rows one drafting pass takes at most: proposes that arrive together are drafted in one "
+        "pass up to this, so a burst of whole-ring resends costs what drafting them one by one does",
+    )
     add_server_security_args(parser)
     add_model_args(parser, "drafter")
     args = parser.parse_args(argv)
@@ -56,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         args.idle_timeout,
         args.reclaim_after,
         max_sessions_per_peer=args.max_sessions_per_peer,
+        max_pass_rows=args.max_pass_rows,
     )
     logging.getLogger("draft_daemon").info(
         "drafter: %d layers, block %d, taps %s on %s/%s",

@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import drafter_config
 
+from draft_node import daemon as draft_daemon
 from draft_node import model as draft_model
 from draft_node.checkpoint import load_drafter, random_drafter
 from draft_node.config import FULL, SLIDING, in_dflash2
@@ -130,6 +131,42 @@ def test_the_service_drafts_a_burst_together_and_answers_each_as_alone():
     assert together.counters["requests"] == alone.counters["requests"]
     if together.together:
         assert together.counters["batched"] == 4  # the four sessions' first proposes: two passes of two
+
+
+def test_a_burst_of_full_ring_resends_is_drafted_in_passes_of_bounded_rows(monkeypatch):
+    """32 sessions resending 4,096 rows each in one burst were one pass: 4 GB and 2.6x the time of
+    drafting them one by one. A pass now takes at most max_pass_rows feature rows (a bigger
+    propose alone); the bits are those of each alone, and small steps still share a pass."""
+    drafter = _drafter("tiny", torch.float32)
+    cfg = drafter.config
+    bounded, alone = DraftService(drafter, ring_capacity=64, max_pass_rows=100), DraftService(drafter, 64)
+    passes = []
+    real = draft_daemon.timed_pass
+    monkeypatch.setattr(
+        draft_daemon, "timed_pass", lambda steps, together: passes.append(len(steps)) or real(steps, together)
+    )
+    mask, g = torch.randn(1, cfg.hidden_size), torch.Generator().manual_seed(2)
+    resends, steps = [], []
+    for i, rows in enumerate([60, 30, 30, 150, 10, 64, 64]):
+        for service in (bounded, alone):
+            service.handle(_request("open", {"session": f"s{i}"}, {"mask": mask}, request_id=100 + i))
+        tensors = {
+            "features": torch.randn(rows, cfg.feature_width, generator=g),
+            "noise": torch.randn(1, cfg.hidden_size),
+        }
+        resends.append(_request("propose", {"session": f"s{i}", "start": 0, "position": rows}, tensors, request_id=i))
+        tensors = {"features": torch.randn(3, cfg.feature_width, generator=g), "noise": torch.randn(1, cfg.hidden_size)}
+        steps.append(
+            _request("propose", {"session": f"s{i}", "start": rows, "position": rows + 3}, tensors, request_id=i)
+        )
+    for burst in (resends, steps):
+        passes.clear()
+        replies = [decode(frames) for frames in bounded.handle_all(burst)]
+        if bounded.together:
+            assert passes == ([2, 1, 1, 2, 1] if burst is resends else [7]), passes  # 60+30 | 30 | 150 | 10+64 | 64
+        for got, msg in zip(replies, burst, strict=True):
+            want = decode(alone.handle(msg))
+            assert got.type == want.type == "proposal" and torch.equal(got.tensor("hidden"), want.tensor("hidden"))
 
 
 def test_a_device_where_a_pass_changes_bits_drafts_one_by_one(monkeypatch):

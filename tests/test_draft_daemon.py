@@ -220,3 +220,30 @@ def test_garbage_over_a_real_socket_gets_errors_and_the_daemon_lives(tmp_path):
         finally:
             sock.close(0)
     assert load_drafter(folder).config == CFG
+
+
+def test_a_burst_stops_taking_messages_once_they_carry_max_burst_bytes(tmp_path, monkeypatch):
+    """A burst of whole-ring resends (22 MiB each) is read a few at a time, not 32 at once; small
+    messages still come MAX_BURST at a time."""
+    from draft_node import daemon as draft_daemon
+    from protocol.transport import Client, Server
+
+    monkeypatch.setattr(draft_daemon, "MAX_BURST_BYTES", 1 << 20)
+    address = f"ipc://{tmp_path}/burst.sock"
+    server, client = Server(address), Client(address)
+    try:
+        features = {"features": torch.randn(1000, 100), "noise": torch.randn(1, 32)}  # 400 KB each
+        for i in range(7):
+            client.send("propose", {"session": "s", "start": 0, "position": 1000}, features, request_id=i)
+        for i in range(100):
+            client.send("ping", request_id=100 + i)
+        time.sleep(0.5)
+        sizes = []
+        while (first := server.next(1000)) is not None:
+            sizes.append(len(draft_daemon.take_burst(server, first)))
+            if sum(sizes) == 107:
+                break
+    finally:
+        client.close()
+        server.close()
+    assert sizes[:3] == [3, 3, draft_daemon.MAX_BURST] and sum(sizes) == 107, sizes  # 3 x 400 KB passes 1 MiB

@@ -1,5 +1,6 @@
 """The target daemon as a real process: streaming, fairness, cancellation, bad requests."""
 
+import threading
 import time
 
 import pytest
@@ -258,3 +259,36 @@ def test_concurrent_clients_are_batched_and_each_gets_its_output_alone(model_dir
         t.join(180)
     assert got == want
     assert max(batches) > 1  # they really ran side by side
+
+
+def test_the_daemon_keeps_its_drafter_sessions_alive_busy_or_idle(tmp_path):
+    """A draft daemon takes sessions only from targets it has not heard from: the target daemon's
+    loop calls every slot's keepalive between steps and while idle (a remote backend pings when
+    it has sent nothing for KEEPALIVE_S), so a slot free between requests keeps its session."""
+    from target_node.drafting.proposers import NoProposer
+    from target_node.serving.daemon import TargetService
+
+    class Counting(NoProposer):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def keepalive(self) -> None:
+            self.calls += 1
+
+    slots = [Counting(), Counting()]
+    service = TargetService(TargetModel(tiny_target("llama", seed=5).model, slots=2), slots, adaptive=False)
+    stop = threading.Event()
+    address = f"ipc://{tmp_path}/keepalive.sock"
+    serving = threading.Thread(target=service.serve, args=(address, stop))
+    serving.start()
+    try:
+        time.sleep(0.5)  # idle: the loop wakes every 100 ms
+        idle = [p.calls for p in slots]
+        client = TargetClient(address, timeout_s=60)
+        client.generate(token_ids=PROMPT, max_new_tokens=40)  # one slot busy, the other free
+        client.close()
+    finally:
+        stop.set()
+        serving.join(10)
+    assert all(n >= 3 for n in idle), idle
+    assert all(p.calls >= idle[i] + 40 for i, p in enumerate(slots)), [p.calls for p in slots]

@@ -1,5 +1,6 @@
 """The target daemon as a real process behind CURVE: keys, fuzzing, lost clients, floods, long prompts."""
 
+import json
 import random
 import subprocess
 import sys
@@ -455,3 +456,15 @@ def test_three_thousand_refused_requests_leave_the_daemon_serving(served, keys):
         assert client.generate(token_ids=PROMPT, max_new_tokens=20)["token_ids"] == greedy(served.model, PROMPT, 20)
     finally:
         client.close()
+
+
+def test_the_flood_command_runs_its_refusal_scenario(served, tmp_path):
+    """launch.flood, the long form of these tests, on the tiny model: its figures and verdict."""
+    from launch.flood import main as flood
+
+    out = tmp_path / "flood.json"
+    args = ["--model", served.model.config.name_or_path, "--refusals", "100", "--only", "refusals", "--out", str(out)]
+    result = flood(args)
+    assert result == json.loads(out.read_text())
+    refusals = result["refusals"]
+    assert refusals["ok"] and refusals["refused"] == {"bad_field": 200, "unanswered": 0}, refusals
