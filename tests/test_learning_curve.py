@@ -1,4 +1,4 @@
-"""The README's learning curve comes from a committed file: it must stay readable and ordered."""
+"""docs/training.md's learning curve comes from a committed file: it must stay readable and ordered."""
 
 from launch.learning_curve import DEFAULT_POINTS, main
 
