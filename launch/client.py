@@ -15,11 +15,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from launch.net import TARGET_ADDRESS, client_security
+from launch.net import TARGET_ADDRESS, client_security, one_line_errors
 from protocol import Message, ProtocolError
 from protocol.keys import ClientKeys
-from protocol.transport import CONTROL_MAX_FRAME, Client
+from protocol.transport import CONTROL_MAX_FRAME, Client, wait_ready
 from target_node.decoding.stats import stats_line
+
+READY_S = 5.0  # how long the client pings a daemon that does not answer before it gives up
 
 
 class TargetClient:
@@ -127,7 +129,13 @@ def run(args: argparse.Namespace, out=sys.stdout) -> list[dict]:
     prompts = read_prompts(args)
     if not prompts:
         raise SystemExit("no prompts: give --prompt TEXT or --prompts-file FILE")
-    client = TargetClient(args.address, args.timeout, getattr(args, "client_keys", None), args.heartbeat)
+    keys = getattr(args, "client_keys", None)
+    if not wait_ready(args.address, min(args.timeout, READY_S), curve=keys):
+        raise TimeoutError(
+            f"no target daemon answered a ping at {args.address} within {min(args.timeout, READY_S):g} s "
+            "(is one running there, with these keys?)"
+        )
+    client = TargetClient(args.address, args.timeout, keys, args.heartbeat)
     results = []
     try:
         for prompt in prompts:
@@ -183,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.client_keys = client_security(parser, args.curve_key, args.server_key, "--server-key")
     try:
-        run(args)
+        with one_line_errors(parser):
+            run(args)
     except KeyboardInterrupt:  # the request in flight was cancelled on the way out
         print("\n[cancelled]", file=sys.stderr)
         raise SystemExit(130) from None

@@ -6,9 +6,16 @@ import argparse
 import logging
 
 from draft_node.checkpoint import load_drafter
+from draft_node.config import CheckpointError
 from draft_node.daemon import MAX_PASS_ROWS, DraftService, serve
-from launch.common import DRAFT_ADDRESS, add_model_args, apply_runtime_args, dtype_of, ensure_default_drafter
-from launch.net import add_server_security_args, server_security
+from launch.common import (
+    DRAFT_ADDRESS,
+    add_model_args,
+    apply_runtime_args,
+    dtype_of,
+    ensure_default_drafter,
+)
+from launch.net import add_server_security_args, one_line_errors, server_security
 from protocol.messages import KEEPALIVE_S
 from protocol.transport import stop_on_signals
 
@@ -55,25 +62,26 @@ def main(argv: list[str] | None = None) -> None:
     apply_runtime_args(args)
     stop = stop_on_signals()
     dtype = dtype_of(args)
-    drafter = load_drafter(args.checkpoint or ensure_default_drafter(), args.device, dtype)
-    service = DraftService(
-        drafter,
-        args.ring_capacity,
-        args.max_sessions,
-        args.idle_timeout,
-        args.reclaim_after,
-        max_sessions_per_peer=args.max_sessions_per_peer,
-        max_pass_rows=args.max_pass_rows,
-    )
-    logging.getLogger("draft_daemon").info(
-        "drafter: %d layers, block %d, taps %s on %s/%s",
-        drafter.config.num_hidden_layers,
-        drafter.config.block_size,
-        list(drafter.config.target_layer_ids),
-        args.device,
-        str(dtype).removeprefix("torch."),
-    )
-    serve(service, args.bind, stop, curve, args.insecure_plaintext)
+    with one_line_errors(parser, CheckpointError):
+        drafter = load_drafter(args.checkpoint or ensure_default_drafter(), args.device, dtype)
+        service = DraftService(
+            drafter,
+            args.ring_capacity,
+            args.max_sessions,
+            args.idle_timeout,
+            args.reclaim_after,
+            max_sessions_per_peer=args.max_sessions_per_peer,
+            max_pass_rows=args.max_pass_rows,
+        )
+        logging.getLogger("draft_daemon").info(
+            "drafter: %d layers, block %d, taps %s on %s/%s",
+            drafter.config.num_hidden_layers,
+            drafter.config.block_size,
+            list(drafter.config.target_layer_ids),
+            args.device,
+            str(dtype).removeprefix("torch."),
+        )
+        serve(service, args.bind, stop, curve, args.insecure_plaintext)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Addresses and link-security flags, without torch: the client imports only these.
+"""Addresses, link-security flags and how a command fails, without torch: the client imports only these.
 
 Both daemons take the same server flags (`--curve-key`, `--curve-allow`,
 `--insecure-plaintext`); every link a process opens takes its own key pair plus the
@@ -8,12 +8,28 @@ server's public key. Misuse is refused at parse time, before any model is loaded
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+from protocol import ProtocolError
 from protocol.keys import ClientKeys, KeyFileError, ServerKeys, client_keys, server_keys
-from protocol.transport import InsecureBind, check_bind
+from protocol.transport import BindError, InsecureBind, check_bind
 
 DRAFT_ADDRESS = "tcp://127.0.0.1:5555"
 TARGET_ADDRESS = "tcp://127.0.0.1:5556"
+
+
+@contextmanager
+def one_line_errors(parser: argparse.ArgumentParser, *more: type[Exception]) -> Iterator[None]:
+    """A user's mistake ends the command with one line on stderr and exit 1, not a traceback: a
+    folder that holds no model, an address taken or that no daemon answers, a request the daemon
+    refuses, and the `more` a command knows (a checkpoint that is none, a drafter that does not
+    fit). Anything else is a bug and keeps its traceback."""
+    mistakes = (FileNotFoundError, NotADirectoryError, BindError, InsecureBind, ProtocolError, TimeoutError, *more)
+    try:
+        yield
+    except mistakes as exc:
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
 
 
 def add_server_security_args(parser: argparse.ArgumentParser) -> None:

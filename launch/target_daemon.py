@@ -10,13 +10,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from launch.common import DRAFT_ADDRESS, TARGET_ADDRESS, add_model_args, apply_runtime_args, resolve_model
-from launch.net import add_server_security_args, client_security, server_security
+from launch.common import (
+    DRAFT_ADDRESS,
+    TARGET_ADDRESS,
+    add_model_args,
+    apply_runtime_args,
+    resolve_model,
+)
+from launch.net import add_server_security_args, client_security, one_line_errors, server_security
 from protocol import FLOAT_DTYPES, Message
 from protocol.keys import ClientKeys
 from protocol.messages import MAX_REPLY_TOKENS
 from protocol.transport import stop_on_signals
 from target_node.decoding.sequence import Result
+from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.proposers import (
     DFlashProposer,
     DraftPass,
@@ -227,25 +234,28 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--max-silence must be 0 (wait forever) or a number of seconds")
     if not 1 <= args.max_new_tokens_limit <= MAX_REPLY_TOKENS:
         parser.error(f"--max-new-tokens-limit must be in [1, {MAX_REPLY_TOKENS}]: one reply carries at most that many")
-    target = TargetModel.load(
-        resolve_model(args.model), args.device, args.dtype, args.cache_policy, slots=args.max_batch
-    )
-    service = TargetService(
-        target,
-        build_proposers(args, target, target.slots, drafter_keys),
-        args.max_new_tokens_limit,
-        adaptive=not args.always_draft,
-        max_queued=args.max_queued,
-        max_queued_per_client=args.max_queued_per_client,
-        max_queued_bytes=args.max_queued_bytes,
-        tree_nodes=args.tree_nodes,
-        on_finished=traffic_recorder(args.record, Path(str(target.config.name_or_path)).name) if args.record else None,
-        prefill_chunk=args.prefill_chunk,
-        prefill_budget_s=args.prefill_budget_ms / 1000,
-        max_messages_per_step=args.max_messages_per_step,
-        max_silence_s=args.max_silence,
-    )
-    service.serve(args.bind, stop, curve, args.insecure_plaintext)
+    with one_line_errors(parser, DrafterMismatch):
+        target = TargetModel.load(
+            resolve_model(args.model), args.device, args.dtype, args.cache_policy, slots=args.max_batch
+        )
+        service = TargetService(
+            target,
+            build_proposers(args, target, target.slots, drafter_keys),
+            args.max_new_tokens_limit,
+            adaptive=not args.always_draft,
+            max_queued=args.max_queued,
+            max_queued_per_client=args.max_queued_per_client,
+            max_queued_bytes=args.max_queued_bytes,
+            tree_nodes=args.tree_nodes,
+            on_finished=traffic_recorder(args.record, Path(str(target.config.name_or_path)).name)
+            if args.record
+            else None,
+            prefill_chunk=args.prefill_chunk,
+            prefill_budget_s=args.prefill_budget_ms / 1000,
+            max_messages_per_step=args.max_messages_per_step,
+            max_silence_s=args.max_silence,
+        )
+        service.serve(args.bind, stop, curve, args.insecure_plaintext)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,10 @@ class InsecureBind(ValueError):
     """A server asked to listen beyond this host in plaintext without saying so explicitly."""
 
 
+class BindError(OSError):
+    """A server cannot listen where it was asked: the address is taken, not this host's, or malformed."""
+
+
 def is_local(address: str) -> bool:
     """True for ipc://, inproc:// and tcp:// on a loopback address: only this host can connect."""
     scheme, _, rest = address.partition("://")
@@ -107,7 +111,11 @@ def router(
         sock.curve_secretkey, sock.curve_publickey = curve.secret, curve.public
         sock.curve_server = True
         sock.zap_domain = ZAP_DOMAIN
-    sock.bind(address)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        sock.close(0)
+        raise BindError(f"cannot listen on {address}: {exc}") from exc
     return sock
 
 
