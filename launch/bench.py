@@ -94,7 +94,7 @@ def bench_generation(
         governors = {name: Governor() for name, *_ in modes}  # as in the daemon: one per proposer
         for _, proposer, _ in modes:
             generate(target, prompts[0], proposer, 4, adaptive=False)  # warm-up
-        before = {name: dict(getattr(getattr(p, "backend", None), "counters", {})) for name, p, _ in modes}
+        before = {name: dict(p.backend.counters) if p.backend is not None else {} for name, p, _ in modes}
         for prompt in prompts:
             for name, proposer, adaptive in modes:
                 stats = generate(target, prompt, proposer, max_new, adaptive=adaptive, governor=governors[name]).stats
@@ -109,7 +109,7 @@ def bench_generation(
                 "propose_ms": 1000 * t.propose_s / t.steps,
                 "verify_ms": 1000 * t.verify_s / t.steps,
             }
-            backend = getattr(proposer, "backend", None)
+            backend = proposer.backend
             if backend is not None:
                 b, after = before[name], backend.counters
                 proposals = after["proposals"] - b.get("proposals", 0)

@@ -179,12 +179,13 @@ def flood_during_a_step(args: argparse.Namespace, prompt: list[int], small: list
 
 
 def long_prompt(args: argparse.Namespace, prompt: list[int]) -> dict:
-    """TTFT with default pacing against one forward, in turns, each on a warm daemon."""
+    """TTFT with default pacing against one forward, in turns (ABBA), each on a warm daemon."""
     ways = {"paced": [], "one_forward": ["--prefill-budget-ms", "0", "--prefill-chunk", "0"]}
     ttft: dict[str, list[float]] = {way: [] for way in ways}
     probes: dict[str, dict] = {}
-    for _ in range(args.rounds):
-        for way, extra in ways.items():
+    for round_ in range(args.rounds):
+        order = list(ways.items()) if round_ % 2 == 0 else list(ways.items())[::-1]  # ABBA: no way always first
+        for way, extra in order:
             with target(args, extra) as (address, _):
                 greedy_ids(address, prompt[:64], 2)  # warm
                 client = TargetClient(address, timeout_s=600, heartbeat_s=0)

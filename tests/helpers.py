@@ -74,9 +74,14 @@ class OracleBackend:
             "draft_vocab": [],
         }
         self.length = 0
+        self.attached = True
+        self.counters: dict = {}
 
     def begin_request(self) -> None:
         pass
+
+    def send_draft(self, start, features, noise, position, rows) -> None:
+        pass  # it answers in `draft`
 
     def keepalive(self) -> None:
         pass

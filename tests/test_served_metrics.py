@@ -78,5 +78,5 @@ class Backend:
 def test_drafter_state_reads_whatever_the_proposer_has():
     assert drafter_state(NGramProposer()) == {}
     assert drafter_state(DFlashProposer(Backend())) == {"reachable": False, "timeouts": 2, "errors": 1, "proposals": 6}
-    local = type("Local", (), {"counters": {"proposals": 3}})()  # an in-process drafter is always there
+    local = type("Local", (), {"counters": {"proposals": 3}, "attached": True})()  # in process: always there
     assert drafter_state(DFlashProposer(local)) == {"reachable": True, "proposals": 3}

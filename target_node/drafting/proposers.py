@@ -36,6 +36,7 @@ EMPTY = Proposal([])
 class Proposer(Protocol):
     name: str
     taps: tuple[int, ...]  # target layers whose outputs it reads; () for none
+    backend: DraftBackend | None  # the DFlash drafter it drafts with (its state and counters); None for none
 
     def begin(self, target: TargetModel) -> None:
         """A new request starts: forget per-request state."""
@@ -58,6 +59,7 @@ class NoProposer:
 
     name = "none"
     taps: tuple[int, ...] = ()
+    backend: DraftBackend | None = None
 
     def begin(self, target: TargetModel) -> None:
         pass
@@ -102,6 +104,12 @@ class DraftBackend(Protocol):
     """A DFlash drafter, in process or across the wire."""
 
     info: dict | None  # the drafter's description (DRAFTER_INFO); None while there is none to use
+    attached: bool  # it can draft now (a remote one: its session is open on a daemon that answers)
+    counters: dict  # what it did since it was made: proposals, draft_ms, and a remote one's failures
+
+    def send_draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> None:
+        """Start the `draft` that follows with the same arguments (a batch's requests each send
+        theirs first, so their drafts overlap); a backend may also do nothing here."""
 
     def begin_request(self) -> None:
         """A new request starts."""
@@ -164,13 +172,12 @@ class DFlashProposer:
         self.backend.keepalive()
 
     def prefetch(self, tokens: list[int], max_tokens: int) -> None:
-        send = getattr(self.backend, "send_draft", None)
-        if send is None or self.drafting is None:
+        if self.drafting is None:
             return
         try:
             request = self._request(tokens, max_tokens)
             if request is not None:
-                send(*request)
+                self.backend.send_draft(*request)
         except DrafterUnavailable:
             self.synced = None  # `propose` falls back
 
@@ -260,6 +267,7 @@ class LocalDraftBackend:
         self.cache = DraftKVCache(drafter, capacity)
         self.drafting_pass = drafting_pass or DraftPass(drafter)
         self.counters = {"proposals": 0, "draft_ms": 0.0}
+        self.attached = True  # in this process: always there
 
     def begin_request(self) -> None:
         self.drafting_pass.forget(self)

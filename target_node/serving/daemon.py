@@ -431,7 +431,7 @@ class TargetService:
             except Exception as exc:  # one bad request must not take the daemon down
                 self.fail(job, exc)
                 continue
-            counters = dict(getattr(getattr(proposer, "backend", None), "counters", {}) or {})
+            counters = dict(proposer.backend.counters) if proposer.backend is not None else {}
             self.free.pop(0)
             queued_s = time.monotonic() - job.received
             self.metrics.admit(queued_s)
@@ -483,10 +483,10 @@ class TargetService:
         stats["proposer"] = self.proposer.name
         stats["queued_s"] = round(active.queued_s, 4)
         stats["batch"] = self.max_batch - len(self.free) + 1  # requests running when it ended, itself included
-        counters = getattr(getattr(self.proposers[active.sequence.slot], "backend", None), "counters", None)
-        if counters is not None:  # this request's own drafter figures, not the slot's since start
+        backend = self.proposers[active.sequence.slot].backend
+        if backend is not None:  # this request's own drafter figures, not the slot's since start
             before = active.drafter_before
-            stats["drafter"] = {k: round(v - before.get(k, 0), 3) for k, v in counters.items()}
+            stats["drafter"] = {k: round(v - before.get(k, 0), 3) for k, v in backend.counters.items()}
         return stats
 
 

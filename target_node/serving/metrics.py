@@ -12,8 +12,12 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from target_node.decoding.stats import Stats
+
+if TYPE_CHECKING:
+    from target_node.drafting.proposers import Proposer
 
 # Upper bounds in seconds (Prometheus `le`); one more bucket holds everything above the last.
 LATENCY_BOUNDS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -117,16 +121,15 @@ def accepted_at_position(histogram: Counter) -> dict[str, int]:
     return {str(k): sum(n for a, n in histogram.items() if a >= k) for k in range(1, deepest + 1)}
 
 
-def drafter_state(proposer: object) -> dict:
+def drafter_state(proposer: Proposer) -> dict:
     """Whether the drafter answers, and its failure counters, for whichever proposer serves.
 
     Only a DFlash proposer has a backend; a remote one knows whether it is `attached` and
     counts timeouts and errors (each one a step that fell back), a local one is always there.
     """
-    backend = getattr(proposer, "backend", None)
+    backend = proposer.backend
     if backend is None:
         return {}
-    counters = getattr(backend, "counters", {}) or {}
-    state = {"reachable": bool(getattr(backend, "attached", True))}
-    state.update({k: counters[k] for k in ("timeouts", "errors", "proposals") if k in counters})
+    state = {"reachable": bool(backend.attached)}
+    state.update({k: backend.counters[k] for k in ("timeouts", "errors", "proposals") if k in backend.counters})
     return state
