@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 from launch import bench
 
@@ -44,6 +45,10 @@ def test_quick_benchmark_produces_well_formed_results(tmp_path):
         if "engine" in row["target"]:  # bit-exact by construction, in both dtypes
             assert row["differs_from_plain"] == 0
     assert set(engines["width_ms"]) == targets and all(len(ms) == 17 for ms in engines["width_ms"].values())
+    flags = Path("/proc/cpuinfo").read_text().split()
     for dtype in ("float32", "bfloat16"):
         rows = tiny["invariance_cost"][dtype]
+        if dtype == "bfloat16" and "avx512bw" not in flags and "avx_ne_convert" not in flags:
+            assert "oneDNN cannot pack" in rows["skipped"]  # nothing of torch's to compare with here
+            continue
         assert [r["width"] for r in rows] == [1, 2, 5, 9, 17] and all(r["cost"] > 0 for r in rows)
