@@ -427,28 +427,29 @@ def test_eight_concurrent_clients_all_get_what_they_get_alone(served, keys):
     assert all(got.get(i) == [want[i]] * 3 for i in range(8)), got
 
 
-def test_three_thousand_refused_requests_leave_the_daemon_serving(served, keys):
-    """Each request refused at admission (here: over --max-new-tokens-limit) used to leave a wake
+def test_thousands_of_refused_requests_leave_the_daemon_serving(served, keys):
+    """Each request refused at admission (here: over --max-new-tokens-limit) could leave a wake
     byte in the server's inproc pipe; about 1,500 filled it and the daemon died with zmq.Again,
-    every client's requests lost. Now: 3,000 one at a time and 3,000 pipelined, each answered."""
+    every client's requests lost (tests/test_protocol.py pins the cause). Here 2,000 one at a time
+    and 2,000 pipelined, each answered; `python -m launch.flood` runs 3,000 of each."""
     sock = dealer(zmq.Context.instance(), served.address, curve=link(keys))
     over = {"token_ids": PROMPT, "max_new_tokens": LONG + 1, "stream": False}
     codes = Counter()
     try:
-        for rid in range(1, 3001):  # one at a time
+        for rid in range(1, 2001):  # one at a time
             sock.send_multipart(encode("generate", rid, over))
             codes[receive(sock, rid, time.monotonic() + 30)["code"]] += 1
-        for rid in range(3001, 6001):  # pipelined: a full queue answers busy, the rest bad_field
+        for rid in range(2001, 4001):  # pipelined: a full queue answers busy, the rest bad_field
             sock.send_multipart(encode("generate", rid, over))
         answered = set()
-        while len(answered) < 3000 and sock.poll(30_000):
+        while len(answered) < 2000 and sock.poll(30_000):
             reply = decode(sock.recv_multipart())
             answered.add(reply.id)
             codes[reply["code"]] += 1
     finally:
         sock.close(0)
     print(f"refusals answered: {dict(codes)}")
-    assert len(answered) == 3000 and sum(codes.values()) == 6000, codes
+    assert len(answered) == 2000 and sum(codes.values()) == 4000, codes
     assert set(codes) <= {"bad_field", "busy"}, codes
     assert served.proc.poll() is None
     client = TargetClient(served.address, timeout_s=60, curve=link(keys))
