@@ -84,6 +84,15 @@ def stats(served) -> dict:
     return request(served.address, "stats", timeout_s=30, curve=link(served.keys))["stats"]
 
 
+def assert_serves_plain(served, keys) -> None:
+    """The daemon still serves, and what it serves is plain greedy decoding."""
+    client = TargetClient(served.address, timeout_s=60, curve=link(keys))
+    try:
+        assert client.generate(token_ids=PROMPT, max_new_tokens=20)["token_ids"] == greedy(served.model, PROMPT, 20)
+    finally:
+        client.close()
+
+
 def wait_until(condition, timeout_s: float, every_s: float = 0.05) -> float | None:
     """Seconds until `condition()` held, or None if it did not within `timeout_s`."""
     began = time.monotonic()
@@ -95,11 +104,7 @@ def wait_until(condition, timeout_s: float, every_s: float = 0.05) -> float | No
 
 
 def test_an_allowed_client_is_served_and_other_keys_get_nothing(served, keys):
-    client = TargetClient(served.address, timeout_s=60, curve=link(keys))
-    try:
-        assert client.generate(token_ids=PROMPT, max_new_tokens=20)["token_ids"] == greedy(served.model, PROMPT, 20)
-    finally:
-        client.close()
+    assert_serves_plain(served, keys)
     for curve in (link(keys, "stranger"), None):  # a key not on the allow-list; plaintext
         assert request(served.address, "ping", timeout_s=1.0, curve=curve) is None
     assert wait_until(lambda: "not on the allow-list" in served.log.read_text(), 5) is not None
@@ -149,11 +154,7 @@ def test_fuzzed_messages_get_typed_errors_and_the_daemon_stays_healthy(served, k
     finally:
         big.close(0)
     assert wait_until(lambda: "sent a frame over this socket's limit" in served.log.read_text(), 5) is not None
-    client = TargetClient(served.address, timeout_s=60, curve=link(keys))
-    try:
-        assert client.generate(token_ids=PROMPT, max_new_tokens=20)["token_ids"] == greedy(served.model, PROMPT, 20)
-    finally:
-        client.close()
+    assert_serves_plain(served, keys)
 
 
 def test_a_duplicate_request_id_is_refused_while_the_first_runs(served, keys):
@@ -452,11 +453,7 @@ def test_thousands_of_refused_requests_leave_the_daemon_serving(served, keys):
     assert len(answered) == 2000 and sum(codes.values()) == 4000, codes
     assert set(codes) <= {"bad_field", "busy"}, codes
     assert served.proc.poll() is None
-    client = TargetClient(served.address, timeout_s=60, curve=link(keys))
-    try:
-        assert client.generate(token_ids=PROMPT, max_new_tokens=20)["token_ids"] == greedy(served.model, PROMPT, 20)
-    finally:
-        client.close()
+    assert_serves_plain(served, keys)
 
 
 def test_the_flood_command_runs_its_refusal_scenario(served, tmp_path):
