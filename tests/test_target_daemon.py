@@ -268,14 +268,16 @@ def test_the_daemon_keeps_its_drafter_sessions_alive_busy_or_idle(tmp_path):
     from target_node.drafting.proposers import NoProposer
     from target_node.serving.daemon import TargetService
 
-    class Counting(NoProposer):
+    class Counting:  # a remote backend's keepalive, counted
         def __init__(self) -> None:
-            self.calls = 0
+            self.calls, self.attached, self.counters = 0, True, {}
 
         def keepalive(self) -> None:
             self.calls += 1
 
-    slots = [Counting(), Counting()]
+    slots = [NoProposer(), NoProposer()]
+    for proposer in slots:
+        proposer.backend = Counting()
     service = TargetService(TargetModel(tiny_target("llama", seed=5).model, slots=2), slots, adaptive=False)
     stop = threading.Event()
     address = f"ipc://{tmp_path}/keepalive.sock"
@@ -283,7 +285,7 @@ def test_the_daemon_keeps_its_drafter_sessions_alive_busy_or_idle(tmp_path):
     serving.start()
     try:
         time.sleep(0.5)  # idle: the loop wakes every 100 ms
-        idle = [p.calls for p in slots]
+        idle = [p.backend.calls for p in slots]
         client = TargetClient(address, timeout_s=60)
         client.generate(token_ids=PROMPT, max_new_tokens=40)  # one slot busy, the other free
         client.close()
@@ -291,4 +293,4 @@ def test_the_daemon_keeps_its_drafter_sessions_alive_busy_or_idle(tmp_path):
         stop.set()
         serving.join(10)
     assert all(n >= 3 for n in idle), idle
-    assert all(p.calls >= idle[i] + 40 for i, p in enumerate(slots)), [p.calls for p in slots]
+    assert all(p.backend.calls >= idle[i] + 40 for i, p in enumerate(slots)), [p.backend.calls for p in slots]

@@ -50,9 +50,6 @@ class Proposer(Protocol):
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         """The target committed positions [start, start + rows); `features` are their taps."""
 
-    def keepalive(self) -> None:
-        """Called between steps, busy or idle: a remote drafter shows its daemon it is alive."""
-
 
 class NoProposer:
     """Plain greedy decoding through the same loop: the reference the others must equal."""
@@ -71,9 +68,6 @@ class NoProposer:
         pass
 
     def commit(self, start: int, features: torch.Tensor | None) -> None:
-        pass
-
-    def keepalive(self) -> None:
         pass
 
 
@@ -167,9 +161,6 @@ class DFlashProposer:
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         if features is not None and self.drafting is not None:
             self.drafting.ring.write(start, features)
-
-    def keepalive(self) -> None:
-        self.backend.keepalive()
 
     def prefetch(self, tokens: list[int], max_tokens: int) -> None:
         if self.drafting is None:

@@ -286,14 +286,14 @@ class TargetService:
         jobs += [active.job for active in self.active.values()]
         for job in jobs:
             interval = job.request["heartbeat_s"]
-            silent = now - self.heard.get(job.identity, now)
-            if interval > 0 and silent > HEARTBEAT_MISSES * interval:
-                why = f"silent for {silent:.1f} s (promised a heartbeat every {interval:g} s)"
+            heard = self.heard.get(job.identity, now)
+            if interval > 0 and now - heard > HEARTBEAT_MISSES * interval:
+                why = f"silent for {now - heard:.1f} s (promised a heartbeat every {interval:g} s)"
                 self.abandon(job.identity, why, listening=True)
                 continue
             # Without heartbeats promised, a client that takes its streamed replies is there too:
             # ZeroMQ refuses a reply once a client stops reading (its queue fills), or is gone.
-            silent = min(silent, now - self.reached.get(job.identity, now - silent))
+            silent = now - max(heard, self.reached.get(job.identity, 0.0))
             if interval == 0 and 0 < self.max_silence_s < silent:
                 why = f"silent for {silent:.1f} s, with no heartbeats promised (--max-silence {self.max_silence_s:g} s)"
                 self.abandon(job.identity, why, listening=True)
@@ -335,8 +335,9 @@ class TargetService:
         try:
             while not stop.is_set():
                 self.pump(0 if self.active else 100)
-                for proposer in self.proposers:
-                    proposer.keepalive()
+                for proposer in self.proposers:  # a remote drafter's sessions stay this live target's
+                    if proposer.backend is not None:
+                        proposer.backend.keepalive()
                 if not (self.active or self.queues):
                     continue
                 # Pings are answered during the step too: a prefill or a wide verify is never deaf.
