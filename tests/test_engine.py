@@ -113,6 +113,37 @@ def test_a_prefill_in_chunks_of_any_size_gives_the_same_bits(target, chunk):
     assert torch.equal(parts, whole)
 
 
+def test_a_long_prompt_in_chunks_grows_the_cache_once(target):
+    """A new sequence reserves its prompt: growing copies every slot, so a long prompt's chunks
+    must not pay it at each doubling they cross."""
+    cache = target.engine.cache
+    prompt = [random.Random(3).randrange(3, 200) for _ in range(3 * cache.capacity + 5)]
+    allocated = []
+    allocate = cache._allocate
+    cache._allocate = lambda n: (allocated.append(n), allocate(n))
+    try:
+        chunked = greedy(target, prompt, 1, prefill_chunk=64, stop_on_eos=False)  # the prefill alone
+    finally:
+        del cache._allocate
+    assert len(allocated) == 1 and allocated[0] >= len(prompt)
+    assert chunked == greedy(target, prompt, 1, stop_on_eos=False)
+
+
+def test_no_row_reads_a_cache_entry_it_did_not_write(target):
+    """Grown room is left uninitialised (cheap); poisoning the whole cache with NaN must not move a bit."""
+    tree = DraftTree([60, 61, 17, 62, 71], [0, 0, 1, 1, 3], [1, 1, 2, 2, 3], [1.0] * 5)
+    results = []
+    for poison in (False, True):
+        target.reset()
+        if poison:
+            target.engine.cache.kv.fill_(float("nan"))
+        target.forward(CONTEXT[:7])
+        chain = run(target, CONTEXT[7:])
+        results.append(torch.cat([chain, run(target, [77, *tree.tokens], tree)]))
+    assert not results[1].isnan().any()
+    assert torch.equal(results[0], results[1])
+
+
 def test_the_thread_count_does_not_change_a_bit(target):
     tokens = [11, 12, 13, 14, 15]
     results = []

@@ -87,7 +87,7 @@ class Sequence:
         self.limit, self.hints = 0, []  # the next step's draft depth and known continuation (prepare)
         self.cancelled = False
         self.began = time.perf_counter()
-        target.reset(slot)
+        target.reset(slot, expect=len(self.prompt) + 1)
         proposer.begin(target)
 
     @property

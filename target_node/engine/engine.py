@@ -75,8 +75,11 @@ class Engine:
     def length(self, slot: int = 0) -> int:
         return self.cache.lengths[slot]
 
-    def reset(self, slot: int = 0) -> None:
+    def reset(self, slot: int = 0, expect: int = 0) -> None:
+        """An empty slot, with room made at once for `expect` positions (within the model's)."""
         self.cache.lengths[slot] = 0
+        limit = self.cache.max_capacity
+        self.cache.reserve(min(expect, limit) if limit else expect)
 
     def rollback(self, length: int, slot: int = 0) -> None:
         if not 0 <= length <= self.cache.lengths[slot]:

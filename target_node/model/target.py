@@ -207,9 +207,13 @@ class TargetModel:
     def length_of(self, slot: int) -> int:
         return self.path.length(slot)
 
-    def reset(self, slot: int = 0) -> None:
-        """A new sequence in `slot`: an empty KV cache."""
-        self.path.reset(slot)
+    def reset(self, slot: int = 0, expect: int = 0) -> None:
+        """A new sequence in `slot`: an empty KV cache, with room for `expect` positions where the
+        cache is preallocated (the engine's), so a long prompt's chunks do not grow it one by one."""
+        if self.engine is not None:
+            self.engine.reset(slot, expect)
+        else:
+            self.path.reset(slot)
 
     def forward(
         self, tokens: list[int], taps: tuple[int, ...] = (), parents: list[int] | None = None, slot: int = 0
