@@ -23,7 +23,8 @@ runs as one command, each phase time-boxed, every result written as it comes int
    (answer-store shards: copy them into data/answers/ to keep them);
 8. `train`: the shipped drafter trained further on the store plus the new answers, into `OUT/drafter`,
    in the DFlash2 format by default (its convolutions learn with the backbone from the identity, then
-   its selector on the backbone's outputs; `--format dflash` keeps the first format);
+   its selector on the backbone's outputs; `--format dflash` keeps the first format), under
+   `torchrun` with one rank per visible GPU (DDP over NCCL), the path a many-GPU machine takes;
 9. `eval`: the new drafter against the shipped one on the held-out prompts (drafting every step).
 
 The GPU machine has torch and transformers but no pyzmq and no gguf: `launch/gpu_run.sh`
@@ -272,32 +273,20 @@ def generate_answers(common: list[str], out: Path, minutes: float, batch: int, d
 
 
 def train_drafter(common: list[str], out: Path, minutes: float, init: Path | None, steps: int, fmt: str) -> dict:
-    """On the new answers, and (from a shipped drafter) on the committed store as well."""
-    from launch import train
-
+    """On the new answers, and (from a shipped drafter) on the committed store as well: under
+    torchrun, one rank per GPU (gloo and one rank on a CPU), as a multi-GPU machine would run it."""
     data = ["--store", str(out / "answers")]
     if init is not None:
         data = ["--store", str(ROOT / "data" / "answers"), "--data", str(out / "answers"), "--init", str(init)]
-    train.main(
-        [
-            *common,
-            "--stage",
-            "train",
-            *data,
-            "--minutes",
-            str(minutes),
-            "--steps",
-            str(steps),
-            "--batch",
-            "32",
-            "--anchors",
-            "32",
-            "--format",
-            fmt,
-        ]
-    )
+    device = common[common.index("--device") + 1]
+    ranks = max(torch.cuda.device_count(), 1) if device.startswith("cuda") else 1
+    flags = ["--stage", "train", *data, "--minutes", str(minutes), "--steps", str(steps)]
+    flags += ["--batch", "32", "--anchors", "32", "--format", fmt]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    subprocess.run([*torchrun, "-m", "launch.train", *common, *flags], cwd=ROOT, env=env, check=True)
     log = (Path(common[common.index("--cache") + 1]) / "train" / "smollm2" / "train.log").read_text()
-    return {"log_tail": log.strip().splitlines()[-6:]}
+    return {"ranks": ranks, "log_tail": log.strip().splitlines()[-6:]}
 
 
 def compare(model: Path, drafters: dict[str, Path], device: str, prompts: int, max_new: int) -> dict:

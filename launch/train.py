@@ -145,8 +145,9 @@ def log_to(path: Path):
     return log
 
 
-def generate_stage(args: argparse.Namespace, target, cfg, store, features, log) -> None:
-    """Self-instruct answers into the store, until --gen-minutes have passed."""
+def generate_stage(args: argparse.Namespace, target, cfg, store, features, log, ranks) -> None:
+    """Self-instruct answers into the store, until --gen-minutes have passed; rank r of a torchrun
+    job answers the job stream of seed --gen-seed + r (streams of different seeds do not overlap)."""
     from training.generate import generate
     from training.prompts import jobs, read_prompts
 
@@ -159,8 +160,8 @@ def generate_stage(args: argparse.Namespace, target, cfg, store, features, log) 
     generate(
         target,
         store,
-        jobs(args.gen_seed, starter=starter),
-        seed=args.gen_seed,
+        jobs(args.gen_seed + ranks.rank, starter=starter if ranks.main else []),
+        seed=args.gen_seed + ranks.rank,
         batch=args.gen_batch,
         max_new=args.max_new,
         deadline=deadline,
@@ -170,7 +171,7 @@ def generate_stage(args: argparse.Namespace, target, cfg, store, features, log) 
     )
 
 
-def train_stage(args: argparse.Namespace, target, cfg, answers, features, work: Path, log) -> None:
+def train_stage(args: argparse.Namespace, target, cfg, answers, features, work: Path, log, ranks) -> None:
     from training.trainer import TrainOptions, train
 
     # Every training flag is named after its TrainOptions field; only the dtype needs parsing.
@@ -178,10 +179,11 @@ def train_stage(args: argparse.Namespace, target, cfg, answers, features, work: 
     given["save_dtype"] = torch_dtype(args.save_dtype)
     opts = TrainOptions(**given)
     out = Path(args.out)
+    state = work / "state.pt"
     trainer = train(
-        target, cfg, answers, features, opts, work / "state.pt", out, resume=args.resume, init=args.init, log=log
+        target, cfg, answers, features, opts, state, out, resume=args.resume, init=args.init, log=log, ranks=ranks
     )
-    if cfg.dflash2:  # the backbone is done: its selector learns on its outputs
+    if cfg.dflash2 and ranks.main:  # the backbone is done: its selector learns on its outputs
         from training.selector import train_selector
 
         train_selector(trainer, args.selector_batches, args.selector_steps, args.selector_lr, log)
@@ -275,9 +277,21 @@ def selector_stage(args: argparse.Namespace, target, answers, cache: Path, log) 
 
 
 def main(argv: list[str] | None = None) -> None:
+    from training.distributed import start, stop
+
     args = parse_args(argv)
     args.model = str(resolve_model(args.model))
     torch.set_num_threads(args.threads)
+    ranks, args.device = start(args.device)  # under torchrun: this rank's place and device
+    try:
+        run_stages(args, ranks)
+    finally:
+        stop(ranks)
+
+
+def run_stages(args: argparse.Namespace, ranks) -> None:
+    """The stages --stage names, on this rank: generation and features sharded by rank, training
+    data-parallel, everything else (one-process work) on rank 0 alone."""
     from draft_node.checkpoint import config_for_target, save_draft_vocab
     from target_node.model.target import TargetModel
     from training.answer_store import AnswerStore
@@ -286,8 +300,10 @@ def main(argv: list[str] | None = None) -> None:
     cache = Path(args.cache)
     work = cache / "train" / args.name
     work.mkdir(parents=True, exist_ok=True)
-    log = log_to(work / "train.log")
+    log = log_to(work / "train.log") if ranks.main else _rank_log(ranks)
     store = AnswerStore(args.store)
+    if ranks.many and args.stage not in ("gen", "features", "train", "all"):
+        raise SystemExit(f"--stage {args.stage} runs in one process; torchrun runs gen, features and train")
     if args.stage == "variety":
         from training.variety import report
 
@@ -321,14 +337,16 @@ def main(argv: list[str] | None = None) -> None:
     features = FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{layers}", cfg.feature_width)
     if generating:
         full_precision = target.model.dtype == torch.float32
-        generate_stage(args, target, cfg, store, features if full_precision else None, log)
+        generate_stage(args, target, cfg, store, features if full_precision else None, log, ranks)
         if not full_precision:
             target = TargetModel.load(args.model, args.device, torch.float32)
     answers = list(store.answers)
     for folder in args.data:
         answers += [a for a in AnswerStore(folder).answers if a.key not in store.keys]
     if args.stage == "features" or (args.stage in ("train", "all") and not args.cached_only):
-        added = features.fill(answers, target.model, cfg.target_layer_ids, log=log)
+        added = features.fill(answers[ranks.rank :: ranks.world], target.model, cfg.target_layer_ids, log=log)
+        ranks.barrier()  # every rank's rows are in before any trains on them
+        features = FeatureCache(features.folder, cfg.feature_width)
         log(f"features: {added} answers filled by prefill; {len(features)} cached")
     if args.stage == "estimate":
         estimate_stage(args, target, store, cache, log)
@@ -342,7 +360,16 @@ def main(argv: list[str] | None = None) -> None:
         ids = draft_vocabulary(samples([a for a in answers if not a.held_out], features), args.draft_vocab)
         log(f"draft vocabulary: {len(ids)} tokens -> {save_draft_vocab(args.out, ids)}")
     if args.stage in ("train", "all"):
-        train_stage(args, target, cfg, answers, features, work, log)
+        train_stage(args, target, cfg, answers, features, work, log, ranks)
+
+
+def _rank_log(ranks):
+    """Ranks other than 0 print their lines (prefixed) but leave the log file to rank 0."""
+
+    def log(msg: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} [rank {ranks.rank}] {msg}", flush=True)
+
+    return log
 
 
 if __name__ == "__main__":

@@ -607,3 +607,65 @@ def test_launch_train_makes_a_dflash2_drafter_from_a_dflash_one(setup, tmp_path)
         prompt = a.tokens[: a.prompt_len]
         result = generate(target, prompt, DFlashProposer(LocalDraftBackend(drafter)), 30, adaptive=False)
         assert result.tokens == greedy(target, prompt, 30)
+
+
+def test_torchrun_on_two_ranks_trains_as_one_process_and_resumes_on_one(setup, tmp_path):
+    """`torchrun --nproc_per_node 2 -m launch.train` (gloo, real processes): each rank takes half of
+    every batch, so the run follows one process's loss curve and weights up to the order of float
+    sums (losses within 1e-4, weights within 1e-4 of their norm; 1e-6 measured); its checkpoint is
+    the public format, and its state resumes in a one-process run as the one-process run's own
+    state does."""
+    target, _, store, _ = setup
+    model_dir = tmp_path / "model"
+    target.model.save_pretrained(model_dir)
+    root = Path(__file__).resolve().parent.parent
+
+    def run(name: str, ranks: int, steps: int, *extra: str) -> dict:
+        args = ["--model", model_dir, "--store", store.folder, "--name", name, "--cache", tmp_path / "cache"]
+        args += ["--stage", "train", "--block-size", "4", "--steps", steps, "--batch", 6, "--anchors", 4]
+        args += ["--lr", "5e-3", "--warmup", 2, "--eval-every", 0, "--save-every", 0, "--draft-vocab", 64]
+        args += ["--threads", 1, "--out", tmp_path / name, *extra]
+        launcher = [sys.executable]
+        if ranks > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(
+            [*launcher, "-m", "launch.train", *map(str, args)], cwd=root, env=env, capture_output=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        return torch.load(tmp_path / "cache" / "train" / name / "state.pt", weights_only=False)
+
+    two = run("two", 2, 12)  # first: its two ranks fill the feature cache, half each
+    one = run("one", 1, 12)
+    assert len(two["history"]) == len(one["history"]) == 12
+    assert two["history"] == pytest.approx(one["history"], rel=1e-4)
+    assert one["history"][-1] < one["history"][0]
+    for name, weight in one["drafter"].items():  # Adam magnifies float noise in near-zero gradients
+        drift = (two["drafter"][name] - weight).norm() / weight.norm().clamp_min(1e-6)
+        assert drift < 1e-4, (name, float(drift))
+    assert load_drafter(tmp_path / "two").config == load_drafter(tmp_path / "one").config
+
+    resumed_two, resumed_one = run("two", 1, 20, "--resume"), run("one", 1, 20, "--resume")
+    assert resumed_two["step"] == resumed_one["step"] == 20
+    assert resumed_two["history"][12:] == pytest.approx(resumed_one["history"][12:], rel=1e-4)
+
+
+def test_each_rank_builds_its_share_of_the_batch_one_process_draws(setup):
+    """The ranks' batches, put together, are the one-process batch: same sequences, same anchors,
+    same context rows (each rank takes rows up to its own last anchor)."""
+    from training.distributed import Ranks
+
+    target, cfg, store, features = setup
+    trainer = Trainer(target, cfg, store.answers, features, opts(batch=5))
+    whole = trainer.batch(7)
+    parts = []
+    for rank in (0, 1):
+        trainer.ranks = Ranks(rank, 2)  # what a rank's trainer reads to build its batch
+        parts.append(trainer.batch(7))
+    assert [p.anchors.shape[0] for p in parts] == [3, 2]
+    for name in ("anchors", "block_tokens", "labels"):
+        assert torch.equal(torch.cat([getattr(p, name) for p in parts]), getattr(whole, name)), name
+    rows = [row for p in parts for row in p.features]
+    for i, row in enumerate(rows):
+        span = min(row.shape[0], whole.features.shape[1])
+        assert torch.equal(row[:span], whole.features[i, :span])

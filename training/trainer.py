@@ -24,11 +24,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from draft_node.checkpoint import load_drafter, random_drafter, save_draft_vocab, save_drafter
 from draft_node.config import DFlashConfig, in_dflash2
 from draft_node.model import DFlashDrafter
 from training.answer_store import Answer
+from training.distributed import ONE, Ranks
 from training.features import FeatureCache
 
 
@@ -197,9 +199,17 @@ def as_dflash2(drafter: DFlashDrafter, vocab_size: int, rank: int = 0, top_k: in
 
 
 def make_batch(
-    records: list[Sample], features: np.ndarray, cfg: DFlashConfig, anchors: int, max_len: int, gen: torch.Generator
+    records: list[Sample],
+    features: np.ndarray,
+    cfg: DFlashConfig,
+    anchors: int,
+    max_len: int,
+    gen: torch.Generator,
+    part: slice = slice(None),
 ) -> Batch:
-    """Random anchors in each answer; a slot's label is the target's own token there."""
+    """Random anchors in each answer; a slot's label is the target's own token there. Anchors are
+    drawn for all `records` and the batch is built of `records[part]` only: a rank's share of the
+    batch one process would draw (training.distributed)."""
     block, mask_id = cfg.block_size, cfg.mask_token_id
     chosen = []
     for r in records:
@@ -210,6 +220,7 @@ def make_batch(
             continue
         pick = torch.randperm(hi - lo + 1, generator=gen)[:anchors] + lo
         chosen.append(pick.sort().values)
+    records, chosen = records[part], chosen[part]
     span = max([int(c.max()) for c in chosen if len(c)] + [1])  # context rows needed: < largest anchor
     feats = torch.zeros(len(records), span, cfg.feature_width)
     anc = torch.zeros(len(records), anchors, dtype=torch.long)
@@ -228,6 +239,17 @@ def make_batch(
     return Batch(feats, anc, toks, labels)
 
 
+class _Anchored(torch.nn.Module):
+    """The drafter's training forward as a module's `forward`, which is what DDP wraps."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.drafter.forward_anchors(*args)
+
+
 class Trainer:
     """The drafter, its optimizer, the frozen target pieces, and a deterministic batch stream."""
 
@@ -238,8 +260,11 @@ class Trainer:
         answers: list[Answer],
         features: FeatureCache,
         opts: TrainOptions,
+        ranks: Ranks = ONE,
     ) -> None:
-        self.cfg, self.opts = cfg, opts
+        """`ranks`: this process's place among training processes (training.distributed): each
+        takes its share of every batch and DDP sums the gradients."""
+        self.cfg, self.opts, self.ranks = cfg, opts, ranks
         self.dev = torch.device(opts.device)
         self.features = features.array()
         self.train_records = samples([a for a in answers if not a.held_out], features)
@@ -250,6 +275,9 @@ class Trainer:
         self.use_vocabulary(draft_vocabulary(self.train_records, opts.draft_vocab) if opts.draft_vocab else [])
         self.drafter = init_drafter(cfg, opts.seed, opts.out_scale).to(self.dev)
         self.scale = feature_scale(self.features, seed=opts.seed).to(self.dev)
+        self.forward = self.drafter.forward_anchors
+        if ranks.many:  # DFlash2's selector learns later (training.selector): unused in these steps
+            self.forward = DistributedDataParallel(_Anchored(self.drafter), find_unused_parameters=cfg.dflash2)
         self.optimizer = torch.optim.AdamW(self._param_groups(), lr=opts.lr, betas=(0.9, 0.95))
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         k = torch.arange(cfg.block_size, dtype=torch.float32)
@@ -303,46 +331,62 @@ class Trainer:
         gen = torch.Generator().manual_seed(self.opts.seed * 1_000_003 + step)
         pool = records if records is not None else self.train_records
         idx = torch.randint(len(pool), (count or self.opts.batch,), generator=gen).tolist()
-        return make_batch([pool[i] for i in idx], self.features, self.cfg, self.opts.anchors, self.opts.max_len, gen)
+        part = self.ranks.share(len(idx)) if records is None else slice(None)
+        return make_batch(
+            [pool[i] for i in idx], self.features, self.cfg, self.opts.anchors, self.opts.max_len, gen, part
+        )
 
-    def logits(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def logits(self, batch: Batch, forward=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft logits [rows, draft vocab] for the labelled slots, their labels as draft-vocab
         indices (-100 for tokens the drafter cannot propose), and the slots' mask [S, N, B].
 
         Only labelled slots go through the LM head: it is most of the step's cost.
         """
-        hidden, labels = self.block_rows(batch)
+        hidden, labels = self.block_rows(batch, forward)
         labelled = labels >= 0
         return self.project(hidden[labelled]), self.vocab_slot[labels[labelled]], labelled
 
-    def block_rows(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafter's block hidden states [S, N, B, hidden] and the labels [S, N, B], on the device."""
+    def block_rows(self, batch: Batch, forward=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's block hidden states [S, N, B, hidden] and the labels [S, N, B], on the device;
+        `forward`: the training forward (DDP's, on many ranks), else the drafter's own."""
         noise = F.embedding(batch.block_tokens.to(self.dev), self.embed)
         features, anchors = batch.features.to(self.dev), batch.anchors.to(self.dev)
-        return self.drafter.forward_anchors(features, anchors, noise, self.scale), batch.labels.to(self.dev)
+        hidden = (forward or self.drafter.forward_anchors)(features, anchors, noise, self.scale)
+        return hidden, batch.labels.to(self.dev)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits [rows, draft vocab] of hidden rows, through the target's frozen head."""
         return (hidden.to(self.head.dtype) @ self.head.T).float()
 
     def _weighted_ce(self, logits: torch.Tensor, slots: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+        return torch.div(*self._weighted_ce_parts(logits, slots, labelled))
+
+    def _weighted_ce_parts(
+        self, logits: torch.Tensor, slots: torch.Tensor, labelled: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weighted cross-entropy's sum and its weight (clamped above 0)."""
         weight = self.slot_weight.expand_as(labelled)[labelled] * (slots >= 0)
         ce = F.cross_entropy(logits, slots, reduction="none", ignore_index=-100)
-        return (ce * weight).sum() / weight.sum().clamp_min(1e-6)
+        return (ce * weight).sum(), weight.sum().clamp_min(1e-6)
 
     def loss(self, batch: Batch) -> torch.Tensor:
         return self._weighted_ce(*self.logits(batch))
 
     def train_step(self) -> float:
+        """One optimizer step; the loss of the whole batch (all ranks' shares)."""
         self.drafter.train()
-        loss = self.loss(self.batch(self.step))
+        total, weight = self._weighted_ce_parts(*self.logits(self.batch(self.step), self.forward))
+        # Normalised by the whole batch's weight, times the ranks DDP averages over: the gradient
+        # of the loss one process computes on the whole batch.
+        weight = self.ranks.total(weight.detach())
+        loss = total / weight * self.ranks.world
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
         self.optimizer.step()
         self.schedule.step()
         self.step += 1
-        value = float(loss.detach())
+        value = float(self.ranks.total(total.detach()) / weight)
         self.history.append(value)
         return value
 
@@ -433,12 +477,16 @@ def train(
     resume: bool = False,
     init: str | Path | None = None,
     log: Callable[[str], None] = print,
+    ranks: Ranks = ONE,
 ) -> Trainer:
     """Train until opts.steps (or opts.minutes), saving state + the public checkpoint periodically.
 
-    `resume` continues a run from its saved state; otherwise `init` starts from a checkpoint's weights.
+    `resume` continues a run from its saved state (saved on any number of ranks); otherwise `init`
+    starts from a checkpoint's weights. On many `ranks`, rank 0 alone logs, evaluates and saves.
     """
-    trainer = Trainer(target, cfg, answers, features, opts)
+    if not ranks.main:
+        log = _quiet
+    trainer = Trainer(target, cfg, answers, features, opts, ranks)
     if not trainer.train_records:
         raise ValueError(
             f"nothing to train on: of {len(answers)} answers none outside the held-out split has cached "
@@ -459,7 +507,7 @@ def train(
     start = last = time.time()
     window: list[float] = []
     while trainer.step < opts.steps:
-        if opts.minutes and time.time() - start > opts.minutes * 60:
+        if opts.minutes and ranks.agree(time.time() - start > opts.minutes * 60):  # rank 0's clock decides
             log("time budget reached")
             break
         window.append(trainer.train_step())
@@ -471,17 +519,23 @@ def train(
                 f"{(time.time() - last) / max(len(window), 1):.2f} s/step"
             )
             window, last = [], time.time()
-        if opts.eval_every and step % opts.eval_every == 0:
+        if opts.eval_every and step % opts.eval_every == 0 and ranks.main:
             ev = trainer.evaluate()
             if ev:
                 log(f"eval step {step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f} | hist {ev['histogram']}")
-        if opts.save_every and step % opts.save_every == 0:
+        if opts.save_every and step % opts.save_every == 0 and ranks.main:
             trainer.save(state_path, out)
-    trainer.save(state_path, out)
-    ev = trainer.evaluate()
-    if ev:
-        log(f"final step {trainer.step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f}")
+    if ranks.main:
+        trainer.save(state_path, out)
+        ev = trainer.evaluate()
+        if ev:
+            log(f"final step {trainer.step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f}")
+    ranks.barrier()  # the checkpoint is written before any rank goes on to read it
     return trainer
+
+
+def _quiet(message: str) -> None:
+    """The log of ranks other than 0: rank 0 speaks for the run."""
 
 
 def estimate(

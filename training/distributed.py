@@ -1,0 +1,89 @@
+"""Training on many ranks: `torchrun --nproc_per_node N -m launch.train ...` (gloo on CPUs, NCCL on GPUs).
+
+Every rank holds the whole drafter (a few tens of MB: data parallelism, not sharding) and takes its
+share of each step's batch; DDP sums the gradients. The batch of a step is drawn as one process
+would draw it and then split, and the loss is normalised by the whole batch's weight, so N ranks
+take the step one process takes with the same `--batch` (up to the order of float sums), and a run
+saved on N ranks resumes on any other number. Rank 0 alone writes checkpoints and logs; all ranks
+read the same cache folder (one machine, or a shared file system across hosts).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process stands among the training processes."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        """The rank that writes checkpoints and logs."""
+        return self.rank == 0
+
+    @property
+    def many(self) -> bool:
+        return self.world > 1
+
+    def share(self, count: int) -> slice:
+        """This rank's contiguous part of `count` items (the first ranks take one more where it does not divide)."""
+        base, extra = divmod(count, self.world)
+        start = self.rank * base + min(self.rank, extra)
+        return slice(start, start + base + (self.rank < extra))
+
+    def total(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the ranks (itself on one rank)."""
+        if self.many:
+            value = value.clone()
+            dist.all_reduce(value)
+        return value
+
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's `flag` on every rank: decisions taken from a clock (stop now) must not differ."""
+        if not self.many:
+            return flag
+        value = torch.tensor([int(flag)], device=_collective_device())
+        dist.broadcast(value, 0)
+        return bool(value.item())
+
+    def barrier(self) -> None:
+        if self.many:
+            dist.barrier()
+
+
+ONE = Ranks()
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def start(device: str) -> tuple[Ranks, str]:
+    """Join the process group `torchrun` describes in the environment (one process: nothing to join).
+    Returns this process's ranks and its device: on CUDA, each rank takes the GPU of its local rank."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return ONE, device
+    if device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        # Rank 0 fills features or evaluates while the others wait at a collective: allow it time.
+        dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
+    return Ranks(dist.get_rank(), dist.get_world_size()), device
+
+
+def stop(ranks: Ranks) -> None:
+    if ranks.many and dist.is_initialized():
+        dist.destroy_process_group()
