@@ -55,6 +55,16 @@ def translate(stats: dict) -> Iterator[Metric]:
     )
     yield labelled_counter("dflash_request_errors", "Requests refused, by error code", "code", stats["refused"])
     yield counter("dflash_prompt_tokens", "Prompt tokens of finished requests", stats["prompt_tokens"])
+    yield counter(
+        "dflash_prompt_tokens_cached",
+        "Prompt tokens of finished requests taken from the prefix cache, not prefilled",
+        stats.get("cached_prompt_tokens", 0),
+    )
+    cache = stats.get("prefix_cache") or {}
+    yield counter("dflash_prefix_cache_lookups", "Prompts looked up in the prefix cache", cache.get("lookups", 0))
+    yield counter("dflash_prefix_cache_hits", "Prompts that started from stored rows", cache.get("hits", 0))
+    yield counter("dflash_prefix_cache_evicted", "Prefix cache entries evicted for room", cache.get("evicted", 0))
+    yield GaugeMetricFamily("dflash_prefix_cache_bytes", "Bytes the prefix cache holds", cache.get("bytes", 0))
     yield counter("dflash_generation_tokens", "Tokens generated", stats["generation_tokens"])
     for key, (name, doc) in HISTOGRAMS.items():
         yield histogram(name, doc, stats[key])

@@ -23,9 +23,15 @@ def finish_reason(daemon_reason: str) -> str:
 
 
 def usage(stats: dict) -> dict:
-    """Token counts from a `done` reply's stats."""
+    """Token counts from a `done` reply's stats; the prompt tokens the prefix cache gave, as OpenAI
+    reports its own prompt caching."""
     prompt, completion = int(stats.get("prompt_tokens", 0)), int(stats.get("new_tokens", 0))
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(stats.get("cached_tokens", 0))},
+    }
 
 
 def sse(body: dict) -> bytes:

@@ -21,6 +21,10 @@ Meanwhile:
 - the draft daemon is stopped (SIGSTOP) for 3 s, then later killed (SIGKILL) and restarted, in turns;
 - both daemons' memory is sampled.
 
+The target daemon's prefix cache is on, and small (`--prefix-cache-mb`), so it evicts: requests
+repeat, and some prompts extend another's, so hits (whole and partial) come while entries are
+evicted under them; the exactness checks above cover those requests too.
+
 A reply for an id already answered is a duplicate; a request with no `done` within its
 deadline is lost. The run fails (exit 1) on any wrong, lost or duplicated reply, or on any
 ping slower than `--ping-bar-ms`, during the drafter's faults too: a stopped drafter stalls a
@@ -51,7 +55,7 @@ from launch.bench_serving import percentile
 from launch.local import colocated_env, free_address
 from launch.processes import rss_mb, stop
 from protocol import decode, encode
-from protocol.transport import dealer, receive, wait_ready
+from protocol.transport import dealer, receive, request, wait_ready
 
 KINDS = ("normal", "normal", "normal", "cancel", "die", "silent")
 DEADLINE_S = 120.0  # a request not done by then is lost
@@ -263,6 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--chaos-every", type=float, default=20.0, help="seconds between drafter faults (0: none)")
     ap.add_argument("--ping-bar-ms", type=float, default=250.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--prefix-cache-mb", type=int, help="the target daemon's prefix cache (default: 1 tiny, 64 real: it evicts)"
+    )
     ap.add_argument("--json", default="bench_results/soak.json")
     args = ap.parse_args(argv)
     seconds = args.seconds if args.seconds is not None else 60 * args.minutes
@@ -277,20 +284,21 @@ def main(argv: list[str] | None = None) -> dict:
         checkpoint = Path(args.drafter or ensure_default_drafter(model))
         vocab, lengths = 49152, (8, 64)
     rng = random.Random(args.seed)
-    pool = [
-        {
-            "prompt": [rng.randrange(3, vocab) for _ in range(rng.randint(2, 40 if i % 7 else 600))],
-            "max_new": rng.randint(*lengths),
-            "seed": rng.randrange(1000) if i % 4 == 3 else None,
-        }
-        for i in range(24)
-    ]
+    pool = []
+    for i in range(24):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 40 if i % 7 else 600))]
+        if i % 5 == 4:  # the previous prompt and more: a partial hit in the prefix cache
+            prompt = pool[-1]["prompt"] + prompt[:20]
+        pool.append(
+            {"prompt": prompt, "max_new": rng.randint(*lengths), "seed": rng.randrange(1000) if i % 4 == 3 else None}
+        )
+    prefix_mb = args.prefix_cache_mb if args.prefix_cache_mb is not None else (1 if args.tiny else 64)
     threads = ["--threads", str(args.threads)]
     draft_address, target_address = free_address(), free_address()
     draft_args = ["--checkpoint", str(checkpoint), *threads]
     target_args = ["--model", str(model), "--drafter", draft_address, "--max-batch", str(args.max_batch), *threads]
     # A stopped drafter stalls a step this long, then the fallback drafts: short, so pings keep their bar.
-    target_args += ["--draft-timeout", "0.2", "--draft-retry", "1"]
+    target_args += ["--draft-timeout", "0.2", "--draft-retry", "1", "--prefix-cache-mb", str(prefix_mb)]
     drafter = spawn("launch.draft_daemon", draft_address, draft_args, work / "draft.log")
     target = spawn("launch.target_daemon", target_address, target_args, work / "target.log")
     report: dict = {"seconds": seconds, "clients": args.clients, "tiny": args.tiny, "logs": str(work)}
@@ -339,6 +347,8 @@ def main(argv: list[str] | None = None) -> dict:
                     windows.append((now, time.monotonic() + FAULT_AFTERMATH_S))
                 next_fault = time.monotonic() + args.chaos_every
             time.sleep(1.0)
+        stats = request(target_address, "stats", timeout_s=10)
+        report["prefix_cache"] = stats["stats"]["prefix_cache"] if stats is not None else None
         report.update(tally.counts)
         report.update(
             latency_p50_s=round(percentile(tally.latency, 0.5), 3),

@@ -35,6 +35,7 @@ from target_node.drafting.proposers import (
 from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES
 from target_node.model.target import TargetModel
 from target_node.serving.daemon import TargetService
+from target_node.serving.prefix_cache import PrefixCache, default_budget_mb
 
 
 def byte_size(text: str) -> int:
@@ -213,6 +214,14 @@ def main(argv: list[str] | None = None) -> None:
         "(dflash-client, dflash-serve) are dropped after 3 missed beats instead",
     )
     parser.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=default_budget_mb(),
+        help="MB of committed KV and feature rows kept by token prefix for later prompts that start with them "
+        "(a chat's next turn, a shared system prompt); least recently used out first (0: off; default: a tenth "
+        "of this machine's memory, at most 4 GiB). The engine's targets only",
+    )
+    parser.add_argument(
         "--max-messages-per-step",
         type=int,
         default=64,
@@ -230,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     stop = stop_on_signals()
     if args.max_batch < 1:
         parser.error("--max-batch must be at least 1")
+    if args.prefix_cache_mb < 0:
+        parser.error("--prefix-cache-mb must be 0 (off) or a number of MB")
     if args.max_silence < 0:
         parser.error("--max-silence must be 0 (wait forever) or a number of seconds")
     if not 1 <= args.max_new_tokens_limit <= MAX_REPLY_TOKENS:
@@ -254,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
             prefill_budget_s=args.prefill_budget_ms / 1000,
             max_messages_per_step=args.max_messages_per_step,
             max_silence_s=args.max_silence,
+            prefix_cache=PrefixCache(args.prefix_cache_mb << 20)
+            if args.prefix_cache_mb and target.engine is not None
+            else None,
         )
         service.serve(args.bind, stop, curve, args.insecure_plaintext)
 

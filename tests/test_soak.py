@@ -1,5 +1,6 @@
 """The soak test's short form: clients that behave, cancel, die or fall silent against both
-daemons while the drafter is stopped and restarted; nothing lost, wrong or duplicated."""
+daemons while the drafter is stopped and restarted, through a small prefix cache that evicts;
+nothing lost, wrong or duplicated."""
 
 import json
 import subprocess
@@ -18,3 +19,5 @@ def test_a_short_soak_loses_nothing_and_every_greedy_output_is_its_own(tmp_path)
     assert report["dropped_silent"] > 0  # a silent client's running request ends, and says so
     assert [f["fault"] for f in report["faults"]] == ["drafter stopped 3 s", "drafter killed and restarted"]
     assert report["ping_max_ms"] <= 250  # during the drafter's faults too
+    cache = report["prefix_cache"]  # a small one: requests started from stored rows while others were evicted
+    assert cache["hits"] > 0 and cache["evicted"] > 0 and cache["bytes"] <= cache["max_bytes"]

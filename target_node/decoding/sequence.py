@@ -102,6 +102,27 @@ class Sequence:
         self.cancelled = True
         self.output.finish = "cancelled"
 
+    def reuse(self, length: int, rows: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Start from the first `length` positions of an earlier request (the prefix cache's hit):
+        its KV `rows` and, for a proposer that reads them, its `features`; only the rest of the
+        prompt is prefilled. Before the first forward, and never the whole prompt (its last token
+        must run: its logits give the first token)."""
+        if self.prefilled or not 0 < length < len(self.prompt):
+            raise ValueError(f"cannot reuse {length} positions of a {len(self.prompt)}-token prompt here")
+        self.target.load_rows(self.slot, rows[:, :, :, :length])
+        if self.proposer.taps:
+            self.proposer.commit(0, features[:length])
+        self.prefilled = self.stats.cached_tokens = length
+
+    def committed(self) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+        """What a later request may start from: the tokens of the positions the slot's cache holds
+        committed, their KV rows, and their features where the proposer reads and still holds them."""
+        tokens = (self.prompt + self.output.tokens)[: self.target.length_of(self.slot)]
+        features = self.proposer.held_features(len(tokens)) if self.proposer.taps else None
+        if features is not None:
+            tokens = tokens[: features.shape[0]]
+        return tokens, self.target.cached_rows(self.slot, len(tokens)), features
+
     def prepare(self, batch: int = 1) -> None:
         """Decide the next step before any sequence of the batch plans its own: whether to draft
         (the governor, at `batch` sequences) and how deep, and start the drafts, so a remote

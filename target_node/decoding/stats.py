@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, taken from the prefix cache instead of prefilled
     new_tokens: int = 0
     decode_tokens: int = 0  # tokens after the first (which comes from the prefill)
     steps: int = 0  # target forward passes after the prefill
@@ -48,6 +49,7 @@ class Stats:
         per_step = 1000 / self.steps if self.steps else 0.0
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "new_tokens": self.new_tokens,
             "steps": self.steps,
             "plain_steps": self.plain_steps,

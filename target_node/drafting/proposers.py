@@ -50,6 +50,10 @@ class Proposer(Protocol):
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         """The target committed positions [start, start + rows); `features` are their taps."""
 
+    def held_features(self, end: int) -> torch.Tensor | None:
+        """The committed features of positions [0, end) it still holds (fewer where it holds fewer
+        from 0), for a later request with the same prefix; None where it holds none from 0."""
+
 
 class NoProposer:
     """Plain greedy decoding through the same loop: the reference the others must equal."""
@@ -69,6 +73,9 @@ class NoProposer:
 
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         pass
+
+    def held_features(self, end: int) -> torch.Tensor | None:
+        return None
 
 
 class NGramProposer(NoProposer):
@@ -161,6 +168,12 @@ class DFlashProposer:
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         if features is not None and self.drafting is not None:
             self.drafting.ring.write(start, features)
+
+    def held_features(self, end: int) -> torch.Tensor | None:
+        ring = self.drafting.ring if self.drafting is not None else None
+        if ring is None or ring.oldest > 0 or ring.length == 0:
+            return None
+        return ring.read(0, min(end, ring.length))
 
     def prefetch(self, tokens: list[int], max_tokens: int) -> None:
         if self.drafting is None:

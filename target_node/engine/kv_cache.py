@@ -60,6 +60,19 @@ class StaticKVCache:
         capacity = max(positions, 2 * self.capacity)
         self._allocate(min(capacity, self.max_capacity) if self.max_capacity else capacity)
 
+    def read(self, slot: int, positions: int) -> torch.Tensor:
+        """A copy of the slot's first `positions` entries [layers, 2, kv_heads, positions, head_dim]."""
+        if positions > self.lengths[slot]:
+            raise ValueError(f"slot {slot} holds {self.lengths[slot]} positions, not {positions}")
+        return self.kv[:, :, slot, :, :positions].clone()
+
+    def load(self, slot: int, entries: torch.Tensor) -> None:
+        """The slot holds `entries` (as `read` gives them) as its first positions, and nothing after."""
+        positions = entries.shape[3]
+        self.reserve(positions)
+        self.kv[:, :, slot, :, :positions] = entries
+        self.lengths[slot] = positions
+
     def bytes_per_position(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
 

@@ -215,6 +215,19 @@ class TargetModel:
         else:
             self.path.reset(slot)
 
+    def cached_rows(self, slot: int, positions: int) -> torch.Tensor:
+        """A copy of the slot's first KV rows, for a later request to start from (the engine's only:
+        its rows are the same bits whichever forward computed them)."""
+        if self.engine is None:
+            raise NotImplementedError("only the engine's cache hands its rows to later requests")
+        return self.engine.cache.read(slot, positions)
+
+    def load_rows(self, slot: int, rows: torch.Tensor) -> None:
+        """Start the slot from rows `cached_rows` gave: they are its first positions."""
+        if self.engine is None:
+            raise NotImplementedError("only the engine's cache takes rows from earlier requests")
+        self.engine.cache.load(slot, rows)
+
     def forward(
         self, tokens: list[int], taps: tuple[int, ...] = (), parents: list[int] | None = None, slot: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:

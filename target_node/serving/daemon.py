@@ -36,6 +36,7 @@ from target_node.decoding.sequence import Result, Sequence, step
 from target_node.drafting.proposers import Proposer
 from target_node.model.target import ContextLengthError, TargetModel
 from target_node.serving.metrics import RequestClock, ServedMetrics, drafter_state
+from target_node.serving.prefix_cache import PrefixCache
 
 log = logging.getLogger("target_daemon")
 
@@ -75,6 +76,7 @@ class Active:
     clock: RequestClock
     queued_s: float  # from arrival to admission
     drafter_before: dict  # its proposer's counters when it started: the request's own are the difference
+    prompt_stored: bool = False  # its prompt's rows are in the prefix cache (once the prompt is in)
 
 
 class TargetService:
@@ -93,13 +95,16 @@ class TargetService:
         max_messages_per_step: int = 64,
         prefill_budget_s: float = 0.15,
         max_silence_s: float = 600.0,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """`proposers`: one per slot (requests run side by side, up to as many as the target has
         slots); one proposer serves one request at a time. `on_finished(request, prompt ids,
         result)` sees every request served to its end (e.g. a recorder). Prompts run in chunks of
         at most `prefill_chunk` tokens, sized so a forward takes about `prefill_budget_s` (0: fixed
         chunks of `prefill_chunk`). A client that promised no heartbeats loses its requests after
-        `max_silence_s` without a word (0: never), so a vanished one does not hold a slot forever."""
+        `max_silence_s` without a word (0: never), so a vanished one does not hold a slot forever.
+        A `prefix_cache` (the engine's targets only) keeps committed rows for later prompts that start
+        with them."""
         if not 1 <= max_new_tokens_limit <= MAX_REPLY_TOKENS:
             # Else a request would be accepted, run to its end, and have its `done` refused by the wire.
             raise ValueError(
@@ -138,6 +143,9 @@ class TargetService:
         self.counters = {"cancelled": 0, "abandoned": 0}  # abandoned: its client went away or silent
         self.waiting = 0  # requests queued, as of the last pump (what a pong says)
         self.max_silence_s = max_silence_s
+        if prefix_cache is not None and target.engine is None:
+            raise ValueError("the prefix cache needs the target engine (its rows are the same bits in any forward)")
+        self.prefix_cache = prefix_cache
 
     @property
     def proposer(self) -> Proposer:
@@ -237,6 +245,7 @@ class TargetService:
             "proposer": self.proposer.name,
             "drafter": drafter_state(self.proposer),
             "prefill": self.pace.to_dict() if self.pace is not None else {"chunk": self.prefill_chunk},
+            "prefix_cache": self.prefix_cache.to_dict() if self.prefix_cache is not None else None,
             **self.counters,
             **self.metrics.to_dict(),
         }
@@ -421,6 +430,9 @@ class TargetService:
                     tree_nodes=self.tree_nodes,
                     prefill_chunk=self.prefill_chunk,
                 )
+                hit = self.prefix_cache.lookup(prompt, proposer.taps) if self.prefix_cache is not None else None
+                if hit is not None:
+                    sequence.reuse(hit.length, hit.kv, hit.features)
             except ProtocolError as exc:
                 self.metrics.refuse(exc.code.value)
                 self.send(identity, encode_error(msg.id, exc.code, exc.message))
@@ -452,12 +464,19 @@ class TargetService:
                     self.fail(active.job, exc)
                     self.release(active)
                 return
+        if self.prefix_cache is not None:  # a prompt just in: a request arriving now may start from it
+            for active in running:
+                if not active.prompt_stored and not active.sequence.prefilling:
+                    self.prefix_cache.store(*active.sequence.committed(), active.sequence.proposer.taps)
+                    active.prompt_stored = True
         for active in [a for a in self.active.values() if a.sequence.done]:
             self.finish(active)
 
     def finish(self, active: Active) -> None:
         job, msg = active.job, active.job.request
         result = active.sequence.result()
+        if self.prefix_cache is not None and result.finish_reason != "cancelled":
+            self.prefix_cache.store(*active.sequence.committed(), active.sequence.proposer.taps)
         self.release(active)
         self.metrics.finish(result.finish_reason, result.stats, active.clock)
         if not job.lost:

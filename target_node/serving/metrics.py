@@ -99,6 +99,7 @@ class ServedMetrics:
             "requests": dict(self.finished),
             "refused": dict(self.refused),
             "prompt_tokens": total.prompt_tokens,
+            "cached_prompt_tokens": total.cached_tokens,
             "generation_tokens": total.new_tokens,
             "steps": total.steps,
             "plain_steps": total.plain_steps,

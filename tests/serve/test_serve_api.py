@@ -142,3 +142,15 @@ def test_a_client_that_leaves_cancels_its_request_in_the_daemon(server, openai_c
     quick = openai_client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
     assert quick.choices[0].finish_reason == "length" and quick.usage.completion_tokens == 4
     assert daemon_stats(server)["generation_tokens"] == after["generation_tokens"] + 4  # nothing else ran
+
+
+def test_a_chats_next_turn_reports_the_prompt_tokens_the_prefix_cache_gave(openai_client):
+    """As OpenAI reports its prompt caching: `usage.prompt_tokens_details.cached_tokens`."""
+    first = openai_client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    history = [*CHAT, {"role": "assistant", "content": first.choices[0].message.content}]
+    history.append({"role": "user", "content": "And once more, shorter?"})
+    second = openai_client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+    metrics = requests.get(str(openai_client.base_url).replace("/v1/", "/metrics"), timeout=10).text
+    assert "dflash_prefix_cache_hits_total" in metrics and "dflash_prompt_tokens_cached_total" in metrics

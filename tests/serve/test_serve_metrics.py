@@ -16,6 +16,11 @@ FAMILIES = {
     "dflash_requests": "counter",
     "dflash_request_errors": "counter",
     "dflash_prompt_tokens": "counter",
+    "dflash_prompt_tokens_cached": "counter",
+    "dflash_prefix_cache_lookups": "counter",
+    "dflash_prefix_cache_hits": "counter",
+    "dflash_prefix_cache_evicted": "counter",
+    "dflash_prefix_cache_bytes": "gauge",
     "dflash_generation_tokens": "counter",
     "dflash_time_to_first_token_seconds": "histogram",
     "dflash_inter_token_latency_seconds": "histogram",
@@ -58,6 +63,8 @@ def test_an_http_request_moves_the_counters_by_exactly_its_own_figures(server, o
     want = {
         ("dflash_requests_total", (("finish_reason", "length"),)): 1,
         ("dflash_prompt_tokens_total", ()): got.usage.prompt_tokens,
+        ("dflash_prompt_tokens_cached_total", ()): got.usage.prompt_tokens_details.cached_tokens,
+        ("dflash_prefix_cache_lookups_total", ()): 1,
         ("dflash_generation_tokens_total", ()): 16,
         ("dflash_time_to_first_token_seconds_count", ()): 1,
         ("dflash_inter_token_latency_seconds_count", ()): steps,  # one gap after each decode step's commit

@@ -1,0 +1,158 @@
+"""Committed KV rows (and the drafter's feature rows) kept by token prefix, for later requests.
+
+A chat sends its whole history every turn, and many users share a system prompt: the target
+has computed those positions before. Here each finished request (and each prompt, as soon as it
+is in) leaves its committed rows, keyed by their tokens; a new request whose prompt starts with
+them copies them into its slot and prefills only the rest.
+
+Keyed by hashed blocks, as vLLM's automatic prefix caching is: the hash of each BLOCK-token
+boundary chains the hashes before it, so one pass over a prompt finds the longest stored prefix
+(through whichever entry holds it), then the match extends token by token inside that entry (a
+chat's next turn starts with the whole previous turn, not a block-aligned part of it). A radix
+tree would share the rows of common prefixes; here a turn's entry replaces the entries it
+extends instead, so a chat holds one entry, and a system prompt shared by others is held once per
+conversation (bounded below).
+
+Exact: the engine computes every row with the same bits whatever rows ran with it, so rows
+copied from an earlier request are the rows a fresh prefill would compute; the last prompt token
+always runs (its logits give the first token). Bounded: at most `max_bytes`, least recently used
+out first. A hit copies its rows into the slot, so nothing a running request reads is ever here to
+evict. Tenants: the rows are the target's own computation of public token ids, shared by all of
+its clients as its weights are (as in vLLM and SGLang); a deployment that must not let one client
+time another's prompts turns it off (`--prefix-cache-mb 0`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 16  # tokens per hashed block: the granularity a lookup walks at
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """A hit: the first `length` positions of a stored sequence."""
+
+    length: int
+    kv: torch.Tensor  # [layers, 2, kv_heads, >= length, head_dim] (the engine cache's layout)
+    features: torch.Tensor | None  # [>= length, width] of the taps it was stored with, or None
+
+
+@dataclass(eq=False)
+class _Entry:
+    tokens: list[int]
+    kv: torch.Tensor
+    features: torch.Tensor | None
+    taps: tuple[int, ...]
+    hashes: list[int]
+
+    @property
+    def bytes(self) -> int:
+        held = self.kv.numel() * self.kv.element_size()
+        return held + (self.features.numel() * self.features.element_size() if self.features is not None else 0)
+
+
+def block_hashes(tokens: list[int], limit: int) -> list[int]:
+    """The chained hash at each full block boundary within the first `limit` tokens."""
+    hashes, chained = [], 0
+    for end in range(BLOCK, limit + 1, BLOCK):
+        chained = hash((chained, tuple(tokens[end - BLOCK : end])))
+        hashes.append(chained)
+    return hashes
+
+
+def default_budget_mb() -> int:
+    """A tenth of this machine's memory, at most 4 GiB: room for many conversations' rows
+    without crowding the model (SmolLM2-135M in fp32 needs 58 KB a position with its features)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 512
+    return int(min(total / 10, 4 << 30) / (1 << 20))
+
+
+class PrefixCache:
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"a prefix cache needs a positive size, got {max_bytes} bytes")
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[int, _Entry] = OrderedDict()  # by id, least recently used first
+        self.by_hash: dict[int, dict[int, _Entry]] = {}  # block hash -> the entries that hold it
+        self.held = 0
+        self.counters = {"lookups": 0, "hits": 0, "tokens_reused": 0, "stored": 0, "evicted": 0}
+
+    def lookup(self, prompt: list[int], taps: tuple[int, ...]) -> Prefix | None:
+        """The longest stored prefix of `prompt` (its last token excluded: it must run), with
+        features for `taps` where the asker drafts from them; None when nothing of it is held."""
+        self.counters["lookups"] += 1
+        best: _Entry | None = None
+        for h in block_hashes(prompt, len(prompt) - 1):
+            holders = [e for e in self.by_hash.get(h, {}).values() if self._serves(e, taps)]
+            if not holders:
+                break
+            best = holders[-1]
+        if best is None:
+            return None
+        length = 0
+        for mine, theirs in zip(prompt[: len(prompt) - 1], best.tokens, strict=False):
+            if mine != theirs:
+                break
+            length += 1
+        if length < BLOCK:  # a hash collision: the tokens disagree early
+            return None
+        self.entries.move_to_end(id(best))
+        self.counters["hits"] += 1
+        self.counters["tokens_reused"] += length
+        return Prefix(length, best.kv, best.features)
+
+    @staticmethod
+    def _serves(entry: _Entry, taps: tuple[int, ...]) -> bool:
+        """A drafter reading features needs them for its taps, or it would draft blind over the prefix."""
+        return not taps or (entry.taps == taps and entry.features is not None)
+
+    def store(self, tokens: list[int], kv: torch.Tensor, features: torch.Tensor | None, taps: tuple[int, ...]) -> None:
+        """Keep rows [0, len(tokens)) of a sequence: `kv` [layers, 2, kv_heads, n, head_dim] and its
+        `features` for `taps` (None without them). Entries it extends are dropped: it holds theirs."""
+        if len(tokens) < BLOCK:
+            return
+        entry = _Entry(list(tokens), kv, features, taps, block_hashes(tokens, len(tokens)))
+        if entry.bytes > self.max_bytes:
+            return
+        for other in [e for e in self.by_hash.get(entry.hashes[-1], {}).values()]:
+            if other.tokens[: len(tokens)] == entry.tokens and other.taps == taps:
+                self.entries.move_to_end(id(other))  # already held, by a longer sequence
+                return
+        for other in list(self.by_hash.get(entry.hashes[0], {}).values()):
+            if entry.tokens[: len(other.tokens)] == other.tokens and other.taps == taps:
+                self._drop(other)
+        self.entries[id(entry)] = entry
+        for h in entry.hashes:
+            self.by_hash.setdefault(h, {})[id(entry)] = entry
+        self.held += entry.bytes
+        self.counters["stored"] += 1
+        while self.held > self.max_bytes:
+            self._drop(next(iter(self.entries.values())))
+            self.counters["evicted"] += 1
+
+    def _drop(self, entry: _Entry) -> None:
+        self.entries.pop(id(entry))
+        for h in entry.hashes:
+            holders = self.by_hash[h]
+            holders.pop(id(entry))
+            if not holders:
+                del self.by_hash[h]
+        self.held -= entry.bytes
+
+    def to_dict(self) -> dict:
+        c = self.counters
+        return {
+            **c,
+            "hit_rate": round(c["hits"] / c["lookups"], 4) if c["lookups"] else 0.0,
+            "entries": len(self.entries),
+            "bytes": self.held,
+            "max_bytes": self.max_bytes,
+        }

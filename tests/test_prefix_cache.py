@@ -1,0 +1,251 @@
+"""The prefix cache: later prompts start from earlier requests' committed rows, bit for bit as if
+they had prefilled them, within a byte bound, visible in the stats."""
+
+import random
+import threading
+from contextlib import ExitStack, contextmanager
+
+import pytest
+import torch
+from helpers import draft_daemon, greedy, tiny_target
+
+from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
+from launch.client import TargetClient
+from target_node.decoding.sequence import Sequence, step
+from target_node.drafting.proposers import DFlashProposer, DraftPass, LocalDraftBackend, NGramProposer, NoProposer
+from target_node.drafting.remote import RemoteDraftBackend
+from target_node.model.target import TargetModel
+from target_node.serving.daemon import TargetService
+from target_node.serving.prefix_cache import BLOCK, PrefixCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SYSTEM = [random.Random(1).randrange(3, 250) for _ in range(40)]  # a system prompt every chat shares
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def rows(n: int, fill: float = 0.0) -> torch.Tensor:
+    """KV rows of n positions in the cache's layout, 1 layer of 1 head of width 4 (32 bytes a position)."""
+    return torch.full((1, 2, 1, n, 4), fill)
+
+
+# --- the cache alone ----------------------------------------------------------------------------
+
+
+def test_the_longest_stored_prefix_is_found_and_extended_past_its_last_block():
+    cache = PrefixCache(1 << 20)
+    stored = list(range(100, 150))  # 50 tokens: 3 full blocks and 2 more
+    cache.store(stored, rows(50), None, ())
+    hit = cache.lookup(stored[:45] + [7, 8, 9], ())
+    assert hit is not None and hit.length == 45  # block-aligned at 32, then token by token
+    assert cache.lookup(stored, ()).length == 49  # never the last token: it must run
+    assert cache.lookup([1] + stored, ()) is None
+    assert cache.lookup(stored[:BLOCK], ()) is None  # its last token must run: less than a block left
+    assert cache.to_dict()["hits"] == 2 and cache.to_dict()["lookups"] == 4
+
+
+def test_a_drafter_that_reads_features_is_served_only_rows_stored_with_its_taps():
+    cache = PrefixCache(1 << 20)
+    tokens = list(range(40))
+    cache.store(tokens, rows(40), None, ())
+    assert cache.lookup(tokens + [1], (0, 2)) is None  # no features: a drafter would draft blind
+    cache.store(tokens, rows(40), torch.zeros(40, 8), (0, 2))
+    assert cache.lookup(tokens + [1], (0, 2)).features.shape == (40, 8)
+    assert cache.lookup(tokens + [1], (1, 2)) is None
+
+
+def test_a_longer_turn_replaces_the_entries_it_extends():
+    cache = PrefixCache(1 << 20)
+    history = list(range(30))
+    cache.store(history, rows(30), None, ())
+    cache.store(history + list(range(30, 70)), rows(70), None, ())
+    cache.store(history[:20], rows(20), None, ())  # held already, by the longer one
+    assert len(cache.entries) == 1 and cache.held == rows(70).numel() * 4
+
+
+def test_a_flood_of_prefixes_stays_within_the_bound_and_keeps_the_newest():
+    bound = 32 * 2000  # 2,000 positions
+    cache = PrefixCache(bound)
+    rng = random.Random(0)
+    for i in range(3000):
+        n = rng.randrange(16, 200)
+        cache.store([i, *(rng.randrange(1000) for _ in range(n - 1))], rows(n), None, ())
+        assert cache.held <= bound
+    assert cache.counters["evicted"] > 2900
+    assert sum(len(h) for h in cache.by_hash.values()) == sum(len(e.hashes) for e in cache.entries.values())
+    cache.store([5] * 3000, rows(3000), None, ())  # bigger than the whole cache: not kept
+    assert cache.held <= bound and cache.lookup([5] * 100, ()) is None
+
+
+def test_evicting_one_entry_keeps_a_prefix_another_entry_holds():
+    cache = PrefixCache(32 * 130)
+    first, second = SYSTEM + [1] * 20, SYSTEM + [2] * 20
+    cache.store(first, rows(60), None, ())
+    cache.store(second, rows(60), None, ())
+    cache.store(list(range(500, 516)), rows(16), None, ())  # over the bound: the oldest (first) goes
+    assert len(cache.entries) == 2
+    hit = cache.lookup(SYSTEM + [3] * 5, ())
+    assert hit is not None and hit.length == len(SYSTEM)
+
+
+# --- on the engine -------------------------------------------------------------------------------
+
+
+def run(target: TargetModel, seq: Sequence) -> Sequence:
+    while not seq.done:
+        step(target, [seq])
+    return seq
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reused_rows_leave_the_slot_bit_for_bit_as_a_fresh_prefill_does(dtype):
+    """The rows a hit copies in, and every row the request computes after them, equal a fresh
+    prefill's in every bit: the cache of the slot that reused them against the slot that did not."""
+    target = TargetModel(tiny_target("llama", seed=5, dtype=DTYPES[dtype]).model, slots=2)
+    cache = PrefixCache(64 << 20)
+    first = run(target, Sequence(target, SYSTEM + [7, 8], NoProposer(), 20, slot=0, stop_on_eos=False))
+    cache.store(*first.committed(), ())
+    prompt = SYSTEM + [7, 8] + first.output.tokens + [40, 41, 42]
+    hit = cache.lookup(prompt, ())
+    assert hit is not None and hit.length == len(SYSTEM) + 2 + 19
+    reused = Sequence(target, prompt, NoProposer(), 12, slot=1, stop_on_eos=False)
+    reused.reuse(hit.length, hit.kv, hit.features)
+    run(target, reused)
+    fresh = run(target, Sequence(target, prompt, NoProposer(), 12, slot=0, stop_on_eos=False))
+    assert reused.output.tokens == fresh.output.tokens and reused.stats.cached_tokens == hit.length
+    held = target.length_of(1)
+    assert held == target.length_of(0) == len(prompt) + 11
+    kv = target.engine.cache.kv
+    assert torch.equal(kv[:, :, 1, :, :held], kv[:, :, 0, :, :held])
+
+
+# --- through the daemon -------------------------------------------------------------------------
+
+
+@contextmanager
+def served(target: TargetModel, proposers: list, prefix_cache: PrefixCache | None, tmp_path, name: str, tree: int = 0):
+    service = TargetService(target, proposers, adaptive=False, tree_nodes=tree, prefix_cache=prefix_cache)
+    stop = threading.Event()
+    address = f"ipc://{tmp_path}/{name}.sock"
+    thread = threading.Thread(target=service.serve, args=(address, stop))
+    thread.start()
+    client = TargetClient(address, timeout_s=120)
+    try:
+        yield client, service
+    finally:
+        client.close()
+        stop.set()
+        thread.join(10)
+
+
+def chat(client: TargetClient, turns: int, sampling: dict, seed: int = 0) -> list[dict]:
+    """A conversation of token ids: each turn's prompt is the history, its answer and a new question."""
+    rng = random.Random(seed)
+    history, replies = list(SYSTEM), []
+    for _ in range(turns):
+        history += [rng.randrange(3, 250) for _ in range(rng.randrange(3, 12))]
+        done = client.generate(token_ids=history, max_new_tokens=24, sampling=sampling, stream=False)
+        replies.append(done)
+        history += done["token_ids"]
+    return replies
+
+
+def drafting(target: TargetModel, slots: int) -> list[DFlashProposer]:
+    drafter = random_drafter(config_for_target(target.config, block_size=8, num_taps=2), seed=4)
+    together = DraftPass(drafter)
+    return [DFlashProposer(LocalDraftBackend(drafter, drafting_pass=together)) for _ in range(slots)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["chain", "tree", "seeded"])
+def test_a_chat_with_the_cache_is_the_chat_without_it_bit_for_bit(dtype, mode, tmp_path):
+    """Each turn starts from the previous turn's rows (its answer included), and the output, the
+    drafts proposed and the drafts accepted are those of the same chat without the cache."""
+    target = TargetModel(tiny_target("llama", seed=5, dtype=DTYPES[dtype]).model, slots=2)
+    sampling = {"temperature": 0.8, "seed": 11} if mode == "seeded" else {}
+    tree = 6 if mode == "tree" else 0
+    runs, reports = {}, {}
+    for cached in (True, False):
+        cache = PrefixCache(64 << 20) if cached else None
+        with served(target, drafting(target, 2), cache, tmp_path, f"{mode}-{cached}", tree) as (client, service):
+            runs[cached] = chat(client, 4, sampling)
+            reports[cached] = service.report()
+    with_cache, without = runs[True], runs[False]
+    assert [r["token_ids"] for r in with_cache] == [r["token_ids"] for r in without]
+    for hit, miss in zip(with_cache, without, strict=True):
+        assert (hit["stats"]["proposed"], hit["stats"]["accepted"]) == (
+            miss["stats"]["proposed"],
+            miss["stats"]["accepted"],
+        )
+    reused = [r["stats"]["cached_tokens"] for r in with_cache]
+    assert reused[0] == 0 and all(n > len(SYSTEM) for n in reused[1:])
+    assert all(r["stats"]["cached_tokens"] == 0 for r in without)
+    stats = reports[True]
+    assert stats["prefix_cache"]["hits"] == 3 and stats["cached_prompt_tokens"] == sum(reused)
+    assert reports[False]["prefix_cache"] is None
+    if mode != "seeded":
+        history = list(SYSTEM)
+        rng = random.Random(0)
+        for reply in with_cache:
+            history += [rng.randrange(3, 250) for _ in range(rng.randrange(3, 12))]
+            assert reply["token_ids"] == greedy(target, history, 24)
+            history += reply["token_ids"]
+
+
+def test_a_request_starts_from_the_prompt_of_one_still_running(tmp_path):
+    target = TargetModel(tiny_target("llama", seed=5).model, slots=2)
+    first, second = SYSTEM + [9, 8, 7], SYSTEM + [9, 8, 6, 5]
+    with served(target, [NoProposer(), NoProposer()], PrefixCache(64 << 20), tmp_path, "running") as (client, _):
+        stream = client.stream(token_ids=first, max_new_tokens=200)
+        next(stream)  # its first token: its prompt is in, and its rows stored while it decodes on
+        other = TargetClient(f"ipc://{tmp_path}/running.sock", timeout_s=60)
+        try:
+            done = other.generate(token_ids=second, max_new_tokens=10, stream=False)
+        finally:
+            other.close()
+        rest = list(stream)
+    assert done["stats"]["cached_tokens"] == len(SYSTEM) + 2
+    assert done["token_ids"] == greedy(target, second, 10)
+    assert rest[-1]["finish_reason"] == "length" and rest[-1]["stats"]["cached_tokens"] == 0
+
+
+def test_under_pressure_the_cache_holds_its_bound_and_every_answer_is_exact(tmp_path):
+    """A cache with room for about two prompts, and many clients' prompts through it."""
+    target = TargetModel(tiny_target("llama", seed=5).model, slots=2)
+    per_position = target.engine.cache.bytes_per_position()
+    bound = per_position * 130
+    cache = PrefixCache(bound)
+    rng = random.Random(3)
+    with served(target, [NoProposer(), NoProposer()], cache, tmp_path, "pressure") as (client, service):
+        for i in range(16):
+            prompt = (SYSTEM if i % 2 else []) + [rng.randrange(3, 250) for _ in range(rng.randrange(20, 70))]
+            done = client.generate(token_ids=prompt, max_new_tokens=8, stream=False)
+            assert done["token_ids"] == greedy(target, prompt, 8)
+            assert cache.held <= bound
+        stats = service.report()["prefix_cache"]
+    assert stats["evicted"] > 0 and stats["bytes"] <= bound and stats["hits"] > 0
+
+
+def test_a_hit_after_the_draft_daemon_restarted_drafts_remotely_from_the_stored_features(tmp_path):
+    """The third turn of a chat starts from stored rows after the draft daemon was replaced: the
+    new daemon gets the prefix's feature rows from the cache entry, drafts, and the output is exact."""
+    target = tiny_target("qwen3", seed=4)
+    cfg = config_for_target(target.config, block_size=8, num_taps=2)
+    checkpoint = save_drafter(random_drafter(cfg, seed=1, std=0.1), tmp_path / "drafter")
+    address = f"ipc://{tmp_path}/draft.sock"
+    with ExitStack() as first_daemon:
+        first_daemon.enter_context(draft_daemon(address, checkpoint))
+        backend = RemoteDraftBackend(address, target, timeout_s=1.0, probe_timeout_s=0.2, retry_s=0.2)
+        proposer = DFlashProposer(backend, NGramProposer())
+        with served(target, [proposer], PrefixCache(64 << 20), tmp_path, "restart") as (client, _):
+            history = list(SYSTEM)
+            for turn in range(3):
+                if turn == 2:  # a new draft daemon on the same address, with none of the old sessions
+                    first_daemon.close()
+                    first_daemon.enter_context(draft_daemon(address, checkpoint))
+                history += [100 + turn, 101 + turn, 102 + turn]
+                done = client.generate(token_ids=history, max_new_tokens=24, stream=False)
+                assert done["token_ids"] == greedy(target, history, 24)
+                history += done["token_ids"]
+        backend.close()
+    stats = done["stats"]
+    assert stats["cached_tokens"] > len(SYSTEM) and stats["sources"].get("dflash", 0) > 0
