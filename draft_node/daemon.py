@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draft_node.kept_prefixes import KeptPrefixes
 from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, drafts_alone_in_one_pass, timed_pass
 from draft_node.model import DFlashDrafter
 from protocol import FLOAT_DTYPES, MAX_HEADER_BYTES, ErrorCode, Message, ProtocolError, encode, encode_error
@@ -36,6 +37,9 @@ MAX_BURST_BYTES = 64 << 20
 # memory and time of drafting them one by one (one pass over all of them held every session's
 # activations at once: 4 GB for 32 resends of 4,096 rows, and 2.6x the time).
 MAX_PASS_ROWS = 1024
+# Context K/V of prefixes targets asked to keep (`keep`): the shipped SmolLM2 drafter holds
+# 1,536 bytes a position in bf16, so this is ~170K positions.
+KEEP_BYTES = 256 << 20
 
 
 @dataclass
@@ -60,6 +64,7 @@ class DraftService:
         reclaim_after_s: float = 30.0,
         max_sessions_per_peer: int = 32,
         max_pass_rows: int = MAX_PASS_ROWS,
+        keep_bytes: int = KEEP_BYTES,
     ) -> None:
         """Sessions are shared fairly between peers: one peer holds at most
         `max_sessions_per_peer`, and a full daemon takes a slot from another peer only if that
@@ -75,6 +80,7 @@ class DraftService:
         self.reclaim_after_s = reclaim_after_s
         self.max_sessions_per_peer = max_sessions_per_peer
         self.max_pass_rows = max_pass_rows
+        self.kept = KeptPrefixes(keep_bytes)  # prefixes' context K/V, by (peer, the target's name)
         self.sessions: dict[tuple[str, str], Session] = {}  # (owner, name) -> session
         self.heard: dict[str, float] = {}  # peer holding sessions -> when it last sent anything
         self.wire_dtypes = list(FLOAT_DTYPES)
@@ -213,6 +219,24 @@ class DraftService:
         self.session(msg).cache.reset(msg["position"])
         return encode("ok", msg.id)
 
+    def on_keep(self, msg: Message) -> list:
+        """Keep the session's context of positions [0, rows) (as many as it holds from 0) for this peer."""
+        cache = self.session(msg).cache
+        rows = cache.held_from_start(msg["rows"])
+        if rows == 0 or not self.kept.keep(msg.peer, msg["name"], *cache.prefix(rows)):
+            rows = 0
+        return encode("kept", msg.id, {"rows": rows})
+
+    def on_restore(self, msg: Message) -> list:
+        """Start the session's context from a prefix this peer had kept; 0 rows where it holds none."""
+        cache = self.session(msg).cache
+        found = self.kept.take(msg.peer, msg["name"], msg["rows"])
+        if found is None:
+            cache.reset(0)
+            return encode("kept", msg.id, {"rows": 0})
+        cache.load_prefix(*found)
+        return encode("kept", msg.id, {"rows": cache.length})
+
     def on_close(self, msg: Message) -> list:
         self.session(msg)
         del self.sessions[(msg.peer, msg["session"])]
@@ -340,6 +364,7 @@ class DraftService:
             "block_size": self.config.block_size,
             "proposals": sum(s.steps for s in mine.values()),
             "per_session": {name: {"steps": s.steps, "rows_in": s.rows_in} for name, s in mine.items()},
+            "kept_prefixes": self.kept.of(msg.peer),
         }
         return encode("stats_ok", msg.id, {"stats": stats})
 
@@ -420,6 +445,9 @@ def serve(
         address, curve=curve, insecure_plaintext=insecure_plaintext, max_message_bytes=service.max_message_bytes
     )
     log.info("draft daemon serving on %s%s", address, " (CURVE)" if curve else "")
+    # Kept prefixes belong to a CURVE key; without CURVE a peer is a connection, and a target's
+    # slots are connections of their own, so there the target's unguessable names alone scope them.
+    service.kept.by_peer = curve is not None
     try:
         while not stop.is_set():
             request = server.next(100)

@@ -46,6 +46,26 @@ class DraftKVCache:
             self.positions.fill_(-1)
         self.length = position
 
+    def held_from_start(self, rows: int) -> int:
+        """How many of positions [0, rows) the ring still holds, from 0 on (0 once it has wrapped)."""
+        held = min(rows, self.length, self.capacity)
+        if held and not bool((self.positions[:held] == torch.arange(held, device=self.positions.device)).all()):
+            return 0
+        return held
+
+    def prefix(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the context keys and values of positions [0, rows) (`held_from_start` of them)."""
+        return self.keys[:, :, :rows].clone(), self.values[:, :, :rows].clone()
+
+    def load_prefix(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The context becomes positions [0, n) with these keys and values (as `prefix` gave them)."""
+        rows = keys.shape[2]
+        self.reset(0)
+        self.keys[:, :, :rows] = keys
+        self.values[:, :, :rows] = values
+        self.positions[:rows] = torch.arange(rows, device=self.positions.device)
+        self.length = rows
+
     def check(self, start: int) -> None:
         """Refuse, before anything changes, feature rows that would leave a hole in the context."""
         if start > self.length:

@@ -7,7 +7,7 @@ import logging
 
 from draft_node.checkpoint import load_drafter
 from draft_node.config import CheckpointError
-from draft_node.daemon import MAX_PASS_ROWS, DraftService, serve
+from draft_node.daemon import KEEP_BYTES, MAX_PASS_ROWS, DraftService, serve
 from launch.common import (
     DRAFT_ADDRESS,
     add_model_args,
@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None) -> None:
         help="feature rows one drafting pass takes at most: proposes that arrive together are drafted in one "
         "pass up to this, so a burst of whole-ring resends costs what drafting them one by one does",
     )
+    parser.add_argument(
+        "--keep-mb",
+        type=int,
+        default=KEEP_BYTES >> 20,
+        help="MB of prefixes' context keys and values kept for targets' prefix caches (`keep`), per peer, least "
+        "recently used out first: a target's later request with that prefix sends none of its feature rows (0: off)",
+    )
     add_server_security_args(parser)
     add_model_args(parser, "drafter")
     args = parser.parse_args(argv)
@@ -72,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             args.reclaim_after,
             max_sessions_per_peer=args.max_sessions_per_peer,
             max_pass_rows=args.max_pass_rows,
+            keep_bytes=args.keep_mb << 20,
         )
         logging.getLogger("draft_daemon").info(
             "drafter: %d layers, block %d, taps %s on %s/%s",

@@ -14,7 +14,7 @@ from .errors import ErrorCode, ProtocolError
 from .fields import Bool, Float, Int, Json, List, Maybe, Str, Struct
 from .tensors import FLOAT_DTYPES, TensorSpec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # Header keys owned by the envelope; no message may use them as field names.
 RESERVED_KEYS = ("v", "type", "id", "tensors")
@@ -175,6 +175,7 @@ KEEPALIVE_S = 10.0
 CHAT_MESSAGE = Struct({"role": Str(1, 32), "content": Str(0, MAX_PROMPT_CHARS)})
 
 SESSION_ONLY = Struct({"session": SESSION})
+KEPT_NAME = Str(1, MAX_SESSION_LEN)
 
 SCHEMAS: dict[str, Schema] = {
     "hello": Schema(
@@ -199,6 +200,13 @@ SCHEMAS: dict[str, Schema] = {
     "open": Schema(SESSION_ONLY, tensors=(TensorRule("mask", FLOAT_DTYPES, (1, 1)),), replies=("ok",)),
     "reset": Schema(Struct({"session": SESSION, "position": POSITION}), replies=("ok",)),
     "close": Schema(SESSION_ONLY, replies=("ok",)),
+    # A prefix's context K/V kept on the draft daemon by the target's name for it, so a later
+    # session of the same peer starting with that prefix needs neither its rows on the wire nor
+    # their recomputation (the target's prefix cache names its entries).
+    "keep": Schema(Struct({"session": SESSION, "name": KEPT_NAME, "rows": COUNT}), replies=("kept",)),
+    "restore": Schema(Struct({"session": SESSION, "name": KEPT_NAME, "rows": COUNT}), replies=("kept",)),
+    # How many positions from 0 were kept (`keep`) or now start the session's context (`restore`).
+    "kept": Schema(Struct({"rows": Int(0, MAX_POSITION)})),
     "propose": Schema(
         Struct(
             {"session": SESSION, "start": POSITION, "position": POSITION},

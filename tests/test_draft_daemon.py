@@ -195,6 +195,7 @@ def test_ping_and_stats(service):
         "block_size": 4,
         "proposals": 0,
         "per_session": {},
+        "kept_prefixes": 0,
     }
     assert call(service, "ping", peer="other")["sessions"] == 0
 
@@ -247,3 +248,37 @@ def test_a_burst_stops_taking_messages_once_they_carry_max_burst_bytes(tmp_path,
         client.close()
         server.close()
     assert sizes[:3] == [3, 3, draft_daemon.MAX_BURST] and sum(sizes) == 107, sizes  # 3 x 400 KB passes 1 MiB
+
+
+def test_a_kept_prefix_starts_another_session_of_the_peer_as_its_rows_would():
+    """`keep` then `restore`: the second session drafts, from the rows after the prefix only, the
+    bits a session sent every row drafts; another peer cannot name the prefix."""
+    service = DraftService(random_drafter(CFG), ring_capacity=64, max_sessions=4)
+    mask, features, noise = torch.randn(1, 32), torch.randn(20, 64), torch.randn(1, 32)
+    for session in ("a", "b"):
+        assert call(service, "open", {"mask": mask}, session=session).type == "ok"
+    first = call(service, "propose", {"features": features[:12], "noise": noise}, session="a", start=0, position=12)
+    assert first.type == "proposal"
+    assert call(service, "keep", session="a", name="chat-1", rows=30)["rows"] == 12  # what it holds from 0
+    assert call(service, "restore", session="b", name="chat-1", rows=10)["rows"] == 10
+    tail = {"features": features[10:20], "noise": noise}
+    restored = call(service, "propose", tail, session="b", start=10, position=20)
+    call(service, "reset", session="a", position=0)
+    whole = call(service, "propose", {"features": features, "noise": noise}, session="a", start=0, position=20)
+    assert torch.equal(restored.tensor("hidden"), whole.tensor("hidden"))
+    assert error_code(call(service, "restore", session="b", name="chat-1", rows=10, peer="other")) == "unknown_session"
+    assert call(service, "open", session="c", peer="other").type == "ok"
+    assert call(service, "restore", session="c", name="chat-1", rows=10, peer="other")["rows"] == 0
+    assert call(service, "stats")["stats"]["kept_prefixes"] == 1
+
+
+def test_kept_prefixes_stay_within_their_bytes_under_a_flood():
+    svc = DraftService(random_drafter(CFG), ring_capacity=64, max_sessions=2, keep_bytes=40_000)
+    call(svc, "open", session="a")
+    propose(svc, position=40)
+    for i in range(500):
+        assert call(svc, "keep", session="a", name=f"p{i}", rows=1 + i % 40).type == "kept"
+        assert svc.kept.held <= 40_000
+    assert svc.kept.counters["evicted"] > 400
+    assert call(svc, "restore", session="a", name="p499", rows=40)["rows"] == 1 + 499 % 40  # the newest is held
+    assert call(svc, "restore", session="a", name="p0", rows=40)["rows"] == 0  # the oldest went

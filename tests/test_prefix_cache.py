@@ -249,3 +249,30 @@ def test_a_hit_after_the_draft_daemon_restarted_drafts_remotely_from_the_stored_
         backend.close()
     stats = done["stats"]
     assert stats["cached_tokens"] > len(SYSTEM) and stats["sources"].get("dflash", 0) > 0
+
+
+def test_a_remote_drafter_restores_a_kept_prefix_and_drafts_as_if_sent_every_row(tmp_path):
+    """Over a real draft daemon, two slots: each turn's hit restores the drafter's context kept
+    under the entry's name (from whichever slot kept it), so the prefix's feature rows stay home;
+    the drafts proposed and accepted, and the output, are those of the chat without the cache."""
+    target = TargetModel(tiny_target("qwen3", seed=4).model, slots=2)
+    cfg = config_for_target(target.config, block_size=8, num_taps=2)
+    checkpoint = save_drafter(random_drafter(cfg, seed=1, std=0.1), tmp_path / "drafter")
+    address = f"ipc://{tmp_path}/draft.sock"
+    runs, sent = {}, {}
+    with draft_daemon(address, checkpoint):
+        for cached in (True, False):
+            backends = [RemoteDraftBackend(address, target, timeout_s=5.0) for _ in range(2)]
+            proposers = [DFlashProposer(b, NoProposer()) for b in backends]
+            cache = PrefixCache(64 << 20) if cached else None
+            with served(target, proposers, cache, tmp_path, f"remote-{cached}") as (client, _):
+                runs[cached] = chat(client, 4, {})
+            sent[cached] = sum(b.counters["bytes_out"] for b in backends)
+            for backend in backends:
+                backend.close()
+    for hit, miss in zip(runs[True], runs[False], strict=True):
+        assert hit["token_ids"] == miss["token_ids"]
+        for count in ("proposed", "accepted"):
+            assert hit["stats"][count] == miss["stats"][count]
+    assert all(r["stats"]["cached_tokens"] > len(SYSTEM) for r in runs[True][1:])
+    assert sent[True] < 0.6 * sent[False]  # the prefixes' feature rows did not travel again

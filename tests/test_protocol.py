@@ -73,6 +73,9 @@ SAMPLES = {
     ),
     "open": ({"session": "s-1"}, {"mask": torch.randn(1, HIDDEN)}),
     "reset": ({"session": "s-1", "position": 0}, {}),
+    "keep": ({"session": "s-1", "name": "a1b2-0", "rows": 12}, {}),
+    "restore": ({"session": "s-1", "name": "a1b2-0", "rows": 12}, {}),
+    "kept": ({"rows": 12}, {}),
     "close": ({"session": "s-1"}, {}),
     "propose": (
         {"session": "s-1", "start": 3, "position": 5},

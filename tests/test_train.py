@@ -234,6 +234,27 @@ def test_a_drafter_grown_from_a_checkpoint_starts_out_equal_to_it_and_then_learn
         Trainer(target, cfg, store.answers, features, opts()).init_from(deep.drafter)
 
 
+def test_a_drafter_can_start_from_the_targets_own_layers(setup, tmp_path):
+    """`--init target:2,3`: each drafter layer starts as that target decoder layer (a drafter layer
+    has a target layer's shapes), then learns."""
+    target, cfg, store, features = setup
+    deep_cfg = replace(cfg, num_hidden_layers=2, layer_types=(FULL, FULL))
+    log = []
+    trainer = train(target, deep_cfg, store.answers, features, opts(steps=30), tmp_path / "t.pt", None,
+                    init="target:2,3", log=log.append)  # fmt: skip
+    assert any("decoder layers [2, 3]" in line for line in log)
+    fresh = Trainer(target, deep_cfg, store.answers, features, opts())
+    fresh.init_from_target(target.model, [2, 3])
+    theirs = target.model.get_decoder().layers[3].state_dict()
+    mine = dict(fresh.drafter.named_parameters())
+    for name in ("self_attn.q_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight"):
+        assert torch.equal(mine[f"layers.1.{name}"], theirs[name].float())
+    assert torch.equal(mine["layers.0.self_attn.q_norm.weight"], torch.ones(cfg.head_dim))  # llama has none
+    assert trainer.history[-1] < trainer.history[0]
+    with pytest.raises(ValueError, match="3 target layers named for a drafter of 2"):
+        fresh.init_from_target(target.model, [0, 1, 2])
+
+
 def test_resume_replays_the_same_run(setup, tmp_path):
     target, cfg, store, features = setup
     o = opts(steps=12, warmup=4)

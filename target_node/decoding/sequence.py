@@ -102,16 +102,19 @@ class Sequence:
         self.cancelled = True
         self.output.finish = "cancelled"
 
-    def reuse(self, length: int, rows: torch.Tensor, features: torch.Tensor | None) -> None:
+    def reuse(self, length: int, rows: torch.Tensor, features: torch.Tensor | None, name: str = "") -> None:
         """Start from the first `length` positions of an earlier request (the prefix cache's hit):
-        its KV `rows` and, for a proposer that reads them, its `features`; only the rest of the
-        prompt is prefilled. Before the first forward, and never the whole prompt (its last token
-        must run: its logits give the first token)."""
+        its KV `rows` and, for a proposer that reads them, its `features` (and its drafter's own
+        context, where a drafter kept it under `name`); only the rest of the prompt is prefilled.
+        Before the first forward, and never the whole prompt (its last token must run: its logits
+        give the first token)."""
         if self.prefilled or not 0 < length < len(self.prompt):
             raise ValueError(f"cannot reuse {length} positions of a {len(self.prompt)}-token prompt here")
         self.target.load_rows(self.slot, rows[:, :, :, :length])
         if self.proposer.taps:
             self.proposer.commit(0, features[:length])
+            if name:
+                self.proposer.restore(name, length)
         self.prefilled = self.stats.cached_tokens = length
 
     def committed(self) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:

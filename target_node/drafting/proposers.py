@@ -54,6 +54,13 @@ class Proposer(Protocol):
         """The committed features of positions [0, end) it still holds (fewer where it holds fewer
         from 0), for a later request with the same prefix; None where it holds none from 0."""
 
+    def keep(self, name: str, rows: int) -> None:
+        """Its drafter keeps its context of positions [0, rows) under `name`, where it can."""
+
+    def restore(self, name: str, rows: int) -> None:
+        """Its drafter starts this request's context from what was kept under `name` (after the
+        prefix's features were committed): only the rows after it then travel."""
+
 
 class NoProposer:
     """Plain greedy decoding through the same loop: the reference the others must equal."""
@@ -76,6 +83,12 @@ class NoProposer:
 
     def held_features(self, end: int) -> torch.Tensor | None:
         return None
+
+    def keep(self, name: str, rows: int) -> None:
+        pass
+
+    def restore(self, name: str, rows: int) -> None:
+        pass
 
 
 class NGramProposer(NoProposer):
@@ -130,6 +143,14 @@ class DraftBackend(Protocol):
     def keepalive(self) -> None:
         """Show the drafter this target is alive (remote: a ping now and then; local: nothing)."""
 
+    def keep(self, name: str, rows: int) -> int:
+        """Have the drafter keep its context of positions [0, rows) under `name` (the prefix cache's
+        entry); returns the positions kept (0: none, e.g. an in-process drafter, which recomputes)."""
+
+    def restore(self, name: str, rows: int) -> int:
+        """Start the context from what `keep` kept under `name`, at most `rows` positions; returns
+        how many it starts with (0: none held, the context is empty)."""
+
 
 class DrafterUnavailable(RuntimeError):
     """The drafter did not answer in time; the loop carries on without it."""
@@ -145,6 +166,7 @@ class DFlashProposer:
         self.fallback = fallback or NoProposer()
         self.drafting: Drafting | None = None
         self.synced: int | None = None  # positions [.., synced) are with the drafter; None: unknown
+        self.base: int | None = None  # ... from this one on (0: the whole context from the start)
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -163,11 +185,28 @@ class DFlashProposer:
         if self.drafting is not None:
             self.drafting.ring.reset()
         self.fallback.begin(target)
-        self.synced = None
+        self.synced = self.base = None
 
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         if features is not None and self.drafting is not None:
             self.drafting.ring.write(start, features)
+
+    def keep(self, name: str, rows: int) -> None:
+        if self.drafting is None or self.base != 0 or not self.synced:
+            return
+        try:
+            self.backend.keep(name, min(rows, self.synced))
+        except DrafterUnavailable:
+            self.synced = None
+
+    def restore(self, name: str, rows: int) -> None:
+        if self.drafting is None:
+            return
+        try:
+            restored = self.backend.restore(name, rows)
+        except DrafterUnavailable:
+            restored = 0
+        self.synced, self.base = (restored, 0) if restored else (None, None)
 
     def held_features(self, end: int) -> torch.Tensor | None:
         ring = self.drafting.ring if self.drafting is not None else None
@@ -211,7 +250,7 @@ class DFlashProposer:
         ring = drafting.ring
         if self.synced is None or self.synced < ring.oldest:
             self.backend.reset(ring.oldest)
-            self.synced = ring.oldest
+            self.synced = self.base = ring.oldest
         features = ring.read(self.synced, position)
         return self.synced, features, drafting.noise(tokens[-1]), position, rows
 
@@ -278,6 +317,13 @@ class LocalDraftBackend:
 
     def keepalive(self) -> None:
         pass
+
+    def keep(self, name: str, rows: int) -> int:
+        return 0  # in this process a prefix's context is recomputed from its features: no wire to spare
+
+    def restore(self, name: str, rows: int) -> int:
+        self.reset(0)
+        return 0
 
     def reset(self, position: int) -> None:
         self.drafting_pass.forget(self)

@@ -193,6 +193,14 @@ class RemoteDraftBackend:
         self.ensure()
         self._call("reset", {"session": self.session, "position": position})
 
+    def keep(self, name: str, rows: int) -> int:
+        self.ensure()
+        return self._call("keep", {"session": self.session, "name": name, "rows": rows})["rows"]
+
+    def restore(self, name: str, rows: int) -> int:
+        self.ensure()
+        return self._call("restore", {"session": self.session, "name": name, "rows": rows})["rows"]
+
     def send_draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> None:
         """Send this propose now and take its reply in `draft` (same arguments): a batch's requests
         each send theirs first, so the draft daemon works on one while the others' are on the

@@ -432,7 +432,7 @@ class TargetService:
                 )
                 hit = self.prefix_cache.lookup(prompt, proposer.taps) if self.prefix_cache is not None else None
                 if hit is not None:
-                    sequence.reuse(hit.length, hit.kv, hit.features)
+                    sequence.reuse(hit.length, hit.kv, hit.features, hit.name)
             except ProtocolError as exc:
                 self.metrics.refuse(exc.code.value)
                 self.send(identity, encode_error(msg.id, exc.code, exc.message))
@@ -476,7 +476,11 @@ class TargetService:
         job, msg = active.job, active.job.request
         result = active.sequence.result()
         if self.prefix_cache is not None and result.finish_reason != "cancelled":
-            self.prefix_cache.store(*active.sequence.committed(), active.sequence.proposer.taps)
+            proposer = active.sequence.proposer
+            tokens, rows, features = active.sequence.committed()
+            name = self.prefix_cache.store(tokens, rows, features, proposer.taps)
+            if name is not None and proposer.taps:  # and the drafter's context of it, where it keeps one
+                proposer.keep(name, len(tokens))
         self.release(active)
         self.metrics.finish(result.finish_reason, result.stats, active.clock)
         if not job.lost:

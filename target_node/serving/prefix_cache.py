@@ -24,7 +24,9 @@ time another's prompts turns it off (`--prefix-cache-mb 0`).
 
 from __future__ import annotations
 
+import itertools
 import os
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -40,6 +42,7 @@ class Prefix:
     length: int
     kv: torch.Tensor  # [layers, 2, kv_heads, >= length, head_dim] (the engine cache's layout)
     features: torch.Tensor | None  # [>= length, width] of the taps it was stored with, or None
+    name: str  # the entry's name, under which a draft daemon may keep its own context of it
 
 
 @dataclass(eq=False)
@@ -49,6 +52,7 @@ class _Entry:
     features: torch.Tensor | None
     taps: tuple[int, ...]
     hashes: list[int]
+    name: str
 
     @property
     def bytes(self) -> int:
@@ -83,6 +87,9 @@ class PrefixCache:
         self.entries: OrderedDict[int, _Entry] = OrderedDict()  # by id, least recently used first
         self.by_hash: dict[int, dict[int, _Entry]] = {}  # block hash -> the entries that hold it
         self.held = 0
+        # Names a draft daemon keeps the drafter's context under: unguessable, and new in every
+        # process, so no other target can name them and a restarted one never reuses them.
+        self.names = (f"{secrets.token_hex(16)}-{n}" for n in itertools.count())
         self.counters = {"lookups": 0, "hits": 0, "tokens_reused": 0, "stored": 0, "evicted": 0}
 
     def lookup(self, prompt: list[int], taps: tuple[int, ...]) -> Prefix | None:
@@ -107,25 +114,28 @@ class PrefixCache:
         self.entries.move_to_end(id(best))
         self.counters["hits"] += 1
         self.counters["tokens_reused"] += length
-        return Prefix(length, best.kv, best.features)
+        return Prefix(length, best.kv, best.features, best.name)
 
     @staticmethod
     def _serves(entry: _Entry, taps: tuple[int, ...]) -> bool:
         """A drafter reading features needs them for its taps, or it would draft blind over the prefix."""
         return not taps or (entry.taps == taps and entry.features is not None)
 
-    def store(self, tokens: list[int], kv: torch.Tensor, features: torch.Tensor | None, taps: tuple[int, ...]) -> None:
+    def store(
+        self, tokens: list[int], kv: torch.Tensor, features: torch.Tensor | None, taps: tuple[int, ...]
+    ) -> str | None:
         """Keep rows [0, len(tokens)) of a sequence: `kv` [layers, 2, kv_heads, n, head_dim] and its
-        `features` for `taps` (None without them). Entries it extends are dropped: it holds theirs."""
+        `features` for `taps` (None without them). Entries it extends are dropped: it holds theirs.
+        Returns the new entry's name, or None where nothing new is kept."""
         if len(tokens) < BLOCK:
-            return
-        entry = _Entry(list(tokens), kv, features, taps, block_hashes(tokens, len(tokens)))
+            return None
+        entry = _Entry(list(tokens), kv, features, taps, block_hashes(tokens, len(tokens)), next(self.names))
         if entry.bytes > self.max_bytes:
-            return
+            return None
         for other in [e for e in self.by_hash.get(entry.hashes[-1], {}).values()]:
             if other.tokens[: len(tokens)] == entry.tokens and other.taps == taps:
                 self.entries.move_to_end(id(other))  # already held, by a longer sequence
-                return
+                return None
         for other in list(self.by_hash.get(entry.hashes[0], {}).values()):
             if entry.tokens[: len(other.tokens)] == other.tokens and other.taps == taps:
                 self._drop(other)
@@ -137,6 +147,7 @@ class PrefixCache:
         while self.held > self.max_bytes:
             self._drop(next(iter(self.entries.values())))
             self.counters["evicted"] += 1
+        return entry.name if id(entry) in self.entries else None
 
     def _drop(self, entry: _Entry) -> None:
         self.entries.pop(id(entry))

@@ -1,0 +1,67 @@
+"""Context keys and values of prefixes a target asked the draft daemon to keep, per peer.
+
+A target with a prefix cache starts a request from an earlier one's rows; the drafter's context
+for those positions is the same too (keys and values depend only on a position's features and
+the position), so the target names the prefix (`keep`) and a later session of the same peer
+starts from it (`restore`): neither the feature rows on the wire nor their recomputation.
+
+Scoped as sessions are where peers are CURVE keys: by (peer, name), so one key's names are
+invisible to every other. Without CURVE a peer is a connection and each of a target's slots has
+its own, so a prefix kept from one slot must be found from another: there the name alone keys it,
+and names are capabilities (the target draws 128 random bits per process into each). Bounded in
+bytes, least recently used out first; a miss is answered with 0 rows and the target ships them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+
+class KeptPrefixes:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.held = 0
+        self.counters = {"kept": 0, "restored": 0, "missed": 0, "evicted": 0}
+        self.by_peer = True  # scope names by peer (CURVE keys); False: names alone (see above)
+
+    def _key(self, peer: str, name: str) -> tuple[str, str]:
+        return (peer if self.by_peer else "", name)
+
+    def keep(self, peer: str, name: str, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Hold these [layers, kv_heads, rows, head_dim] under (peer, name), replacing what was there."""
+        size = 2 * keys.numel() * keys.element_size()
+        key = self._key(peer, name)
+        self._drop(key)
+        if size > self.max_bytes:
+            return False
+        self.entries[key] = (keys, values)
+        self.held += size
+        self.counters["kept"] += 1
+        while self.held > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+            self.counters["evicted"] += 1
+        return True
+
+    def take(self, peer: str, name: str, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The first `rows` (or fewer, as held) positions' keys and values of (peer, name), or None."""
+        key = self._key(peer, name)
+        found = self.entries.get(key)
+        if found is None:
+            self.counters["missed"] += 1
+            return None
+        self.entries.move_to_end(key)
+        self.counters["restored"] += 1
+        keys, values = found
+        return keys[:, :, :rows], values[:, :, :rows]
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        found = self.entries.pop(key, None)
+        if found is not None:
+            self.held -= 2 * found[0].numel() * found[0].element_size()
+
+    def of(self, peer: str) -> int:
+        """Entries this peer holds (what its own `stats` may show; 0 where names alone key them)."""
+        return sum(owner == peer for owner, _ in self.entries) if self.by_peer else 0
