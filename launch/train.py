@@ -102,7 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--resume", action="store_true", help="continue from the cache's state.pt")
     ap.add_argument(
-        "--init", help="start from this drafter checkpoint's weights (same shape, or fewer layers: grown to --layers)"
+        "--init",
+        help="start from this drafter checkpoint's weights (same shape, or fewer layers: grown to --layers), or "
+        "'target:L1,L2,...' (one per --layers): each drafter layer starts as that target decoder layer",
     )
     ap.add_argument("--average-with", help="--stage average: the second drafter checkpoint")
     ap.add_argument("--weight", type=float, default=0.5, help="--stage average: the second drafter's share")

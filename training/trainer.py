@@ -187,6 +187,31 @@ def grown_state(drafter: DFlashDrafter, cfg: DFlashConfig) -> dict[str, torch.Te
     return state
 
 
+def target_layers_state(model: torch.nn.Module, cfg: DFlashConfig, layer_ids: list[int]) -> dict[str, torch.Tensor]:
+    """Drafter layer i's weights from target decoder layer `layer_ids[i]` (attention, MLP, their
+    norms; q/k norms where the target has them, else ones): a drafter layer has a target layer's
+    shapes (config_for_target), so it can start from what the target learned instead of noise.
+    The fusion (fc, hidden_norm) and the output norm keep their fresh start."""
+    if len(layer_ids) != cfg.num_hidden_layers:
+        raise ValueError(f"{len(layer_ids)} target layers named for a drafter of {cfg.num_hidden_layers}")
+    decoder = model.get_decoder().layers
+    state = {}
+    for i, layer_id in enumerate(layer_ids):
+        if not 0 <= layer_id < len(decoder):
+            raise ValueError(f"target layer {layer_id} does not exist (it has {len(decoder)})")
+        theirs = decoder[layer_id].state_dict()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            state[f"layers.{i}.self_attn.{name}.weight"] = theirs[f"self_attn.{name}.weight"]
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            state[f"layers.{i}.mlp.{name}.weight"] = theirs[f"mlp.{name}.weight"]
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            state[f"layers.{i}.{name}.weight"] = theirs[f"{name}.weight"]
+        for name in ("q_norm", "k_norm"):
+            ones = torch.ones(cfg.head_dim)
+            state[f"layers.{i}.self_attn.{name}.weight"] = theirs.get(f"self_attn.{name}.weight", ones)
+    return {k: v.detach().float().clone() for k, v in state.items()}
+
+
 def as_dflash2(drafter: DFlashDrafter, vocab_size: int, rank: int = 0, top_k: int = 0) -> DFlashDrafter:
     """`drafter` in the DFlash2 format (`in_dflash2`'s shapes): it drafts exactly as before, through
     identity convolutions, with a selector of small random codebooks. A DFlash2 drafter comes back
@@ -237,6 +262,9 @@ def make_batch(
             end = min(a + block, n)
             labels[i, j, 1 : end - a] = seq[a + 1 : end]
     return Batch(feats, anc, toks, labels)
+
+
+TARGET_INIT = "target:"  # `--init target:26,27,...`: the drafter's layers start as these target layers
 
 
 class _Anchored(torch.nn.Module):
@@ -447,6 +475,18 @@ class Trainer:
             self.drafter.load_state_dict({k: v.to(self.dev, torch.float32) for k, v in state.items()})
             self.drafter.fc.weight.div_(self.scale[None, :])
 
+    def init_from_target(self, model: torch.nn.Module, layer_ids: list[int]) -> None:
+        """Start the drafter's layers from the target's decoder layers `layer_ids` (target_layers_state)."""
+        with torch.no_grad():
+            state = target_layers_state(model, self.cfg, layer_ids)
+            own = self.drafter.state_dict()
+            for name, weight in state.items():
+                if own[name].shape != weight.shape:
+                    raise ValueError(
+                        f"{name}: the target's {list(weight.shape)}, the drafter's {list(own[name].shape)}"
+                    )
+                own[name].copy_(weight)
+
     def load_state(self, state: dict) -> None:
         self.step = state["step"]
         self.drafter.load_state_dict(state["drafter"])
@@ -495,6 +535,10 @@ def train(
     if resume and state_path.exists():
         trainer.load_state(torch.load(state_path, map_location=trainer.dev, weights_only=False))
         log(f"resumed at step {trainer.step}")
+    elif init and str(init).startswith(TARGET_INIT):
+        layer_ids = [int(x) for x in str(init)[len(TARGET_INIT) :].split(",")]
+        trainer.init_from_target(target.model, layer_ids)
+        log(f"layers initialized from the target's decoder layers {layer_ids}")
     elif init:
         trainer.init_from(load_drafter(init))
         log(f"initialized from {init}")
