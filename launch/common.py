@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -94,3 +95,40 @@ def named_dtype(name: str, device: str) -> torch.dtype:
 
     kind = torch.device(device).type
     return torch.bfloat16 if kind == "cuda" or (kind == "cpu" and native_bf16()) else torch.float32
+
+
+def byte_size(text: str) -> int:
+    """'268435456', '256M', '1G' -> bytes (K, M, G are powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    scale = units.get(text[-1:].upper(), 1)
+    try:
+        value = int(text[:-1] if scale > 1 else text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes such as 268435456 or 256M, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value * scale
+
+
+def add_settings(parser: argparse.ArgumentParser, settings: type) -> None:
+    """One flag per field of a settings dataclass (`--max-queued` for `max_queued`), with the
+    field's default and help: the settings object is where a limit is written."""
+    for f in fields(settings):
+        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=meta["help"])
+            continue
+        kind = byte_size if meta.get("unit") == "bytes" else {"int": int, "float": float}.get(str(f.type), str)
+        parser.add_argument(flag, type=kind, default=f.default, help=meta["help"] + " (default %(default)s)")
+
+
+def settings_from(args: argparse.Namespace, settings: type):
+    """The settings object the flags `add_settings` made describe; a value it refuses raises
+    ValueError naming the flag, as the user wrote it."""
+    try:
+        return settings(**{f.name: getattr(args, f.name) for f in fields(settings)})
+    except ValueError as exc:
+        message = str(exc)
+        for f in fields(settings):
+            message = message.replace(f.name, "--" + f.name.replace("_", "-"))
+        raise ValueError(message) from None

@@ -41,3 +41,34 @@ def test_the_readme_is_one_screen_and_indexes_every_doc():
     linked = set(LINK.findall(readme))
     missing = [p.name for p in (ROOT / "docs").glob("*.md") if f"docs/{p.name}" not in linked]
     assert not missing, missing
+
+
+def shown(value, unit: str) -> str:
+    """How the limits table writes a setting's default."""
+    if unit == "bytes":
+        return f"{value >> 20}M"
+    return f"{value:g} {unit}" if unit else f"{value:g}"
+
+
+def test_the_limits_table_says_what_the_target_daemons_settings_say():
+    """Each limit in ServiceSettings has its row in docs/serving.md, naming its flag, with the
+    field's own default (the settings object is where a limit is written)."""
+    from dataclasses import fields
+
+    from target_node.serving.settings import ServiceSettings
+
+    rows = {}
+    for line in (ROOT / "docs" / "serving.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        flag = re.match(r"`(--[a-z-]+)` \(target\)", cells[1]) if line.startswith("|") and len(cells) == 4 else None
+        if flag:
+            rows[flag.group(1)] = cells[2]
+    for f in fields(ServiceSettings):
+        if not f.metadata["limit"]:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in rows, f"{flag} has no row in the limits table"
+        if f.name == "prefix_cache_mb":  # the machine's: the docs say how it is chosen
+            assert "a tenth of the machine's memory" in rows[flag]
+        else:
+            assert rows[flag].startswith(shown(f.default, f.metadata["unit"])), (flag, rows[flag])

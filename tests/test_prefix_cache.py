@@ -17,6 +17,7 @@ from target_node.drafting.remote import RemoteDraftBackend
 from target_node.model.target import TargetModel
 from target_node.serving.daemon import TargetService
 from target_node.serving.prefix_cache import BLOCK, PrefixCache
+from target_node.serving.settings import ServiceSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SYSTEM = [random.Random(1).randrange(3, 250) for _ in range(40)]  # a system prompt every chat shares
@@ -122,8 +123,9 @@ def test_reused_rows_leave_the_slot_bit_for_bit_as_a_fresh_prefill_does(dtype):
 
 
 @contextmanager
-def served(target: TargetModel, proposers: list, prefix_cache: PrefixCache | None, tmp_path, name: str, tree: int = 0):
-    service = TargetService(target, proposers, adaptive=False, tree_nodes=tree, prefix_cache=prefix_cache)
+def served(target: TargetModel, proposers: list, cache_bytes: int, tmp_path, name: str, tree: int = 0):
+    settings = ServiceSettings(always_draft=True, tree_nodes=tree, prefix_cache_mb=cache_bytes / (1 << 20))
+    service = TargetService(target, proposers, settings)
     stop = threading.Event()
     address = f"ipc://{tmp_path}/{name}.sock"
     thread = threading.Thread(target=service.serve, args=(address, stop))
@@ -165,7 +167,7 @@ def test_a_chat_with_the_cache_is_the_chat_without_it_bit_for_bit(dtype, mode, t
     tree = 6 if mode == "tree" else 0
     runs, reports = {}, {}
     for cached in (True, False):
-        cache = PrefixCache(64 << 20) if cached else None
+        cache = (64 << 20) if cached else 0
         with served(target, drafting(target, 2), cache, tmp_path, f"{mode}-{cached}", tree) as (client, service):
             runs[cached] = chat(client, 4, sampling)
             reports[cached] = service.report()
@@ -194,7 +196,7 @@ def test_a_chat_with_the_cache_is_the_chat_without_it_bit_for_bit(dtype, mode, t
 def test_a_request_starts_from_the_prompt_of_one_still_running(tmp_path):
     target = TargetModel(tiny_target("llama", seed=5).model, slots=2)
     first, second = SYSTEM + [9, 8, 7], SYSTEM + [9, 8, 6, 5]
-    with served(target, [NoProposer(), NoProposer()], PrefixCache(64 << 20), tmp_path, "running") as (client, _):
+    with served(target, [NoProposer(), NoProposer()], 64 << 20, tmp_path, "running") as (client, _):
         stream = client.stream(token_ids=first, max_new_tokens=200)
         next(stream)  # its first token: its prompt is in, and its rows stored while it decodes on
         other = TargetClient(f"ipc://{tmp_path}/running.sock", timeout_s=60)
@@ -213,9 +215,10 @@ def test_under_pressure_the_cache_holds_its_bound_and_every_answer_is_exact(tmp_
     target = TargetModel(tiny_target("llama", seed=5).model, slots=2)
     per_position = target.engine.cache.bytes_per_position()
     bound = per_position * 130
-    cache = PrefixCache(bound)
     rng = random.Random(3)
-    with served(target, [NoProposer(), NoProposer()], cache, tmp_path, "pressure") as (client, service):
+    with served(target, [NoProposer(), NoProposer()], bound, tmp_path, "pressure") as (client, service):
+        cache = service.prefix_cache
+        assert cache.max_bytes == bound
         for i in range(16):
             prompt = (SYSTEM if i % 2 else []) + [rng.randrange(3, 250) for _ in range(rng.randrange(20, 70))]
             done = client.generate(token_ids=prompt, max_new_tokens=8, stream=False)
@@ -236,7 +239,7 @@ def test_a_hit_after_the_draft_daemon_restarted_drafts_remotely_from_the_stored_
         first_daemon.enter_context(draft_daemon(address, checkpoint))
         backend = RemoteDraftBackend(address, target, timeout_s=1.0, probe_timeout_s=0.2, retry_s=0.2)
         proposer = DFlashProposer(backend, NGramProposer())
-        with served(target, [proposer], PrefixCache(64 << 20), tmp_path, "restart") as (client, _):
+        with served(target, [proposer], 64 << 20, tmp_path, "restart") as (client, _):
             history = list(SYSTEM)
             for turn in range(3):
                 if turn == 2:  # a new draft daemon on the same address, with none of the old sessions
@@ -264,7 +267,7 @@ def test_a_remote_drafter_restores_a_kept_prefix_and_drafts_as_if_sent_every_row
         for cached in (True, False):
             backends = [RemoteDraftBackend(address, target, timeout_s=5.0) for _ in range(2)]
             proposers = [DFlashProposer(b, NoProposer()) for b in backends]
-            cache = PrefixCache(64 << 20) if cached else None
+            cache = (64 << 20) if cached else 0
             with served(target, proposers, cache, tmp_path, f"remote-{cached}") as (client, _):
                 runs[cached] = chat(client, 4, {})
             sent[cached] = sum(b.counters["bytes_out"] for b in backends)

@@ -145,14 +145,13 @@ def test_a_new_token_limit_past_what_one_reply_carries_is_refused_at_start(capsy
     """Else a request would be accepted, run to its end, and its `done` be refused by the wire."""
     from launch import target_daemon
     from protocol.messages import MAX_REPLY_TOKENS
-    from target_node.drafting.proposers import NoProposer
-    from target_node.serving.daemon import TargetService
+    from target_node.serving.settings import ServiceSettings
 
     with pytest.raises(SystemExit):
         target_daemon.main(["--max-new-tokens-limit", str(MAX_REPLY_TOKENS + 1)])
     assert f"--max-new-tokens-limit must be in [1, {MAX_REPLY_TOKENS}]" in capsys.readouterr().err
     with pytest.raises(ValueError, match="max_new_tokens_limit must be in"):
-        TargetService(tiny_target("llama"), [NoProposer()], max_new_tokens_limit=MAX_REPLY_TOKENS + 1)
+        ServiceSettings(max_new_tokens_limit=MAX_REPLY_TOKENS + 1)
 
 
 def test_queue_limits_answer_busy_and_lose_nothing_accepted(model_dir, tmp_path):
@@ -267,6 +266,7 @@ def test_the_daemon_keeps_its_drafter_sessions_alive_busy_or_idle(tmp_path):
     it has sent nothing for KEEPALIVE_S), so a slot free between requests keeps its session."""
     from target_node.drafting.proposers import NoProposer
     from target_node.serving.daemon import TargetService
+    from target_node.serving.settings import ServiceSettings
 
     class Counting:  # a remote backend's keepalive, counted
         def __init__(self) -> None:
@@ -278,7 +278,8 @@ def test_the_daemon_keeps_its_drafter_sessions_alive_busy_or_idle(tmp_path):
     slots = [NoProposer(), NoProposer()]
     for proposer in slots:
         proposer.backend = Counting()
-    service = TargetService(TargetModel(tiny_target("llama", seed=5).model, slots=2), slots, adaptive=False)
+    settings = ServiceSettings(always_draft=True)
+    service = TargetService(TargetModel(tiny_target("llama", seed=5).model, slots=2), slots, settings)
     stop = threading.Event()
     address = f"ipc://{tmp_path}/keepalive.sock"
     serving = threading.Thread(target=service.serve, args=(address, stop))

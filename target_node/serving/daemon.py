@@ -27,7 +27,7 @@ from pathlib import Path
 
 from protocol import ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
-from protocol.messages import HEARTBEAT_MISSES, MAX_REPLY_TOKENS
+from protocol.messages import HEARTBEAT_MISSES
 from protocol.transport import CONTROL_MAX_FRAME, Server
 from target_node.decoding.governor import Governor
 from target_node.decoding.pace import PrefillPace
@@ -37,6 +37,7 @@ from target_node.drafting.proposers import Proposer
 from target_node.model.target import ContextLengthError, TargetModel
 from target_node.serving.metrics import RequestClock, ServedMetrics, drafter_state
 from target_node.serving.prefix_cache import PrefixCache
+from target_node.serving.settings import ServiceSettings
 
 log = logging.getLogger("target_daemon")
 
@@ -84,40 +85,20 @@ class TargetService:
         self,
         target: TargetModel,
         proposers: Proposer | list[Proposer],
-        max_new_tokens_limit: int = 4096,
-        adaptive: bool = True,
-        max_queued: int = 1024,
-        max_queued_per_client: int = 64,
-        max_queued_bytes: int = 256 << 20,
-        tree_nodes: int = 16,
+        settings: ServiceSettings | None = None,
         on_finished: Callable[[Message, list[int], Result], None] | None = None,
-        prefill_chunk: int = 512,
-        max_messages_per_step: int = 64,
-        prefill_budget_s: float = 0.15,
-        max_silence_s: float = 600.0,
-        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """`proposers`: one per slot (requests run side by side, up to as many as the target has
-        slots); one proposer serves one request at a time. `on_finished(request, prompt ids,
-        result)` sees every request served to its end (e.g. a recorder). Prompts run in chunks of
-        at most `prefill_chunk` tokens, sized so a forward takes about `prefill_budget_s` (0: fixed
-        chunks of `prefill_chunk`). A client that promised no heartbeats loses its requests after
-        `max_silence_s` without a word (0: never), so a vanished one does not hold a slot forever.
-        A `prefix_cache` (the engine's targets only) keeps committed rows for later prompts that start
-        with them."""
-        if not 1 <= max_new_tokens_limit <= MAX_REPLY_TOKENS:
-            # Else a request would be accepted, run to its end, and have its `done` refused by the wire.
-            raise ValueError(
-                f"max_new_tokens_limit must be in [1, {MAX_REPLY_TOKENS}] (what one reply carries), "
-                f"got {max_new_tokens_limit}"
-            )
+        slots); one proposer serves one request at a time. `settings`: the limits and pacing (see
+        settings.py). `on_finished(request, prompt ids, result)` sees every request served to its
+        end (e.g. a recorder)."""
+        self.settings = settings = settings or ServiceSettings()
         self.on_finished = on_finished
         self.target = target
-        self.adaptive = adaptive
-        self.tree_nodes = tree_nodes
+        self.adaptive = not settings.always_draft
         # One governor for all: it learns across requests, from verify costs measured here.
-        self.governor = Governor(max_nodes=max(tree_nodes, 1))
-        if adaptive:
+        self.governor = Governor(max_nodes=max(settings.tree_nodes, 1))
+        if self.adaptive:
             # A step's width: one request's tree, up to every slot's (batches are measured sparsely).
             widest = (self.governor.max_nodes + 1) * target.slots
             wide = [w for w in (24, 32, 48, 64, 96, 128, 192, 256) if w < widest] + [widest]
@@ -126,9 +107,6 @@ class TargetService:
         self.proposers = list(proposers) if isinstance(proposers, list) else [proposers]
         self.free = list(range(min(target.slots, len(self.proposers))))  # slots no request holds
         self.active: dict[int, Active] = {}  # slot -> the request in it
-        self.max_new_tokens_limit = max_new_tokens_limit
-        self.max_queued, self.max_queued_per_client = max_queued, max_queued_per_client
-        self.max_queued_bytes = max_queued_bytes
         # The line of clients waiting, each with its jobs in order (see next_job for who goes first).
         self.queues: OrderedDict[bytes, deque[Job]] = OrderedDict()
         self.admissions = 0
@@ -136,16 +114,15 @@ class TargetService:
         self.server: Server | None = None
         self.served = 0
         self.metrics = ServedMetrics()  # what was served, for the `stats` reply
-        self.prefill_chunk, self.max_messages_per_step = prefill_chunk, max_messages_per_step
-        self.pace = PrefillPace(prefill_budget_s, prefill_chunk or 1 << 20) if prefill_budget_s > 0 else None
+        budget_s, chunk = settings.prefill_budget_ms / 1000, settings.prefill_chunk
+        self.pace = PrefillPace(budget_s, chunk or 1 << 20) if budget_s > 0 else None
         self.heard: dict[bytes, float] = {}  # client -> when it last sent anything (clients with work)
         self.reached: dict[bytes, float] = {}  # client -> when a reply to it last went out (streaming)
         self.counters = {"cancelled": 0, "abandoned": 0}  # abandoned: its client went away or silent
         self.waiting = 0  # requests queued, as of the last pump (what a pong says)
-        self.max_silence_s = max_silence_s
-        if prefix_cache is not None and target.engine is None:
-            raise ValueError("the prefix cache needs the target engine (its rows are the same bits in any forward)")
-        self.prefix_cache = prefix_cache
+        # The engine's rows are the same bits in any forward: only there can a later request reuse them.
+        cache_bytes = round(settings.prefix_cache_mb * (1 << 20))
+        self.prefix_cache = PrefixCache(cache_bytes) if cache_bytes > 0 and target.engine is not None else None
 
     @property
     def proposer(self) -> Proposer:
@@ -168,7 +145,7 @@ class TargetService:
         """Take in what waits on the socket, at most `max_messages_per_step` messages (ZeroMQ
         takes them from peers in turn): queue requests, apply cancels, answer pings; then drop
         the work of clients that went silent."""
-        for _ in range(self.max_messages_per_step):
+        for _ in range(self.settings.max_messages_per_step):
             request = self.server.next(timeout_ms)
             if request is None:
                 break
@@ -215,12 +192,13 @@ class TargetService:
             self.send(identity, encode_error(msg.id, ErrorCode.BAD_FIELD, why))
             return
         held = compact(msg)
-        if len(queue) >= self.max_queued_per_client:
-            why = f"this client has {len(queue)} requests queued (limit {self.max_queued_per_client})"
-        elif self.pending() >= self.max_queued:
-            why = f"{self.pending()} requests are queued (limit {self.max_queued})"
-        elif (queued := self.queued_bytes()) + held > self.max_queued_bytes:
-            why = f"queued requests hold {size(queued)}, this one {size(held)} (limit {size(self.max_queued_bytes)})"
+        if len(queue) >= self.settings.max_queued_per_client:
+            why = f"this client has {len(queue)} requests queued (limit {self.settings.max_queued_per_client})"
+        elif self.pending() >= self.settings.max_queued:
+            why = f"{self.pending()} requests are queued (limit {self.settings.max_queued})"
+        elif (queued := self.queued_bytes()) + held > self.settings.max_queued_bytes:
+            limit = size(self.settings.max_queued_bytes)
+            why = f"queued requests hold {size(queued)}, this one {size(held)} (limit {limit})"
         else:
             self.queues[identity] = queue
             queue.append(Job(identity, msg, held=held))
@@ -244,7 +222,7 @@ class TargetService:
             "max_batch": self.max_batch,
             "proposer": self.proposer.name,
             "drafter": drafter_state(self.proposer),
-            "prefill": self.pace.to_dict() if self.pace is not None else {"chunk": self.prefill_chunk},
+            "prefill": self.pace.to_dict() if self.pace is not None else {"chunk": self.settings.prefill_chunk},
             "prefix_cache": self.prefix_cache.to_dict() if self.prefix_cache is not None else None,
             **self.counters,
             **self.metrics.to_dict(),
@@ -303,8 +281,9 @@ class TargetService:
             # Without heartbeats promised, a client that takes its streamed replies is there too:
             # ZeroMQ refuses a reply once a client stops reading (its queue fills), or is gone.
             silent = now - max(heard, self.reached.get(job.identity, 0.0))
-            if interval == 0 and 0 < self.max_silence_s < silent:
-                why = f"silent for {silent:.1f} s, with no heartbeats promised (--max-silence {self.max_silence_s:g} s)"
+            limit = self.settings.max_silence
+            if interval == 0 and 0 < limit < silent:
+                why = f"silent for {silent:.1f} s, with no heartbeats promised (--max-silence {limit:g} s)"
                 self.abandon(job.identity, why, listening=True)
         with_work = {job.identity for job in jobs}
         self.heard = {identity: self.heard[identity] for identity in with_work & set(self.heard)}
@@ -382,10 +361,11 @@ class TargetService:
         return ids
 
     def sampling(self, msg: Message) -> SamplingParams:
-        if msg["max_new_tokens"] > self.max_new_tokens_limit:
+        if msg["max_new_tokens"] > self.settings.max_new_tokens_limit:
             raise ProtocolError(
                 ErrorCode.BAD_FIELD,
-                f"max_new_tokens {msg['max_new_tokens']} exceeds this daemon's limit {self.max_new_tokens_limit}",
+                f"max_new_tokens {msg['max_new_tokens']} exceeds this daemon's limit "
+                f"{self.settings.max_new_tokens_limit}",
             )
         try:
             return SamplingParams.from_dict(msg["sampling"])
@@ -427,8 +407,8 @@ class TargetService:
                     sampling=sampling,
                     adaptive=self.adaptive,
                     governor=self.governor,
-                    tree_nodes=self.tree_nodes,
-                    prefill_chunk=self.prefill_chunk,
+                    tree_nodes=self.settings.tree_nodes,
+                    prefill_chunk=self.settings.prefill_chunk,
                 )
                 hit = self.prefix_cache.lookup(prompt, proposer.taps) if self.prefix_cache is not None else None
                 if hit is not None:

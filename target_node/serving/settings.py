@@ -1,0 +1,83 @@
+"""What a target daemon allows and how it paces its work: one object, one field per flag.
+
+Each field carries its default and its help; the daemon's command line is built from them
+(`launch.common.add_settings`), and the limits table in docs/serving.md is tested against them,
+so a limit is written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.messages import MAX_REPLY_TOKENS
+from target_node.serving.prefix_cache import default_budget_mb
+
+
+def setting(default, help: str, unit: str = "", limit: bool = True):
+    """A field with its help; `unit` says how the docs write its default ("ms", "s", "bytes"), and
+    `limit` whether the docs' limits table lists it."""
+    return field(default=default, metadata={"help": help, "unit": unit, "limit": limit})
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    max_new_tokens_limit: int = setting(
+        4096, f"largest max_new_tokens accepted (at most {MAX_REPLY_TOKENS}, what one reply carries)"
+    )
+    max_queued: int = setting(1024, "requests queued over all clients (then: busy)")
+    max_queued_per_client: int = setting(64, "requests one client may queue")
+    max_queued_bytes: int = setting(
+        256 << 20,
+        "memory queued requests may hold, over all clients (then: busy); a number of bytes, or with K, M or G",
+        unit="bytes",
+    )
+    tree_nodes: int = setting(
+        16,
+        "verify greedy drafts as a tree of up to this many nodes (0: one chain of guesses); the governor picks "
+        "how many pay, from verify costs it measures at start",
+        limit=False,
+    )
+    always_draft: bool = setting(
+        False, "draft every step, even while measured speculation is slower than plain decoding", limit=False
+    )
+    prefill_chunk: int = setting(
+        512,
+        "the most prompt tokens in one forward; between chunks the daemon serves its socket and the other "
+        "requests step (0: no cap)",
+    )
+    prefill_budget_ms: float = setting(
+        150.0,
+        "size prompt chunks so a forward that carries one takes about this long, from prefill rates measured as "
+        "it runs: other requests' tokens and first tokens wait at most about this (0: fixed chunks of "
+        "--prefill-chunk). A prompt alone, with no other request running or queued, takes --prefill-chunk tokens "
+        "a forward: it pauses no one",
+        unit="ms",
+    )
+    max_silence: float = setting(
+        600.0,
+        "seconds a client that promised no heartbeats (heartbeat_s 0) may send nothing while its requests run or "
+        "wait; then they are cancelled, as for a client gone (0: wait forever). Clients that heartbeat "
+        "(dflash-client, dflash-serve) are dropped after 3 missed beats instead",
+        unit="s",
+    )
+    prefix_cache_mb: float = setting(
+        default_budget_mb(),
+        "MB of committed KV and feature rows kept by token prefix for later prompts that start with them (a "
+        "chat's next turn, a shared system prompt); least recently used out first (0: off; default: a tenth of "
+        "this machine's memory, at most 4 GiB). The engine's targets only",
+    )
+    max_messages_per_step: int = setting(
+        64, "messages taken in between two decode steps (bounds what a flood from one peer costs the others)"
+    )
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_new_tokens_limit <= MAX_REPLY_TOKENS:
+            # Else a request would be accepted, run to its end, and have its `done` refused by the wire.
+            raise ValueError(
+                f"max_new_tokens_limit must be in [1, {MAX_REPLY_TOKENS}] (what one reply carries), "
+                f"got {self.max_new_tokens_limit}"
+            )
+        if self.max_silence < 0:
+            raise ValueError("max_silence must be 0 (wait forever) or a number of seconds")
+        if self.prefix_cache_mb < 0:
+            raise ValueError("prefix_cache_mb must be 0 (off) or a number of MB")
