@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+from launch.bench_http import stream_chat
 from launch.client import TargetClient
 from launch.common import resolve_model
 from launch.local import daemon, free_address, free_port
@@ -75,26 +76,12 @@ def ask_http(url: str, model: str, messages: list[dict], max_tokens: int) -> dic
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900)
-    began, first, pieces, usage = time.perf_counter(), None, [], None
     try:
-        stream = client.chat.completions.create(
-            model=model,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                first = first or time.perf_counter()
-                pieces.append(chunk.choices[0].delta.content)
-            if chunk.usage is not None:
-                usage = chunk.usage
+        text, usage, began, first = stream_chat(client, model, messages, max_tokens)
     finally:
         client.close()
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    return answer("".join(pieces), usage.completion_tokens, usage.prompt_tokens, cached, began, first)
+    return answer(text, usage.completion_tokens, usage.prompt_tokens, cached, began, first)
 
 
 def ask_msgpack(address: str, messages: list[dict], max_tokens: int) -> dict:

@@ -36,11 +36,13 @@ def timed_msgpack(client: TargetClient, prompt: str, max_tokens: int) -> dict:
     return measured("".join(chunks), reply["stats"]["new_tokens"], began, first, end)
 
 
-def timed_http(client, model: str, prompt: str, max_tokens: int) -> dict:  # client: openai.OpenAI
-    began, first, pieces, tokens = time.perf_counter(), None, [], 0
+def stream_chat(client, model: str, messages: list[dict], max_tokens: int) -> tuple[str, object, float, float | None]:
+    """One streamed greedy chat completion (client: openai.OpenAI): its text, its usage, when it
+    was sent and when its first text came."""
+    began, first, pieces, usage = time.perf_counter(), None, [], None
     stream = client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": prompt}],
+        messages=messages,
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
@@ -51,9 +53,14 @@ def timed_http(client, model: str, prompt: str, max_tokens: int) -> dict:  # cli
             first = first or time.perf_counter()
             pieces.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
+            usage = chunk.usage
+    return "".join(pieces), usage, began, first
+
+
+def timed_http(client, model: str, prompt: str, max_tokens: int) -> dict:  # client: openai.OpenAI
+    text, usage, began, first = stream_chat(client, model, [{"role": "user", "content": prompt}], max_tokens)
     end = time.perf_counter()
-    return measured("".join(pieces), tokens, began, first, end)
+    return measured(text, usage.completion_tokens if usage is not None else 0, began, first, end)
 
 
 def measured(text: str, tokens: int, began: float, first: float, end: float) -> dict:
