@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
 def run_stages(args: argparse.Namespace, ranks) -> None:
     """The stages --stage names, on this rank: generation and features sharded by rank, training
     data-parallel, everything else (one-process work) on rank 0 alone."""
-    from draft_node.checkpoint import config_for_target, save_draft_vocab
+    from draft_node.checkpoint import save_draft_vocab
     from target_node.model.target import TargetModel
     from training.answer_store import AnswerStore
     from training.features import FeatureCache
@@ -320,21 +320,7 @@ def run_stages(args: argparse.Namespace, ranks) -> None:
     generating = args.stage in ("gen", "all")
     dtype = named_dtype(args.gen_dtype, args.device) if generating else torch.float32
     target = TargetModel.load(args.model, args.device, dtype)
-    taps = [int(x) for x in args.taps.split(",")] if args.taps else None
-    cfg = config_for_target(
-        target.config,
-        num_layers=args.layers,
-        block_size=args.block_size,
-        target_layer_ids=taps,
-        mask_token_id=args.mask_token_id,
-        dflash2=args.format == "dflash2",
-    )
-    if cfg.dflash2:
-        cfg = replace(
-            cfg,
-            selector_rank=args.selector_rank or cfg.selector_rank,
-            selector_top_k=args.selector_top_k or cfg.selector_top_k,
-        )
+    cfg = drafter_config(args, target)
     layers = "-".join(map(str, cfg.target_layer_ids))
     features = FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{layers}", cfg.feature_width)
     if generating:
@@ -363,6 +349,28 @@ def run_stages(args: argparse.Namespace, ranks) -> None:
         log(f"draft vocabulary: {len(ids)} tokens -> {save_draft_vocab(args.out, ids)}")
     if args.stage in ("train", "all"):
         train_stage(args, target, cfg, answers, features, work, log, ranks)
+
+
+def drafter_config(args: argparse.Namespace, target):
+    """The drafter this run trains, for `target`, from the shape flags."""
+    from draft_node.checkpoint import config_for_target
+
+    taps = [int(x) for x in args.taps.split(",")] if args.taps else None
+    cfg = config_for_target(
+        target.config,
+        num_layers=args.layers,
+        block_size=args.block_size,
+        target_layer_ids=taps,
+        mask_token_id=args.mask_token_id,
+        dflash2=args.format == "dflash2",
+    )
+    if not cfg.dflash2:
+        return cfg
+    return replace(
+        cfg,
+        selector_rank=args.selector_rank or cfg.selector_rank,
+        selector_top_k=args.selector_top_k or cfg.selector_top_k,
+    )
 
 
 def _rank_log(ranks):

@@ -532,16 +532,7 @@ def train(
             f"nothing to train on: of {len(answers)} answers none outside the held-out split has cached "
             "features and two answer tokens (generate more, or run --stage features)"
         )
-    if resume and state_path.exists():
-        trainer.load_state(torch.load(state_path, map_location=trainer.dev, weights_only=False))
-        log(f"resumed at step {trainer.step}")
-    elif init and str(init).startswith(TARGET_INIT):
-        layer_ids = [int(x) for x in str(init)[len(TARGET_INIT) :].split(",")]
-        trainer.init_from_target(target.model, layer_ids)
-        log(f"layers initialized from the target's decoder layers {layer_ids}")
-    elif init:
-        trainer.init_from(load_drafter(init))
-        log(f"initialized from {init}")
+    _start(trainer, target, state_path if resume else None, init, log)
     log(
         f"train: {len(trainer.train_records)} answers "
         f"({sum(len(r.tokens) - r.prompt_len for r in trainer.train_records)} answer tokens), "
@@ -576,6 +567,20 @@ def train(
             log(f"final step {trainer.step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f}")
     ranks.barrier()  # the checkpoint is written before any rank goes on to read it
     return trainer
+
+
+def _start(trainer: Trainer, target, state_path: Path | None, init: str | Path | None, log) -> None:
+    """Where a run's weights start: its saved state (resuming), a checkpoint, target layers, or fresh."""
+    if state_path is not None and state_path.exists():
+        trainer.load_state(torch.load(state_path, map_location=trainer.dev, weights_only=False))
+        log(f"resumed at step {trainer.step}")
+    elif init and str(init).startswith(TARGET_INIT):
+        layer_ids = [int(x) for x in str(init)[len(TARGET_INIT) :].split(",")]
+        trainer.init_from_target(target.model, layer_ids)
+        log(f"layers initialized from the target's decoder layers {layer_ids}")
+    elif init:
+        trainer.init_from(load_drafter(init))
+        log(f"initialized from {init}")
 
 
 def _quiet(message: str) -> None:
