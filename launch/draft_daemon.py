@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> None:
         "--keep-mb",
         type=int,
         default=KEEP_BYTES >> 20,
-        help="MB of prefixes' context keys and values kept for targets' prefix caches (`keep`), per peer, least "
-        "recently used out first: a target's later request with that prefix sends none of its feature rows (0: off)",
+        help="MB of prefixes' context keys and values kept for targets' prefix caches (`keep`), over all peers, "
+        "least recently used out first: a target's later request with that prefix sends none of its feature rows "
+        "(0: off)",
     )
     add_server_security_args(parser)
     add_model_args(parser, "drafter")

@@ -139,9 +139,8 @@ class Sequence:
         governor = self.governor
         drafting = governor is None or bool(self.hints) or (governor.pays_at(batch) and governor.should_draft())
         self.limit = budget if drafting else 0
-        prefetch = getattr(self.proposer, "prefetch", None)
-        if self.limit > 0 and prefetch is not None:
-            prefetch(self.prompt + self.output.tokens, self.limit)
+        if self.limit > 0:
+            self.proposer.prefetch(self.prompt + self.output.tokens, self.limit)
 
     def part(self) -> Part:
         """This sequence's rows for the next forward (after `prepare`)."""

@@ -44,8 +44,8 @@ class Proposer(Protocol):
     def propose(self, tokens: list[int], max_tokens: int) -> Proposal: ...
 
     def prefetch(self, tokens: list[int], max_tokens: int) -> None:
-        """Optional: start the `propose` that follows with the same arguments (a remote drafter
-        sends its request now, so the drafts of a batch's requests overlap)."""
+        """Start the `propose` that follows with the same arguments (a remote drafter sends its
+        request now, so the drafts of a batch's requests overlap); others do nothing here."""
 
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         """The target committed positions [start, start + rows); `features` are their taps."""
