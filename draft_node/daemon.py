@@ -20,6 +20,7 @@ import torch
 from draft_node.kept_prefixes import KeptPrefixes
 from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, drafts_alone_in_one_pass, timed_pass
 from draft_node.model import DFlashDrafter
+from draft_node.settings import DraftSettings
 from protocol import FLOAT_DTYPES, MAX_HEADER_BYTES, ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
 from protocol.messages import fit_problems
@@ -32,14 +33,6 @@ MAX_BURST = 64  # requests taken from the socket at once, at most
 # ... and the tensor bytes they carry: a burst of targets resending whole rings (after a restart)
 # is read a few at a time, not 32 x 22 MiB at once.
 MAX_BURST_BYTES = 64 << 20
-# Feature rows one drafting pass computes at most: a batching target's step brings a few rows a
-# session, so a burst of them is one pass; full-ring resends are drafted a few at a time, at the
-# memory and time of drafting them one by one (one pass over all of them held every session's
-# activations at once: 4 GB for 32 resends of 4,096 rows, and 2.6x the time).
-MAX_PASS_ROWS = 1024
-# Context K/V of prefixes targets asked to keep (`keep`): the shipped SmolLM2 drafter holds
-# 1,536 bytes a position in bf16, so this is ~170K positions.
-KEEP_BYTES = 256 << 20
 
 
 @dataclass
@@ -55,32 +48,25 @@ class Session:
 class DraftService:
     """Message in, reply out: the daemon's logic without the socket, so it is easy to test."""
 
-    def __init__(
-        self,
-        drafter: DFlashDrafter,
-        ring_capacity: int = 4096,
-        max_sessions: int = 64,
-        idle_timeout_s: float = 600.0,
-        reclaim_after_s: float = 30.0,
-        max_sessions_per_peer: int = 32,
-        max_pass_rows: int = MAX_PASS_ROWS,
-        keep_bytes: int = KEEP_BYTES,
-    ) -> None:
+    def __init__(self, drafter: DFlashDrafter, settings: DraftSettings | None = None) -> None:
         """Sessions are shared fairly between peers: one peer holds at most
         `max_sessions_per_peer`, and a full daemon takes a slot from another peer only if that
-        peer holds more than its fair share, left that session idle for `reclaim_after_s` and has
+        peer holds more than its fair share, left that session idle for `reclaim_after` and has
         itself said nothing for as long (a live target pings at least every KEEPALIVE_S)."""
+        settings = settings or DraftSettings()
         self.drafter = drafter
         self.config = drafter.config
-        self.ring_capacity = ring_capacity
-        self.max_sessions = max_sessions
-        self.idle_timeout_s = idle_timeout_s
+        self.ring_capacity = settings.ring_capacity
+        self.max_sessions = settings.max_sessions
+        self.idle_timeout_s = settings.idle_timeout
         # A full daemon takes a slot from another peer only if that session has been idle this
         # long: a live target touches its session every step.
-        self.reclaim_after_s = reclaim_after_s
-        self.max_sessions_per_peer = max_sessions_per_peer
-        self.max_pass_rows = max_pass_rows
-        self.kept = KeptPrefixes(keep_bytes)  # prefixes' context K/V, by (peer, the target's name)
+        self.reclaim_after_s = settings.reclaim_after
+        self.max_sessions_per_peer = settings.max_sessions_per_peer
+        self.max_pass_rows = settings.max_pass_rows
+        self.kept = KeptPrefixes(
+            round(settings.keep_mb * (1 << 20))
+        )  # prefixes' context K/V, by (peer, the target's name)
         self.sessions: dict[tuple[str, str], Session] = {}  # (owner, name) -> session
         self.heard: dict[str, float] = {}  # peer holding sessions -> when it last sent anything
         self.wire_dtypes = list(FLOAT_DTYPES)

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from draft_node.checkpoint import load_drafter
-from draft_node.daemon import MAX_PASS_ROWS, DraftService
+from draft_node.daemon import DraftService
+from draft_node.settings import DraftSettings
 from launch.common import DTYPE_CHOICES, ensure_default_drafter, named_dtype
 from protocol import Message, decode, encode
 
@@ -120,7 +121,9 @@ def resend_way(args: argparse.Namespace, folder: str) -> dict:
     drafter = load_drafter(folder, args.device, named_dtype(args.dtypes.split(",")[-1], args.device))
     cfg, g = drafter.config, torch.Generator().manual_seed(0)
     rows_cap = {"bounded_passes": args.max_pass_rows, "one_pass": 1 << 40, "one_by_one": args.max_pass_rows}
-    service = DraftService(drafter, ring_capacity=args.resend_rows, max_pass_rows=rows_cap[args.resend_way])
+    service = DraftService(
+        drafter, DraftSettings(ring_capacity=args.resend_rows, max_pass_rows=rows_cap[args.resend_way])
+    )
     wire = str(drafter.dtype).removeprefix("torch.")
     burst = []
     for i in range(args.resend):
@@ -211,7 +214,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", help="target for --steps-of (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--resend", type=int, default=0, help="also time a burst of N whole-ring resends (0: skip)")
     ap.add_argument("--resend-rows", type=int, default=4096, help="rows each resend carries (its ring)")
-    ap.add_argument("--max-pass-rows", type=int, default=MAX_PASS_ROWS, help="the bound of the bounded way")
+    ap.add_argument(
+        "--max-pass-rows", type=int, default=DraftSettings.max_pass_rows, help="the bound of the bounded way"
+    )
     ap.add_argument("--resend-way", choices=RESEND_WAYS, help=argparse.SUPPRESS)  # one way, in a child
     ap.add_argument("--out", help="write the result as JSON here")
     args = ap.parse_args(argv)
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
         drafter = load_drafter(folder, args.device, dtype)
         for sessions in (int(n) for n in args.sessions.split(",")):
             # Each way drafts its own copy of the same sessions, so both see the same contexts.
-            ways = {way: DraftService(drafter, ring_capacity=4096) for way in ("one_by_one", "together")}
+            ways = {way: DraftService(drafter, DraftSettings(ring_capacity=4096)) for way in ("one_by_one", "together")}
             bursts = {way: Burst(service, sessions, args.context, args.new) for way, service in ways.items()}
             spent, last = dict.fromkeys(ways, 0.0), {}
             for _ in range(args.rounds):

@@ -50,20 +50,24 @@ def shown(value, unit: str) -> str:
     return f"{value:g} {unit}" if unit else f"{value:g}"
 
 
-def test_the_limits_table_says_what_the_target_daemons_settings_say():
-    """Each limit in ServiceSettings has its row in docs/serving.md, naming its flag, with the
-    field's own default (the settings object is where a limit is written)."""
+@pytest.mark.parametrize("daemon", ["target", "draft"])
+def test_the_limits_table_says_what_each_daemons_settings_say(daemon):
+    """Each limit in a daemon's settings (ServiceSettings, DraftSettings) has its row in
+    docs/serving.md, naming its flag and the daemon, with the field's own default: the settings
+    object is where a limit is written."""
     from dataclasses import fields
 
+    from draft_node.settings import DraftSettings
     from target_node.serving.settings import ServiceSettings
 
+    settings = {"target": ServiceSettings, "draft": DraftSettings}[daemon]
     rows = {}
     for line in (ROOT / "docs" / "serving.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        flag = re.match(r"`(--[a-z-]+)` \(target\)", cells[1]) if line.startswith("|") and len(cells) == 4 else None
+        flag = re.match(rf"`(--[a-z-]+)` \({daemon}\)", cells[1]) if line.startswith("|") and len(cells) == 4 else None
         if flag:
             rows[flag.group(1)] = cells[2]
-    for f in fields(ServiceSettings):
+    for f in fields(settings):
         if not f.metadata["limit"]:
             continue
         flag = "--" + f.name.replace("_", "-")

@@ -20,6 +20,7 @@ from draft_node.checkpoint import load_drafter, random_drafter
 from draft_node.config import FULL, SLIDING, in_dflash2
 from draft_node.daemon import DraftService
 from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, drafts_alone_in_one_pass, propose
+from draft_node.settings import DraftSettings
 from protocol import decode, encode
 
 SHIPPED = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
@@ -102,7 +103,10 @@ def test_the_service_drafts_a_burst_together_and_answers_each_as_alone():
     propose answered with its error while the others of its burst are drafted."""
     drafter = _drafter("tiny", torch.float32)
     cfg = drafter.config
-    alone, together = DraftService(drafter, ring_capacity=32), DraftService(drafter, ring_capacity=32)
+    alone, together = (
+        DraftService(drafter, DraftSettings(ring_capacity=32)),
+        DraftService(drafter, DraftSettings(ring_capacity=32)),
+    )
     mask = torch.randn(1, cfg.hidden_size)
     g = torch.Generator().manual_seed(1)
     burst = []
@@ -139,7 +143,10 @@ def test_a_burst_of_full_ring_resends_is_drafted_in_passes_of_bounded_rows(monke
     propose alone); the bits are those of each alone, and small steps still share a pass."""
     drafter = _drafter("tiny", torch.float32)
     cfg = drafter.config
-    bounded, alone = DraftService(drafter, ring_capacity=64, max_pass_rows=100), DraftService(drafter, 64)
+    bounded, alone = (
+        DraftService(drafter, DraftSettings(ring_capacity=64, max_pass_rows=100)),
+        DraftService(drafter, DraftSettings(ring_capacity=64)),
+    )
     passes = []
     real = draft_daemon.timed_pass
     monkeypatch.setattr(
@@ -176,7 +183,7 @@ def test_a_device_where_a_pass_changes_bits_drafts_one_by_one(monkeypatch):
     original = draft_model.Linear.forward
     monkeypatch.setattr(draft_model.Linear, "forward", lambda self, x: original(self, x) * (1 + 1e-3 * x.numel()))
     assert not drafts_alone_in_one_pass(drafter)
-    service = DraftService(drafter, ring_capacity=32)
+    service = DraftService(drafter, DraftSettings(ring_capacity=32))
     assert not service.together
     cfg = drafter.config
     mask = torch.randn(1, cfg.hidden_size)
@@ -258,7 +265,7 @@ def test_a_step_shares_its_drafting_time_evenly_among_the_sequences_that_drafted
 def test_a_bug_admitting_one_propose_of_a_burst_costs_its_reply_only(monkeypatch):
     drafter = _drafter("tiny", torch.float32)
     cfg = drafter.config
-    service = DraftService(drafter, ring_capacity=32)
+    service = DraftService(drafter, DraftSettings(ring_capacity=32))
     burst = []
     for i in range(3):
         service.handle(_request("open", {"session": f"s{i}"}, {"mask": torch.randn(1, cfg.hidden_size)}))

@@ -10,6 +10,7 @@ from helpers import draft_daemon, drafter_config
 
 from draft_node.checkpoint import load_drafter, random_drafter, save_drafter
 from draft_node.daemon import DraftService
+from draft_node.settings import DraftSettings
 from protocol import PROTOCOL_VERSION, decode, encode
 from protocol.transport import dealer, receive
 
@@ -19,7 +20,7 @@ TARGET = {"hidden_size": 32, "num_hidden_layers": 4, "vocab_size": 100}
 
 @pytest.fixture
 def service():
-    svc = DraftService(random_drafter(CFG), ring_capacity=64, max_sessions=2, idle_timeout_s=60)
+    svc = DraftService(random_drafter(CFG), DraftSettings(ring_capacity=64, max_sessions=2, idle_timeout=60))
     assert call(svc, "open", session="a").type == "ok"
     return svc
 
@@ -118,7 +119,7 @@ def test_sessions_are_evicted_when_idle_or_when_full(service):
 def test_one_peer_holds_at_most_its_quota_whatever_the_tables_state():
     """The quota used to be checked only when the table was full: on an empty daemon one peer
     opened all 40 of 40 sessions. Now the 33rd is refused, and a later peer opens its own."""
-    svc = DraftService(random_drafter(CFG), ring_capacity=16, max_sessions=40, max_sessions_per_peer=32)
+    svc = DraftService(random_drafter(CFG), DraftSettings(ring_capacity=16, max_sessions=40, max_sessions_per_peer=32))
     replies = [call(svc, "open", peer="hog", session=f"h{i}") for i in range(40)]
     assert [r.type for r in replies] == ["ok"] * 32 + ["error"] * 8
     assert "holds 32 sessions (limit 32)" in replies[-1]["message"]
@@ -132,7 +133,8 @@ def test_a_full_table_evicts_no_live_session_and_no_live_peers_idle_one():
     though its target was alive, only between requests. Now a session goes only if idle and its
     owner silent that long, and a newcomer of many identities takes nothing from a live peer."""
     svc = DraftService(
-        random_drafter(CFG), ring_capacity=16, max_sessions=8, reclaim_after_s=0.05, max_sessions_per_peer=8
+        random_drafter(CFG),
+        DraftSettings(ring_capacity=16, max_sessions=8, reclaim_after=0.05, max_sessions_per_peer=8),
     )
     for i in range(4):
         assert call(svc, "open", peer="target", session=f"t{i}").type == "ok"
@@ -154,7 +156,8 @@ def test_a_full_table_evicts_no_live_session_and_no_live_peers_idle_one():
 
 def test_a_peer_keeping_many_sessions_alive_takes_no_other_peers_slot():
     svc = DraftService(
-        random_drafter(CFG), ring_capacity=16, max_sessions=6, reclaim_after_s=0.05, max_sessions_per_peer=4
+        random_drafter(CFG),
+        DraftSettings(ring_capacity=16, max_sessions=6, reclaim_after=0.05, max_sessions_per_peer=4),
     )
     for name in ("v0", "v1"):
         assert call(svc, "open", peer="victim", session=name).type == "ok"
@@ -253,7 +256,7 @@ def test_a_burst_stops_taking_messages_once_they_carry_max_burst_bytes(tmp_path,
 def test_a_kept_prefix_starts_another_session_of_the_peer_as_its_rows_would():
     """`keep` then `restore`: the second session drafts, from the rows after the prefix only, the
     bits a session sent every row drafts; another peer cannot name the prefix."""
-    service = DraftService(random_drafter(CFG), ring_capacity=64, max_sessions=4)
+    service = DraftService(random_drafter(CFG), DraftSettings(ring_capacity=64, max_sessions=4))
     mask, features, noise = torch.randn(1, 32), torch.randn(20, 64), torch.randn(1, 32)
     for session in ("a", "b"):
         assert call(service, "open", {"mask": mask}, session=session).type == "ok"
@@ -273,7 +276,7 @@ def test_a_kept_prefix_starts_another_session_of_the_peer_as_its_rows_would():
 
 
 def test_kept_prefixes_stay_within_their_bytes_under_a_flood():
-    svc = DraftService(random_drafter(CFG), ring_capacity=64, max_sessions=2, keep_bytes=40_000)
+    svc = DraftService(random_drafter(CFG), DraftSettings(ring_capacity=64, max_sessions=2, keep_mb=40_000 / (1 << 20)))
     call(svc, "open", session="a")
     propose(svc, position=40)
     for i in range(500):

@@ -15,6 +15,7 @@ from helpers import assert_lossless, drafter_config, free_tcp_address, greedy, t
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 from draft_node.daemon import DraftService
+from draft_node.settings import DraftSettings
 from launch.draft_daemon import main as draft_daemon_main
 from launch.local import daemon
 from launch.processes import rss_mb
@@ -263,7 +264,7 @@ def test_plaintext_beyond_loopback_is_refused_unless_asked_for(caplog, capsys):
 
 
 def test_without_curve_a_session_belongs_to_the_connection_that_opened_it():
-    service = DraftService(random_drafter(drafter_config(num_hidden_layers=1)), ring_capacity=16)
+    service = DraftService(random_drafter(drafter_config(num_hidden_layers=1)), DraftSettings(ring_capacity=16))
 
     def call(peer, type_, tensors=None, **fields):
         msg = decode(encode(type_, 1, fields, tensors))

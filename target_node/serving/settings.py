@@ -7,16 +7,11 @@ so a limit is written once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from draft_node.settings import setting
 from protocol.messages import MAX_REPLY_TOKENS
 from target_node.serving.prefix_cache import default_budget_mb
-
-
-def setting(default, help: str, unit: str = "", limit: bool = True):
-    """A field with its help; `unit` says how the docs write its default ("ms", "s", "bytes"), and
-    `limit` whether the docs' limits table lists it."""
-    return field(default=default, metadata={"help": help, "unit": unit, "limit": limit})
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,58 @@
+"""What a draft daemon allows: one object, one field per flag.
+
+Each field carries its default and its help; the daemon's command line is built from them
+(`launch.common.add_settings`), and the limits table in docs/serving.md is tested against them.
+`setting` is the one way a daemon's settings field is declared (the target daemon's too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.messages import KEEPALIVE_S
+
+
+def setting(default, help: str, unit: str = "", limit: bool = True):
+    """A field with its help; `unit` says how the docs write its default ("ms", "s", "bytes"), and
+    `limit` whether the docs' limits table lists it."""
+    return field(default=default, metadata={"help": help, "unit": unit, "limit": limit})
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    ring_capacity: int = setting(4096, "context positions kept per session", limit=False)
+    max_sessions: int = setting(64, "sessions held at once, over all targets")
+    max_sessions_per_peer: int = setting(
+        32,
+        "sessions one target (one CURVE key, or one connection without CURVE) may hold; a target needs one per "
+        "request it runs at once (its --max-batch)",
+    )
+    idle_timeout: float = setting(600.0, "seconds before an idle session is evicted", unit="s")
+    reclaim_after: float = setting(
+        30.0,
+        "when all sessions are taken, a session idle this many seconds may be evicted if its target holds more "
+        f"than its fair share and has said nothing for as long (live targets ping every {KEEPALIVE_S:g} s, so "
+        "keep this well above that)",
+        unit="s",
+        limit=False,
+    )
+    # A burst of whole-ring resends in one pass held every session's activations at once (4 GB for
+    # 32 resends of 4,096 rows, and 2.6x the time): passes are bounded in feature rows.
+    max_pass_rows: int = setting(
+        1024,
+        "feature rows one drafting pass takes at most: proposes that arrive together are drafted in one pass up "
+        "to this, so a burst of whole-ring resends costs what drafting them one by one does",
+    )
+    # The shipped SmolLM2 drafter holds 1,536 bytes a position in bf16: 256 MB is ~170K positions.
+    keep_mb: float = setting(
+        256.0,
+        "MB of prefixes' context keys and values kept for targets' prefix caches (`keep`), over all peers, least "
+        "recently used out first: a target's later request with that prefix sends none of its feature rows (0: off)",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("ring_capacity", "max_sessions", "max_sessions_per_peer", "max_pass_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.idle_timeout <= 0 or self.reclaim_after < 0 or self.keep_mb < 0:
+            raise ValueError("idle_timeout must be > 0 s, reclaim_after >= 0 s and keep_mb >= 0")
