@@ -64,9 +64,7 @@ class DraftService:
         self.reclaim_after_s = settings.reclaim_after
         self.max_sessions_per_peer = settings.max_sessions_per_peer
         self.max_pass_rows = settings.max_pass_rows
-        self.kept = KeptPrefixes(
-            round(settings.keep_mb * (1 << 20))
-        )  # prefixes' context K/V, by (peer, the target's name)
+        self.kept = KeptPrefixes(round(settings.keep_mb * (1 << 20)))  # by (peer, the target's name)
         self.sessions: dict[tuple[str, str], Session] = {}  # (owner, name) -> session
         self.heard: dict[str, float] = {}  # peer holding sessions -> when it last sent anything
         self.wire_dtypes = list(FLOAT_DTYPES)

@@ -22,7 +22,8 @@ import torch
 class KeptPrefixes:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self.entries: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        # (peer, name) -> (keys, values, their bytes)
+        self.entries: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
         self.held = 0
         self.counters = {"kept": 0, "restored": 0, "missed": 0, "evicted": 0}
         self.by_peer = True  # scope names by peer (CURVE keys); False: names alone (see above)
@@ -37,7 +38,7 @@ class KeptPrefixes:
         self._drop(key)
         if size > self.max_bytes:
             return False
-        self.entries[key] = (keys, values)
+        self.entries[key] = (keys, values, size)
         self.held += size
         self.counters["kept"] += 1
         while self.held > self.max_bytes:
@@ -54,13 +55,13 @@ class KeptPrefixes:
             return None
         self.entries.move_to_end(key)
         self.counters["restored"] += 1
-        keys, values = found
+        keys, values, _ = found
         return keys[:, :, :rows], values[:, :, :rows]
 
     def _drop(self, key: tuple[str, str]) -> None:
         found = self.entries.pop(key, None)
         if found is not None:
-            self.held -= 2 * found[0].numel() * found[0].element_size()
+            self.held -= found[2]
 
     def of(self, peer: str) -> int:
         """Entries this peer holds (what its own `stats` may show; 0 where names alone key them)."""

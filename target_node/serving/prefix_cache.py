@@ -89,7 +89,8 @@ class PrefixCache:
         self.held = 0
         # Names a draft daemon keeps the drafter's context under: unguessable, and new in every
         # process, so no other target can name them and a restarted one never reuses them.
-        self.names = (f"{secrets.token_hex(16)}-{n}" for n in itertools.count())
+        secret = secrets.token_hex(16)
+        self.names = (f"{secret}-{n}" for n in itertools.count())
         self.counters = {"lookups": 0, "hits": 0, "tokens_reused": 0, "stored": 0, "evicted": 0}
 
     def lookup(self, prompt: list[int], taps: tuple[int, ...]) -> Prefix | None:
