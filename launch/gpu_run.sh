@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-shot GPU run, as the device machine gets it: install the wheels it lacks (pyzmq,
-# gguf) from .whl/, join the SmolLM2 GGUF parts carried in .gpu/, then run launch.gpu_run.
-# Usage there:  bash launch/gpu_run.sh "$OUT" [extra launch.gpu_run flags]
+# gguf) from .whl/, join the SmolLM2 GGUF parts carried in .gpu/, then run benchmarks.gpu_run.
+# Usage there:  bash launch/gpu_run.sh "$OUT" [extra benchmarks.gpu_run flags]
 set -euo pipefail
 py="${PYTHON:-python3}"  # the GPU machine's own python (torch is installed there)
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,4 +21,4 @@ if compgen -G ".gpu/*.gguf.part*" > /dev/null; then
   gguf=(--gguf-folder /tmp/gguf)
 fi
 export PYTHONUNBUFFERED=1
-"$py" -m launch.gpu_run --out "$out" ${gguf[@]+"${gguf[@]}"} "$@" 2>&1 | tee "$out/log.txt"
+"$py" -m benchmarks.gpu_run --out "$out" ${gguf[@]+"${gguf[@]}"} "$@" 2>&1 | tee "$out/log.txt"

@@ -4,7 +4,7 @@ import json
 import math
 from pathlib import Path
 
-from launch import bench
+from benchmarks import bench
 
 
 def test_quick_benchmark_produces_well_formed_results(tmp_path):

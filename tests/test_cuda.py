@@ -1,6 +1,6 @@
 """The GPU path: the same losslessness checks with models on a CUDA device. Skipped without one.
 
-`launch/gpu_run.py` runs this file first when a GPU is lent; elsewhere it only proves it collects.
+`benchmarks/gpu_run.py` runs this file first when a GPU is lent; elsewhere it only proves it collects.
 """
 
 import copy

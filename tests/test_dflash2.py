@@ -397,7 +397,7 @@ def test_a_target_that_drives_dflash_only_is_refused_with_the_reason(target, che
 
 
 def test_the_selector_benchmark_times_both_paths_on_a_saved_drafter(target, checkpoint, tmp_path):
-    from launch.bench_selector import main
+    from benchmarks.bench_selector import main
 
     target.model.save_pretrained(tmp_path / "model")
     result = main(["--drafter", str(checkpoint), "--model", str(tmp_path / "model"), "--rounds", "1", "--calls", "3"])

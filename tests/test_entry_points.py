@@ -46,3 +46,12 @@ def test_a_users_mistake_is_one_line_on_stderr_not_a_traceback(module, args, say
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 1, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and says in last and last.startswith("dflash-"), done.stderr[-2000:]
+
+
+def test_launch_holds_only_entry_points_and_their_helpers():
+    """Benchmarks, harnesses and library code live elsewhere: launch/ is where a user starts a command."""
+    launch = Path(__file__).resolve().parent.parent / "launch"
+    entry_points = {target.split(":")[0] for target in SCRIPTS.values() if target.startswith("launch.")}
+    helpers = {"launch.__init__", "launch.common", "launch.net", "launch.processes"}
+    modules = {f"launch.{path.stem}" for path in launch.glob("*.py")}
+    assert modules - entry_points - helpers == set()

@@ -1,9 +1,9 @@
-"""launch.evaluate end to end on a tiny chat target: two drafters side by side, one reference."""
+"""benchmarks.evaluate end to end on a tiny chat target: two drafters side by side, one reference."""
 
 import json
 
+from benchmarks import evaluate
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
-from launch import evaluate
 from target_node.model.target import TargetModel
 
 

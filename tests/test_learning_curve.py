@@ -1,6 +1,6 @@
 """docs/training.md's learning curve comes from a committed file: it must stay readable and ordered."""
 
-from launch.learning_curve import DEFAULT_POINTS, main
+from benchmarks.learning_curve import DEFAULT_POINTS, main
 
 
 def test_the_committed_curve_prints_a_row_per_drafter_in_order_of_data(capsys):

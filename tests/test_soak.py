@@ -9,7 +9,7 @@ import sys
 
 def test_a_short_soak_loses_nothing_and_every_greedy_output_is_its_own(tmp_path):
     out = tmp_path / "soak.json"
-    command = [sys.executable, "-m", "launch.soak", "--tiny", "--seconds", "25", "--clients", "4"]
+    command = [sys.executable, "-m", "benchmarks.soak", "--tiny", "--seconds", "25", "--clients", "4"]
     command += ["--chaos-every", "6", "--max-batch", "4", "--json", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -432,7 +432,7 @@ def test_thousands_of_refused_requests_leave_the_daemon_serving(served, keys):
     """Each request refused at admission (here: over --max-new-tokens-limit) could leave a wake
     byte in the server's inproc pipe; about 1,500 filled it and the daemon died with zmq.Again,
     every client's requests lost (tests/test_protocol.py pins the cause). Here 2,000 one at a time
-    and 2,000 pipelined, each answered; `python -m launch.flood` runs 3,000 of each."""
+    and 2,000 pipelined, each answered; `python -m benchmarks.flood` runs 3,000 of each."""
     sock = dealer(zmq.Context.instance(), served.address, curve=link(keys))
     over = {"token_ids": PROMPT, "max_new_tokens": LONG + 1, "stream": False}
     codes = Counter()
@@ -457,8 +457,8 @@ def test_thousands_of_refused_requests_leave_the_daemon_serving(served, keys):
 
 
 def test_the_flood_command_runs_its_refusal_scenario(served, tmp_path):
-    """launch.flood, the long form of these tests, on the tiny model: its figures and verdict."""
-    from launch.flood import main as flood
+    """benchmarks.flood, the long form of these tests, on the tiny model: its figures and verdict."""
+    from benchmarks.flood import main as flood
 
     out = tmp_path / "flood.json"
     args = ["--model", served.model.config.name_or_path, "--refusals", "100", "--only", "refusals", "--out", str(out)]

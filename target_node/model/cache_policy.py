@@ -36,7 +36,7 @@ from transformers.cache_utils import (
 
 from target_node.model.recurrent import CAPTURE, REPLAY, RecurrentRollback
 
-# Replay is the default: faster in 11 of 12 family x acceptance cells of launch.bench_rollback,
+# Replay is the default: faster in 11 of 12 family x acceptance cells of benchmarks.bench_rollback,
 # since capture gives up the mixers' chunked kernels on every verify, accepted or not.
 DEFAULT_RECURRENT = REPLAY
 RECURRENT_POLICIES = (REPLAY, CAPTURE)

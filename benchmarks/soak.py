@@ -1,7 +1,7 @@
 """A soak test: many clients against both daemons for a fixed time, with faults, counting every reply.
 
-    python -m launch.soak --minutes 10 --clients 16          # SmolLM2 and the shipped drafter
-    python -m launch.soak --tiny --seconds 30 --clients 6    # a tiny random pair (the CI form)
+    python -m benchmarks.soak --minutes 10 --clients 16          # SmolLM2 and the shipped drafter
+    python -m benchmarks.soak --tiny --seconds 30 --clients 6    # a tiny random pair (the CI form)
 
 The target daemon (`--max-batch`, the remote drafter) and the draft daemon run as real
 processes. Each client loops until the time is up, picking a request from a fixed pool (prompt
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import zmq
 
-from launch.bench_serving import percentile
+from benchmarks.bench_serving import percentile
 from launch.local import colocated_env, free_address
 from launch.processes import rss_mb, stop
 from protocol import decode, encode
@@ -254,7 +254,7 @@ def tiny_pair(folder: Path) -> tuple[Path, Path]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(
-        prog="python -m launch.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--seconds", type=float, help="the run's length in seconds (instead of --minutes)")

@@ -1,7 +1,7 @@
 """One shot on a GPU: test the CUDA path, benchmark it, then generate and train, all inside a time budget.
 
-    python -m launch.gpu_run --out $OUT --minutes 9            # on a machine with one CUDA GPU
-    python -m launch.gpu_run --out /tmp/gpu-tiny --tiny        # the same steps on CPU, tiny settings (tests)
+    python -m benchmarks.gpu_run --out $OUT --minutes 9            # on a machine with one CUDA GPU
+    python -m benchmarks.gpu_run --out /tmp/gpu-tiny --tiny        # the same steps on CPU, tiny settings (tests)
 
 GPU time is scarce (a lease of minutes), so everything it should do is prepared here and
 runs as one command, each phase time-boxed, every result written as it comes into
@@ -15,7 +15,7 @@ runs as one command, each phase time-boxed, every result written as it comes int
    many prompts' speculative output (chain, tree:8, the default) differs from plain, tok/s, and
    each target's verify cost by width (what the governor weighs);
 4. `bench`: plain vs DFlash on the GPU, the draft daemon a separate process on the same GPU
-   (`launch.evaluate` modes plain, chain, tree:8 and the adaptive default, on held-out prompts);
+   (`benchmarks.evaluate` modes plain, chain, tree:8 and the adaptive default, on held-out prompts);
 5. `batching`: requests decoded side by side against each alone, and what drafting pays as N grows;
 6. `draft_batch`: the draft daemon's proposes in one pass against one by one, and whether its load
    check (each session's bits as alone, torch's kernels in fixed row blocks) let it batch them;
@@ -148,7 +148,7 @@ def exactness(model: Path, drafter: Path, device: str, prompts: int, max_new: in
 
 
 def bench(model: Path, drafter: Path, device: str, prompts: int, max_new: int, threads: int) -> dict:
-    from launch import evaluate
+    from benchmarks import evaluate
     from launch.local import daemon, free_address
 
     address = free_address()
@@ -234,7 +234,7 @@ def batching(model: Path, drafter: Path, device: str, prompts: int, max_new: int
 def draft_batch(drafter: Path, device: str, sessions: str) -> dict:
     """The draft daemon's proposes drafted in one pass against one by one on this device, and
     whether its load check let it draft them together (torch's kernels in fixed row blocks)."""
-    from launch import bench_draft_batch
+    from benchmarks import bench_draft_batch
 
     return bench_draft_batch.main(
         ["--drafter", str(drafter), "--device", device, "--sessions", sessions, "--rounds", "3", "--steps", "5"]
@@ -290,7 +290,7 @@ def train_drafter(common: list[str], out: Path, minutes: float, init: Path | Non
 
 
 def compare(model: Path, drafters: dict[str, Path], device: str, prompts: int, max_new: int) -> dict:
-    from launch import evaluate
+    from benchmarks import evaluate
 
     out = {}
     for name, folder in drafters.items():

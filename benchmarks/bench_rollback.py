@@ -6,7 +6,7 @@ of `--width` tokens, and the rollback after it keeping 1, half or all of them (0
 every draft accepted). Tokens are forced, not decided, so every policy does the same work.
 The step columns are (verify + rollback) / plain step: what a step costs in plain steps.
 
-    python -m launch.bench_rollback --threads 1
+    python -m benchmarks.bench_rollback --threads 1
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _line(row: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m launch.bench_rollback",
+        prog="python -m benchmarks.bench_rollback",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -5,8 +5,8 @@ run) with `training.generate.RefillGenerator`, features captured as in `--stage 
 `--seconds` per setting, and counts every token the target produced, rows still in flight
 included, so a short window measures the steady rate rather than who finished first.
 
-    python -m launch.bench_gen --batch 32,64,128 --threads 1,2 --seconds 120
-    python -m launch.bench_gen --dtypes float32,bfloat16 --rounds 2 --seconds 90   # in turns
+    python -m benchmarks.bench_gen --batch 32,64,128 --threads 1,2 --seconds 120
+    python -m benchmarks.bench_gen --dtypes float32,bfloat16 --rounds 2 --seconds 90   # in turns
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ it answered them one by one (`handle`, which a lone propose still takes). Both r
 same encoded messages, decode and encode included, alternating round by round so machine noise
 falls on both alike; the replies of the two are checked equal, bit for bit.
 
-    python -m launch.bench_draft_batch --sessions 1,2,4,8,16 --threads 1
+    python -m benchmarks.bench_draft_batch --sessions 1,2,4,8,16 --threads 1
 
 `--steps-of N` adds whole target steps: N requests of the target model decoding side by side,
 drafting every step with the in-process drafter, its slots sharing one pass against a pass
@@ -172,7 +172,7 @@ def resend_burst(args: argparse.Namespace, argv: list[str]) -> dict:
     for _ in range(max(1, min(args.rounds, 2))):
         for way in RESEND_WAYS:
             out = subprocess.run(
-                [sys.executable, "-m", "launch.bench_draft_batch", *argv, "--resend-way", way],
+                [sys.executable, "-m", "benchmarks.bench_draft_batch", *argv, "--resend-way", way],
                 check=True,
                 capture_output=True,
                 text=True,

@@ -140,7 +140,9 @@ def report(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m launch.bench_http", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_http",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--proposer", default="none", choices=["none", "ngram"], help="the daemon's proposer")

@@ -4,7 +4,7 @@ A DFlash step's guesses on the target are the draft head's projection and its ar
 DFlash2 step adds the candidates, the lattice, the walk and the re-ranking. Both run here on
 the same drafter rows in one process, alternating, so machine noise falls on both alike.
 
-    python -m launch.bench_selector --drafter DFLASH2_DIR --threads 1
+    python -m benchmarks.bench_selector --drafter DFLASH2_DIR --threads 1
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The drafter's learning curve: held-out tau against answer tokens trained on.
 
-    python -m launch.learning_curve                       # print the table from docs/learning_curve.json
-    python -m launch.learning_curve --png docs/learning_curve.png   # and draw it (needs matplotlib)
+    python -m benchmarks.learning_curve                       # print the table from docs/learning_curve.json
+    python -m benchmarks.learning_curve --png docs/learning_curve.png   # and draw it (needs matplotlib)
 
-Each point is one drafter measured by `launch.evaluate` (chain, drafting every step, at
+Each point is one drafter measured by `benchmarks.evaluate` (chain, drafting every step, at
 temperature 0, on `data/eval_prompts.jsonl`); points are added by hand to the JSON file with
 the data they were trained on, because a drafter's training history lives in no checkpoint.
 """
@@ -53,7 +53,7 @@ def draw(points: list[dict], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m launch.learning_curve",
+        prog="python -m benchmarks.learning_curve",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from launch.bench_http import stream_chat
+from benchmarks.bench_http import stream_chat
 from launch.client import TargetClient
 from launch.common import resolve_model
 from launch.local import daemon, free_address, free_port
@@ -216,7 +216,9 @@ def report(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
-        prog="python -m launch.bench_chat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_chat",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument(

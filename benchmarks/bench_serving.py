@@ -1,6 +1,6 @@
 """Serving under load: N concurrent streaming clients against target daemons, side by side in one run.
 
-    python -m launch.bench_serving --clients 1,2,4,8,16 --threads 2
+    python -m benchmarks.bench_serving --clients 1,2,4,8,16 --threads 2
 
 Daemons (each a real process, SmolLM2 by default, with one draft daemon for those that draft):
 `batched` (the default: `--max-batch` requests per forward, the default speculative mode),

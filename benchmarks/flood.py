@@ -1,7 +1,7 @@
 """Hostile load against a real target daemon, with figures: what tests/ checks in short forms.
 
-    python -m launch.flood --threads 1                 # SmolLM2 (--model for another)
-    python -m launch.flood --refusals 300 --flood-pings 300 --prompt-tokens 600   # quicker
+    python -m benchmarks.flood --threads 1                 # SmolLM2 (--model for another)
+    python -m benchmarks.flood --refusals 300 --flood-pings 300 --prompt-tokens 600   # quicker
 
 Three scenarios, each on a fresh target daemon process (`--proposer none`):
 

@@ -1,8 +1,8 @@
 """Does a drafter earn its keep? Plain greedy against speculative modes, side by side, over a prompt file.
 
-    python -m launch.evaluate --drafter drafters/smollm2 --prompts data/eval_prompts.jsonl
-    python -m launch.evaluate --drafter-address tcp://127.0.0.1:5555 --modes chain,tree:4,tree:8,tree:16,adaptive
-    python -m launch.evaluate --drafter new/ --baseline drafters/smollm2 --modes chain,adaptive
+    python -m benchmarks.evaluate --drafter drafters/smollm2 --prompts data/eval_prompts.jsonl
+    python -m benchmarks.evaluate --drafter-address tcp://127.0.0.1:5555 --modes chain,tree:4,tree:8,tree:16,adaptive
+    python -m benchmarks.evaluate --drafter new/ --baseline drafters/smollm2 --modes chain,adaptive
 
 Every prompt runs first with no proposer (the reference), then in each mode, taking turns,
 so drift in machine load spreads over all of them. Modes:
