@@ -38,6 +38,7 @@ from launch.local import daemon, free_address
 from protocol import decode, encode
 from protocol.transport import dealer, receive, router
 from target_node.decoding.governor import Governor, VerifyCosts
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.stats import Stats
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
@@ -93,11 +94,13 @@ def bench_generation(
         totals = {name: Stats() for name, *_ in modes}
         governors = {name: Governor() for name, *_ in modes}  # as in the daemon: one per proposer
         for _, proposer, _ in modes:
-            generate(target, prompts[0], proposer, 4, adaptive=False)  # warm-up
+            generate(target, prompts[0], proposer, DecodeOptions(4, adaptive=False))  # warm-up
         before = {name: dict(p.backend.counters) if p.backend is not None else {} for name, p, _ in modes}
         for prompt in prompts:
             for name, proposer, adaptive in modes:
-                stats = generate(target, prompt, proposer, max_new, adaptive=adaptive, governor=governors[name]).stats
+                stats = generate(
+                    target, prompt, proposer, DecodeOptions(max_new, adaptive=adaptive), governor=governors[name]
+                ).stats
                 totals[name].add(stats)
         for name, proposer, _ in modes:
             t = totals[name]
@@ -316,11 +319,13 @@ def bench_engines(
         peers["llama.cpp Q4_1 (llama-cpp-python)"] = [0, 0.0]
     hf = {"fp32": targets["float32 transformers path"].model, "bf16": targets["bfloat16 transformers path"].model}
     for name, target in targets.items():  # warm-up
-        generate(target, ids[0], proposers[name], 4, governor=governors[name], tree_nodes=16)
+        generate(target, ids[0], proposers[name], DecodeOptions(4, tree_nodes=16), governor=governors[name])
     for prompt in ids:
         for name, target in targets.items():
-            plain = generate(target, prompt, NoProposer(), max_new)
-            spec = generate(target, prompt, proposers[name], max_new, governor=governors[name], tree_nodes=16)
+            plain = generate(target, prompt, NoProposer(), DecodeOptions(max_new))
+            spec = generate(
+                target, prompt, proposers[name], DecodeOptions(max_new, tree_nodes=16), governor=governors[name]
+            )
             totals[f"{name}: plain"].add(plain.stats)
             totals[f"{name}: default"].add(spec.stats)
             mismatches[name] += spec.tokens != plain.tokens

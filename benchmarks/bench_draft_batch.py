@@ -77,6 +77,7 @@ def target_steps(args: argparse.Namespace, folder: Path) -> dict:
     """ms per batched step of `steps_of` requests drafting every step, one shared pass against a
     pass each, alternating request by request; the outputs of both are checked equal."""
     from launch.common import resolve_model
+    from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sequence import Sequence, step
     from target_node.drafting.proposers import DFlashProposer, DraftPass, LocalDraftBackend
     from target_node.model.target import TargetModel
@@ -91,7 +92,11 @@ def target_steps(args: argparse.Namespace, folder: Path) -> dict:
             shared = DraftPass(drafter) if way == "shared_pass" else None
             sequences = [
                 Sequence(
-                    target, ask, DFlashProposer(LocalDraftBackend(drafter, 1024, shared)), 48, slot=i, adaptive=False
+                    target,
+                    ask,
+                    DFlashProposer(LocalDraftBackend(drafter, 1024, shared)),
+                    DecodeOptions(48, adaptive=False),
+                    slot=i,
                 )
                 for i, ask in enumerate(asks)
             ]

@@ -76,22 +76,23 @@ def backend_for(args: argparse.Namespace, target, folder: str | None, address: s
     return LocalDraftBackend(load_drafter(folder, device=args.device, dtype=dtype_of(args)))
 
 
-def mode_options(mode: str, tree_nodes: int, costs) -> dict:  # costs: a measured VerifyCosts, shared
-    """generate() keywords for a mode name."""
+def mode_options(mode: str, tree_nodes: int, costs) -> tuple[dict, object]:  # costs: a measured VerifyCosts, shared
+    """A mode name's DecodeOptions fields, and its governor (None where it drafts every step)."""
     from target_node.decoding.governor import Governor
 
     if mode == "chain":
-        return {"adaptive": False, "tree_nodes": 0}
+        return {"adaptive": False, "tree_nodes": 0}, None
     if mode.startswith("tree:"):
-        return {"adaptive": False, "tree_nodes": int(mode.split(":", 1)[1])}
+        return {"adaptive": False, "tree_nodes": int(mode.split(":", 1)[1])}, None
     if mode in ("adaptive", "adaptive-chain"):
         governor = Governor(max_nodes=tree_nodes, costs=costs)
-        return {"adaptive": True, "governor": governor, "tree_nodes": tree_nodes if mode == "adaptive" else 0}
+        return {"adaptive": True, "tree_nodes": tree_nodes if mode == "adaptive" else 0}, governor
     raise SystemExit(f"unknown mode {mode!r}: use chain, tree:N, adaptive or adaptive-chain")
 
 
 def evaluate(args: argparse.Namespace) -> dict:
     from target_node.decoding.governor import VerifyCosts
+    from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sampling import SamplingParams
     from target_node.decoding.sequence import generate
     from target_node.decoding.stats import Stats
@@ -121,12 +122,18 @@ def evaluate(args: argparse.Namespace) -> dict:
     rows = []
     for i, text in enumerate(prompts):
         ids = target.encode_chat([{"role": "user", "content": text}])
-        plain = generate(target, ids, NoProposer(), args.max_new_tokens, sampling=sampling)
+        plain = generate(target, ids, NoProposer(), DecodeOptions(args.max_new_tokens, sampling=sampling))
         totals["plain"].add(plain.stats)
         row = {"prompt": text, "tokens": len(plain.tokens), "plain_tok_s": round(plain.stats.decode_tok_s, 2)}
         for mode in modes:
-            proposer, options = runs[mode]
-            spec = generate(target, ids, proposer, args.max_new_tokens, sampling=sampling, **options)
+            proposer, (options, governor) = runs[mode]
+            spec = generate(
+                target,
+                ids,
+                proposer,
+                DecodeOptions(args.max_new_tokens, sampling=sampling, **options),
+                governor=governor,
+            )
             totals[mode].add(spec.stats)
             # Sampled answers differ between runs (different draws); only greedy ones must match.
             same = spec.tokens == plain.tokens or not sampling.is_greedy

@@ -113,6 +113,7 @@ def exactness(model: Path, drafter: Path, device: str, prompts: int, max_new: in
     """Plain and speculative output side by side on each (dtype, path) target, on this device."""
     from draft_node.checkpoint import load_drafter
     from target_node.decoding.governor import Governor, VerifyCosts
+    from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sequence import generate
     from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NoProposer
     from target_node.model.target import TargetModel
@@ -128,15 +129,16 @@ def exactness(model: Path, drafter: Path, device: str, prompts: int, max_new: in
             modes = {
                 "chain": dict(adaptive=False),
                 "tree:8": dict(adaptive=False, tree_nodes=8),
-                "default": dict(governor=Governor(max_nodes=16), tree_nodes=16),
+                "default": dict(tree_nodes=16),
             }
             row = {"differs": dict.fromkeys(modes, 0), "tok_s": dict.fromkeys(["plain", *modes], 0.0)}
             for text in texts:
                 ids = target.encode_chat([{"role": "user", "content": text}])
-                plain = generate(target, ids, NoProposer(), max_new)
+                plain = generate(target, ids, NoProposer(), DecodeOptions(max_new))
                 row["tok_s"]["plain"] += plain.stats.decode_tok_s / len(texts)
                 for mode, options in modes.items():
-                    spec = generate(target, ids, proposer, max_new, **options)
+                    governor = Governor(max_nodes=16) if mode == "default" else None
+                    spec = generate(target, ids, proposer, DecodeOptions(max_new, **options), governor=governor)
                     row["differs"][mode] += spec.tokens != plain.tokens
                     row["tok_s"][mode] += spec.stats.decode_tok_s / len(texts)
             costs = VerifyCosts()
@@ -182,6 +184,7 @@ def batching(model: Path, drafter: Path, device: str, prompts: int, max_new: int
     aggregate tokens/s by batch size."""
     from draft_node.checkpoint import load_drafter
     from target_node.decoding.governor import Governor
+    from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sampling import SamplingParams
     from target_node.decoding.sequence import Sequence, generate, step
     from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NoProposer
@@ -197,7 +200,9 @@ def batching(model: Path, drafter: Path, device: str, prompts: int, max_new: int
     sampling = [SamplingParams(temperature=0.8, top_k=50, seed=i) if i % 3 == 2 else None for i in range(widest)]
     options = dict(stop_on_eos=False, tree_nodes=8)
     alone = {
-        (kind, i): generate(target, asks[i % len(asks)], make(), max_new, sampling=sampling[i], **options).tokens
+        (kind, i): generate(
+            target, asks[i % len(asks)], make(), DecodeOptions(max_new, sampling=sampling[i], **options)
+        ).tokens
         for kind, make in kinds.items()
         for i in range(widest)
     }
@@ -210,11 +215,9 @@ def batching(model: Path, drafter: Path, device: str, prompts: int, max_new: int
                     target,
                     asks[i % len(asks)],
                     make(),
-                    max_new,
+                    DecodeOptions(max_new, sampling=sampling[i], **options),
                     slot=i,
-                    sampling=sampling[i],
                     governor=governor,
-                    **options,
                 )
                 for i in range(batch)
             ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import NoProposer
 from target_node.model.target import TargetModel
@@ -32,7 +33,7 @@ def drafter_config(**overrides):
 
 
 def greedy(target: TargetModel, prompt: list[int], max_new: int, **kw) -> list[int]:
-    return generate(target, prompt, NoProposer(), max_new, **kw).tokens
+    return generate(target, prompt, NoProposer(), DecodeOptions(max_new, **kw)).tokens
 
 
 def top2_gap(target: TargetModel, tokens: list[int]) -> float:

@@ -13,6 +13,7 @@ import torch
 
 from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.governor import Governor
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.pace import FEWEST, FIRST_CHUNK, PrefillPace
 from target_node.decoding.sampling import SamplingParams
 from target_node.decoding.sequence import Sequence, generate, step
@@ -63,11 +64,13 @@ def alone(target, r) -> list[int]:
         target,
         r["prompt"],
         r["proposer"](),
-        r["max_new"],
-        stop_on_eos=False,
-        sampling=r["sampling"],
-        tree_nodes=r["tree_nodes"],
-        prefill_chunk=r["chunk"],
+        DecodeOptions(
+            r["max_new"],
+            stop_on_eos=False,
+            sampling=r["sampling"],
+            tree_nodes=r["tree_nodes"],
+            prefill_chunk=r["chunk"],
+        ),
     ).tokens
 
 
@@ -87,13 +90,15 @@ def batched(target, reqs, pace: PrefillPace | None = None) -> dict[int, list[int
                 target,
                 r["prompt"],
                 r["proposer"](),
-                r["max_new"],
+                DecodeOptions(
+                    r["max_new"],
+                    stop_on_eos=False,
+                    sampling=r["sampling"],
+                    tree_nodes=r["tree_nodes"],
+                    prefill_chunk=r["chunk"],
+                ),
                 slot=free.pop(0),
-                stop_on_eos=False,
-                sampling=r["sampling"],
                 governor=governor,
-                tree_nodes=r["tree_nodes"],
-                prefill_chunk=r["chunk"],
             )
         if running:
             step(target, list(running.values()), pace)
@@ -131,9 +136,9 @@ def test_a_prompt_alone_takes_the_cap_and_is_paced_once_another_request_waits(ta
     as soon as a request waits or runs beside it. The output is the same either way."""
     rng = random.Random(1)
     prompt = [rng.randrange(3, 300) for _ in range(200)]
-    want = generate(target, prompt, NoProposer(), 4, stop_on_eos=False, prefill_chunk=64).tokens
+    want = generate(target, prompt, NoProposer(), DecodeOptions(4, stop_on_eos=False, prefill_chunk=64)).tokens
     pace = PrefillPace(budget_s=1e-9, most=64)
-    seq = Sequence(target, prompt, NoProposer(), 4, slot=0, stop_on_eos=False, prefill_chunk=64)
+    seq = Sequence(target, prompt, NoProposer(), DecodeOptions(4, stop_on_eos=False, prefill_chunk=64), slot=0)
     chunks = []
     for waiting in (False, True, True, False, False, False, False, False, False, False, False, False):
         if seq.done:

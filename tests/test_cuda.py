@@ -10,6 +10,7 @@ import torch
 from helpers import OracleBackend, assert_lossless, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
 
@@ -36,11 +37,15 @@ def test_speculation_on_the_gpu_is_lossless(target, tree_nodes, dflash2):
     """dflash2: a DFlash2 drafter on the GPU, its convolution and its selector's walk there too."""
     cfg = config_for_target(target.config, block_size=8, num_taps=3, dflash2=dflash2)
     drafter = random_drafter(cfg).to("cuda")
-    result = generate(target, PROMPT, DFlashProposer(LocalDraftBackend(drafter)), MAX_NEW, tree_nodes=tree_nodes)
+    result = generate(
+        target, PROMPT, DFlashProposer(LocalDraftBackend(drafter)), DecodeOptions(MAX_NEW, tree_nodes=tree_nodes)
+    )
     assert_lossless(target, PROMPT, result.tokens, greedy(target, PROMPT, MAX_NEW))
     want = greedy(target, PROMPT, MAX_NEW, stop_on_eos=False)
     oracle = DFlashProposer(OracleBackend(target, PROMPT + want, 8, target_layer_ids=(0, 2)))
-    result = generate(target, PROMPT, oracle, MAX_NEW, stop_on_eos=False, adaptive=False, tree_nodes=tree_nodes)
+    result = generate(
+        target, PROMPT, oracle, DecodeOptions(MAX_NEW, stop_on_eos=False, adaptive=False, tree_nodes=tree_nodes)
+    )
     assert result.tokens == want and result.stats.accepted == result.stats.proposed
 
 
@@ -54,7 +59,7 @@ def test_a_gpu_draft_daemon_serves_a_gpu_target(target, tmp_path):
     args = ["--checkpoint", str(checkpoint), "--device", "cuda"]
     with daemon("draft daemon", "launch.draft_daemon", address, args, 120):
         backend = RemoteDraftBackend(address, target)
-        result = generate(target, PROMPT, DFlashProposer(backend), MAX_NEW, adaptive=False)
+        result = generate(target, PROMPT, DFlashProposer(backend), DecodeOptions(MAX_NEW, adaptive=False))
         backend.close()
     assert_lossless(target, PROMPT, result.tokens, greedy(target, PROMPT, MAX_NEW))
     assert result.stats.sources == {"dflash": result.stats.steps - result.stats.plain_steps}

@@ -19,6 +19,7 @@ from draft_node.checkpoint import config_for_target, load_drafter, random_drafte
 from draft_node.config import CheckpointError
 from protocol import ErrorCode
 from protocol.transport import request
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting import remote
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
@@ -374,9 +375,9 @@ def test_a_real_draft_daemon_serves_it_and_output_stays_greedy(target, checkpoin
             for prompt in PROMPTS:
                 want = greedy(target, prompt, 24)
                 for tree in (0, 8):
-                    got = generate(target, prompt, proposer, 24, adaptive=False, tree_nodes=tree)
+                    got = generate(target, prompt, proposer, DecodeOptions(24, adaptive=False, tree_nodes=tree))
                     assert got.tokens == want and got.stats.proposed > 0
-                    alone = generate(target, prompt, local, 24, adaptive=False, tree_nodes=tree)
+                    alone = generate(target, prompt, local, DecodeOptions(24, adaptive=False, tree_nodes=tree))
                     assert got.stats.accepted == alone.stats.accepted  # the same drafts, wherever they ran
             assert proposer.drafting.selector is not None  # the walk ran, over codebooks from the wire
             pieces = -(-target.vocab_size // 64)

@@ -203,6 +203,7 @@ def test_a_targets_local_slots_draft_one_pass_per_step_and_decode_as_alone(dflas
     from helpers import tiny_target
 
     from draft_node.checkpoint import config_for_target
+    from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sampling import SamplingParams
     from target_node.decoding.sequence import Sequence, generate, step
     from target_node.drafting.proposers import DFlashProposer, DraftPass, LocalDraftBackend
@@ -219,11 +220,12 @@ def test_a_targets_local_slots_draft_one_pass_per_step_and_decode_as_alone(dflas
         return DFlashProposer(LocalDraftBackend(drafter, 256, together))
 
     alone = [
-        generate(batch, p, proposer(), 30, adaptive=False, sampling=s) for p, s in zip(prompts, sampling, strict=True)
+        generate(batch, p, proposer(), DecodeOptions(30, adaptive=False, sampling=s))
+        for p, s in zip(prompts, sampling, strict=True)
     ]
     together = DraftPass(drafter)
     sequences = [
-        Sequence(batch, p, proposer(together), 30, slot=slot, adaptive=False, sampling=s)
+        Sequence(batch, p, proposer(together), DecodeOptions(30, adaptive=False, sampling=s), slot=slot)
         for slot, (p, s) in enumerate(zip(prompts, sampling, strict=True))
     ]
     while not all(seq.done for seq in sequences):
@@ -241,6 +243,7 @@ def test_a_step_shares_its_drafting_time_evenly_among_the_sequences_that_drafted
     from helpers import tiny_target
 
     from draft_node.checkpoint import config_for_target
+    from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sequence import Sequence, step
     from target_node.drafting.proposers import DFlashProposer, DraftPass, LocalDraftBackend, NoProposer
     from target_node.model.target import TargetModel
@@ -251,7 +254,8 @@ def test_a_step_shares_its_drafting_time_evenly_among_the_sequences_that_drafted
     together = DraftPass(drafter)
     proposers = [DFlashProposer(LocalDraftBackend(drafter, 256, together)) for _ in range(3)] + [NoProposer()]
     sequences = [
-        Sequence(batch, [5, 17, 42, 99, 3 + i], p, 20, slot=i, adaptive=False) for i, p in enumerate(proposers)
+        Sequence(batch, [5, 17, 42, 99, 3 + i], p, DecodeOptions(20, adaptive=False), slot=i)
+        for i, p in enumerate(proposers)
     ]
     while any(seq.prefilling for seq in sequences):
         step(batch, sequences)

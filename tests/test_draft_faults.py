@@ -22,6 +22,7 @@ from launch.processes import rss_mb
 from protocol import decode, encode
 from protocol.keys import client_keys, create_keypair
 from protocol.transport import Client, InsecureBind, Server, dealer, is_local, receive, request
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, DrafterUnavailable, NGramProposer
 from target_node.drafting.remote import RemoteDraftBackend
@@ -71,7 +72,7 @@ def wait_for_log(log, text, timeout_s=5.0):
 
 def test_an_allowed_target_drafts_and_other_keys_get_nothing(target, keys, drafter):
     backend = RemoteDraftBackend(drafter.address, target, curve=link(keys, "target"))
-    result = generate(target, PROMPT, DFlashProposer(backend), MAX_NEW, adaptive=False)
+    result = generate(target, PROMPT, DFlashProposer(backend), DecodeOptions(MAX_NEW, adaptive=False))
     backend.close()
     assert_lossless(target, PROMPT, result.tokens, greedy(target, PROMPT, MAX_NEW))
     assert result.stats.sources == {"dflash": result.stats.steps - result.stats.plain_steps}
@@ -103,7 +104,7 @@ def test_the_all_in_one_keys_let_only_the_target_into_the_draft_daemon(target, t
 def test_one_target_cannot_see_or_touch_another_targets_session(target, keys, drafter):
     owner = RemoteDraftBackend(drafter.address, target, curve=link(keys, "target"), name="shared")
     proposer = DFlashProposer(owner)
-    first = generate(target, PROMPT, proposer, MAX_NEW, adaptive=False)
+    first = generate(target, PROMPT, proposer, DecodeOptions(MAX_NEW, adaptive=False))
     intruder = Client(drafter.address, curve=link(keys, "other"))
     hidden, width = drafter.cfg.hidden_size, drafter.cfg.feature_width
     try:
@@ -127,7 +128,7 @@ def test_one_target_cannot_see_or_touch_another_targets_session(target, keys, dr
     finally:
         intruder.close()
     errors = owner.counters["errors"]
-    second = generate(target, PROMPT, proposer, MAX_NEW, adaptive=False)
+    second = generate(target, PROMPT, proposer, DecodeOptions(MAX_NEW, adaptive=False))
     owner.close()
     assert second.tokens == first.tokens
     assert second.stats.sources == {"dflash": second.stats.steps - second.stats.plain_steps}
@@ -171,7 +172,7 @@ def test_fuzzed_messages_get_typed_errors_and_the_daemon_stays_healthy(target, k
         big.close(0)
     assert wait_for_log(drafter.log, "sent a frame over this socket's limit")
     backend = RemoteDraftBackend(drafter.address, target, curve=link(keys, "target"))
-    result = generate(target, PROMPT, DFlashProposer(backend), MAX_NEW, adaptive=False)
+    result = generate(target, PROMPT, DFlashProposer(backend), DecodeOptions(MAX_NEW, adaptive=False))
     backend.close()
     assert_lossless(target, PROMPT, result.tokens, greedy(target, PROMPT, MAX_NEW))
     assert result.stats.sources == {"dflash": result.stats.steps - result.stats.plain_steps}
@@ -215,7 +216,7 @@ def test_a_stopped_daemon_costs_one_stall_and_drafts_again_once_continued(target
             resume.start()
 
     try:
-        result = generate(target, PROMPT, proposer, MAX_NEW, on_commit=stop_after_a_few, adaptive=False)
+        result = generate(target, PROMPT, proposer, DecodeOptions(MAX_NEW, adaptive=False), on_commit=stop_after_a_few)
     finally:
         resume.join()
         os.kill(drafter.proc.pid, signal.SIGCONT)
@@ -225,7 +226,7 @@ def test_a_stopped_daemon_costs_one_stall_and_drafts_again_once_continued(target
     assert len([g for g in gaps if g >= 0.9 * timeout_s]) == 1, gaps
     assert max(gaps) < timeout_s + 1.5, gaps
     # Continued: the next request drafts remotely again.
-    result = generate(target, PROMPT, proposer, MAX_NEW, adaptive=False)
+    result = generate(target, PROMPT, proposer, DecodeOptions(MAX_NEW, adaptive=False))
     backend.close()
     assert_lossless(target, PROMPT, result.tokens, want)
     assert result.stats.sources.get("dflash", 0) > 0

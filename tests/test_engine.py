@@ -19,6 +19,7 @@ import torch
 from helpers import OracleBackend, greedy
 
 from draft_node.checkpoint import config_for_target, random_drafter
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.tree import DraftTree
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
@@ -179,7 +180,10 @@ def test_speculative_output_is_plain_output_bit_for_bit(target, tree_nodes):
         oracle = OracleBackend(target, prompt + want, 8, target_layer_ids=(0, 2))
         for proposer in (DFlashProposer(LocalDraftBackend(drafter)), DFlashProposer(oracle), NGramProposer()):
             result = generate(
-                target, prompt, proposer, MAX_NEW, stop_on_eos=False, adaptive=False, tree_nodes=tree_nodes
+                target,
+                prompt,
+                proposer,
+                DecodeOptions(MAX_NEW, stop_on_eos=False, adaptive=False, tree_nodes=tree_nodes),
             )
             assert result.tokens == want, (proposer, tree_nodes)
             assert result.stats.proposed > 0
@@ -190,7 +194,10 @@ def test_speculative_output_with_the_governor_is_plain_output(target):
     for prompt in PROMPTS:
         want = greedy(target, prompt, MAX_NEW, stop_on_eos=False)
         result = generate(
-            target, prompt, DFlashProposer(LocalDraftBackend(drafter)), MAX_NEW, stop_on_eos=False, tree_nodes=8
+            target,
+            prompt,
+            DFlashProposer(LocalDraftBackend(drafter)),
+            DecodeOptions(MAX_NEW, stop_on_eos=False, tree_nodes=8),
         )
         assert result.tokens == want
 

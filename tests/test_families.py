@@ -11,6 +11,7 @@ import torch
 from helpers import OracleBackend, assert_lossless, greedy
 
 from draft_node.checkpoint import config_for_target, random_drafter
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sampling import SamplingParams
 from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
@@ -101,7 +102,10 @@ def test_random_drafter_is_lossless(case):
     _, target, want = case
     drafter = random_drafter(config_for_target(target.config, block_size=BLOCK, num_taps=2), seed=3)
     result = generate(
-        target, PROMPT, DFlashProposer(LocalDraftBackend(drafter)), MAX_NEW, stop_on_eos=False, adaptive=False
+        target,
+        PROMPT,
+        DFlashProposer(LocalDraftBackend(drafter)),
+        DecodeOptions(MAX_NEW, stop_on_eos=False, adaptive=False),
     )
     assert_lossless(target, PROMPT, result.tokens, want)
     assert result.stats.proposed >= MAX_NEW - 1
@@ -110,7 +114,7 @@ def test_random_drafter_is_lossless(case):
 def test_oracle_drafter_is_accepted_across_windows(case):
     _, target, want = case
     oracle = OracleBackend(target, PROMPT + want, BLOCK, target_layer_ids=(0, 2))
-    result = generate(target, PROMPT, DFlashProposer(oracle), MAX_NEW, stop_on_eos=False, adaptive=False)
+    result = generate(target, PROMPT, DFlashProposer(oracle), DecodeOptions(MAX_NEW, stop_on_eos=False, adaptive=False))
     assert result.tokens == want
     assert result.stats.accepted == result.stats.proposed
     assert result.stats.steps == -(-(MAX_NEW - 1) // BLOCK)
@@ -118,7 +122,7 @@ def test_oracle_drafter_is_accepted_across_windows(case):
 
 def test_ngram_proposer_is_lossless(case):
     _, target, want = case
-    result = generate(target, PROMPT, NGramProposer(max_draft=8), MAX_NEW, stop_on_eos=False)
+    result = generate(target, PROMPT, NGramProposer(max_draft=8), DecodeOptions(MAX_NEW, stop_on_eos=False))
     assert_lossless(target, PROMPT, result.tokens, want)
 
 
@@ -130,9 +134,7 @@ def test_seeded_sampling_reproduces(case):
             target,
             PROMPT,
             DFlashProposer(LocalDraftBackend(drafter)),
-            20,
-            stop_on_eos=False,
-            sampling=SamplingParams(temperature=0.9, top_k=50, seed=11),
+            DecodeOptions(20, stop_on_eos=False, sampling=SamplingParams(temperature=0.9, top_k=50, seed=11)),
         ).tokens
         for _ in range(2)
     ]

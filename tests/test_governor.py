@@ -8,6 +8,7 @@ from helpers import greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.governor import Governor, VerifyCosts
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.tree import DraftTree
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
@@ -59,7 +60,7 @@ def test_a_drafter_that_does_not_help_does_not_cost_the_user():
     target = tiny_target("llama", seed=7)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     cfg = config_for_target(target.config, block_size=8, num_taps=2)
-    result = generate(target, prompt, DFlashProposer(SlowBackend(random_drafter(cfg))), 60)
+    result = generate(target, prompt, DFlashProposer(SlowBackend(random_drafter(cfg))), DecodeOptions(60))
     assert result.tokens == greedy(target, prompt, 60)
     assert result.stats.governor["switches_to_plain"] >= 1
     assert result.stats.plain_steps > 0.7 * result.stats.steps

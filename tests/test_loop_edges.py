@@ -4,6 +4,7 @@ import pytest
 from helpers import OracleBackend, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.speculative import accept_length
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
@@ -43,7 +44,7 @@ def test_accept_length():
 @pytest.mark.parametrize("budget", [1, 2, BLOCK - 1, BLOCK, BLOCK + 1])
 def test_budget_is_never_exceeded(target, reference, budget):
     for proposer in (oracle(target, reference), NGramProposer(), NoProposer()):
-        result = generate(target, PROMPT, proposer, budget, stop_on_eos=False)
+        result = generate(target, PROMPT, proposer, DecodeOptions(budget, stop_on_eos=False))
         assert result.tokens == reference[:budget]
         assert result.finish_reason == "length"
 
@@ -54,7 +55,7 @@ def test_eos_inside_an_accepted_prefix_stops_there(target, reference):
     first = reference.index(eos)
     target.eos_ids = frozenset({eos})
     try:
-        result = generate(target, PROMPT, oracle(target, reference), 60)
+        result = generate(target, PROMPT, oracle(target, reference), DecodeOptions(60))
     finally:
         target.eos_ids = frozenset({target.config.eos_token_id})
     assert result.tokens == reference[: first + 1]
@@ -77,10 +78,8 @@ def test_stop_string_spanning_two_steps(target, reference):
             target,
             PROMPT,
             oracle(target, reference),
-            60,
-            stop_strings=(stop,),
+            DecodeOptions(60, stop_strings=(stop,), stop_on_eos=False),
             on_commit=lambda toks, t: pieces.append(t),
-            stop_on_eos=False,
         )
     finally:
         target.tokenizer = None
@@ -94,7 +93,7 @@ def test_stop_string_spanning_two_steps(target, reference):
 @pytest.mark.parametrize("right", [True, False])
 def test_hint_tokens_are_verified(target, reference, right):
     hints = list(reference[:20]) if right else [(t + 1) % target.vocab_size for t in reference[:20]]
-    result = generate(target, PROMPT, NoProposer(), 30, hint_tokens=hints, stop_on_eos=False)
+    result = generate(target, PROMPT, NoProposer(), DecodeOptions(30, hint_tokens=hints, stop_on_eos=False))
     assert result.tokens == reference[:30]
     if right:
         assert result.stats.accepted == 19 and result.stats.steps < 12
@@ -105,7 +104,7 @@ def test_hint_tokens_are_verified(target, reference, right):
 def test_hints_override_a_wrong_drafter(target, reference):
     cfg = config_for_target(target.config, block_size=BLOCK, num_taps=2)
     proposer = DFlashProposer(LocalDraftBackend(random_drafter(cfg)))
-    result = generate(target, PROMPT, proposer, 30, hint_tokens=reference[:30], stop_on_eos=False)
+    result = generate(target, PROMPT, proposer, DecodeOptions(30, hint_tokens=reference[:30], stop_on_eos=False))
     assert result.tokens == reference[:30]
     assert result.stats.accepted >= 25
 
@@ -116,15 +115,15 @@ def test_prompt_of_one_token(target):
         NGramProposer(),
         DFlashProposer(LocalDraftBackend(random_drafter(config_for_target(target.config)))),
     ):
-        assert generate(target, [7], proposer, 25, stop_on_eos=False).tokens == want
+        assert generate(target, [7], proposer, DecodeOptions(25, stop_on_eos=False)).tokens == want
 
 
 def test_rollback_after_full_and_zero_acceptance(target, reference):
-    result = generate(target, PROMPT, oracle(target, reference), 30, stop_on_eos=False, adaptive=False)
+    result = generate(target, PROMPT, oracle(target, reference), DecodeOptions(30, stop_on_eos=False, adaptive=False))
     assert result.stats.histogram[BLOCK - 1] >= 2  # full acceptance
     assert target.length == len(PROMPT) + 30 - 1  # the last token is never run
     wrong = DFlashProposer(OracleBackend(target, PROMPT + [(t + 1) % 300 for t in reference], BLOCK))
-    result = generate(target, PROMPT, wrong, 30, stop_on_eos=False, adaptive=False)
+    result = generate(target, PROMPT, wrong, DecodeOptions(30, stop_on_eos=False, adaptive=False))
     assert result.tokens == reference[:30]
     assert result.stats.accepted == 0
     assert result.stats.histogram[0] == result.stats.steps - result.stats.plain_steps
@@ -142,16 +141,16 @@ def test_cancellation_stops_generation(target):
         if len(seen) >= 5:
             cancel.set()
 
-    result = generate(target, PROMPT, NoProposer(), 50, on_commit=on_commit, cancel=cancel)
+    result = generate(target, PROMPT, NoProposer(), DecodeOptions(50), on_commit=on_commit, cancel=cancel)
     assert result.finish_reason == "cancelled"
     assert len(result.tokens) == 5
 
 
 def test_bad_requests_are_refused(target):
     with pytest.raises(ValueError, match="at least one token"):
-        generate(target, [], NoProposer(), 5)
+        generate(target, [], NoProposer(), DecodeOptions(5))
     with pytest.raises(ValueError, match="max_new_tokens"):
-        generate(target, PROMPT, NoProposer(), 0)
+        generate(target, PROMPT, NoProposer(), DecodeOptions(0))
     cfg = config_for_target(target.config, mask_token_id=10_000)
     with pytest.raises(ValueError, match="outside the target's embedding table"):
-        generate(target, PROMPT, DFlashProposer(LocalDraftBackend(random_drafter(cfg))), 5)
+        generate(target, PROMPT, DFlashProposer(LocalDraftBackend(random_drafter(cfg))), DecodeOptions(5))

@@ -6,6 +6,7 @@ from helpers import OracleBackend, assert_lossless, greedy, tiny_target
 from transformers import LlamaForCausalLM
 
 from draft_node.checkpoint import config_for_target, random_drafter
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
 
@@ -33,7 +34,7 @@ def test_random_drafter_is_lossless(target, block_size):
     proposer = DFlashProposer(LocalDraftBackend(random_drafter(cfg, seed=block_size)))
     for prompt in PROMPTS:
         want = greedy(target, prompt, MAX_NEW)
-        result = generate(target, prompt, proposer, MAX_NEW)
+        result = generate(target, prompt, proposer, DecodeOptions(MAX_NEW))
         assert_lossless(target, prompt, result.tokens, want)
         assert result.stats.proposed > 0
 
@@ -44,7 +45,9 @@ def test_oracle_drafter_accepts_nearly_everything(target, block_size):
         want = greedy(target, prompt, MAX_NEW, stop_on_eos=False)
         oracle = OracleBackend(target, prompt + want, block_size, target_layer_ids=(0, 2))
         # adaptive=False: this test counts steps, so no plain-step measurements may interleave.
-        result = generate(target, prompt, DFlashProposer(oracle), MAX_NEW, stop_on_eos=False, adaptive=False)
+        result = generate(
+            target, prompt, DFlashProposer(oracle), DecodeOptions(MAX_NEW, stop_on_eos=False, adaptive=False)
+        )
         assert result.tokens == want
         assert result.stats.accepted == result.stats.proposed
         # Every step but the budget-limited last one commits a full block.
@@ -56,7 +59,7 @@ def test_oracle_drafter_accepts_nearly_everything(target, block_size):
 def test_ngram_proposer_is_lossless(target, max_draft):
     for prompt in PROMPTS:
         want = greedy(target, prompt, MAX_NEW)
-        result = generate(target, prompt, NGramProposer(max_draft=max_draft), MAX_NEW)
+        result = generate(target, prompt, NGramProposer(max_draft=max_draft), DecodeOptions(MAX_NEW))
         assert_lossless(target, prompt, result.tokens, want)
 
 
@@ -82,7 +85,7 @@ def test_draft_vocabulary_restricts_proposals_and_stays_lossless(target):
     proposer = DFlashProposer(LocalDraftBackend(drafter))
     seen = []
     for prompt in PROMPTS:
-        result = generate(target, prompt, proposer, MAX_NEW, adaptive=False)
+        result = generate(target, prompt, proposer, DecodeOptions(MAX_NEW, adaptive=False))
         assert_lossless(target, prompt, result.tokens, greedy(target, prompt, MAX_NEW))
         logits = proposer.drafting.project(torch.randn(4, target.hidden_size))
         seen.extend(logits.argmax(-1).tolist())

@@ -11,6 +11,7 @@ from helpers import draft_daemon, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 from launch.client import TargetClient
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import Sequence, step
 from target_node.drafting.proposers import DFlashProposer, DraftPass, LocalDraftBackend, NGramProposer, NoProposer
 from target_node.drafting.remote import RemoteDraftBackend
@@ -103,15 +104,15 @@ def test_reused_rows_leave_the_slot_bit_for_bit_as_a_fresh_prefill_does(dtype):
     prefill's in every bit: the cache of the slot that reused them against the slot that did not."""
     target = TargetModel(tiny_target("llama", seed=5, dtype=DTYPES[dtype]).model, slots=2)
     cache = PrefixCache(64 << 20)
-    first = run(target, Sequence(target, SYSTEM + [7, 8], NoProposer(), 20, slot=0, stop_on_eos=False))
+    first = run(target, Sequence(target, SYSTEM + [7, 8], NoProposer(), DecodeOptions(20, stop_on_eos=False), slot=0))
     cache.store(*first.committed(), ())
     prompt = SYSTEM + [7, 8] + first.output.tokens + [40, 41, 42]
     hit = cache.lookup(prompt, ())
     assert hit is not None and hit.length == len(SYSTEM) + 2 + 19
-    reused = Sequence(target, prompt, NoProposer(), 12, slot=1, stop_on_eos=False)
+    reused = Sequence(target, prompt, NoProposer(), DecodeOptions(12, stop_on_eos=False), slot=1)
     reused.reuse(hit.length, hit.kv, hit.features)
     run(target, reused)
-    fresh = run(target, Sequence(target, prompt, NoProposer(), 12, slot=0, stop_on_eos=False))
+    fresh = run(target, Sequence(target, prompt, NoProposer(), DecodeOptions(12, stop_on_eos=False), slot=0))
     assert reused.output.tokens == fresh.output.tokens and reused.stats.cached_tokens == hit.length
     held = target.length_of(1)
     assert held == target.length_of(0) == len(prompt) + 11

@@ -6,6 +6,7 @@ import torch
 from helpers import assert_lossless, greedy
 
 from draft_node.checkpoint import config_for_target, random_drafter
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
 from target_node.model.default_model import ensure_default_model
@@ -50,7 +51,7 @@ def test_speculative_equals_greedy(smollm, prompts, references, kind):
         proposer = DFlashProposer(LocalDraftBackend(random_drafter(cfg)))
     trees = {"random-dflash2": 16}.get(kind, 0)
     for prompt, want in zip(prompts, references, strict=True):
-        result = generate(smollm, prompt, proposer, MAX_NEW, adaptive=not trees, tree_nodes=trees)
+        result = generate(smollm, prompt, proposer, DecodeOptions(MAX_NEW, adaptive=not trees, tree_nodes=trees))
         assert_lossless(smollm, prompt, result.tokens, want)
         assert result.stats.proposed > 0
 
@@ -63,7 +64,7 @@ def test_tree_speculation_with_the_shipped_drafter_equals_greedy(smollm, prompts
 
     proposer = DFlashProposer(LocalDraftBackend(load_drafter(SHIPPED_DRAFTER)))
     for prompt, want in zip(prompts, references, strict=True):
-        result = generate(smollm, prompt, proposer, MAX_NEW, adaptive=False, tree_nodes=16)
+        result = generate(smollm, prompt, proposer, DecodeOptions(MAX_NEW, adaptive=False, tree_nodes=16))
         assert_lossless(smollm, prompt, result.tokens, want)
         assert result.stats.proposed >= 16 * (result.stats.steps - result.stats.plain_steps) * 0.9
         assert result.stats.tau > 1.0
@@ -83,7 +84,7 @@ def test_the_shipped_drafter_gives_plain_output_bit_for_bit_in_every_mode(prompt
     for prompt in prompts:
         want = greedy(target, prompt, MAX_NEW)
         for mode, options in modes.items():
-            result = generate(target, prompt, proposer, MAX_NEW, **options)
+            result = generate(target, prompt, proposer, DecodeOptions(MAX_NEW, **options))
             assert result.tokens == want, (dtype, mode)
 
 
@@ -101,8 +102,8 @@ def test_remote_drafter_equals_local_and_greedy(smollm, prompts, references, tmp
         backend = RemoteDraftBackend(address, smollm)
         remote = DFlashProposer(backend)
         for prompt, want in list(zip(prompts, references, strict=True))[:2]:
-            remote_result = generate(smollm, prompt, remote, MAX_NEW, adaptive=False)
-            local_result = generate(smollm, prompt, local, MAX_NEW, adaptive=False)
+            remote_result = generate(smollm, prompt, remote, DecodeOptions(MAX_NEW, adaptive=False))
+            local_result = generate(smollm, prompt, local, DecodeOptions(MAX_NEW, adaptive=False))
             assert remote_result.tokens == local_result.tokens
             assert remote_result.stats.histogram == local_result.stats.histogram
             assert_lossless(smollm, prompt, remote_result.tokens, want)

@@ -9,6 +9,7 @@ import torch
 from helpers import assert_lossless, draft_daemon, free_tcp_address, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
 from target_node.drafting.remote import DrafterMismatch, RemoteDraftBackend
@@ -41,8 +42,8 @@ def test_remote_equals_local_equals_greedy(target, checkpoint, address):
         for prompt in PROMPTS:
             want = greedy(target, prompt, MAX_NEW)
             # adaptive=False: the same steps in both runs, so their histograms can be compared.
-            local_result = generate(target, prompt, local, MAX_NEW, adaptive=False)
-            remote_result = generate(target, prompt, remote, MAX_NEW, adaptive=False)
+            local_result = generate(target, prompt, local, DecodeOptions(MAX_NEW, adaptive=False))
+            remote_result = generate(target, prompt, remote, DecodeOptions(MAX_NEW, adaptive=False))
             assert_lossless(target, prompt, local_result.tokens, want)
             assert remote_result.tokens == local_result.tokens
             # fp32 on the wire: the remote drafter proposes exactly what the local one does.
@@ -64,11 +65,11 @@ def test_a_batch_of_remote_sessions_drafts_each_as_alone(target, checkpoint, tmp
     address = f"ipc://{tmp_path}/draft.sock"
     prompts = [*PROMPTS, [9, 8, 7, 6, 5, 4, 3, 2, 1]]
     local = DFlashProposer(LocalDraftBackend(load_drafter(checkpoint)))
-    alone = [generate(batch, p, local, MAX_NEW, adaptive=False) for p in prompts]
+    alone = [generate(batch, p, local, DecodeOptions(MAX_NEW, adaptive=False)) for p in prompts]
     with draft_daemon(address, checkpoint):
         backends = [RemoteDraftBackend(address, batch) for _ in prompts]
         sequences = [
-            Sequence(batch, p, DFlashProposer(b), MAX_NEW, slot=slot, adaptive=False)
+            Sequence(batch, p, DFlashProposer(b), DecodeOptions(MAX_NEW, adaptive=False), slot=slot)
             for slot, (p, b) in enumerate(zip(prompts, backends, strict=True))
         ]
         while not all(seq.done for seq in sequences):
@@ -118,7 +119,7 @@ def test_two_targets_share_one_draft_daemon(checkpoint, tmp_path):
             backend = RemoteDraftBackend(address, targets[i], name=f"session-{i}")
             proposer = DFlashProposer(backend)
             prompt = PROMPTS[i]
-            result = generate(targets[i], prompt, proposer, MAX_NEW, adaptive=False)
+            result = generate(targets[i], prompt, proposer, DecodeOptions(MAX_NEW, adaptive=False))
             results[i] = (result, greedy(targets[i], prompt, MAX_NEW))
         except Exception as exc:  # surfaced below
             errors.append(exc)
@@ -151,12 +152,12 @@ def test_daemon_killed_mid_generation_then_restarted(target, checkpoint, tmp_pat
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
 
-        result = generate(target, prompt, proposer, MAX_NEW, on_commit=kill_after_a_few, adaptive=False)
+        result = generate(target, prompt, proposer, DecodeOptions(MAX_NEW, adaptive=False), on_commit=kill_after_a_few)
     assert_lossless(target, prompt, result.tokens, want)
     assert result.stats.sources["dflash"] > 0 and backend.counters["timeouts"] >= 1
     assert result.stats.steps > result.stats.sources["dflash"]  # the rest ran on the fallback
     with draft_daemon(address, checkpoint):  # restarted: the next request drafts remotely again
-        result = generate(target, prompt, proposer, MAX_NEW, adaptive=False)
+        result = generate(target, prompt, proposer, DecodeOptions(MAX_NEW, adaptive=False))
         assert_lossless(target, prompt, result.tokens, want)
         assert result.stats.sources == {"dflash": result.stats.steps - result.stats.plain_steps}
     backend.close()
@@ -177,11 +178,11 @@ def test_a_target_started_before_its_drafter_picks_it_up(target, checkpoint, tmp
     want = greedy(target, prompt, MAX_NEW)
     backend = RemoteDraftBackend(address, target, timeout_s=0.3)
     proposer = DFlashProposer(backend, NGramProposer())
-    early = generate(target, prompt, proposer, MAX_NEW, adaptive=False)
+    early = generate(target, prompt, proposer, DecodeOptions(MAX_NEW, adaptive=False))
     assert backend.info is None and "dflash" not in early.stats.sources
     assert_lossless(target, prompt, early.tokens, want)
     with draft_daemon(address, checkpoint):
-        late = generate(target, prompt, proposer, MAX_NEW, adaptive=False)
+        late = generate(target, prompt, proposer, DecodeOptions(MAX_NEW, adaptive=False))
     backend.close()
     assert_lossless(target, prompt, late.tokens, want)
     assert late.stats.sources == {"dflash": late.stats.steps - late.stats.plain_steps}
@@ -205,7 +206,9 @@ def test_a_drafter_restarted_with_another_checkpoint_is_a_new_drafter(target, ch
                 backend = RemoteDraftBackend(address, target, timeout_s=1.0, probe_timeout_s=0.3, retry_s=60.0)
                 proposer = DFlashProposer(backend, NGramProposer())
             for _ in range(requests):
-                results.append((generate(target, prompt, proposer, MAX_NEW, adaptive=False), proposer.drafting))
+                results.append(
+                    (generate(target, prompt, proposer, DecodeOptions(MAX_NEW, adaptive=False)), proposer.drafting)
+                )
     backend.close()
     for result, _ in results:
         assert_lossless(target, prompt, result.tokens, want)
@@ -237,7 +240,7 @@ def test_reduced_precision_wire_is_close_and_still_lossless(target, checkpoint, 
         torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
         half_bytes = remote.counters["bytes_out"]
         prompt = PROMPTS[0]
-        result = generate(target, prompt, DFlashProposer(remote), MAX_NEW, adaptive=False)
+        result = generate(target, prompt, DFlashProposer(remote), DecodeOptions(MAX_NEW, adaptive=False))
         assert_lossless(target, prompt, result.tokens, greedy(target, prompt, MAX_NEW))
         remote.close()
     assert half_bytes < features.numel() * 4  # the features really travelled at 2 bytes each

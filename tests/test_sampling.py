@@ -21,6 +21,7 @@ import torch
 from helpers import OracleBackend, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sampling import SamplingParams, make_generator, probabilities, sample, verify_sampled
 from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import EMPTY, DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposal
@@ -297,7 +298,9 @@ def test_sampled_output_has_the_targets_law(target, kind, params):
     proposed = accepted = 0
     for seed in range(n):
         sampling = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
-        result = generate(target, PROMPT, proposer, length, stop_on_eos=False, sampling=sampling, hint_tokens=hints)
+        result = generate(
+            target, PROMPT, proposer, DecodeOptions(length, stop_on_eos=False, sampling=sampling, hint_tokens=hints)
+        )
         assert len(result.tokens) == length
         counts[0][tuple(result.tokens[:3])] += 1
         counts[1][tuple(result.tokens[1:])] += 1
@@ -315,7 +318,9 @@ def test_sampled_output_has_the_targets_law(target, kind, params):
 def test_seeds_reproduce_exactly(target, kind):
     def run(seed):
         sampling = SamplingParams(temperature=1.2, top_p=0.95, seed=seed)
-        result = generate(target, PROMPT, proposer_for(kind, target, 4), 24, stop_on_eos=False, sampling=sampling)
+        result = generate(
+            target, PROMPT, proposer_for(kind, target, 4), DecodeOptions(24, stop_on_eos=False, sampling=sampling)
+        )
         return result.tokens, result.stats.histogram
 
     first = run(11)
@@ -329,13 +334,15 @@ def test_top_k_one_is_greedy(target, kind):
     want = greedy(target, PROMPT, 20, stop_on_eos=False)
     proposer = NoProposer() if kind == "none" else proposer_for(kind, target, 4)
     sampling = SamplingParams(temperature=0.7, top_k=1, seed=3)
-    assert generate(target, PROMPT, proposer, 20, stop_on_eos=False, sampling=sampling).tokens == want
+    assert generate(target, PROMPT, proposer, DecodeOptions(20, stop_on_eos=False, sampling=sampling)).tokens == want
 
 
 def test_temperature_zero_is_the_greedy_path(target):
     proposer = proposer_for("random", target, 4)
     # adaptive=False: the governor's choices follow wall-clock timings, so two runs may draft differently.
-    plain = generate(target, PROMPT, proposer, 20, stop_on_eos=False, adaptive=False)
-    zero = generate(target, PROMPT, proposer, 20, stop_on_eos=False, sampling=SamplingParams(seed=5), adaptive=False)
+    plain = generate(target, PROMPT, proposer, DecodeOptions(20, stop_on_eos=False, adaptive=False))
+    zero = generate(
+        target, PROMPT, proposer, DecodeOptions(20, stop_on_eos=False, sampling=SamplingParams(seed=5), adaptive=False)
+    )
     assert zero.tokens == plain.tokens
     assert zero.stats.histogram == plain.stats.histogram

@@ -109,13 +109,16 @@ def test_cancel_stops_a_running_request(address):
 
 
 def test_sampling_options_pass_through_the_daemon(model_dir, address):
+    from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sampling import SamplingParams
     from target_node.decoding.sequence import generate
     from target_node.drafting.proposers import NGramProposer
 
     options = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234}
     local = TargetModel.load(model_dir)
-    want = generate(local, PROMPT, NGramProposer(), 30, sampling=SamplingParams.from_dict(options)).tokens
+    want = generate(
+        local, PROMPT, NGramProposer(), DecodeOptions(30, sampling=SamplingParams.from_dict(options))
+    ).tokens
     client = TargetClient(address, timeout_s=60)
     got = [client.generate(token_ids=PROMPT, max_new_tokens=30, sampling=options)["token_ids"] for _ in range(2)]
     other = client.generate(token_ids=PROMPT, max_new_tokens=30, sampling=dict(options, seed=99))["token_ids"]
@@ -225,6 +228,7 @@ def test_concurrent_clients_are_batched_and_each_gets_its_output_alone(model_dir
     not: the daemon decodes them side by side, and each output is the same request decoded alone."""
     import threading
 
+    from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sampling import SamplingParams
     from target_node.decoding.sequence import generate
     from target_node.drafting.proposers import NGramProposer
@@ -237,7 +241,10 @@ def test_concurrent_clients_are_batched_and_each_gets_its_output_alone(model_dir
     local = TargetModel.load(model_dir)
     want = [
         generate(
-            local, a["token_ids"], NGramProposer(), a["max_new_tokens"], sampling=SamplingParams(**a["sampling"])
+            local,
+            a["token_ids"],
+            NGramProposer(),
+            DecodeOptions(a["max_new_tokens"], sampling=SamplingParams(**a["sampling"])),
         ).tokens
         for a in asks
     ]

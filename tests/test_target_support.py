@@ -6,6 +6,7 @@ import transformers
 from helpers import tiny_target
 from transformers.cache_utils import Cache, DynamicLayer
 
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import NoProposer
 from target_node.model.cache_policy import UnsupportedCache, policy_for
@@ -59,7 +60,7 @@ def test_requests_beyond_the_models_positions_are_refused_before_any_work():
     target = tiny_target("qwen3_sliding", layers=2)  # max_position_embeddings 2048
     target.check_length(2000, 48)
     with pytest.raises(ContextLengthError, match="2049 positions; this model holds 2048"):
-        generate(target, [5] * 2000, NoProposer(), 49)
+        generate(target, [5] * 2000, NoProposer(), DecodeOptions(49))
     assert target.cache is None
 
 

@@ -5,6 +5,7 @@ import torch
 from helpers import OracleBackend, assert_lossless, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.tree import DraftTree
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NoProposer, Proposal
@@ -101,9 +102,9 @@ class RankedOracle(DFlashProposer):
 def test_a_correct_second_or_third_choice_is_accepted_through_the_tree(target, rank):
     want = greedy(target, PROMPT, MAX_NEW, stop_on_eos=False)
     proposer = RankedOracle(target, PROMPT + want + [0] * 16, block=6, rank=rank)
-    chain = generate(target, PROMPT, proposer, MAX_NEW, stop_on_eos=False, adaptive=False)
+    chain = generate(target, PROMPT, proposer, DecodeOptions(MAX_NEW, stop_on_eos=False, adaptive=False))
     assert chain.tokens == want and chain.stats.accepted == 0
-    tree = generate(target, PROMPT, proposer, MAX_NEW, stop_on_eos=False, adaptive=False, tree_nodes=24)
+    tree = generate(target, PROMPT, proposer, DecodeOptions(MAX_NEW, stop_on_eos=False, adaptive=False, tree_nodes=24))
     assert tree.tokens == want
     assert tree.stats.accepted >= tree.stats.steps  # at least one non-first branch taken per step
     # The proposer's ring holds exactly what plain decoding would tap for every committed position.
@@ -119,7 +120,7 @@ def test_tree_speculation_is_lossless_with_a_random_drafter(target, nodes):
     cfg = config_for_target(target.config, block_size=8, num_taps=3)
     proposer = DFlashProposer(LocalDraftBackend(random_drafter(cfg, seed=nodes)))
     for prompt in (PROMPT, [200, 11, 11, 11, 250, 12, 13]):
-        result = generate(target, prompt, proposer, MAX_NEW, tree_nodes=nodes, adaptive=nodes == 16)
+        result = generate(target, prompt, proposer, DecodeOptions(MAX_NEW, tree_nodes=nodes, adaptive=nodes == 16))
         assert_lossless(target, prompt, result.tokens, greedy(target, prompt, MAX_NEW))
 
 
@@ -134,6 +135,6 @@ def test_an_adversarial_drafter_costs_speed_never_output(target):
             return Proposal(logits.argmax(-1).tolist(), logits, "adversary")
 
     want = greedy(target, PROMPT, MAX_NEW)
-    result = generate(target, PROMPT, Adversary(), MAX_NEW, tree_nodes=12, adaptive=False)
+    result = generate(target, PROMPT, Adversary(), DecodeOptions(MAX_NEW, tree_nodes=12, adaptive=False))
     assert_lossless(target, PROMPT, result.tokens, want)
     assert result.stats.proposed >= 10 * result.stats.steps  # wide trees, all of them verified and refused

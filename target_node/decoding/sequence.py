@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from target_node.decoding.governor import Governor
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.output import OnCommit, Output
 from target_node.decoding.pace import PrefillPace
-from target_node.decoding.sampling import Sampler, SamplingParams
+from target_node.decoding.sampling import Sampler
 from target_node.decoding.speculative import Plan, Step, finish_step, plan_step
 from target_node.decoding.stats import Stats
 from target_node.drafting.proposers import EMPTY, Proposer
@@ -50,37 +51,30 @@ class Sequence:
         target: TargetModel,
         prompt: list[int],
         proposer: Proposer,
-        max_new_tokens: int,
+        options: DecodeOptions,
         *,
         slot: int = 0,
-        stop_strings: tuple[str, ...] = (),
-        hint_tokens: list[int] | None = None,
         on_commit: OnCommit | None = None,
-        stop_on_eos: bool = True,
-        sampling: SamplingParams | None = None,
-        adaptive: bool = True,
         governor: Governor | None = None,
-        tree_nodes: int = 0,
-        prefill_chunk: int = 0,
     ) -> None:
-        """`sampling` None or temperature 0 is exact greedy decoding. `adaptive` lets a Governor (the
-        caller's, to carry what it learned across requests, or a fresh one) switch to plain steps
-        while drafting does not pay and choose how many drafts to verify; not for seeded sampling,
-        which must reproduce exactly. `tree_nodes` > 0 verifies greedy drafts as a tree of up to
-        that many nodes; `prefill_chunk` > 0 runs the prompt that many tokens per forward."""
+        """A `governor` passed in (the caller's, to carry what it learned across requests) decides
+        whether to draft when `options.adaptive`; else a fresh one does."""
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
-        target.check_length(len(prompt), max_new_tokens)
+        target.check_length(len(prompt), options.max_new_tokens)
         self.target, self.prompt, self.proposer, self.slot = target, list(prompt), proposer, slot
-        eos = target.eos_ids if stop_on_eos else frozenset()
-        self.output = Output(target.tokenizer, max_new_tokens, eos, stop_strings, hint_tokens, on_commit)
+        eos = target.eos_ids if options.stop_on_eos else frozenset()
+        self.output = Output(
+            target.tokenizer, options.max_new_tokens, eos, options.stop_strings, list(options.hint_tokens), on_commit
+        )
+        sampling = options.sampling
         self.sampler = None if sampling is None or sampling.is_greedy else Sampler(sampling, target.device)
         # The governor decides from wall-clock timings; a seeded sampled run must replay the same
         # draws, so it drafts every step instead (greedy output never depends on the governor).
         seeded = self.sampler is not None and sampling.seed is not None
-        self.governor = (governor or Governor()) if adaptive and not seeded else None
-        self.tree_nodes = tree_nodes
-        self.chunk = prefill_chunk if prefill_chunk > 0 else len(self.prompt)
+        self.governor = (governor or Governor()) if options.adaptive and not seeded else None
+        self.tree_nodes = options.tree_nodes
+        self.chunk = options.prefill_chunk if options.prefill_chunk > 0 else len(self.prompt)
         self.stats = Stats(prompt_tokens=len(self.prompt), requests=1)
         self.prefilled = 0  # prompt positions run so far
         self.plan: Plan | None = None
@@ -283,38 +277,16 @@ def generate(
     target: TargetModel,
     prompt: list[int],
     proposer: Proposer,
-    max_new_tokens: int,
+    options: DecodeOptions,
     *,
-    stop_strings: tuple[str, ...] = (),
-    hint_tokens: list[int] | None = None,
     on_commit: OnCommit | None = None,
     cancel: threading.Event | None = None,
-    stop_on_eos: bool = True,
-    sampling: SamplingParams | None = None,
-    adaptive: bool = True,
     governor: Governor | None = None,
-    tree_nodes: int = 0,
-    prefill_chunk: int = 0,
     on_prefill: Callable[[], None] | None = None,
 ) -> Result:
-    """Decode one request alone, in slot 0, up to max_new_tokens (see Sequence for the options).
-    `on_prefill` runs between prefill chunks (a daemon serves its socket there); `cancel` is
-    checked between forwards."""
-    seq = Sequence(
-        target,
-        prompt,
-        proposer,
-        max_new_tokens,
-        stop_strings=stop_strings,
-        hint_tokens=hint_tokens,
-        on_commit=on_commit,
-        stop_on_eos=stop_on_eos,
-        sampling=sampling,
-        adaptive=adaptive,
-        governor=governor,
-        tree_nodes=tree_nodes,
-        prefill_chunk=prefill_chunk,
-    )
+    """Decode one request alone, in slot 0 (see Sequence). `on_prefill` runs between prefill
+    chunks (a daemon serves its socket there); `cancel` is checked between forwards."""
+    seq = Sequence(target, prompt, proposer, options, on_commit=on_commit, governor=governor)
     while not seq.done:
         if seq.prefilling and seq.prefilled and on_prefill is not None:
             on_prefill()

@@ -30,6 +30,7 @@ from protocol.keys import ServerKeys
 from protocol.messages import HEARTBEAT_MISSES
 from protocol.transport import CONTROL_MAX_FRAME, Server
 from target_node.decoding.governor import Governor
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.pace import PrefillPace
 from target_node.decoding.sampling import SamplingParams
 from target_node.decoding.sequence import Result, Sequence, step
@@ -360,7 +361,8 @@ class TargetService:
             raise ProtocolError(ErrorCode.BAD_FIELD, "stop strings need a tokenizer; this target has none")
         return ids
 
-    def sampling(self, msg: Message) -> SamplingParams:
+    def decode_options(self, msg: Message) -> DecodeOptions:
+        """A generate request's options, under this daemon's limits and settings."""
         if msg["max_new_tokens"] > self.settings.max_new_tokens_limit:
             raise ProtocolError(
                 ErrorCode.BAD_FIELD,
@@ -368,9 +370,18 @@ class TargetService:
                 f"{self.settings.max_new_tokens_limit}",
             )
         try:
-            return SamplingParams.from_dict(msg["sampling"])
+            sampling = SamplingParams.from_dict(msg["sampling"])
         except (TypeError, ValueError) as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"sampling: {exc}") from exc
+        return DecodeOptions(
+            msg["max_new_tokens"],
+            stop_strings=tuple(msg["stop"]),
+            hint_tokens=tuple(msg["hints"]),
+            sampling=sampling,
+            adaptive=self.adaptive,
+            tree_nodes=self.settings.tree_nodes,
+            prefill_chunk=self.settings.prefill_chunk,
+        )
 
     def admit(self) -> None:
         """Queued requests into free slots, round-robin over clients; a request that cannot start
@@ -386,7 +397,7 @@ class TargetService:
                 # The model's bound before this daemon's own limit: a request over both is told the
                 # one it can act on (what OpenAI clients know as context_length_exceeded).
                 self.target.check_length(len(prompt), msg["max_new_tokens"])
-                sampling = self.sampling(msg)
+                options = self.decode_options(msg)
                 clock = RequestClock(job.received)
                 proposer = self.proposers[slot]
 
@@ -399,16 +410,10 @@ class TargetService:
                     self.target,
                     prompt,
                     proposer,
-                    msg["max_new_tokens"],
+                    options,
                     slot=slot,
-                    stop_strings=tuple(msg["stop"]),
-                    hint_tokens=list(msg["hints"]),
                     on_commit=on_commit,
-                    sampling=sampling,
-                    adaptive=self.adaptive,
                     governor=self.governor,
-                    tree_nodes=self.settings.tree_nodes,
-                    prefill_chunk=self.settings.prefill_chunk,
                 )
                 hit = self.prefix_cache.lookup(prompt, proposer.taps) if self.prefix_cache is not None else None
                 if hit is not None:
