@@ -3,7 +3,7 @@
 A generate request is sent to the daemon at once and its first reply awaited before the
 HTTP answer starts, so every refusal (busy, too long, unreachable) still gets its own HTTP
 status; after that the answer streams. A client that leaves cancels its request in the
-daemon (`GenerateCall.close`), streaming or not.
+daemon (`LinkCall.close`), streaming or not.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from frontend.errors import APIError, from_daemon, from_validation, invalid, unreachable
-from frontend.link import ClientGone, DaemonUnreachable, GenerateCall, TargetLink
+from frontend.link import ClientGone, DaemonUnreachable, LinkCall, TargetLink
 from frontend.metrics import registry_for
 from frontend.responses import DONE_EVENT, Answer, sse
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, check_model
@@ -136,7 +136,7 @@ def check(reply: Message, body: GenerationRequest) -> None:
         raise from_daemon(reply["code"], reply["message"], body.prompt_param)
 
 
-async def events(call: GenerateCall, reply: Message, answer: Answer, body: GenerationRequest):
+async def events(call: LinkCall, reply: Message, answer: Answer, body: GenerationRequest):
     """The SSE stream from the first reply on, ending with `data: [DONE]`.
 
     Leaving early (the client went away: Starlette cancels this generator) cancels the

@@ -1,11 +1,10 @@
-"""The front end's line to the target daemon: the client protocol, one DEALER socket per request.
+"""The front end's line to the target daemon: generate requests (`GenerateCall`, one socket each)
+waited on from async code, pings and stats.
 
-A socket per generate request makes its cancel unambiguous (the daemon matches a cancel by
-the sending identity and the request id), and lets the daemon's per-client round robin see
-concurrent HTTP requests as the separate clients they are. Waiting for a reply blocks, so it
-runs in a worker thread one short slice at a time: between slices the caller can notice a
-client that went away, and a long silence is checked with a ping, which the daemon answers
-between decode steps even while busy. A daemon that does not answer one is unreachable.
+Waiting for a reply blocks, so it runs in a worker thread one short slice at a time: between
+slices the caller can notice a client that went away, and a long silence is checked with a ping,
+which the daemon answers between decode steps even while busy. A daemon that does not answer one
+is unreachable.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ import anyio
 import zmq
 from anyio import to_thread
 
+from frontend.target_client import GenerateCall
 from protocol import Message
 from protocol.keys import ClientKeys
-from protocol.transport import Client, request
+from protocol.transport import request
 
 WAIT_SLICE_S = 0.2  # longest a worker thread blocks on one reply
 QUIET_S = 0.5  # silence after which the daemon is pinged
@@ -92,24 +92,20 @@ class TargetLink:
                 self.model = stats.get("model") or "dflash-split"
         return self.model
 
-    def generate(self, fields: dict) -> GenerateCall:
+    def generate(self, fields: dict) -> LinkCall:
         """Send a generate request (ProtocolError if its fields break the protocol's limits)."""
-        return GenerateCall(self, fields)
+        return LinkCall(self, fields)
 
 
-class GenerateCall:
-    """One generate request in flight: its replies in order, and its cancel on the same socket."""
+class LinkCall:
+    """One generate request of an HTTP client: the shared `GenerateCall`, waited on in worker
+    threads one slice at a time, so the caller notices a client that left or a daemon gone silent."""
 
     def __init__(self, link: TargetLink, fields: dict) -> None:
         self.link = link
-        self.client = Client(link.address, link.context, curve=link.curve)
-        self.finished = False  # a `done` or `error` reply arrived
-        self.beat = time.monotonic() + HEARTBEAT_S  # when the next heartbeat is due
-        try:
-            self.id = self.client.send("generate", {"heartbeat_s": HEARTBEAT_S, **fields})
-        except Exception:
-            self.client.close()
-            raise
+        fields = {"heartbeat_s": HEARTBEAT_S, **fields}
+        self.call = GenerateCall(link.address, fields, HEARTBEAT_S, link.curve, link.context)
+        self.id = self.call.id
 
     async def next(self, gone: Callable[[], Awaitable[bool]] | None = None) -> Message:
         """The next `chunk`, `done` or `error` reply.
@@ -119,21 +115,15 @@ class GenerateCall:
         """
         quiet_since = time.monotonic()
         while True:
-            if time.monotonic() >= self.beat:  # by the clock: replies coming in are no beat
-                self.client.send("heartbeat", {}, request_id=self.id)
-                self.beat = time.monotonic() + HEARTBEAT_S
-            reply = await to_thread.run_sync(
-                self.client.wait, self.id, "generate", WAIT_SLICE_S, limiter=self.link.limiter
-            )
+            reply = await to_thread.run_sync(self.call.next, WAIT_SLICE_S, limiter=self.link.limiter)
             if reply is not None:
                 self.link.heard = time.monotonic()
-                self.finished = reply.type in ("done", "error")
                 return reply
             if gone is not None and await gone():
                 raise ClientGone("the client disconnected")
             if time.monotonic() - quiet_since >= QUIET_S:
                 if not await self.link.alive():
-                    self.finished = True  # nobody left to cancel with
+                    self.call.finished = True  # nobody left to cancel with
                     raise DaemonUnreachable(
                         f"the target daemon at {self.link.address} did not answer within "
                         f"{self.link.daemon_timeout_s:g} s"
@@ -146,17 +136,6 @@ class GenerateCall:
         Shielded: it runs when the HTTP client has gone and the request's task is being cancelled.
         """
         with anyio.CancelScope(shield=True):
-            if not self.finished:
-                await to_thread.run_sync(self._cancel_and_drain, limiter=self.link.limiter)
-            self.client.close()
-
-    def _cancel_and_drain(self) -> None:
-        # The socket drops unsent messages when it closes, so wait for the cancelled `done`:
-        # it proves the cancel arrived and the daemon stopped generating for us.
-        self.client.send("cancel", {}, request_id=self.id)
-        deadline = time.monotonic() + self.link.daemon_timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            reply = self.client.wait(self.id, "generate", min(left, WAIT_SLICE_S))
-            if reply is not None and reply.type in ("done", "error"):
-                break
-        self.finished = True
+            if not self.call.finished:
+                await to_thread.run_sync(self.call.cancel, self.link.daemon_timeout_s, limiter=self.link.limiter)
+            self.call.client.close()

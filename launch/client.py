@@ -11,95 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
+from frontend.target_client import TargetClient
 from launch.net import TARGET_ADDRESS, client_security, one_line_errors
-from protocol import Message, ProtocolError
-from protocol.keys import ClientKeys
-from protocol.transport import CONTROL_MAX_FRAME, Client, wait_ready
+from protocol.transport import wait_ready
 from target_node.decoding.stats import stats_line
 
 READY_S = 5.0  # how long the client pings a daemon that does not answer before it gives up
-
-
-class TargetClient:
-    """A target daemon's client: one generate request at a time, with a deadline per reply.
-
-    With `heartbeat_s` > 0 each request asks the daemon to drop it if the client falls silent
-    for a few intervals, and the client sends a heartbeat every interval while it waits
-    (while its caller reads the stream: a caller that stops reading stops them too).
-    A request given up on (an exception, the stream closed early) is cancelled.
-    """
-
-    def __init__(
-        self,
-        address: str = TARGET_ADDRESS,
-        timeout_s: float = 300.0,
-        curve: ClientKeys | None = None,
-        heartbeat_s: float = 1.0,
-    ) -> None:
-        self.client = Client(address, curve=curve, max_message_bytes=CONTROL_MAX_FRAME)
-        self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
-        self.in_flight: int | None = None
-        self.cancelled: int | None = None  # a request cancelled whose `done` has not been seen
-
-    def stream(self, **fields: object) -> Iterator[Message]:
-        """Yield `chunk` replies, then the final `done`; raise the daemon's error reply."""
-        if self.heartbeat_s > 0:
-            fields.setdefault("heartbeat_s", self.heartbeat_s)
-        request_id = self.in_flight = self.client.send("generate", fields)
-        deadline = time.monotonic() + self.timeout_s  # for the next reply
-        beat = time.monotonic() + self.heartbeat_s
-        try:
-            while True:
-                now = time.monotonic()
-                if now >= deadline:
-                    raise TimeoutError(f"no reply from the target daemon within {self.timeout_s:.0f} s")
-                if self.heartbeat_s > 0 and now >= beat:
-                    self.client.send("heartbeat", {}, request_id=request_id)
-                    beat = now + self.heartbeat_s
-                until = min(deadline, beat) if self.heartbeat_s > 0 else deadline
-                reply = self.client.wait(request_id, "generate", max(until - now, 0.001))
-                if reply is None:
-                    continue
-                deadline = time.monotonic() + self.timeout_s
-                if reply.type in ("done", "error"):
-                    self.in_flight = None  # finished: nothing left to cancel
-                reply.raise_if_error()
-                yield reply
-                if reply.type == "done":
-                    return
-        finally:
-            if self.in_flight == request_id:
-                self.cancel(request_id)
-
-    def generate(self, **fields: object) -> Message:
-        return list(self.stream(**fields))[-1]
-
-    def cancel(self, request_id: int) -> None:
-        self.client.send("cancel", {}, request_id=request_id)
-        self.cancelled = request_id
-        if self.in_flight == request_id:
-            self.in_flight = None
-
-    def close(self) -> None:
-        """Cancel what is in flight and wait up to a second for the daemon to confirm (its `done`),
-        so the request stops as cancelled rather than when a reply finds the client gone."""
-        if self.in_flight is not None:
-            self.cancel(self.in_flight)
-        if self.cancelled is not None:
-            deadline = time.monotonic() + 1.0
-            try:
-                while (left := deadline - time.monotonic()) > 0:
-                    reply = self.client.wait(self.cancelled, "generate", left)
-                    if reply is None or reply.type != "chunk":
-                        break
-            except ProtocolError:
-                pass
-            self.cancelled = None
-        self.client.close(linger_ms=500)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:

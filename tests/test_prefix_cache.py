@@ -10,7 +10,7 @@ import torch
 from helpers import draft_daemon, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
-from launch.client import TargetClient
+from frontend.target_client import TargetClient
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import Sequence, step
 from target_node.drafting.proposers import DFlashProposer, DraftPass, LocalDraftBackend, NGramProposer, NoProposer

@@ -7,7 +7,7 @@ import pytest
 import zmq
 from helpers import greedy, tiny_target
 
-from launch.client import TargetClient
+from frontend.target_client import TargetClient
 from launch.local import daemon
 from protocol import ProtocolError, decode, encode
 from protocol.transport import dealer, receive

@@ -16,7 +16,7 @@ from fuzz import Fuzzer, Template, run
 from helpers import assert_lossless, greedy
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from launch.client import TargetClient
+from frontend.target_client import TargetClient
 from launch.local import daemon
 from launch.processes import rss_mb
 from protocol import decode, encode
@@ -175,7 +175,7 @@ def test_a_duplicate_request_id_is_refused_while_the_first_runs(served, keys):
 
 CLIENT = """
 import sys
-from launch.client import TargetClient
+from frontend.target_client import TargetClient
 from protocol.keys import client_keys
 address, secret, public, heartbeat, stream = sys.argv[1:]
 client = TargetClient(address, 600, client_keys(secret, public), float(heartbeat))

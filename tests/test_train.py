@@ -1,6 +1,5 @@
 """Drafter training: it learns, it round-trips, it resumes exactly, and it trains what inference runs."""
 
-import inspect
 import itertools
 import os
 import re
@@ -16,12 +15,14 @@ from helpers import greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_draft_vocab, save_drafter
 from draft_node.config import FULL, SLIDING
+from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
 from training.answer_store import Answer, AnswerStore
 from training.average import average_drafters
+from training.estimate import estimate
 from training.features import FeatureCache
-from training.generate import RefillGenerator
+from training.generate import GenerateOptions, RefillGenerator
 from training.generate import generate as generate_answers
 from training.prompts import Ask, HeldOut
 from training.trainer import (
@@ -29,7 +30,6 @@ from training.trainer import (
     Trainer,
     TrainOptions,
     draft_vocabulary,
-    estimate,
     export_drafter,
     make_batch,
     train,
@@ -68,7 +68,7 @@ def _openings(count: int, seed: int = 0, follow_every: int = 0, held: int = 0) -
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-QUIET = dict(batch=8, max_new=48, held_out=HeldOut([]), log=lambda m: None)
+QUIET = dict(opts=GenerateOptions(batch=8, max_new=48, held_out=HeldOut([])), log=lambda m: None)
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ def test_features_recomputed_from_ids_equal_those_captured_in_generation(setup, 
 def test_training_lowers_loss_and_beats_a_random_drafter(setup, tmp_path):
     target, cfg, store, features = setup
     trainer = train(
-        target, cfg, store.answers, features, opts(), tmp_path / "state.pt", tmp_path / "out", log=lambda m: None
+        target, cfg, store.answers, features, opts(out=tmp_path / "out"), tmp_path / "state.pt", log=lambda m: None
     )
     first, last = sum(trainer.history[:20]) / 20, sum(trainer.history[-20:]) / 20
     assert last < first * 0.7, (first, last)
@@ -188,11 +188,10 @@ def test_training_lowers_loss_and_beats_a_random_drafter(setup, tmp_path):
     # The exported checkpoint loads, and speculative output stays the target's own greedy output.
     drafter = load_drafter(tmp_path / "out")
     # Always draft (no governor), so acceptance measures the drafter.
-    extra = {"adaptive": False} if "adaptive" in inspect.signature(generate).parameters else {}
     accepted = 0
     for a in store.answers[:4]:
         prompt = a.tokens[: a.prompt_len]
-        result = generate(target, prompt, DFlashProposer(LocalDraftBackend(drafter)), 40, **extra)
+        result = generate(target, prompt, DFlashProposer(LocalDraftBackend(drafter)), DecodeOptions(40, adaptive=False))
         assert result.tokens == greedy(target, prompt, 40)
         accepted += result.stats.accepted
     assert accepted > 0
@@ -201,7 +200,13 @@ def test_training_lowers_loss_and_beats_a_random_drafter(setup, tmp_path):
 def test_init_from_a_checkpoint_continues_where_it_left(setup, tmp_path):
     target, cfg, store, features = setup
     first = train(
-        target, cfg, store.answers, features, opts(steps=150), tmp_path / "a.pt", tmp_path / "out", log=lambda m: None
+        target,
+        cfg,
+        store.answers,
+        features,
+        opts(steps=150, out=tmp_path / "out"),
+        tmp_path / "a.pt",
+        log=lambda m: None,
     )
     before = first.evaluate(first.val_records)
     # A fresh run started from the exported checkpoint (scale folded in, bf16) predicts as well.
@@ -215,7 +220,15 @@ def test_init_from_a_checkpoint_continues_where_it_left(setup, tmp_path):
 
 def test_a_drafter_grown_from_a_checkpoint_starts_out_equal_to_it_and_then_learns(setup, tmp_path):
     target, cfg, store, features = setup
-    train(target, cfg, store.answers, features, opts(steps=60), tmp_path / "a.pt", tmp_path / "out", log=lambda m: None)
+    train(
+        target,
+        cfg,
+        store.answers,
+        features,
+        opts(steps=60, out=tmp_path / "out"),
+        tmp_path / "a.pt",
+        log=lambda m: None,
+    )
     shallow = Trainer(target, cfg, store.answers, features, opts())
     shallow.init_from(load_drafter(tmp_path / "out"))
     deep_cfg = replace(cfg, num_hidden_layers=2, layer_types=(FULL, FULL))
@@ -240,8 +253,8 @@ def test_a_drafter_can_start_from_the_targets_own_layers(setup, tmp_path):
     target, cfg, store, features = setup
     deep_cfg = replace(cfg, num_hidden_layers=2, layer_types=(FULL, FULL))
     log = []
-    trainer = train(target, deep_cfg, store.answers, features, opts(steps=30), tmp_path / "t.pt", None,
-                    init="target:2,3", log=log.append)  # fmt: skip
+    trainer = train(target, deep_cfg, store.answers, features, opts(steps=30, init="target:2,3"), tmp_path / "t.pt",
+                    log=log.append)  # fmt: skip
     assert any("decoder layers [2, 3]" in line for line in log)
     fresh = Trainer(target, deep_cfg, store.answers, features, opts())
     fresh.init_from_target(target.model, [2, 3])
@@ -266,7 +279,7 @@ def test_resume_replays_the_same_run(setup, tmp_path):
         first.train_step()
     first.save(tmp_path / "state.pt", None)
     resumed = train(
-        target, cfg, store.answers, features, o, tmp_path / "state.pt", None, resume=True, log=lambda m: None
+        target, cfg, store.answers, features, replace(o, resume=True), tmp_path / "state.pt", log=lambda m: None
     )
     assert resumed.step == 12
     assert resumed.history == pytest.approx(straight.history, rel=1e-6, abs=1e-7)
@@ -399,7 +412,7 @@ def test_launch_train_runs_each_stage_on_a_saved_target(setup, tmp_path):
 
 def test_recorded_traffic_becomes_training_data(setup, tmp_path):
     """A real target daemon run with --record; launch.train trains on what it recorded."""
-    from launch.client import TargetClient
+    from frontend.target_client import TargetClient
     from launch.local import daemon
     from launch.train import main
 
@@ -537,7 +550,7 @@ def test_averaging_two_drafters_mixes_their_weights_and_their_vocabularies(setup
 
 def test_the_offline_estimate_scores_every_drafter_on_the_same_blocks(setup, tmp_path):
     target, cfg, store, features = setup
-    train(target, cfg, store.answers, features, opts(), tmp_path / "s.pt", tmp_path / "out", log=lambda m: None)
+    train(target, cfg, store.answers, features, opts(out=tmp_path / "out"), tmp_path / "s.pt", log=lambda m: None)
     trained, untrained = load_drafter(tmp_path / "out"), random_drafter(cfg, seed=3)
     first = estimate(target, trained, store.answers, features, anchors=8)
     assert estimate(target, trained, store.answers, features, anchors=8) == first
@@ -559,7 +572,7 @@ def test_a_selector_trained_on_a_backbone_chains_its_drafts_better(setup, tmp_pa
     from training.trainer import as_dflash2
 
     target, cfg, store, features = setup
-    train(target, cfg, store.answers, features, opts(steps=150), tmp_path / "s.pt", tmp_path / "dflash", log=print)
+    train(target, cfg, store.answers, features, opts(steps=150, out=tmp_path / "dflash"), tmp_path / "s.pt", log=print)
     backbone = load_drafter(tmp_path / "dflash").float()
     drafter = as_dflash2(backbone, target.vocab_size, rank=16, top_k=8)
     features_in = torch.randn(9, cfg.feature_width)
@@ -586,7 +599,7 @@ def test_a_selector_trained_on_a_backbone_chains_its_drafts_better(setup, tmp_pa
     assert scored["selector_tau"] > scored["tau"] > 1.0
     for a in store.answers[:3]:
         prompt = a.tokens[: a.prompt_len]
-        result = generate(target, prompt, DFlashProposer(LocalDraftBackend(loaded)), 30, adaptive=False)
+        result = generate(target, prompt, DFlashProposer(LocalDraftBackend(loaded)), DecodeOptions(30, adaptive=False))
         assert result.tokens == greedy(target, prompt, 30)
 
 
@@ -598,7 +611,7 @@ def test_launch_train_makes_a_dflash2_drafter_from_a_dflash_one(setup, tmp_path)
 
     target, cfg, store, features = setup
     dflash = tmp_path / "dflash"
-    train(target, cfg, store.answers, features, opts(steps=60), tmp_path / "a.pt", dflash, log=lambda m: None)
+    train(target, cfg, store.answers, features, opts(steps=60, out=dflash), tmp_path / "a.pt", log=lambda m: None)
     v2_cfg = config_for_target(target.config, num_layers=1, block_size=4, mask_token_id=0, dflash2=True)
     before, after = (Trainer(target, c, store.answers, features, opts()) for c in (cfg, v2_cfg))
     before.init_from(load_drafter(dflash))
@@ -626,7 +639,7 @@ def test_launch_train_makes_a_dflash2_drafter_from_a_dflash_one(setup, tmp_path)
     assert float(last) < float(first)
     for a in store.answers[:3]:
         prompt = a.tokens[: a.prompt_len]
-        result = generate(target, prompt, DFlashProposer(LocalDraftBackend(drafter)), 30, adaptive=False)
+        result = generate(target, prompt, DFlashProposer(LocalDraftBackend(drafter)), DecodeOptions(30, adaptive=False))
         assert result.tokens == greedy(target, prompt, 30)
 
 

@@ -18,7 +18,7 @@ import pytest
 from helpers import greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
-from launch.client import TargetClient
+from frontend.target_client import TargetClient
 from launch.processes import stop
 from protocol.keys import create_keypair
 from protocol.transport import wait_ready

@@ -273,20 +273,27 @@ class Turns:
         return answer
 
 
+@dataclass(frozen=True)
+class GenerateOptions:
+    """How a generation run answers: its job stream's seed, batch, lengths, and when it stops."""
+
+    seed: int = 0  # picks the follow-up turns an answer leads to (training.prompts.next_turns)
+    batch: int = 16  # rows decoded at once
+    max_new: int = 192  # answer token cap
+    max_prompt: int = 768  # longer prompts are skipped
+    deadline: float | None = None  # a time.time() to stop at; None: when the openings run out
+    held_out: HeldOut | None = None  # None: HeldOut.load(), the committed held-out prompts
+    max_feature_rows: int = 1024  # feature rows kept per answer
+
+
 def generate(
     target,  # a TargetModel (model, tokenizer, chat template, eos ids)
     store: AnswerStore,
     openings: Iterator[Ask],
+    opts: GenerateOptions = GenerateOptions(),
     *,
-    seed: int = 0,
-    batch: int = 16,
-    max_new: int = 192,
-    max_prompt: int = 768,
-    deadline: float | None = None,
-    held_out: HeldOut | None = None,
     features: FeatureCache | None = None,
     layer_ids: tuple[int, ...] = (),
-    max_feature_rows: int = 1024,
     log: Callable[[str], None] = print,
 ) -> int:
     """Answer turns until the deadline (or the openings run out); returns how many were answered.
@@ -294,7 +301,8 @@ def generate(
     With a feature cache and the drafter's `layer_ids`, the features the target computes on
     the way are kept too, so training needs no second pass over these answers.
     """
-    turns = Turns(target, store, openings, seed, held_out if held_out is not None else HeldOut.load(), max_prompt)
+    held_out = opts.held_out if opts.held_out is not None else HeldOut.load()
+    turns = Turns(target, store, openings, opts.seed, held_out, opts.max_prompt)
     log(f"generation: {len(store)} answers stored ({store.answer_tokens} answer tokens), {len(turns.follow)} pending")
     started, made = time.time(), 0
 
@@ -304,15 +312,16 @@ def generate(
         if answer is None:
             return
         if features is not None and rows is not None:
-            features.add(answer.key, rows[:max_feature_rows])
+            features.add(answer.key, rows[: opts.max_feature_rows])
         made += answer.answer_tokens
         if len(store) % 100 == 0:
             rate = made / max(time.time() - started, 1e-9)
             log(f"answers {len(store)} | answer tokens {store.answer_tokens} | {rate:.1f} tok/s")
 
-    generator = RefillGenerator(target.model, target.eos_ids, batch, max_new, layer_ids if features is not None else ())
+    taps = layer_ids if features is not None else ()
+    generator = RefillGenerator(target.model, target.eos_ids, opts.batch, opts.max_new, taps)
     try:
-        done = generator.run(turns.take, on_done, deadline)
+        done = generator.run(turns.take, on_done, opts.deadline)
     finally:
         store.flush()
     log(

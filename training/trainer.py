@@ -34,8 +34,10 @@ from training.distributed import ONE, Ranks
 from training.features import FeatureCache
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainOptions:
+    """A training run's settings; `launch.train --stage train` sets each from the flag of its name."""
+
     lr: float = 1e-3
     warmup: int = 100
     steps: int = 1000
@@ -58,6 +60,9 @@ class TrainOptions:
     head_dtype: torch.dtype = torch.float32
     save_dtype: torch.dtype = torch.bfloat16
     draft_vocab: int = 8192  # most frequent answer tokens the drafter proposes from; 0 = all
+    out: Path | None = None  # the public checkpoint `train` writes with each save; None: its state alone
+    resume: bool = False  # `train` continues from its saved state, where there is one
+    init: str | Path | None = None  # else starts from this checkpoint, or `target:L1,...` (TARGET_INIT)
 
 
 @dataclass
@@ -512,17 +517,15 @@ def train(
     features: FeatureCache,
     opts: TrainOptions,
     state_path: Path,
-    out: Path | None,
     *,
-    resume: bool = False,
-    init: str | Path | None = None,
     log: Callable[[str], None] = print,
     ranks: Ranks = ONE,
 ) -> Trainer:
     """Train until opts.steps (or opts.minutes), saving state + the public checkpoint periodically.
 
-    `resume` continues a run from its saved state (saved on any number of ranks); otherwise `init`
-    starts from a checkpoint's weights. On many `ranks`, rank 0 alone logs, evaluates and saves.
+    `opts.resume` continues a run from its saved state (saved on any number of ranks); otherwise
+    `opts.init` starts from a checkpoint's weights. On many `ranks`, rank 0 alone logs, evaluates
+    and saves.
     """
     if not ranks.main:
         log = _quiet
@@ -532,13 +535,27 @@ def train(
             f"nothing to train on: of {len(answers)} answers none outside the held-out split has cached "
             "features and two answer tokens (generate more, or run --stage features)"
         )
-    _start(trainer, target, state_path if resume else None, init, log)
+    _start(trainer, target, state_path, log)
     log(
         f"train: {len(trainer.train_records)} answers "
         f"({sum(len(r.tokens) - r.prompt_len for r in trainer.train_records)} answer tokens), "
         f"{len(trainer.val_records)} held out; {cfg.num_hidden_layers} layer(s), block {cfg.block_size}, "
         f"taps {list(cfg.target_layer_ids)}, {sum(p.numel() for p in trainer.drafter.parameters())} params"
     )
+    _steps(trainer, state_path, log)
+    if ranks.main:
+        trainer.save(state_path, opts.out)
+        ev = trainer.evaluate()
+        if ev:
+            log(f"final step {trainer.step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f}")
+    ranks.barrier()  # the checkpoint is written before any rank goes on to read it
+    return trainer
+
+
+def _steps(trainer: Trainer, state_path: Path, log: Callable[[str], None]) -> None:
+    """The optimizer steps up to opts.steps, or until opts.minutes have passed on rank 0's clock;
+    a loss line every 20 steps, and on rank 0 evaluations and saves as often as opts asks."""
+    opts, ranks = trainer.opts, trainer.ranks
     start = last = time.time()
     window: list[float] = []
     while trainer.step < opts.steps:
@@ -559,19 +576,13 @@ def train(
             if ev:
                 log(f"eval step {step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f} | hist {ev['histogram']}")
         if opts.save_every and step % opts.save_every == 0 and ranks.main:
-            trainer.save(state_path, out)
-    if ranks.main:
-        trainer.save(state_path, out)
-        ev = trainer.evaluate()
-        if ev:
-            log(f"final step {trainer.step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f}")
-    ranks.barrier()  # the checkpoint is written before any rank goes on to read it
-    return trainer
+            trainer.save(state_path, opts.out)
 
 
-def _start(trainer: Trainer, target, state_path: Path | None, init: str | Path | None, log) -> None:
+def _start(trainer: Trainer, target, state_path: Path, log: Callable[[str], None]) -> None:
     """Where a run's weights start: its saved state (resuming), a checkpoint, target layers, or fresh."""
-    if state_path is not None and state_path.exists():
+    init = trainer.opts.init
+    if trainer.opts.resume and state_path.exists():
         trainer.load_state(torch.load(state_path, map_location=trainer.dev, weights_only=False))
         log(f"resumed at step {trainer.step}")
     elif init and str(init).startswith(TARGET_INIT):
@@ -585,29 +596,3 @@ def _start(trainer: Trainer, target, state_path: Path | None, init: str | Path |
 
 def _quiet(message: str) -> None:
     """The log of ranks other than 0: rank 0 speaks for the run."""
-
-
-def estimate(
-    target,  # a TargetModel (its embedding table and LM head)
-    drafter: DFlashDrafter,
-    answers: list[Answer],
-    features: FeatureCache,
-    anchors: int = 100,
-) -> dict:
-    """A drafter's greedy-chain acceptance on `answers` (held out or not), offline; a DFlash2
-    drafter's also with its selector's walk (`selector_tau`).
-
-    The count `Trainer.evaluate` makes, through the drafter's own draft vocabulary, at anchors
-    fixed by the answer list: drafters scored on one list are scored on the same blocks, in
-    about a minute where a live `launch.evaluate` of as many blocks takes half an hour.
-    """
-    trainer = Trainer(target, drafter.config, answers, features, TrainOptions(draft_vocab=0))
-    trainer.use_vocabulary(list(drafter.draft_vocab or []))
-    trainer.init_from(drafter)
-    records = samples(answers, features)
-    result = trainer.evaluate(records, anchors=anchors)
-    if result and drafter.config.dflash2:  # and the selector's walk, on the same blocks
-        from training.selector import chain_tau  # (it builds on this module)
-
-        result["selector_tau"] = chain_tau(trainer, trainer.drafter, records, anchors)["selector"]
-    return result

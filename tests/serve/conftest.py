@@ -3,7 +3,7 @@
 import pytest
 from serving import MODEL
 
-from launch.client import TargetClient
+from frontend.target_client import TargetClient
 from launch.local import daemon, free_port
 from launch.serve import front_end
 

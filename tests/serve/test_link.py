@@ -43,7 +43,7 @@ def test_a_waiting_request_promises_heartbeats_and_keeps_the_promise(tmp_path):
     finally:
         stop.set()
         thread.join()
-        call.client.close()
+        call.call.client.close()
         server.close()
     kinds = [msg.type for _, msg in heard]
     assert kinds[0] == "generate" and heard[0][1]["heartbeat_s"] == HEARTBEAT_S

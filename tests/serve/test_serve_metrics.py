@@ -9,7 +9,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 from serving import CHAT, MODEL
 
-from launch.client import TargetClient
+from frontend.target_client import TargetClient
 
 FAMILIES = {
     "dflash_target_daemon_up": "gauge",

@@ -11,7 +11,7 @@ import pytest
 import requests
 from serving import daemon_stats, wait_for
 
-from launch.client import TargetClient
+from frontend.target_client import TargetClient
 from launch.local import daemon, free_port
 from launch.serve import front_end
 

@@ -7,7 +7,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from launch.client import TargetClient
+from frontend.target_client import TargetClient
 from launch.local import free_address, free_port
 from launch.serve import front_end
 

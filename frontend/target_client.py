@@ -1,0 +1,135 @@
+"""The target daemon's generate client, one for every caller: the CLI, the HTTP front end, benchmarks.
+
+A request runs on a DEALER socket of its own: its cancel is then unambiguous (the daemon matches
+a cancel by the sending identity and the request id) and the daemon's per-client round robin sees
+concurrent requests as the separate clients they are. While a caller waits, the request sends the
+heartbeats it promised, by the clock (replies coming in are no beat), so the daemon drops a
+request whose client died. A request given up on is cancelled, and its `done` awaited: a socket
+drops unsent messages when it closes, so that `done` is the proof the daemon stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import zmq
+
+from protocol import Message, ProtocolError
+from protocol.keys import ClientKeys
+from protocol.transport import CONTROL_MAX_FRAME, Client
+
+CANCEL_WAIT_S = 1.0  # how long a cancelled request waits for the daemon's `done`
+SLICE_S = 0.2  # longest one wait blocks while a cancel drains
+
+
+class GenerateCall:
+    """One generate request in flight: its replies in order, its heartbeats, its cancel.
+
+    `beat_s` > 0 sends a heartbeat that often (what the request promised in its `heartbeat_s`
+    field, or more often); 0 sends none. Not thread-safe: one caller at a time, which may be a
+    different thread each time.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        fields: dict,
+        beat_s: float,
+        curve: ClientKeys | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.client = Client(address, context, curve=curve, max_message_bytes=CONTROL_MAX_FRAME)
+        self.beat_s = beat_s
+        self.beat = time.monotonic() + beat_s  # when the next heartbeat is due
+        self.finished = False  # a `done` or `error` reply arrived, or the request was cancelled
+        try:
+            self.id = self.client.send("generate", fields)
+        except Exception:
+            self.client.close()
+            raise
+
+    def next(self, timeout_s: float) -> Message | None:
+        """The next `chunk`, `done` or `error` reply within `timeout_s`; None when none came."""
+        end = time.monotonic() + timeout_s
+        while True:
+            now = time.monotonic()
+            if self.beat_s > 0 and now >= self.beat:
+                self.client.send("heartbeat", {}, request_id=self.id)
+                self.beat = now + self.beat_s
+            until = min(end, self.beat) if self.beat_s > 0 else end
+            reply = self.client.wait(self.id, "generate", max(until - now, 0.001))
+            if reply is not None:
+                self.finished = reply.type in ("done", "error")
+                return reply
+            if time.monotonic() >= end:
+                return None
+
+    def cancel(self, wait_s: float = CANCEL_WAIT_S) -> None:
+        """Cancel the request if it still runs and wait up to `wait_s` for the daemon to confirm."""
+        if self.finished:
+            return
+        self.finished = True
+        self.client.send("cancel", {}, request_id=self.id)
+        deadline = time.monotonic() + wait_s
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                reply = self.client.wait(self.id, "generate", min(left, SLICE_S))
+                if reply is not None and reply.type in ("done", "error"):
+                    return
+        except ProtocolError:  # a reply the request does not allow: the daemon is done with it anyway
+            pass
+
+    def close(self) -> None:
+        """Cancel what still runs, then drop the socket."""
+        self.cancel()
+        self.client.close(linger_ms=500)
+
+
+class TargetClient:
+    """A blocking client: one generate request at a time, with a deadline per reply.
+
+    With `heartbeat_s` > 0 each request asks the daemon to drop it if the client falls silent for
+    a few intervals, and heartbeats go out while the caller reads the stream (a caller that stops
+    reading stops them too).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 300.0,
+        curve: ClientKeys | None = None,
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        self.address, self.timeout_s, self.curve, self.heartbeat_s = address, timeout_s, curve, heartbeat_s
+        self.call: GenerateCall | None = None  # the request in flight
+
+    def stream(self, **fields: object) -> Iterator[Message]:
+        """Yield `chunk` replies, then the final `done`; raise the daemon's error reply."""
+        if self.heartbeat_s > 0:
+            fields.setdefault("heartbeat_s", self.heartbeat_s)
+        call = self.call = GenerateCall(self.address, fields, self.heartbeat_s, self.curve)
+        try:
+            while True:
+                reply = call.next(self.timeout_s)
+                if reply is None:
+                    raise TimeoutError(f"no reply from the target daemon within {self.timeout_s:.0f} s")
+                reply.raise_if_error()
+                yield reply
+                if reply.type == "done":
+                    return
+        finally:
+            self._end(call)
+
+    def generate(self, **fields: object) -> Message:
+        return list(self.stream(**fields))[-1]
+
+    def close(self) -> None:
+        """Cancel the request in flight, if any (a stream abandoned by an exception)."""
+        if self.call is not None:
+            self._end(self.call)
+
+    def _end(self, call: GenerateCall) -> None:
+        call.close()
+        if self.call is call:
+            self.call = None

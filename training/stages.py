@@ -1,0 +1,241 @@
+"""The stages of a training run, as `launch.train --stage` names them, on one rank.
+
+They read the parsed command line (`launch.train.parse_args`): each flag is the stage's own
+setting, so the command, its docs and these stages say one thing. `launch.train` fills in what the
+flags leave to the machine before any stage runs: the target's folder, the dtype "auto" names on
+this rank's device, the drafter `--stage selector` starts from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import fields, replace
+from pathlib import Path
+
+import torch
+
+from draft_node.checkpoint import config_for_target, load_drafter, save_draft_vocab, save_drafter
+from draft_node.config import DFlashConfig
+from protocol.tensors import torch_dtype
+from target_node.model.target import TargetModel
+from training.answer_store import Answer, AnswerStore
+from training.average import average_drafters
+from training.distributed import Ranks
+from training.estimate import estimate
+from training.features import FeatureCache
+from training.generate import GenerateOptions, generate
+from training.prompts import Ask, HeldOut, jobs, read_prompts
+from training.selector import train_selector
+from training.trainer import Trainer, TrainOptions, as_dflash2, draft_vocabulary, export_drafter, samples, train
+from training.variety import report
+
+Log = Callable[[str], None]
+
+
+def log_to(path: Path) -> Log:
+    """Rank 0's log: each line on the terminal and appended to `path`, where it outlives the run."""
+
+    def log(msg: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {msg}"
+        print(line, flush=True)
+        with open(path, "a") as fh:
+            fh.write(line + "\n")
+
+    return log
+
+
+def _rank_log(ranks: Ranks) -> Log:
+    """Ranks other than 0 print their lines (prefixed) but leave the log file to rank 0."""
+
+    def log(msg: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} [rank {ranks.rank}] {msg}", flush=True)
+
+    return log
+
+
+def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
+    """The stages --stage names, on this rank: generation and features sharded by rank, training
+    data-parallel, everything else (one-process work) on rank 0 alone."""
+    cache = Path(args.cache)
+    work = cache / "train" / args.name
+    work.mkdir(parents=True, exist_ok=True)
+    log = log_to(work / "train.log") if ranks.main else _rank_log(ranks)
+    store = AnswerStore(args.store)
+    if ranks.many and args.stage not in ("gen", "features", "train", "all"):
+        raise SystemExit(f"--stage {args.stage} runs in one process; torchrun runs gen, features and train")
+    if args.stage == "variety":
+        print(json.dumps(report(store.answers), indent=2))
+        return
+    if args.stage == "average":
+        average_stage(args, log)
+        return
+
+    # Generation may run the target in bf16 (a GPU, a CPU with native bf16); features and
+    # training use fp32, as inference does.
+    generating = args.stage in ("gen", "all")
+    target = TargetModel.load(args.model, args.device, args.gen_dtype if generating else torch.float32)
+    cfg = drafter_config(args, target)
+    layers = "-".join(map(str, cfg.target_layer_ids))
+    features = FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{layers}", cfg.feature_width)
+    if generating:
+        full_precision = target.model.dtype == torch.float32
+        generate_stage(args, target, cfg, store, features if full_precision else None, log, ranks)
+        if not full_precision:
+            target = TargetModel.load(args.model, args.device, torch.float32)
+    answers = list(store.answers)
+    for folder in args.data:
+        answers += [a for a in AnswerStore(folder).answers if a.key not in store.keys]
+    if args.stage == "features" or (args.stage in ("train", "all") and not args.cached_only):
+        added = features.fill(answers[ranks.rank :: ranks.world], target.model, cfg.target_layer_ids, log=log)
+        ranks.barrier()  # every rank's rows are in before any trains on them
+        features = FeatureCache(features.folder, cfg.feature_width)
+        log(f"features: {added} answers filled by prefill; {len(features)} cached")
+    if args.stage == "estimate":
+        estimate_stage(args, target, store, cache, log)
+        return
+    if args.stage == "selector":
+        selector_stage(args, target, answers, cache, log)
+        return
+    if args.stage == "vocab":
+        ids = draft_vocabulary(samples([a for a in answers if not a.held_out], features), args.draft_vocab)
+        log(f"draft vocabulary: {len(ids)} tokens -> {save_draft_vocab(args.out, ids)}")
+    if args.stage in ("train", "all"):
+        train_stage(args, target, cfg, answers, features, work, log, ranks)
+
+
+def drafter_config(args: argparse.Namespace, target: TargetModel) -> DFlashConfig:
+    """The drafter this run trains, for `target`, from the shape flags."""
+    taps = [int(x) for x in args.taps.split(",")] if args.taps else None
+    cfg = config_for_target(
+        target.config,
+        num_layers=args.layers,
+        block_size=args.block_size,
+        target_layer_ids=taps,
+        mask_token_id=args.mask_token_id,
+        dflash2=args.format == "dflash2",
+    )
+    if not cfg.dflash2:
+        return cfg
+    return replace(
+        cfg,
+        selector_rank=args.selector_rank or cfg.selector_rank,
+        selector_top_k=args.selector_top_k or cfg.selector_top_k,
+    )
+
+
+def generate_stage(
+    args: argparse.Namespace,
+    target: TargetModel,
+    cfg: DFlashConfig,
+    store: AnswerStore,
+    features: FeatureCache | None,
+    log: Log,
+    ranks: Ranks,
+) -> None:
+    """Self-instruct answers into the store, until --gen-minutes have passed; rank r of a torchrun
+    job answers the job stream of seed --gen-seed + r (streams of different seeds do not overlap)."""
+    deadline = time.time() + args.gen_minutes * 60
+    starter = read_prompts(args.starter) if args.starter and Path(args.starter).is_file() else []
+    log(
+        f"gen: {target.model.dtype}, batch {args.gen_batch}, max_new {args.max_new}, {args.threads} threads, "
+        f"taps {list(cfg.target_layer_ids)}, until {time.strftime('%H:%M:%S', time.localtime(deadline))}"
+    )
+    seed = args.gen_seed + ranks.rank
+    opts = GenerateOptions(seed=seed, batch=args.gen_batch, max_new=args.max_new, deadline=deadline)
+    openings = jobs(seed, starter=starter if ranks.main else [])
+    generate(target, store, openings, opts, features=features, layer_ids=cfg.target_layer_ids, log=log)
+
+
+def train_stage(
+    args: argparse.Namespace,
+    target: TargetModel,
+    cfg: DFlashConfig,
+    answers: list[Answer],
+    features: FeatureCache,
+    work: Path,
+    log: Log,
+    ranks: Ranks,
+) -> None:
+    """Train the drafter on every rank (its state under `work`, its checkpoint at --out); a DFlash2
+    drafter's selector then learns on the finished backbone's outputs, on rank 0."""
+    # Every training flag is named after its TrainOptions field; only the dtype and the folder need parsing.
+    given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if hasattr(args, f.name)}
+    opts = TrainOptions(**given | {"save_dtype": torch_dtype(args.save_dtype), "out": Path(args.out)})
+    trainer = train(target, cfg, answers, features, opts, work / "state.pt", log=log, ranks=ranks)
+    if cfg.dflash2 and ranks.main:  # the backbone is done: its selector learns on its outputs
+        train_selector(trainer, args.selector_batches, args.selector_steps, args.selector_lr, log)
+        trainer.save(work / "state.pt", opts.out)
+        log(f"DFlash2 drafter -> {opts.out}")
+
+
+def average_stage(args: argparse.Namespace, log: Log) -> None:
+    """(1 - --weight) x --init + --weight x --average-with, saved at --out (training.average)."""
+    if not (args.init and args.average_with):
+        raise SystemExit("--stage average needs --init A and --average-with B")
+    drafter = average_drafters(load_drafter(args.init), load_drafter(args.average_with), args.weight)
+    save_drafter(drafter.to(torch_dtype(args.save_dtype)), args.out)
+    log(f"average: {1 - args.weight:g} x {args.init} + {args.weight:g} x {args.average_with} -> {args.out}")
+
+
+def estimate_stage(args: argparse.Namespace, target: TargetModel, store: AnswerStore, cache: Path, log: Log) -> None:
+    """Each drafter's chain acceptance, offline, on the same blocks: the held-out prompts' answers, the store's.
+
+    The target answers --prompts once (greedy, kept under the cache, keyed by the prompts and
+    the model); features come by prefill for each drafter's taps.
+    """
+    if not args.drafters:
+        raise SystemExit("--stage estimate needs --drafters A[,B...]")
+    prompts = read_prompts(args.prompts)
+    tag = hashlib.sha1(json.dumps([prompts, args.estimate_tokens]).encode()).hexdigest()[:10]
+    folder = cache / "estimate" / f"{Path(args.model).name}-{Path(args.prompts).stem}-{tag}"
+    answers = AnswerStore(folder / "answers")
+    asks = (Ask(f"estimate-{i}", "answer", (("user", p),)) for i, p in enumerate(prompts))
+    opts = GenerateOptions(batch=len(prompts), max_new=args.estimate_tokens, held_out=HeldOut())
+    generate(target, answers, asks, opts, log=log)
+    held_out = [a for a in store.answers if a.held_out]
+    rows = ["| drafter | held-out prompts' answers | store held-out answers |", "|---|---|---|"]
+    for path in args.drafters.split(","):
+        drafter = load_drafter(path)
+        taps, width = "-".join(map(str, drafter.config.target_layer_ids)), drafter.config.feature_width
+        groups = (
+            (answers.answers, FeatureCache(folder / f"features-taps{taps}", width)),
+            (held_out, FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{taps}", width)),
+        )
+        scores = []
+        for group, features in groups:
+            features.fill(group, target.model, drafter.config.target_layer_ids, log=None)
+            result = estimate(target, drafter, group, features)
+            walk = f", walk {result['selector_tau']:.3f}" if "selector_tau" in result else ""
+            scores.append(f"{result['tau']:.3f}{walk} ({sum(result['histogram'])} blocks)" if result else "-")
+        rows.append(f"| {path} | {scores[0]} | {scores[1]} |")
+    log("chain tau, estimated offline:\n" + "\n".join(rows))
+
+
+def selector_stage(args: argparse.Namespace, target: TargetModel, answers: list[Answer], cache: Path, log: Log) -> None:
+    """A DFlash2 drafter from a trained drafter (--init, which `launch.train` defaults to the shipped
+    one): the same backbone (a DFlash one gains identity convolutions) and a selector trained on its
+    block rows (training.selector)."""
+    backbone = load_drafter(args.init)
+    drafter = as_dflash2(backbone.float(), target.vocab_size, args.selector_rank, args.selector_top_k)
+    cfg = drafter.config
+    taps = "-".join(map(str, cfg.target_layer_ids))
+    features = FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{taps}", cfg.feature_width)
+    # The answers whose features are cached (--stage features fills the rest): the backbone's rows need them.
+    log(f"selector: {sum(a.key in features for a in answers)} of {len(answers)} answers have cached features")
+    opts = TrainOptions(
+        batch=args.batch, anchors=args.anchors, max_len=args.max_len, seed=args.seed, val_answers=args.val_answers,
+        draft_vocab=0,
+    )  # fmt: skip
+    trainer = Trainer(target, cfg, answers, features, opts)
+    trainer.use_vocabulary(list(backbone.draft_vocab or []))
+    trainer.init_from(drafter)
+    train_selector(trainer, args.selector_batches, args.selector_steps, args.selector_lr, log)
+    out = Path(args.out)
+    save_drafter(export_drafter(trainer.drafter, trainer.scale).to(torch_dtype(args.save_dtype)), out)
+    if backbone.draft_vocab:
+        save_draft_vocab(out, list(backbone.draft_vocab))
+    log(f"selector: DFlash2 drafter -> {out}")
