@@ -41,7 +41,8 @@ from target_node.decoding.governor import Governor, VerifyCosts
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.stats import Stats
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer, DraftBackend, NGramProposer, NoProposer
 from target_node.drafting.remote import RemoteDraftBackend
 from target_node.model.target import TargetModel
 from target_node.model.tiny import tiny_target
@@ -73,14 +74,8 @@ def bench_generation(
     drafter = load_drafter(checkpoint, dtype=target.model.dtype)
     local = LocalDraftBackend(drafter, 4096)
     address = free_address()
-    rows = []
-    with daemon(
-        "draft daemon",
-        "launch.draft_daemon",
-        address,
-        ["--checkpoint", str(checkpoint), "--threads", str(threads)],
-        180,
-    ):
+    flags = ["--checkpoint", str(checkpoint), "--threads", str(threads)]
+    with daemon("draft daemon", "launch.draft_daemon", address, flags, 180):
         remote = RemoteDraftBackend(address, target)
         modes = [
             ("plain", NoProposer(), True),
@@ -90,41 +85,55 @@ def bench_generation(
             ("dflash-local (adaptive)", DFlashProposer(local), True),
             ("dflash-remote (adaptive)", DFlashProposer(remote), True),
         ]
-        # Modes take turns on each prompt, so drift in machine load spreads over all of them.
-        totals = {name: Stats() for name, *_ in modes}
-        governors = {name: Governor() for name, *_ in modes}  # as in the daemon: one per proposer
-        for _, proposer, _ in modes:
-            generate(target, prompts[0], proposer, DecodeOptions(4, adaptive=False))  # warm-up
-        before = {name: dict(p.backend.counters) if p.backend is not None else {} for name, p, _ in modes}
-        for prompt in prompts:
-            for name, proposer, adaptive in modes:
-                stats = generate(
-                    target, prompt, proposer, DecodeOptions(max_new, adaptive=adaptive), governor=governors[name]
-                ).stats
-                totals[name].add(stats)
-        for name, proposer, _ in modes:
-            t = totals[name]
-            row = {
-                "mode": name,
-                "tok_s": t.decode_tok_s,
-                "tau": t.tau,
-                "steps": t.steps,
-                "propose_ms": 1000 * t.propose_s / t.steps,
-                "verify_ms": 1000 * t.verify_s / t.steps,
-            }
-            backend = proposer.backend
-            if backend is not None:
-                b, after = before[name], backend.counters
-                proposals = after["proposals"] - b.get("proposals", 0)
-                if proposals:
-                    row["draft_compute_ms"] = (after["draft_ms"] - b.get("draft_ms", 0)) / proposals
-                    if "propose_rtt_ms" in after:
-                        rtt = (after["propose_rtt_ms"] - b["propose_rtt_ms"]) / proposals
-                        row["wire_ms"] = rtt - row["draft_compute_ms"]
-                        sent = after["bytes_out"] - b["bytes_out"] + after["bytes_in"] - b["bytes_in"]
-                        row["bytes_per_step"] = sent / proposals
-            rows.append(row)
+        rows = run_modes(target, prompts, modes, max_new)
         remote.close()
+    compare_modes(rows)
+    return rows
+
+
+def run_modes(target: TargetModel, prompts: list[list[int]], modes: list[tuple], max_new: int) -> list[dict]:
+    """Modes take turns on each prompt, so drift in machine load spreads over all of them."""
+    totals = {name: Stats() for name, *_ in modes}
+    governors = {name: Governor() for name, *_ in modes}  # as in the daemon: one per proposer
+    for _, proposer, _ in modes:
+        generate(target, prompts[0], proposer, DecodeOptions(4, adaptive=False))  # warm-up
+    # The backends' counters run on from the warm-up: each mode's figures are what came after.
+    before = {name: dict(p.backend.counters) if p.backend is not None else {} for name, p, _ in modes}
+    for prompt in prompts:
+        for name, proposer, adaptive in modes:
+            stats = generate(
+                target, prompt, proposer, DecodeOptions(max_new, adaptive=adaptive), governor=governors[name]
+            ).stats
+            totals[name].add(stats)
+    return [generation_row(name, totals[name], proposer.backend, before[name]) for name, proposer, _ in modes]
+
+
+def generation_row(name: str, t: Stats, backend: DraftBackend | None, before: dict) -> dict:
+    """A mode's step split: drafting (compute, and for a remote drafter the wire) against verifying."""
+    row = {
+        "mode": name,
+        "tok_s": t.decode_tok_s,
+        "tau": t.tau,
+        "steps": t.steps,
+        "propose_ms": 1000 * t.propose_s / t.steps,
+        "verify_ms": 1000 * t.verify_s / t.steps,
+    }
+    if backend is None:
+        return row
+    b, after = before, backend.counters
+    proposals = after["proposals"] - b.get("proposals", 0)
+    if proposals:
+        row["draft_compute_ms"] = (after["draft_ms"] - b.get("draft_ms", 0)) / proposals
+        if "propose_rtt_ms" in after:
+            rtt = (after["propose_rtt_ms"] - b["propose_rtt_ms"]) / proposals
+            row["wire_ms"] = rtt - row["draft_compute_ms"]
+            sent = after["bytes_out"] - b["bytes_out"] + after["bytes_in"] - b["bytes_in"]
+            row["bytes_per_step"] = sent / proposals
+    return row
+
+
+def compare_modes(rows: list[dict]) -> None:
+    """Each mode against plain decoding, and the remote drafter against the local one: the wire's price."""
     plain = rows[0]["tok_s"]
     by_name = {r["mode"]: r for r in rows}
     for row in rows:
@@ -132,7 +141,6 @@ def bench_generation(
     for kind in ("every step", "adaptive"):
         local_row, remote_row = by_name[f"dflash-local ({kind})"], by_name[f"dflash-remote ({kind})"]
         remote_row["remote_vs_local"] = remote_row["tok_s"] / local_row["tok_s"] if local_row["tok_s"] else 0.0
-    return rows
 
 
 # --- 2. protocol overhead -------------------------------------------------------
@@ -288,36 +296,65 @@ def _run_llama_cpp(llm, ids: list[int], max_new: int) -> tuple[int, float]:
     return out["usage"]["completion_tokens"], time.perf_counter() - began
 
 
+def load_target(folder: Path | None, dtype: torch.dtype, engine: bool) -> TargetModel:
+    """`folder` None: a tiny random model, for the test suite's quick run."""
+    if folder is None:
+        return tiny_target(vocab=512, engine=engine, dtype=dtype)
+    return TargetModel.load(folder, dtype=dtype, engine=engine)
+
+
+def prompt_ids(target: TargetModel, texts: list[str], tiny: bool) -> list[list[int]]:
+    """A tiny random model has no chat template: as many fixed token prompts instead."""
+    if tiny:
+        return [[1 + (7 * i + j) % 500 for j in range(24)] for i in range(len(texts))]
+    return [target.encode_chat([{"role": "user", "content": p}]) for p in texts]
+
+
+class Peers:
+    """transformers' own generate (greedy, and its prompt lookup) and llama.cpp where it is
+    installed: the yardsticks outside this project, their new tokens and seconds summed."""
+
+    def __init__(self, targets: dict[str, TargetModel], llm: object | None, max_new: int) -> None:
+        fp32, bf16 = targets["float32 transformers path"].model, targets["bfloat16 transformers path"].model
+        self.runs = {
+            "transformers generate fp32 greedy": lambda p: _generate_peer(fp32, p, max_new),
+            "transformers generate fp32 prompt lookup": lambda p: _generate_peer(
+                fp32, p, max_new, prompt_lookup_num_tokens=10
+            ),
+            "transformers generate bf16 greedy": lambda p: _generate_peer(bf16, p, max_new),
+        }
+        if llm is not None:
+            self.runs["llama.cpp Q4_1 (llama-cpp-python)"] = lambda p: _run_llama_cpp(llm, p, max_new)
+        self.totals = {peer: [0, 0.0] for peer in self.runs}
+
+    def run(self, prompt: list[int]) -> None:
+        for peer, fn in self.runs.items():
+            tokens, seconds = fn(prompt)
+            self.totals[peer][0] += tokens
+            self.totals[peer][1] += seconds
+
+    def rows(self) -> list[dict]:
+        return [{"target": peer, "mode": "peer", "tok_s": t / s if s else 0.0} for peer, (t, s) in self.totals.items()]
+
+
 def bench_engines(
     folder: Path | None, checkpoint: Path, prompts: list[str], max_new: int, threads: int, widths: list[int]
 ) -> dict:
     """Each (dtype, path) target decodes every prompt plain and with the default speculative mode
     (the governor, trees of up to 16 nodes, the drafter in this process), then the peers do: all
     in turns, prompt by prompt. `folder` None: a tiny random model (the test suite's quick run)."""
-    targets = {}
-    for dtype in ("float32", "bfloat16"):
-        for engine in (False, True):
-            if folder is None:
-                target = tiny_target(vocab=512, engine=engine, dtype=getattr(torch, dtype))
-            else:
-                target = TargetModel.load(folder, dtype=dtype, engine=engine)
-            targets[f"{dtype} {'engine' if engine else 'transformers path'}"] = target
+    targets = {
+        f"{dtype} {'engine' if engine else 'transformers path'}": load_target(folder, getattr(torch, dtype), engine)
+        for dtype in ("float32", "bfloat16")
+        for engine in (False, True)
+    }
     drafter = load_drafter(checkpoint, dtype=torch.bfloat16)
     proposers = {name: DFlashProposer(LocalDraftBackend(drafter)) for name in targets}
     governors = {name: Governor(max_nodes=16) for name in targets}
-    any_target = next(iter(targets.values()))
-    if folder is None:
-        ids = [[1 + (7 * i + j) % 500 for j in range(24)] for i in range(len(prompts))]
-    else:
-        ids = [any_target.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    llm = _llama_cpp(threads) if folder is not None else None
+    ids = prompt_ids(next(iter(targets.values())), prompts, folder is None)
+    peers = Peers(targets, _llama_cpp(threads) if folder is not None else None, max_new)
     totals = {f"{name}: {mode}": Stats() for name in targets for mode in ("plain", "default")}
     mismatches = dict.fromkeys(targets, 0)
-    peers = {"transformers generate fp32 greedy": [0, 0.0], "transformers generate fp32 prompt lookup": [0, 0.0]}
-    peers["transformers generate bf16 greedy"] = [0, 0.0]
-    if llm is not None:
-        peers["llama.cpp Q4_1 (llama-cpp-python)"] = [0, 0.0]
-    hf = {"fp32": targets["float32 transformers path"].model, "bf16": targets["bfloat16 transformers path"].model}
     for name, target in targets.items():  # warm-up
         generate(target, ids[0], proposers[name], DecodeOptions(4, tree_nodes=16), governor=governors[name])
     for prompt in ids:
@@ -329,18 +366,13 @@ def bench_engines(
             totals[f"{name}: plain"].add(plain.stats)
             totals[f"{name}: default"].add(spec.stats)
             mismatches[name] += spec.tokens != plain.tokens
-        runs = {
-            "transformers generate fp32 greedy": lambda p: _generate_peer(hf["fp32"], p, max_new),
-            "transformers generate fp32 prompt lookup": lambda p: _generate_peer(
-                hf["fp32"], p, max_new, prompt_lookup_num_tokens=10
-            ),
-            "transformers generate bf16 greedy": lambda p: _generate_peer(hf["bf16"], p, max_new),
-            "llama.cpp Q4_1 (llama-cpp-python)": lambda p: _run_llama_cpp(llm, p, max_new),
-        }
-        for peer in peers:
-            tokens, seconds = runs[peer](prompt)
-            peers[peer][0] += tokens
-            peers[peer][1] += seconds
+        peers.run(prompt)
+    rows = engine_rows(totals, mismatches) + peers.rows()
+    compare_engines(rows)
+    return {"prompts": len(ids), "max_new_tokens": max_new, "rows": rows, "width_ms": width_costs(targets, widths)}
+
+
+def engine_rows(totals: dict[str, Stats], mismatches: dict[str, int]) -> list[dict]:
     rows = []
     for key, stats in totals.items():
         name, mode = key.split(": ")
@@ -354,18 +386,26 @@ def bench_engines(
                 "differs_from_plain": mismatches[name] if mode == "default" else 0,
             }
         )
-    rows += [{"target": peer, "mode": "peer", "tok_s": t / s if s else 0.0} for peer, (t, s) in peers.items()]
+    return rows
+
+
+def compare_engines(rows: list[dict]) -> None:
+    """Every row against transformers' greedy generate, and against plain decoding on its own target."""
     base = next(r["tok_s"] for r in rows if r["target"] == "transformers generate fp32 greedy")
     for row in rows:
         row["vs_transformers_generate"] = row["tok_s"] / base if base else 0.0
         plain = next(r for r in rows if r["target"] == row["target"])  # the plain row comes first
         row["vs_plain_same_target"] = row["tok_s"] / plain["tok_s"] if plain["tok_s"] else 0.0
+
+
+def width_costs(targets: dict[str, TargetModel], widths: list[int]) -> dict[str, dict[str, float]]:
+    """Each target's step time (ms) by width: what the governor weighs drafts against, per target."""
     cost = {}
     for name, target in targets.items():
         costs = VerifyCosts()
         costs.measure(target, widths, repeats=3)
         cost[name] = {str(w): round(costs.seconds[w] * 1000, 2) for w in widths}
-    return {"prompts": len(ids), "max_new_tokens": max_new, "rows": rows, "width_ms": cost}
+    return cost
 
 
 # --- 6. what invariance costs -------------------------------------------------------
@@ -399,10 +439,7 @@ def bench_invariance_cost(folder: Path | None, widths: list[int], repeats: int) 
 
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        if folder is None:
-            model = tiny_target(vocab=512, engine=False, dtype=dtype).model
-        else:
-            model = TargetModel.load(folder, dtype=dtype, engine=False).model
+        model = load_target(folder, dtype, engine=False).model
         try:
             theirs = Engine(model, ops=OneDNNLinears())
         except RuntimeError as exc:  # oneDNN's bf16 prepack needs AVX512BW/VL/DQ or AVX-NE-CONVERT
@@ -503,13 +540,12 @@ def run(args: argparse.Namespace) -> dict:
     for name, folder in targets:
         if folder is None:
             target = tiny_target(vocab=512)
-            cfg = config_for_target(target.config, block_size=8, num_taps=3)
+            cfg = config_for_target(target.config, block_size=8, taps=3)
             checkpoint = save_drafter(random_drafter(cfg), out / "tiny-drafter")
-            prompts = [[1 + (7 * i + j) % 500 for j in range(24)] for i in range(len(DEFAULT_PROMPTS))]
         else:
             target = TargetModel.load(folder)
             checkpoint = Path(args.drafter) if args.drafter else ensure_default_drafter(folder)
-            prompts = [target.encode_chat([{"role": "user", "content": p}]) for p in DEFAULT_PROMPTS]
+        prompts = prompt_ids(target, DEFAULT_PROMPTS, folder is None)
         drafter = load_drafter(checkpoint)
         cfg = drafter.config
         generation = bench_generation(target, prompts, checkpoint, args.max_new_tokens, args.threads)

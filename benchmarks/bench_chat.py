@@ -22,7 +22,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from benchmarks.bench_http import stream_chat
-from launch.client import TargetClient
+from frontend.target_client import TargetClient
 from launch.common import resolve_model
 from launch.local import daemon, free_address, free_port
 from launch.serve import front_end

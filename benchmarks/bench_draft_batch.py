@@ -32,6 +32,7 @@ import torch
 
 from draft_node.checkpoint import load_drafter
 from draft_node.daemon import DraftService
+from draft_node.model import DFlashDrafter
 from draft_node.settings import DraftSettings
 from launch.common import DTYPE_CHOICES, ensure_default_drafter, named_dtype
 from protocol import Message, decode, encode
@@ -73,13 +74,21 @@ class Burst:
         return burst
 
 
+def answer(service: DraftService, burst: list[Message], one_by_one: bool) -> list:
+    """A burst's replies drafted one by one, as a lone propose still is, or as the daemon drafts
+    proposes that arrive together; the ways these benchmarks weigh against each other."""
+    return [service.handle(msg) for msg in burst] if one_by_one else service.handle_all(burst)
+
+
 def target_steps(args: argparse.Namespace, folder: Path) -> dict:
     """ms per batched step of `steps_of` requests drafting every step, one shared pass against a
     pass each, alternating request by request; the outputs of both are checked equal."""
     from launch.common import resolve_model
     from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sequence import Sequence, step
-    from target_node.drafting.proposers import DFlashProposer, DraftPass, LocalDraftBackend
+    from target_node.drafting.draft_pass import DraftPass
+    from target_node.drafting.local_backend import LocalDraftBackend
+    from target_node.drafting.proposers import DFlashProposer
     from target_node.model.target import TargetModel
 
     n = args.steps_of
@@ -148,10 +157,7 @@ def resend_way(args: argparse.Namespace, folder: str) -> dict:
     with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
         f.write("5")  # the peak (VmHWM) restarts from now: loading costs more than drafting
     began = time.perf_counter()
-    if args.resend_way == "one_by_one":
-        replies = [service.handle(msg) for msg in burst]
-    else:
-        replies = service.handle_all(burst)
+    replies = answer(service, burst, one_by_one=args.resend_way == "one_by_one")
     seconds = time.perf_counter() - began
     peak_mb = status_mb("VmHWM")
     digest = hashlib.sha256()
@@ -204,7 +210,7 @@ def resend_burst(args: argparse.Namespace, argv: list[str]) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="dflash-bench-draft-batch", description=__doc__)
     ap.add_argument("--drafter", help="drafter checkpoint folder (default: the default model's drafter)")
     ap.add_argument("--sessions", default="1,2,4,8,16", help="burst sizes: proposes arriving together")
@@ -224,7 +230,54 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--resend-way", choices=RESEND_WAYS, help=argparse.SUPPRESS)  # one way, in a child
     ap.add_argument("--out", help="write the result as JSON here")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def resend_flags(args: argparse.Namespace, folder: str | Path) -> list[str]:
+    """The flags a child process needs to draft the resend burst this run asked for."""
+    child = ["--drafter", str(folder), "--dtypes", args.dtypes, "--device", args.device]
+    child += ["--threads", str(args.threads), "--resend", str(args.resend)]
+    return child + ["--resend-rows", str(args.resend_rows), "--max-pass-rows", str(args.max_pass_rows)]
+
+
+def burst_row(args: argparse.Namespace, drafter: DFlashDrafter, dtype: torch.dtype, sessions: int) -> dict:
+    """ms per burst of `sessions` proposes, one by one against in one pass, in turns; their drafts
+    are checked equal."""
+    # Each way drafts its own copy of the same sessions, so both see the same contexts.
+    ways = {way: DraftService(drafter, DraftSettings(ring_capacity=4096)) for way in ("one_by_one", "together")}
+    bursts = {way: Burst(service, sessions, args.context, args.new) for way, service in ways.items()}
+    spent, last = dict.fromkeys(ways, 0.0), {}
+    for _ in range(args.rounds):
+        for way, service in ways.items():
+            for _ in range(args.steps):
+                burst = bursts[way].step()
+                began = time.perf_counter()
+                replies = answer(service, burst, one_by_one=way == "one_by_one")
+                spent[way] += time.perf_counter() - began
+            last[way] = [decode(reply).tensor("hidden") for reply in replies]
+        # Same seeds, same steps: the two ways' last bursts are the same messages.
+        pairs = zip(last["together"], last["one_by_one"], strict=True)
+        if not all(torch.equal(a, b) for a, b in pairs):
+            raise SystemExit("drafting together changed a session's drafts")
+    bursts_timed = args.rounds * args.steps
+    row = {
+        "dtype": str(dtype).removeprefix("torch."),
+        "sessions": sessions,
+        "batched_in_one_pass": ways["together"].together,
+        **{f"{way}_ms": round(spent[way] / bursts_timed * 1000, 3) for way in ways},
+    }
+    row["together_vs_one_by_one"] = round(row["together_ms"] / row["one_by_one_ms"], 3)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def write_out(args: argparse.Namespace, result: dict) -> None:
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     folder = args.drafter or ensure_default_drafter()
     if args.resend_way:
@@ -232,47 +285,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result), flush=True)
         return result
     if args.resend:
-        child = ["--drafter", str(folder), "--dtypes", args.dtypes, "--device", args.device]
-        child += ["--threads", str(args.threads), "--resend", str(args.resend)]
-        child += ["--resend-rows", str(args.resend_rows), "--max-pass-rows", str(args.max_pass_rows)]
-        result = {"resend_burst": resend_burst(args, child)}
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        result = {"resend_burst": resend_burst(args, resend_flags(args, folder))}
+        write_out(args, result)
         return result
-    dtypes = list(dict.fromkeys(named_dtype(name, args.device) for name in args.dtypes.split(",")))
     rows = []
-    for dtype in dtypes:
+    for dtype in dict.fromkeys(named_dtype(name, args.device) for name in args.dtypes.split(",")):
         drafter = load_drafter(folder, args.device, dtype)
-        for sessions in (int(n) for n in args.sessions.split(",")):
-            # Each way drafts its own copy of the same sessions, so both see the same contexts.
-            ways = {way: DraftService(drafter, DraftSettings(ring_capacity=4096)) for way in ("one_by_one", "together")}
-            bursts = {way: Burst(service, sessions, args.context, args.new) for way, service in ways.items()}
-            spent, last = dict.fromkeys(ways, 0.0), {}
-            for _ in range(args.rounds):
-                for way, service in ways.items():
-                    for _ in range(args.steps):
-                        burst = bursts[way].step()
-                        began = time.perf_counter()
-                        if way == "together":
-                            replies = service.handle_all(burst)
-                        else:
-                            replies = [service.handle(msg) for msg in burst]
-                        spent[way] += time.perf_counter() - began
-                    last[way] = [decode(reply).tensor("hidden") for reply in replies]
-                # Same seeds, same steps: the two ways' last bursts are the same messages.
-                pairs = zip(last["together"], last["one_by_one"], strict=True)
-                if not all(torch.equal(a, b) for a, b in pairs):
-                    raise SystemExit("drafting together changed a session's drafts")
-            bursts_timed = args.rounds * args.steps
-            row = {
-                "dtype": str(dtype).removeprefix("torch."),
-                "sessions": sessions,
-                "batched_in_one_pass": ways["together"].together,
-                **{f"{way}_ms": round(spent[way] / bursts_timed * 1000, 3) for way in ways},
-            }
-            row["together_vs_one_by_one"] = round(row["together_ms"] / row["one_by_one_ms"], 3)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+        rows += [burst_row(args, drafter, dtype, int(n)) for n in args.sessions.split(",")]
     result = {
         "device": args.device,
         "threads": args.threads,
@@ -282,8 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if args.steps_of:
         result["target_steps"] = target_steps(args, folder)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_out(args, result)
     return result
 
 

@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from launch.client import TargetClient
+from frontend.target_client import TargetClient
 from launch.common import resolve_model
 from launch.local import daemon, free_address, free_port
 from launch.serve import front_end

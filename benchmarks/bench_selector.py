@@ -17,8 +17,8 @@ import torch
 
 from draft_node.checkpoint import load_drafter
 from launch.common import resolve_model
-from target_node.drafting.bridge import Drafting
-from target_node.drafting.proposers import LocalDraftBackend
+from target_node.drafting.bridge import DrafterBridge
+from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.model.target import TargetModel
 
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not drafter.config.dflash2:
         raise SystemExit(f"{args.drafter} is not a DFlash2 drafter")
     backend = LocalDraftBackend(drafter)
-    drafting = Drafting(target, backend.info, backend.codebooks)
+    drafting = DrafterBridge(target, backend.info, backend.codebooks)
     cfg = drafter.config
     rows = torch.randn(cfg.block_size - 1, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     gate = drafter.gate(rows).float()

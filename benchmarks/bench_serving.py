@@ -23,7 +23,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from launch.client import TargetClient
+from frontend.target_client import TargetClient
 from launch.common import ensure_default_drafter, resolve_model
 from launch.local import daemon, free_address
 from training.prompts import read_prompts
@@ -114,7 +114,7 @@ def long_prefill(address: str, prompt_tokens: int, short: dict, count: int, voca
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="dflash-bench-serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -135,20 +135,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--long-prompt", type=int, default=3000, help="tokens of the long prompt (0: skip that part)")
     ap.add_argument("--extra", default="", help="more target daemon flags, space-separated")
     ap.add_argument("--json", default="bench_results/bench_serving.json")
-    args = ap.parse_args(argv)
-    model = resolve_model(args.model)
-    checkpoint = args.drafter or str(ensure_default_drafter(model))
-    counts = [int(c) for c in args.clients.split(",") if c.strip()]
+    return ap.parse_args(argv)
+
+
+def chat_asks(args: argparse.Namespace, count: int) -> list[dict]:
+    """Held-out prompts with lengths spread over the span, so requests end at different steps."""
     texts = read_prompts(args.prompts)
     span = args.max_tokens - args.min_tokens
-    asks = [
+    return [
         {
             "messages": [{"role": "user", "content": texts[i % len(texts)]}],
             "max_new_tokens": args.min_tokens + (i * 37) % (span + 1),
             "stream": True,
         }
-        for i in range(max(counts) * args.requests)
+        for i in range(count)
     ]
+
+
+def start_daemons(stack: ExitStack, args: argparse.Namespace, model: Path, checkpoint: str) -> dict[str, str]:
+    """One draft daemon shared by the target daemons that draft; each target daemon's address, by name."""
     threads = ["--threads", str(args.threads)]
     common = ["--model", str(model), *threads, *args.extra.split()]
     draft_address = free_address()
@@ -158,52 +163,89 @@ def main(argv: list[str] | None = None) -> dict:
         "serial": ["--drafter", draft_address, "--max-batch", "1"],
         "serial plain": ["--proposer", "none", "--max-batch", "1"],
     }
-    report: dict = {"model": str(model), "drafter": checkpoint, "max_batch": args.max_batch, "rounds": []}
-    with ExitStack() as stack:
+    stack.enter_context(
+        daemon("draft daemon", "launch.draft_daemon", draft_address, ["--checkpoint", checkpoint, *threads], 300)
+    )
+    addresses = {}
+    for name, flags in targets.items():
+        addresses[name] = free_address()
         stack.enter_context(
-            daemon("draft daemon", "launch.draft_daemon", draft_address, ["--checkpoint", checkpoint, *threads], 300)
+            daemon(f"target daemon ({name})", "launch.target_daemon", addresses[name], [*common, *flags], 600)
         )
-        addresses = {}
-        for name, flags in targets.items():
-            addresses[name] = free_address()
-            stack.enter_context(
-                daemon(f"target daemon ({name})", "launch.target_daemon", addresses[name], [*common, *flags], 600)
-            )
-        alone = []
-        for ask in asks:  # the reference: each prompt alone on the serial plain daemon
-            out = {}
-            request(addresses["serial plain"], ask, out)
-            alone.append(out["tokens"])
-        for n in counts:
-            # Client c sends asks c, c + n, c + 2n, ...: every round runs the first n * requests asks.
-            per_client = [asks[c : n * args.requests : n] for c in range(n)]
-            want = [alone[i] for c in range(n) for i in range(c, n * args.requests, n)]
-            runs: dict[str, list[dict]] = {name: [] for name in addresses}
-            for repeat in range(args.repeats):  # in turns, each repeat starting one daemon later
-                names = list(addresses)
-                for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
-                    result = round_of(addresses[name], per_client)
-                    result["daemon"] = name
-                    outputs = result.pop("outputs")
-                    result["identical_to_alone"] = sum(o == a for o, a in zip(outputs, want, strict=True))
-                    runs[name].append(result)
-                    print(json.dumps(result), flush=True)
-            for results in runs.values():  # the median run by throughput, and every run's figure
-                ordered = sorted(results, key=lambda r: r["tok_s"])
-                median = dict(ordered[len(ordered) // 2], tok_s_runs=[r["tok_s"] for r in results])
-                median["identical_to_alone"] = min(r["identical_to_alone"] for r in results)
-                report["rounds"].append(median)
-        if args.long_prompt:
-            short = {**asks[0], "max_new_tokens": 8}
-            for name in ("batched", "serial"):
-                result = long_prefill(addresses[name], args.long_prompt, short, 10, 49152)
-                report.setdefault("long_prefill", {})[name] = result
-                print(json.dumps({"long_prefill": name, **result}), flush=True)
-    by = {(r["daemon"], r["clients"]): r for r in report["rounds"]}
+    return addresses
+
+
+def alone_outputs(address: str, asks: list[dict]) -> list[list[int]]:
+    """Each prompt alone, one at a time: the reference every loaded output must equal."""
+    alone = []
+    for ask in asks:
+        out = {}
+        request(address, ask, out)
+        alone.append(out["tokens"])
+    return alone
+
+
+def rounds_of(
+    addresses: dict[str, str], asks: list[dict], alone: list[list[int]], n: int, args: argparse.Namespace
+) -> list[dict]:
+    """N clients against each daemon, `--repeats` times in turns (each repeat starting one daemon
+    later, so no daemon always follows the same one); each daemon's median round."""
+    # Client c sends asks c, c + n, c + 2n, ...: every round runs the first n * requests asks.
+    per_client = [asks[c : n * args.requests : n] for c in range(n)]
+    want = [alone[i] for c in range(n) for i in range(c, n * args.requests, n)]
+    runs: dict[str, list[dict]] = {name: [] for name in addresses}
+    names = list(addresses)
+    for repeat in range(args.repeats):
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            result = round_of(addresses[name], per_client)
+            result["daemon"] = name
+            outputs = result.pop("outputs")
+            result["identical_to_alone"] = sum(o == a for o, a in zip(outputs, want, strict=True))
+            runs[name].append(result)
+            print(json.dumps(result), flush=True)
+    return [median_round(results) for results in runs.values()]
+
+
+def median_round(results: list[dict]) -> dict:
+    """The median run by throughput, with every run's figure; identical only as the worst run was."""
+    ordered = sorted(results, key=lambda r: r["tok_s"])
+    median = dict(ordered[len(ordered) // 2], tok_s_runs=[r["tok_s"] for r in results])
+    median["identical_to_alone"] = min(r["identical_to_alone"] for r in results)
+    return median
+
+
+def long_prefills(args: argparse.Namespace, addresses: dict[str, str], asks: list[dict]) -> dict:
+    short = {**asks[0], "max_new_tokens": 8}
+    found = {}
+    for name in ("batched", "serial"):
+        found[name] = long_prefill(addresses[name], args.long_prompt, short, 10, 49152)
+        print(json.dumps({"long_prefill": name, **found[name]}), flush=True)
+    return found
+
+
+def compare_to_serial(rounds: list[dict], counts: list[int]) -> None:
+    by = {(r["daemon"], r["clients"]): r for r in rounds}
     for n in counts:
         serial, batched = by.get(("serial", n)), by.get(("batched", n))
         if serial and batched:
             batched["vs_serial"] = round(batched["tok_s"] / serial["tok_s"], 3)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    model = resolve_model(args.model)
+    checkpoint = args.drafter or str(ensure_default_drafter(model))
+    counts = [int(c) for c in args.clients.split(",") if c.strip()]
+    asks = chat_asks(args, max(counts) * args.requests)
+    report: dict = {"model": str(model), "drafter": checkpoint, "max_batch": args.max_batch, "rounds": []}
+    with ExitStack() as stack:
+        addresses = start_daemons(stack, args, model, checkpoint)
+        alone = alone_outputs(addresses["serial plain"], asks)
+        for n in counts:
+            report["rounds"] += rounds_of(addresses, asks, alone, n, args)
+        if args.long_prompt:
+            report["long_prefill"] = long_prefills(args, addresses, asks)
+    compare_to_serial(report["rounds"], counts)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

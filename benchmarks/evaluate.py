@@ -27,11 +27,18 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from launch.common import DTYPE_CHOICES, dtype_of, resolve_model
+
+if TYPE_CHECKING:
+    from protocol.sampling import SamplingParams
+    from target_node.decoding.stats import Stats
+    from target_node.model.target import TargetModel
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def backend_for(args: argparse.Namespace, target, folder: str | None, address: str | None):
-    from target_node.drafting.proposers import LocalDraftBackend
+    from target_node.drafting.local_backend import LocalDraftBackend
 
     if address:
         from target_node.drafting.remote import RemoteDraftBackend
@@ -90,18 +97,26 @@ def mode_options(mode: str, tree_nodes: int, costs) -> tuple[dict, object]:  # c
     raise SystemExit(f"unknown mode {mode!r}: use chain, tree:N, adaptive or adaptive-chain")
 
 
-def evaluate(args: argparse.Namespace) -> dict:
-    from target_node.decoding.governor import VerifyCosts
-    from target_node.decoding.options import DecodeOptions
-    from target_node.decoding.sampling import SamplingParams
-    from target_node.decoding.sequence import generate
-    from target_node.decoding.stats import Stats
-    from target_node.drafting.proposers import DFlashProposer, NoProposer
-    from target_node.model.target import TargetModel
-    from training.prompts import read_prompts
+@dataclass
+class Runs:
+    """Kept across prompts: the governors learn as they go, and the table sums every prompt."""
 
-    target = TargetModel.load(resolve_model(args.model), device=args.device, dtype=args.dtype)
-    prompts = read_prompts(args.prompts)[: args.limit or None]
+    target: TargetModel
+    modes: dict[str, tuple]  # name: (proposer, (DecodeOptions fields, governor or None))
+    sampling: SamplingParams
+    max_new: int
+    totals: dict[str, Stats] = field(default_factory=dict)  # "plain" first, then the modes
+    mismatches: dict[str, int] = field(default_factory=dict)
+
+
+def prepare_runs(args: argparse.Namespace, target: TargetModel) -> Runs:
+    """Every mode for the drafter, and again for the baseline: each pair with options of its own,
+    since a governor learns from the drafter it watches."""
+    from protocol.sampling import SamplingParams
+    from target_node.decoding.governor import VerifyCosts
+    from target_node.decoding.stats import Stats
+    from target_node.drafting.proposers import DFlashProposer
+
     proposers = {"": DFlashProposer(backend_for(args, target, args.drafter, args.drafter_address))}
     if args.baseline or args.baseline_address:
         proposers["@baseline"] = DFlashProposer(backend_for(args, target, args.baseline, args.baseline_address))
@@ -110,51 +125,72 @@ def evaluate(args: argparse.Namespace) -> dict:
     costs = VerifyCosts()
     if any(m.startswith("adaptive") for m in names):
         costs.measure(target, range(1, args.tree_nodes + 2))
-    # Each drafter gets its own options: a governor learns from the drafter it watches.
-    runs = {
+    modes = {
         name + tag: (proposer, mode_options(name, args.tree_nodes, costs))
         for tag, proposer in proposers.items()
         for name in names
     }
-    modes = list(runs)
     totals = {mode: Stats() for mode in ["plain", *modes]}
-    mismatches = dict.fromkeys(modes, 0)
-    rows = []
-    for i, text in enumerate(prompts):
-        ids = target.encode_chat([{"role": "user", "content": text}])
-        plain = generate(target, ids, NoProposer(), DecodeOptions(args.max_new_tokens, sampling=sampling))
-        totals["plain"].add(plain.stats)
-        row = {"prompt": text, "tokens": len(plain.tokens), "plain_tok_s": round(plain.stats.decode_tok_s, 2)}
-        for mode in modes:
-            proposer, (options, governor) = runs[mode]
-            spec = generate(
-                target,
-                ids,
-                proposer,
-                DecodeOptions(args.max_new_tokens, sampling=sampling, **options),
-                governor=governor,
-            )
-            totals[mode].add(spec.stats)
-            # Sampled answers differ between runs (different draws); only greedy ones must match.
-            same = spec.tokens == plain.tokens or not sampling.is_greedy
-            mismatches[mode] += not same
-            row[mode] = {"tau": round(spec.stats.tau, 3), "tok_s": round(spec.stats.decode_tok_s, 2), "same": same}
-        rows.append(row)
-        summary = " | ".join(f"{m} tau {row[m]['tau']:.2f}{'' if row[m]['same'] else ' DIFFERS'}" for m in modes)
-        print(f"[{i + 1}/{len(prompts)}] {summary} | {text[:40]}", flush=True)
-    plain_tps = totals["plain"].decode_tok_s
-    table = {
+    return Runs(target, modes, sampling, args.max_new_tokens, totals, dict.fromkeys(modes, 0))
+
+
+def run_prompt(runs: Runs, text: str) -> dict:
+    """One prompt plain (the reference), then in every mode in turn; its row of the per-prompt table."""
+    from target_node.decoding.options import DecodeOptions
+    from target_node.decoding.sequence import generate
+    from target_node.drafting.proposers import NoProposer
+
+    target, sampling = runs.target, runs.sampling
+    ids = target.encode_chat([{"role": "user", "content": text}])
+    plain = generate(target, ids, NoProposer(), DecodeOptions(runs.max_new, sampling=sampling))
+    runs.totals["plain"].add(plain.stats)
+    row = {"prompt": text, "tokens": len(plain.tokens), "plain_tok_s": round(plain.stats.decode_tok_s, 2)}
+    for mode, (proposer, (options, governor)) in runs.modes.items():
+        spec = generate(
+            target,
+            ids,
+            proposer,
+            DecodeOptions(runs.max_new, sampling=sampling, **options),
+            governor=governor,
+        )
+        runs.totals[mode].add(spec.stats)
+        # Sampled answers differ between runs (different draws); only greedy ones must match.
+        same = spec.tokens == plain.tokens or not sampling.is_greedy
+        runs.mismatches[mode] += not same
+        row[mode] = {"tau": round(spec.stats.tau, 3), "tok_s": round(spec.stats.decode_tok_s, 2), "same": same}
+    return row
+
+
+def mode_table(runs: Runs) -> dict:
+    """Sums over all prompts, so long answers weigh what they cost."""
+    plain_tps = runs.totals["plain"].decode_tok_s
+    return {
         mode: {
             "tau": round(s.tau, 4),
             "tok_s": round(s.decode_tok_s, 2),
             "speedup": round(s.decode_tok_s / plain_tps, 3) if plain_tps and mode != "plain" else 1.0,
             "nodes_per_step": round(s.proposed / s.steps, 2) if s.steps else 0.0,
-            "mismatches": mismatches.get(mode, 0),
+            "mismatches": runs.mismatches.get(mode, 0),
             "histogram": {str(k): v for k, v in sorted(s.histogram.items())},
             "governor": s.governor,
         }
-        for mode, s in totals.items()
+        for mode, s in runs.totals.items()
     }
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    from target_node.model.target import TargetModel
+    from training.prompts import read_prompts
+
+    target = TargetModel.load(resolve_model(args.model), device=args.device, dtype=args.dtype)
+    prompts = read_prompts(args.prompts)[: args.limit or None]
+    runs = prepare_runs(args, target)
+    rows = []
+    for i, text in enumerate(prompts):
+        row = run_prompt(runs, text)
+        rows.append(row)
+        summary = " | ".join(f"{m} tau {row[m]['tau']:.2f}{'' if row[m]['same'] else ' DIFFERS'}" for m in runs.modes)
+        print(f"[{i + 1}/{len(prompts)}] {summary} | {text[:40]}", flush=True)
     return {
         "drafter": args.drafter_address or str(args.drafter),
         "baseline": args.baseline_address or args.baseline,
@@ -162,9 +198,9 @@ def evaluate(args: argparse.Namespace) -> dict:
         "prompt_file": args.prompts,
         "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(),
-        "sampling": sampling.to_dict(),
-        "modes": table,
-        "mismatches": sum(mismatches.values()),
+        "sampling": runs.sampling.to_dict(),
+        "modes": mode_table(runs),
+        "mismatches": sum(runs.mismatches.values()),
         "per_prompt": rows,
     }
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import zmq
 
-from launch.client import TargetClient
+from frontend.target_client import TargetClient
 from launch.common import resolve_model
 from launch.local import daemon, free_address
 from protocol import decode, encode

@@ -115,7 +115,8 @@ def exactness(model: Path, drafter: Path, device: str, prompts: int, max_new: in
     from target_node.decoding.governor import Governor, VerifyCosts
     from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sequence import generate
-    from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NoProposer
+    from target_node.drafting.local_backend import LocalDraftBackend
+    from target_node.drafting.proposers import DFlashProposer, NoProposer
     from target_node.model.target import TargetModel
     from training.prompts import read_prompts
 
@@ -183,11 +184,12 @@ def batching(model: Path, drafter: Path, device: str, prompts: int, max_new: int
     outputs that differ (must be none, greedy and seeded-sampled, plain and drafting) and the
     aggregate tokens/s by batch size."""
     from draft_node.checkpoint import load_drafter
+    from protocol.sampling import SamplingParams
     from target_node.decoding.governor import Governor
     from target_node.decoding.options import DecodeOptions
-    from target_node.decoding.sampling import SamplingParams
     from target_node.decoding.sequence import Sequence, generate, step
-    from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NoProposer
+    from target_node.drafting.local_backend import LocalDraftBackend
+    from target_node.drafting.proposers import DFlashProposer, NoProposer
     from target_node.model.target import TargetModel
     from training.prompts import read_prompts
 

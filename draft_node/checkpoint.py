@@ -110,17 +110,17 @@ def config_for_target(
     *,
     num_layers: int = 1,
     block_size: int = 8,
-    target_layer_ids: list[int] | None = None,
+    taps: int | list[int] = 5,
     mask_token_id: int | None = None,
-    num_taps: int = 5,
     sliding_window: int | None = None,
     layer_types: list[str] | None = None,
     dflash2: bool = False,
 ) -> DFlashConfig:
     """A drafter shaped to fit a target: its hidden size, its depth, a mask id its vocabulary has.
-    `dflash2`: in the DFlash2 format, with the published convolution and selector shapes (kernel
-    2, groups of 16 channels, rank 256, top 16; smaller where the target is smaller) and blocks
-    that see all their rows, as the published checkpoints have them."""
+    `taps`: the target layers it reads, or how many, spread over the target's depth. `dflash2`: in
+    the DFlash2 format, with the published convolution and selector shapes (kernel 2, groups of 16
+    channels, rank 256, top 16; smaller where the target is smaller) and blocks that see all their
+    rows, as the published checkpoints have them."""
     target_config = target_config.get_text_config(decoder=True)
     hidden = target_config.hidden_size
     depth = target_config.num_hidden_layers
@@ -131,11 +131,13 @@ def config_for_target(
     else:  # a target without attention (state-space layers only): a common attention shape
         head_dim = 64 if hidden % 64 == 0 else hidden
         heads = kv_heads = hidden // head_dim
-    if target_layer_ids is None:
-        taps = min(num_taps, depth)
+    if isinstance(taps, int):
+        count = min(taps, depth)
         # Spread over depth, from layer 1 up to the second-to-last layer.
-        spread = (round(1 + i * (depth - 3) / max(taps - 1, 1)) for i in range(taps))
+        spread = (round(1 + i * (depth - 3) / max(count - 1, 1)) for i in range(count))
         target_layer_ids = sorted({min(depth - 1, max(0, layer)) for layer in spread})
+    else:
+        target_layer_ids = list(taps)
     cfg = DFlashConfig(
         hidden_size=hidden,
         num_hidden_layers=num_layers,

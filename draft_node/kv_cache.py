@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from draft_node.model import Context, DFlashDrafter, row_independence
+from draft_node.model import Context, DFlashDrafter
+from kernels.row_blocks import row_independence
 
 
 class OutOfOrderError(ValueError):
@@ -185,7 +186,7 @@ def timed_pass(steps: list[DraftStep], together: bool) -> tuple[list[tuple[torch
 def drafts_alone_in_one_pass(drafter: DFlashDrafter, seed: int = 0) -> bool:
     """Whether sessions drafted in one pass get, on this drafter's device, the bits each gets
     alone: a few random sessions (an empty context, a wrapped ring, more rows than one block of
-    ROW_BLOCK) drafted both ways and compared. A daemon checks at load, as the engine checks its
+    the fixed row block) drafted both ways and compared. A daemon checks at load, as the engine checks its
     model, and drafts one by one where this fails."""
     cfg = drafter.config
     g = torch.Generator().manual_seed(seed)

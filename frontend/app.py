@@ -35,73 +35,44 @@ def create_app(link: TargetLink, model_name: str | None = None, default_max_toke
     """The front end for the target daemon behind `link`, serving it as `model_name` (default: the
     name of the daemon's model folder, asked when first needed)."""
     app = FastAPI(title="dflash-split", summary="OpenAI-compatible API over a dflash-split target daemon")
-    registry = registry_for(lambda: _stats_or_none(link))
-    started = int(time.time())
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation(exc.errors()).response()
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
-
-    @app.get("/", include_in_schema=False)
-    async def page() -> FileResponse:
-        return FileResponse(PAGE, media_type="text/html")
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if not await link.alive():
-            raise unreachable(f"the target daemon at {link.address} does not answer")
-        return JSONResponse({"status": "ok"})
-
-    async def served_name() -> str | None:
-        return model_name or await link.model_name()
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        name = await served_name()
-        if name is None:
-            raise unreachable(f"the target daemon at {link.address} does not answer, so its model is unknown")
-        card = {"id": name, "object": "model", "created": started, "owned_by": "dflash-split"}
-        return JSONResponse({"object": "list", "data": [card]})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(await to_thread.run_sync(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/stats")
-    async def stats() -> JSONResponse:
-        """The daemon's stats reply as JSON: the live page's source."""
-        figures = await link.stats()
-        if figures is None:
-            raise unreachable(f"the target daemon at {link.address} does not answer")
-        return JSONResponse(figures)
+    front = Front(link, model_name, default_max_tokens)
+    _error_handlers(app)
+    _info_routes(app, front)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await generate(body, request, chat=True)
+        return await front.generate(body, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await generate(body, request, chat=False)
+        return await front.generate(body, request, chat=False)
 
-    async def generate(body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool) -> Response:
-        name = await served_name()
+    return app
+
+
+class Front:
+    """What the routes share: the daemon's link, the served model's name, the default answer length."""
+
+    def __init__(self, link: TargetLink, model_name: str | None, default_max_tokens: int) -> None:
+        self.link, self.model_name, self.default_max_tokens = link, model_name, default_max_tokens
+        self.started = int(time.time())
+        self.registry = registry_for(lambda: _stats_or_none(link))
+
+    async def served_name(self) -> str | None:
+        return self.model_name or await self.link.model_name()
+
+    def unreachable(self, why: str = "") -> APIError:
+        return unreachable(f"the target daemon at {self.link.address} does not answer{why}")
+
+    async def generate(self, body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool) -> Response:
+        name = await self.served_name()
         if name is None:
-            raise unreachable(f"the target daemon at {link.address} does not answer")
+            raise self.unreachable()
         check_model(body.model, name)
         body.check_supported()
         answer = Answer(chat, name, body.include_usage)
-        fields = body.to_daemon(default_max_tokens)
         try:
-            call = link.generate(fields)
+            call = self.link.generate(body.to_daemon(self.default_max_tokens))
         except ProtocolError as exc:  # beyond what the wire carries (a stop string over 256 chars, ...)
             raise invalid(exc.message) from exc
         try:
@@ -127,7 +98,56 @@ def create_app(link: TargetLink, model_name: str | None = None, default_max_toke
             background=BackgroundTask(call.close),
         )
 
-    return app
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape, whoever raised it."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(exc.errors()).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(exc.status_code, str(exc.detail), code=code).response()
+
+
+def _info_routes(app: FastAPI, front: Front) -> None:
+    """The routes that generate nothing: the live page, health, models, metrics, stats."""
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(PAGE, media_type="text/html")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not await front.link.alive():
+            raise front.unreachable()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        name = await front.served_name()
+        if name is None:
+            raise front.unreachable(", so its model is unknown")
+        card = {"id": name, "object": "model", "created": front.started, "owned_by": "dflash-split"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await to_thread.run_sync(generate_latest, front.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats() -> JSONResponse:
+        """The daemon's stats reply as JSON: the live page's source."""
+        figures = await front.link.stats()
+        if figures is None:
+            raise front.unreachable()
+        return JSONResponse(figures)
 
 
 def check(reply: Message, body: GenerationRequest) -> None:

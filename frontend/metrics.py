@@ -14,15 +14,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-HISTOGRAMS = {
-    "ttft_s": ("dflash_time_to_first_token_seconds", "From arrival at the target daemon to the first committed tokens"),
-    "inter_token_s": (
-        "dflash_inter_token_latency_seconds",
-        "Gaps between consecutive commits of a request (a commit may carry several tokens)",
-    ),
-    "e2e_s": ("dflash_e2e_request_latency_seconds", "From arrival at the target daemon to its done reply"),
-    "queue_s": ("dflash_queue_time_seconds", "From arrival at the target daemon to a slot in its batch"),
-}
+from protocol.stats import ServedStats
+
+TTFT = ("dflash_time_to_first_token_seconds", "From arrival at the target daemon to the first committed tokens")
+INTER_TOKEN = (
+    "dflash_inter_token_latency_seconds",
+    "Gaps between consecutive commits of a request (a commit may carry several tokens)",
+)
+E2E = ("dflash_e2e_request_latency_seconds", "From arrival at the target daemon to its done reply")
+QUEUE = ("dflash_queue_time_seconds", "From arrival at the target daemon to a slot in its batch")
 
 
 def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -45,50 +45,50 @@ def histogram(name: str, doc: str, data: dict) -> HistogramMetricFamily:
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=data["sum"])
 
 
-def translate(stats: dict) -> Iterator[Metric]:
+def translate(reply: dict) -> Iterator[Metric]:
     """Prometheus metrics from one `stats` reply of the target daemon."""
+    stats = ServedStats.from_dict(reply)
     yield labelled_counter(
         "dflash_requests",
         "Requests finished, by the daemon's finish reason (eos, stop, length, cancelled)",
         "finish_reason",
-        stats["requests"],
+        stats.requests,
     )
-    yield labelled_counter("dflash_request_errors", "Requests refused, by error code", "code", stats["refused"])
-    yield counter("dflash_prompt_tokens", "Prompt tokens of finished requests", stats["prompt_tokens"])
+    yield labelled_counter("dflash_request_errors", "Requests refused, by error code", "code", stats.refused)
+    yield counter("dflash_prompt_tokens", "Prompt tokens of finished requests", stats.prompt_tokens)
     yield counter(
         "dflash_prompt_tokens_cached",
         "Prompt tokens of finished requests taken from the prefix cache, not prefilled",
-        stats.get("cached_prompt_tokens", 0),
+        stats.cached_prompt_tokens,
     )
-    cache = stats.get("prefix_cache") or {}
+    cache = stats.prefix_cache or {}
     yield counter("dflash_prefix_cache_lookups", "Prompts looked up in the prefix cache", cache.get("lookups", 0))
     yield counter("dflash_prefix_cache_hits", "Prompts that started from stored rows", cache.get("hits", 0))
     yield counter("dflash_prefix_cache_evicted", "Prefix cache entries evicted for room", cache.get("evicted", 0))
     yield GaugeMetricFamily("dflash_prefix_cache_bytes", "Bytes the prefix cache holds", cache.get("bytes", 0))
-    yield counter("dflash_generation_tokens", "Tokens generated", stats["generation_tokens"])
-    for key, (name, doc) in HISTOGRAMS.items():
-        yield histogram(name, doc, stats[key])
-    yield counter("dflash_draft_tokens_proposed", "Draft tokens proposed for verification", stats["proposed"])
-    yield counter("dflash_draft_tokens_accepted", "Draft tokens the target accepted", stats["accepted"])
+    yield counter("dflash_generation_tokens", "Tokens generated", stats.generation_tokens)
+    for (name, doc), data in ((TTFT, stats.ttft_s), (INTER_TOKEN, stats.inter_token_s), (E2E, stats.e2e_s)):
+        yield histogram(name, doc, data)
+    yield histogram(*QUEUE, stats.queue_s)
+    yield counter("dflash_draft_tokens_proposed", "Draft tokens proposed for verification", stats.proposed)
+    yield counter("dflash_draft_tokens_accepted", "Draft tokens the target accepted", stats.accepted)
     yield labelled_counter(
         "dflash_draft_accepted_at_position",
         "Steps whose draft was accepted at least up to this position (1 = the first draft token)",
         "position",
-        stats["accepted_at_position"],
+        stats.accepted_at_position,
     )
-    yield counter("dflash_target_steps", "Target forward passes after prefill (decode steps)", stats["steps"])
+    yield counter("dflash_target_steps", "Target forward passes after prefill (decode steps)", stats.steps)
     yield labelled_counter(
-        "dflash_drafted_steps", "Decode steps that verified drafts, by who drafted", "source", stats["drafted_steps"]
+        "dflash_drafted_steps", "Decode steps that verified drafts, by who drafted", "source", stats.drafted_steps
     )
     yield GaugeMetricFamily(
-        "dflash_mean_tokens_per_step", "tau: tokens committed per decode step, since the daemon started", stats["tau"]
+        "dflash_mean_tokens_per_step", "tau: tokens committed per decode step, since the daemon started", stats.tau
     )
-    proposer = stats["proposer"]
-    fallback = (
-        sum(n for source, n in stats["drafted_steps"].items() if source != proposer) if proposer == "dflash" else 0
-    )
+    proposer = stats.proposer
+    fallback = sum(n for source, n in stats.drafted_steps.items() if source != proposer) if proposer == "dflash" else 0
     yield counter("dflash_drafter_fallback_steps", "Steps drafted by the fallback while the drafter was away", fallback)
-    drafter = stats.get("drafter") or {}
+    drafter = stats.drafter
     if "reachable" in drafter:
         yield GaugeMetricFamily("dflash_drafter_reachable", "1 while the drafter answers", int(drafter["reachable"]))
     for key in ("timeouts", "errors"):
@@ -96,11 +96,9 @@ def translate(stats: dict) -> Iterator[Metric]:
             yield counter(
                 f"dflash_drafter_{key}", f"Draft requests that ended in {key} (each one falls back)", drafter[key]
             )
-    yield GaugeMetricFamily("dflash_queue_depth", "Requests waiting in the target daemon's queues", stats["queued"])
-    yield GaugeMetricFamily(
-        "dflash_requests_running", "Requests being generated now (the batch size)", stats["running"]
-    )
-    yield GaugeMetricFamily("dflash_max_batch", "Requests the target daemon decodes at once", stats["max_batch"])
+    yield GaugeMetricFamily("dflash_queue_depth", "Requests waiting in the target daemon's queues", stats.queued)
+    yield GaugeMetricFamily("dflash_requests_running", "Requests being generated now (the batch size)", stats.running)
+    yield GaugeMetricFamily("dflash_max_batch", "Requests the target daemon decodes at once", stats.max_batch)
 
 
 class DaemonCollector(Collector):

@@ -13,6 +13,8 @@ import uuid
 
 from fastapi.sse import format_sse_event
 
+from protocol.stats import RequestStats
+
 # The daemon's finish reasons as OpenAI's. `cancelled` only happens to a client that left.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 DONE_EVENT = format_sse_event(data_str="[DONE]")
@@ -25,12 +27,13 @@ def finish_reason(daemon_reason: str) -> str:
 def usage(stats: dict) -> dict:
     """Token counts from a `done` reply's stats; the prompt tokens the prefix cache gave, as OpenAI
     reports its own prompt caching."""
-    prompt, completion = int(stats.get("prompt_tokens", 0)), int(stats.get("new_tokens", 0))
+    figures = RequestStats.from_dict(stats)
+    prompt, completion = int(figures.prompt_tokens), int(figures.new_tokens)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": int(stats.get("cached_tokens", 0))},
+        "prompt_tokens_details": {"cached_tokens": int(figures.cached_tokens)},
     }
 
 

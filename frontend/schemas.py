@@ -12,10 +12,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from frontend.errors import APIError, invalid
+from protocol.sampling import MAX_TEMPERATURE, SEED_LIMIT, SamplingParams
 
 STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_STOP = 16  # the daemon's limit (OpenAI's is 4)
-SEED_LIMIT = 2**63
 
 
 class StreamOptions(BaseModel):
@@ -57,7 +57,7 @@ class GenerationRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)  # not OpenAI's; as vLLM, for clients that want it
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
@@ -93,15 +93,15 @@ class GenerationRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling(self) -> dict:
-        # OpenAI's default temperature is 1; send 0 for greedy (exactly the target's own output).
-        sampling = {"temperature": 1.0 if self.temperature is None else self.temperature}
-        if self.top_p is not None:
-            sampling["top_p"] = self.top_p
-        if self.top_k is not None:
-            sampling["top_k"] = self.top_k
-        if self.seed is not None:
-            sampling["seed"] = self.seed
-        return sampling
+        """The daemon's sampling options, built (so checked) as the daemon reads them. OpenAI's
+        default temperature is 1; send 0 for greedy (exactly the target's own output)."""
+        options = SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=self.seed,
+        )
+        return options.to_dict()
 
     def common_fields(self, max_tokens: int) -> dict:
         """The daemon's generate fields that do not depend on the endpoint."""

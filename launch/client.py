@@ -15,8 +15,8 @@ from pathlib import Path
 
 from frontend.target_client import TargetClient
 from launch.net import TARGET_ADDRESS, client_security, one_line_errors
+from protocol.stats import RequestStats
 from protocol.transport import wait_ready
-from target_node.decoding.stats import stats_line
 
 READY_S = 5.0  # how long the client pings a daemon that does not answer before it gives up
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> list[dict]:
             if args.no_stream:
                 print(reply["text"], end="", file=out)
             stats = reply["stats"]
-            print(f"\n[{reply['finish_reason']}] {stats_line(stats)}", file=out, flush=True)
+            print(f"\n[{reply['finish_reason']}] {RequestStats.from_dict(stats).line()}", file=out, flush=True)
             results.append(
                 {"prompt": prompt, "text": reply["text"], "finish_reason": reply["finish_reason"], "stats": stats}
             )

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from draft_node.checkpoint import config_for_target, random_drafter
+from protocol.sampling import SamplingParams
 from target_node.decoding.governor import Governor
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.pace import FEWEST, FIRST_CHUNK, PrefillPace
-from target_node.decoding.sampling import SamplingParams
 from target_node.decoding.sequence import Sequence, generate, step
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer, NGramProposer, NoProposer
 from target_node.model.target import TargetModel
 from target_node.model.tiny import tiny_target
 
@@ -37,7 +38,7 @@ def target(request, one_thread):
 
 def requests(target, seed: int, count: int) -> list[dict]:
     rng = random.Random(seed)
-    drafter = random_drafter(config_for_target(target.config, block_size=8, num_taps=2), seed=seed)
+    drafter = random_drafter(config_for_target(target.config, block_size=8, taps=2), seed=seed)
     out = []
     for i in range(count):
         prompt = [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))]

@@ -12,7 +12,8 @@ from helpers import OracleBackend, assert_lossless, greedy, tiny_target
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 PROMPT = [5, 17, 42, 99, 3, 7]
@@ -35,7 +36,7 @@ def test_the_target_runs_on_the_gpu_and_decodes_like_cpu(target):
 @pytest.mark.parametrize("tree_nodes, dflash2", [(0, False), (12, False), (12, True)])
 def test_speculation_on_the_gpu_is_lossless(target, tree_nodes, dflash2):
     """dflash2: a DFlash2 drafter on the GPU, its convolution and its selector's walk there too."""
-    cfg = config_for_target(target.config, block_size=8, num_taps=3, dflash2=dflash2)
+    cfg = config_for_target(target.config, block_size=8, taps=3, dflash2=dflash2)
     drafter = random_drafter(cfg).to("cuda")
     result = generate(
         target, PROMPT, DFlashProposer(LocalDraftBackend(drafter)), DecodeOptions(MAX_NEW, tree_nodes=tree_nodes)
@@ -53,7 +54,7 @@ def test_a_gpu_draft_daemon_serves_a_gpu_target(target, tmp_path):
     from launch.local import daemon
     from target_node.drafting.remote import RemoteDraftBackend
 
-    cfg = config_for_target(target.config, block_size=8, num_taps=3)
+    cfg = config_for_target(target.config, block_size=8, taps=3)
     checkpoint = save_drafter(random_drafter(cfg, seed=2), tmp_path / "drafter")
     address = f"ipc://{tmp_path}/draft.sock"
     args = ["--checkpoint", str(checkpoint), "--device", "cuda"]
@@ -66,7 +67,7 @@ def test_a_gpu_draft_daemon_serves_a_gpu_target(target, tmp_path):
 
 
 def test_training_forward_equals_inference_on_the_gpu():
-    cfg = config_for_target(tiny_target("llama").config, block_size=4, num_taps=2)
+    cfg = config_for_target(tiny_target("llama").config, block_size=4, taps=2)
     drafter = random_drafter(cfg, seed=1, std=0.2).to("cuda")
     features = torch.randn(2, 12, cfg.feature_width, device="cuda")
     anchors = torch.tensor([[3, 7], [5, 9]], device="cuda")
@@ -85,7 +86,7 @@ def test_sessions_drafted_in_one_pass_on_the_gpu_get_each_its_bits_alone():
     session's drafts are its bits alone, and the daemon's load check says so."""
     from draft_node.kv_cache import DraftKVCache, DraftStep, drafts_alone_in_one_pass, propose
 
-    cfg = config_for_target(tiny_target("qwen3").config, block_size=8, num_taps=3, dflash2=True)
+    cfg = config_for_target(tiny_target("qwen3").config, block_size=8, taps=3, dflash2=True)
     drafter = random_drafter(cfg, seed=3, std=0.2).to("cuda")
     assert drafts_alone_in_one_pass(drafter)
     g = torch.Generator().manual_seed(0)

@@ -22,7 +22,8 @@ from protocol.transport import request
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting import remote
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer
 from target_node.drafting.remote import RemoteDraftBackend
 from target_node.drafting.selector import Lattice, Selector, SelectorSpec, rerank
 
@@ -304,7 +305,8 @@ def test_a_sampled_walk_draws_each_draft_from_the_q_it_reports():
     """At T > 0 the walk draws row by row, each row's candidate from softmax(scores / T) after the
     candidate drawn before it: the pairs' frequencies follow that chained law (not the rows'
     marginals), and each q row is the distribution its draft came from, zero off the candidates."""
-    from target_node.decoding.sampling import Sampler, SamplingParams, probabilities
+    from protocol.sampling import SamplingParams
+    from target_node.decoding.sampling import Sampler, probabilities
 
     g = torch.Generator().manual_seed(5)
     k, vocab, temperature = 3, 11, 0.7

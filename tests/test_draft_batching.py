@@ -15,12 +15,12 @@ import torch
 from helpers import drafter_config
 
 from draft_node import daemon as draft_daemon
-from draft_node import model as draft_model
 from draft_node.checkpoint import load_drafter, random_drafter
 from draft_node.config import FULL, SLIDING, in_dflash2
 from draft_node.daemon import DraftService
 from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, drafts_alone_in_one_pass, propose
 from draft_node.settings import DraftSettings
+from kernels import row_blocks
 from protocol import decode, encode
 
 SHIPPED = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
@@ -42,8 +42,8 @@ def test_sessions_drafted_together_get_the_bits_of_each_alone(kind, dtype, path,
     """path "torch": torch's matmul and norms in fixed row blocks, as on a GPU or a CPU without
     a compiler (torch's fp32 matmul over the pass's rows at once fails this test here)."""
     if path == "torch":
-        monkeypatch.setattr(draft_model, "_kernels_here", lambda: False)
-    elif not draft_model._kernels_here():
+        monkeypatch.setattr(row_blocks, "available", lambda: False)
+    elif not row_blocks.available():
         pytest.skip("no CPU kernels on this machine (no compiler)")
     drafter = _drafter(kind, dtype)
     assert drafts_alone_in_one_pass(drafter)  # the daemon's load check agrees
@@ -180,8 +180,8 @@ def test_a_device_where_a_pass_changes_bits_drafts_one_by_one(monkeypatch):
     """The load check sees a linear whose rows depend on the rows beside them, and the service
     then answers every propose of a burst alone: same replies, no pass of two."""
     drafter = _drafter("tiny", torch.float32)
-    original = draft_model.Linear.forward
-    monkeypatch.setattr(draft_model.Linear, "forward", lambda self, x: original(self, x) * (1 + 1e-3 * x.numel()))
+    original = row_blocks.Linear.forward
+    monkeypatch.setattr(row_blocks.Linear, "forward", lambda self, x: original(self, x) * (1 + 1e-3 * x.numel()))
     assert not drafts_alone_in_one_pass(drafter)
     service = DraftService(drafter, DraftSettings(ring_capacity=32))
     assert not service.together
@@ -203,15 +203,17 @@ def test_a_targets_local_slots_draft_one_pass_per_step_and_decode_as_alone(dflas
     from helpers import tiny_target
 
     from draft_node.checkpoint import config_for_target
+    from protocol.sampling import SamplingParams
     from target_node.decoding.options import DecodeOptions
-    from target_node.decoding.sampling import SamplingParams
     from target_node.decoding.sequence import Sequence, generate, step
-    from target_node.drafting.proposers import DFlashProposer, DraftPass, LocalDraftBackend
+    from target_node.drafting.draft_pass import DraftPass
+    from target_node.drafting.local_backend import LocalDraftBackend
+    from target_node.drafting.proposers import DFlashProposer
     from target_node.model.target import TargetModel
 
     single = tiny_target("qwen3", seed=4)
     batch = TargetModel(single.model, slots=4)
-    cfg = config_for_target(single.config, block_size=6, num_taps=3, dflash2=dflash2)
+    cfg = config_for_target(single.config, block_size=6, taps=3, dflash2=dflash2)
     drafter = random_drafter(cfg, seed=1, std=0.1)
     prompts = [[5, 17, 42, 99, 3, 7], [200, 11, 11, 11, 250, 12, 13, 14], [9, 8, 7, 6, 5, 4, 3, 2, 1], [1, 2, 3]]
     sampling = [None, SamplingParams(temperature=0.9, seed=7), None, SamplingParams(temperature=0.7, top_k=20, seed=3)]
@@ -233,7 +235,7 @@ def test_a_targets_local_slots_draft_one_pass_per_step_and_decode_as_alone(dflas
     for seq, want in zip(sequences, alone, strict=True):
         got = seq.result()
         assert got.tokens == want.tokens and got.stats.histogram == want.stats.histogram
-    if draft_model._kernels_here():
+    if row_blocks.available():
         assert together.together and together.counters["batched"] > together.counters["passes"]
 
 
@@ -245,12 +247,14 @@ def test_a_step_shares_its_drafting_time_evenly_among_the_sequences_that_drafted
     from draft_node.checkpoint import config_for_target
     from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sequence import Sequence, step
-    from target_node.drafting.proposers import DFlashProposer, DraftPass, LocalDraftBackend, NoProposer
+    from target_node.drafting.draft_pass import DraftPass
+    from target_node.drafting.local_backend import LocalDraftBackend
+    from target_node.drafting.proposers import DFlashProposer, NoProposer
     from target_node.model.target import TargetModel
 
     single = tiny_target("qwen3", seed=4)
     batch = TargetModel(single.model, slots=4)
-    drafter = random_drafter(config_for_target(single.config, block_size=6, num_taps=3), seed=1, std=0.1)
+    drafter = random_drafter(config_for_target(single.config, block_size=6, taps=3), seed=1, std=0.1)
     together = DraftPass(drafter)
     proposers = [DFlashProposer(LocalDraftBackend(drafter, 256, together)) for _ in range(3)] + [NoProposer()]
     sequences = [

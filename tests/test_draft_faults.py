@@ -25,7 +25,7 @@ from protocol.transport import Client, InsecureBind, Server, dealer, is_local, r
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.proposers import DFlashProposer, DrafterUnavailable, NGramProposer
-from target_node.drafting.remote import RemoteDraftBackend
+from target_node.drafting.remote import LinkTiming, RemoteDraftBackend
 
 PROMPT = [200, 11, 11, 11, 250, 12, 13, 14]
 MAX_NEW = 40
@@ -53,7 +53,7 @@ def link(keys, me, server="draft"):
 def drafter(target, keys, tmp_path_factory):
     """A draft daemon on TCP with CURVE, letting in the keys 'target' and 'other'."""
     folder = tmp_path_factory.mktemp("drafter")
-    cfg = config_for_target(target.config, block_size=8, num_taps=3)
+    cfg = config_for_target(target.config, block_size=8, taps=3)
     checkpoint = save_drafter(random_drafter(cfg, seed=1, std=0.1), folder / "ckpt")
     address, log = free_tcp_address(), folder / "draft.log"
     args = ["--checkpoint", str(checkpoint), "--threads", "1", "--ring-capacity", "256", "--max-sessions", "16"]
@@ -92,7 +92,7 @@ def test_the_all_in_one_keys_let_only_the_target_into_the_draft_daemon(target, t
 
     keys = LocalKeys(tmp_path / "keys")
     folder = tmp_path / "ckpt"
-    save_drafter(random_drafter(config_for_target(target.config, block_size=4, num_taps=2)), folder)
+    save_drafter(random_drafter(config_for_target(target.config, block_size=4, taps=2)), folder)
     address = free_tcp_address()
     args = ["--checkpoint", str(folder), "--threads", "1", *keys.draft_args]
     with daemon("draft daemon", "launch.draft_daemon", address, args, 60, curve=keys.launcher_to_draft):
@@ -203,7 +203,10 @@ def test_a_stopped_daemon_costs_one_stall_and_drafts_again_once_continued(target
     the draft timeout (later probes wait 0.2 s at most); after SIGCONT the drafter drafts again."""
     timeout_s, stop_s = 1.0, 3.0
     backend = RemoteDraftBackend(
-        drafter.address, target, curve=link(keys, "target"), timeout_s=timeout_s, probe_timeout_s=0.2, retry_s=0.5
+        drafter.address,
+        target,
+        timing=LinkTiming(timeout_s=timeout_s, probe_timeout_s=0.2, retry_s=0.5),
+        curve=link(keys, "target"),
     )
     proposer = DFlashProposer(backend, NGramProposer())
     want = greedy(target, PROMPT, MAX_NEW)
@@ -284,14 +287,14 @@ def test_many_identities_cannot_take_a_live_targets_idle_session(target, tmp_pat
     sessions of running targets included. A target's backend pings while idle (keepalive), and the
     daemon takes sessions only from peers it has not heard from: the live target keeps its
     session through a squat, while one that stays silent loses it."""
-    cfg = config_for_target(target.config, block_size=8, num_taps=3)
+    cfg = config_for_target(target.config, block_size=8, taps=3)
     checkpoint = save_drafter(random_drafter(cfg, seed=1, std=0.1), tmp_path / "ckpt")
     address = free_tcp_address()
     args = ["--checkpoint", str(checkpoint), "--threads", "1", "--ring-capacity", "64"]
     args += ["--max-sessions", "4", "--reclaim-after", "0.4"]
     with daemon("draft daemon", "launch.draft_daemon", address, args, 60):
-        live = RemoteDraftBackend(address, target, keepalive_s=0.1)
-        silent = RemoteDraftBackend(address, target, keepalive_s=0.1)
+        live = RemoteDraftBackend(address, target, timing=LinkTiming(keepalive_s=0.1))
+        silent = RemoteDraftBackend(address, target, timing=LinkTiming(keepalive_s=0.1))
         assert live.attached and silent.attached
         context, squatters, answers = zmq.Context.instance(), [], Counter()
         try:

@@ -22,7 +22,8 @@ from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.tree import DraftTree
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer, NGramProposer
 from target_node.model.target import TargetModel
 from target_node.model.tiny import ENGINE_FAMILIES, tiny_target
 
@@ -174,7 +175,7 @@ MAX_NEW = 40
 
 @pytest.mark.parametrize("tree_nodes", [0, 6, 16])
 def test_speculative_output_is_plain_output_bit_for_bit(target, tree_nodes):
-    drafter = random_drafter(config_for_target(target.config, block_size=8, num_taps=2), seed=tree_nodes)
+    drafter = random_drafter(config_for_target(target.config, block_size=8, taps=2), seed=tree_nodes)
     for prompt in PROMPTS:
         want = greedy(target, prompt, MAX_NEW, stop_on_eos=False)
         oracle = OracleBackend(target, prompt + want, 8, target_layer_ids=(0, 2))
@@ -190,7 +191,7 @@ def test_speculative_output_is_plain_output_bit_for_bit(target, tree_nodes):
 
 
 def test_speculative_output_with_the_governor_is_plain_output(target):
-    drafter = random_drafter(config_for_target(target.config, block_size=16, num_taps=2), seed=9)
+    drafter = random_drafter(config_for_target(target.config, block_size=16, taps=2), seed=9)
     for prompt in PROMPTS:
         want = greedy(target, prompt, MAX_NEW, stop_on_eos=False)
         result = generate(

@@ -8,7 +8,7 @@ from target_node.model.target import TargetModel
 
 
 def test_a_drafter_and_a_baseline_run_every_mode_against_one_reference(chat_model_dir, tmp_path):
-    cfg = config_for_target(TargetModel.load(chat_model_dir).config, block_size=4, num_taps=2)
+    cfg = config_for_target(TargetModel.load(chat_model_dir).config, block_size=4, taps=2)
     drafter = save_drafter(random_drafter(cfg, seed=1), tmp_path / "new")
     baseline = save_drafter(random_drafter(cfg, seed=2), tmp_path / "old")
     prompts = tmp_path / "prompts.jsonl"

@@ -11,10 +11,11 @@ import torch
 from helpers import OracleBackend, assert_lossless, greedy
 
 from draft_node.checkpoint import config_for_target, random_drafter
+from protocol.sampling import SamplingParams
 from target_node.decoding.options import DecodeOptions
-from target_node.decoding.sampling import SamplingParams
 from target_node.decoding.sequence import generate
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer, NGramProposer
 from target_node.model.cache_policy import RECURRENT_POLICIES
 from target_node.model.tiny import ENGINE_FAMILIES, FAMILIES, WINDOW, tiny_target
 
@@ -100,7 +101,7 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_never_ran(case, keep):
 
 def test_random_drafter_is_lossless(case):
     _, target, want = case
-    drafter = random_drafter(config_for_target(target.config, block_size=BLOCK, num_taps=2), seed=3)
+    drafter = random_drafter(config_for_target(target.config, block_size=BLOCK, taps=2), seed=3)
     result = generate(
         target,
         PROMPT,
@@ -128,7 +129,7 @@ def test_ngram_proposer_is_lossless(case):
 
 def test_seeded_sampling_reproduces(case):
     _, target, _ = case
-    drafter = random_drafter(config_for_target(target.config, block_size=8, num_taps=2), seed=4)
+    drafter = random_drafter(config_for_target(target.config, block_size=8, taps=2), seed=4)
     runs = [
         generate(
             target,
@@ -172,7 +173,7 @@ def test_logits_and_draft_projection_use_the_models_own_head(case):
         theirs = target.model(input_ids=ids).logits[0]
         hidden = target.model.get_decoder()(input_ids=ids).last_hidden_state[0]
     assert torch.allclose(target.logits(hidden), theirs, atol=1e-4)
-    proposer = DFlashProposer(LocalDraftBackend(random_drafter(config_for_target(target.config, num_taps=2))))
+    proposer = DFlashProposer(LocalDraftBackend(random_drafter(config_for_target(target.config, taps=2))))
     proposer.begin(target)
     drafted = proposer.drafting.project(hidden)  # a bf16 head on CPU: close, not exact
     assert torch.allclose(drafted, theirs, atol=0.02 * float(theirs.abs().max()))

@@ -11,7 +11,8 @@ from target_node.decoding.governor import Governor, VerifyCosts
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.tree import DraftTree
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer
 
 
 def run(governor, steps, spec_tokens, spec_s, plain_s=0.010):
@@ -59,7 +60,7 @@ class SlowBackend(LocalDraftBackend):
 def test_a_drafter_that_does_not_help_does_not_cost_the_user():
     target = tiny_target("llama", seed=7)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    cfg = config_for_target(target.config, block_size=8, num_taps=2)
+    cfg = config_for_target(target.config, block_size=8, taps=2)
     result = generate(target, prompt, DFlashProposer(SlowBackend(random_drafter(cfg))), DecodeOptions(60))
     assert result.tokens == greedy(target, prompt, 60)
     assert result.stats.governor["switches_to_plain"] >= 1

@@ -7,7 +7,8 @@ from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.speculative import accept_length
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer, NGramProposer, NoProposer
 
 PROMPT = [5, 17, 42, 99, 3, 7]
 BLOCK = 8
@@ -102,7 +103,7 @@ def test_hint_tokens_are_verified(target, reference, right):
 
 
 def test_hints_override_a_wrong_drafter(target, reference):
-    cfg = config_for_target(target.config, block_size=BLOCK, num_taps=2)
+    cfg = config_for_target(target.config, block_size=BLOCK, taps=2)
     proposer = DFlashProposer(LocalDraftBackend(random_drafter(cfg)))
     result = generate(target, PROMPT, proposer, DecodeOptions(30, hint_tokens=reference[:30], stop_on_eos=False))
     assert result.tokens == reference[:30]

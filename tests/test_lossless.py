@@ -8,7 +8,8 @@ from transformers import LlamaForCausalLM
 from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer, NGramProposer
 
 MAX_NEW = 40
 PROMPTS = [[5, 17, 42, 99, 3, 7], [200, 11, 11, 11, 250, 12, 13, 14, 15, 16, 17, 18]]
@@ -30,7 +31,7 @@ def test_plain_loop_matches_transformers_generate(target):
 
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_random_drafter_is_lossless(target, block_size):
-    cfg = config_for_target(target.config, block_size=block_size, num_taps=3)
+    cfg = config_for_target(target.config, block_size=block_size, taps=3)
     proposer = DFlashProposer(LocalDraftBackend(random_drafter(cfg, seed=block_size)))
     for prompt in PROMPTS:
         want = greedy(target, prompt, MAX_NEW)
@@ -79,7 +80,7 @@ def test_models_are_fp32_and_tiny(target):
 
 
 def test_draft_vocabulary_restricts_proposals_and_stays_lossless(target):
-    cfg = config_for_target(target.config, block_size=8, num_taps=2)
+    cfg = config_for_target(target.config, block_size=8, taps=2)
     drafter = random_drafter(cfg, seed=5)
     drafter.draft_vocab = list(range(0, target.vocab_size, 3))
     proposer = DFlashProposer(LocalDraftBackend(drafter))

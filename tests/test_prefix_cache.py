@@ -13,8 +13,10 @@ from draft_node.checkpoint import config_for_target, random_drafter, save_drafte
 from frontend.target_client import TargetClient
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import Sequence, step
-from target_node.drafting.proposers import DFlashProposer, DraftPass, LocalDraftBackend, NGramProposer, NoProposer
-from target_node.drafting.remote import RemoteDraftBackend
+from target_node.drafting.draft_pass import DraftPass
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer, NGramProposer, NoProposer
+from target_node.drafting.remote import LinkTiming, RemoteDraftBackend
 from target_node.model.target import TargetModel
 from target_node.serving.daemon import TargetService
 from target_node.serving.prefix_cache import BLOCK, PrefixCache
@@ -153,7 +155,7 @@ def chat(client: TargetClient, turns: int, sampling: dict, seed: int = 0) -> lis
 
 
 def drafting(target: TargetModel, slots: int) -> list[DFlashProposer]:
-    drafter = random_drafter(config_for_target(target.config, block_size=8, num_taps=2), seed=4)
+    drafter = random_drafter(config_for_target(target.config, block_size=8, taps=2), seed=4)
     together = DraftPass(drafter)
     return [DFlashProposer(LocalDraftBackend(drafter, drafting_pass=together)) for _ in range(slots)]
 
@@ -233,12 +235,14 @@ def test_a_hit_after_the_draft_daemon_restarted_drafts_remotely_from_the_stored_
     """The third turn of a chat starts from stored rows after the draft daemon was replaced: the
     new daemon gets the prefix's feature rows from the cache entry, drafts, and the output is exact."""
     target = tiny_target("qwen3", seed=4)
-    cfg = config_for_target(target.config, block_size=8, num_taps=2)
+    cfg = config_for_target(target.config, block_size=8, taps=2)
     checkpoint = save_drafter(random_drafter(cfg, seed=1, std=0.1), tmp_path / "drafter")
     address = f"ipc://{tmp_path}/draft.sock"
     with ExitStack() as first_daemon:
         first_daemon.enter_context(draft_daemon(address, checkpoint))
-        backend = RemoteDraftBackend(address, target, timeout_s=1.0, probe_timeout_s=0.2, retry_s=0.2)
+        backend = RemoteDraftBackend(
+            address, target, timing=LinkTiming(timeout_s=1.0, probe_timeout_s=0.2, retry_s=0.2)
+        )
         proposer = DFlashProposer(backend, NGramProposer())
         with served(target, [proposer], 64 << 20, tmp_path, "restart") as (client, _):
             history = list(SYSTEM)
@@ -260,13 +264,13 @@ def test_a_remote_drafter_restores_a_kept_prefix_and_drafts_as_if_sent_every_row
     under the entry's name (from whichever slot kept it), so the prefix's feature rows stay home;
     the drafts proposed and accepted, and the output, are those of the chat without the cache."""
     target = TargetModel(tiny_target("qwen3", seed=4).model, slots=2)
-    cfg = config_for_target(target.config, block_size=8, num_taps=2)
+    cfg = config_for_target(target.config, block_size=8, taps=2)
     checkpoint = save_drafter(random_drafter(cfg, seed=1, std=0.1), tmp_path / "drafter")
     address = f"ipc://{tmp_path}/draft.sock"
     runs, sent = {}, {}
     with draft_daemon(address, checkpoint):
         for cached in (True, False):
-            backends = [RemoteDraftBackend(address, target, timeout_s=5.0) for _ in range(2)]
+            backends = [RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=5.0)) for _ in range(2)]
             proposers = [DFlashProposer(b, NoProposer()) for b in backends]
             cache = (64 << 20) if cached else 0
             with served(target, proposers, cache, tmp_path, f"remote-{cached}") as (client, _):

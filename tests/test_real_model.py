@@ -8,7 +8,8 @@ from helpers import assert_lossless, greedy
 from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer, NGramProposer
 from target_node.model.default_model import ensure_default_model
 from target_node.model.target import TargetModel
 

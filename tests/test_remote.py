@@ -11,8 +11,9 @@ from helpers import assert_lossless, draft_daemon, free_tcp_address, greedy, tin
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NGramProposer
-from target_node.drafting.remote import DrafterMismatch, RemoteDraftBackend
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer, NGramProposer
+from target_node.drafting.remote import DrafterMismatch, LinkTiming, RemoteDraftBackend
 
 PROMPTS = [[5, 17, 42, 99, 3, 7], [200, 11, 11, 11, 250, 12, 13, 14]]
 MAX_NEW = 40
@@ -25,7 +26,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def checkpoint(target, tmp_path_factory):
-    cfg = config_for_target(target.config, block_size=8, num_taps=3)
+    cfg = config_for_target(target.config, block_size=8, taps=3)
     return save_drafter(random_drafter(cfg, seed=1, std=0.1), tmp_path_factory.mktemp("drafter"))
 
 
@@ -142,7 +143,9 @@ def test_daemon_killed_mid_generation_then_restarted(target, checkpoint, tmp_pat
     prompt = PROMPTS[1]
     want = greedy(target, prompt, MAX_NEW)
     with draft_daemon(address, checkpoint) as proc:
-        backend = RemoteDraftBackend(address, target, timeout_s=1.0, probe_timeout_s=0.2, retry_s=60.0)
+        backend = RemoteDraftBackend(
+            address, target, timing=LinkTiming(timeout_s=1.0, probe_timeout_s=0.2, retry_s=60.0)
+        )
         proposer = DFlashProposer(backend, NGramProposer())
         seen = []
 
@@ -176,7 +179,7 @@ def test_a_target_started_before_its_drafter_picks_it_up(target, checkpoint, tmp
     address = f"ipc://{tmp_path}/late.sock"
     prompt = PROMPTS[1]
     want = greedy(target, prompt, MAX_NEW)
-    backend = RemoteDraftBackend(address, target, timeout_s=0.3)
+    backend = RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=0.3))
     proposer = DFlashProposer(backend, NGramProposer())
     early = generate(target, prompt, proposer, DecodeOptions(MAX_NEW, adaptive=False))
     assert backend.info is None and "dflash" not in early.stats.sources
@@ -195,7 +198,7 @@ def test_a_drafter_restarted_with_another_checkpoint_is_a_new_drafter(target, ch
     address = f"ipc://{tmp_path}/swap.sock"
     prompt = PROMPTS[1]
     want = greedy(target, prompt, MAX_NEW)
-    smaller = config_for_target(target.config, block_size=4, num_taps=2)
+    smaller = config_for_target(target.config, block_size=4, taps=2)
     other = save_drafter(random_drafter(smaller, seed=3, std=0.1), tmp_path / "other")
     foreign = config_for_target(tiny_target("llama", seed=0, layers=6).config, block_size=4)
     unfit = save_drafter(random_drafter(foreign, seed=3), tmp_path / "unfit")
@@ -203,7 +206,9 @@ def test_a_drafter_restarted_with_another_checkpoint_is_a_new_drafter(target, ch
     for folder, requests in ((checkpoint, 1), (other, 2), (unfit, 2)):
         with draft_daemon(address, folder):
             if proposer is None:
-                backend = RemoteDraftBackend(address, target, timeout_s=1.0, probe_timeout_s=0.3, retry_s=60.0)
+                backend = RemoteDraftBackend(
+                    address, target, timing=LinkTiming(timeout_s=1.0, probe_timeout_s=0.3, retry_s=60.0)
+                )
                 proposer = DFlashProposer(backend, NGramProposer())
             for _ in range(requests):
                 results.append(

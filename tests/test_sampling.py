@@ -21,10 +21,12 @@ import torch
 from helpers import OracleBackend, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
+from protocol.sampling import SamplingParams
 from target_node.decoding.options import DecodeOptions
-from target_node.decoding.sampling import SamplingParams, make_generator, probabilities, sample, verify_sampled
+from target_node.decoding.sampling import make_generator, probabilities, sample, verify_sampled
 from target_node.decoding.sequence import generate
-from target_node.drafting.proposers import EMPTY, DFlashProposer, LocalDraftBackend, NGramProposer, NoProposer, Proposal
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import EMPTY, DFlashProposer, NGramProposer, NoProposer, Proposal
 
 ALPHA = 1e-4
 VOCAB = 16
@@ -103,7 +105,8 @@ def test_params_validate_and_round_trip():
     assert SamplingParams.from_dict(None) == SamplingParams() and SamplingParams().is_greedy
     assert not params.is_greedy
     for bad, message in [
-        (dict(temperature=-0.1), "temperature must be >= 0"),
+        (dict(temperature=-0.1), r"temperature must be in \[0, 2\]"),
+        (dict(temperature=2.5), r"temperature must be in \[0, 2\]"),  # the front end's bound too
         (dict(temperature=float("nan")), "temperature must be a finite number"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
@@ -266,7 +269,7 @@ class MirrorProposer(NoProposer):
 
 def proposer_for(kind: str, target, block: int):
     if kind in ("random", "dflash2"):  # dflash2: the selector's chains, made q's first choices
-        cfg = config_for_target(target.config, block_size=block, num_taps=2, dflash2=kind == "dflash2")
+        cfg = config_for_target(target.config, block_size=block, taps=2, dflash2=kind == "dflash2")
         return DFlashProposer(LocalDraftBackend(random_drafter(cfg, seed=1, std=0.2)))
     if kind == "oracle":  # peaked q along the greedy path, so sampled drafts are often right
         path = PROMPT + greedy(target, PROMPT, 8, stop_on_eos=False)

@@ -109,8 +109,8 @@ def test_cancel_stops_a_running_request(address):
 
 
 def test_sampling_options_pass_through_the_daemon(model_dir, address):
+    from protocol.sampling import SamplingParams
     from target_node.decoding.options import DecodeOptions
-    from target_node.decoding.sampling import SamplingParams
     from target_node.decoding.sequence import generate
     from target_node.drafting.proposers import NGramProposer
 
@@ -228,8 +228,8 @@ def test_concurrent_clients_are_batched_and_each_gets_its_output_alone(model_dir
     not: the daemon decodes them side by side, and each output is the same request decoded alone."""
     import threading
 
+    from protocol.sampling import SamplingParams
     from target_node.decoding.options import DecodeOptions
-    from target_node.decoding.sampling import SamplingParams
     from target_node.decoding.sequence import generate
     from target_node.drafting.proposers import NGramProposer
 

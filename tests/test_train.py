@@ -17,7 +17,8 @@ from draft_node.checkpoint import config_for_target, load_drafter, random_drafte
 from draft_node.config import FULL, SLIDING
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer
 from training.answer_store import Answer, AnswerStore
 from training.average import average_drafters
 from training.estimate import estimate

@@ -8,7 +8,8 @@ from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.tree import DraftTree
-from target_node.drafting.proposers import DFlashProposer, LocalDraftBackend, NoProposer, Proposal
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer, NoProposer, Proposal
 
 PROMPT = [5, 17, 42, 99, 3, 7]
 MAX_NEW = 40
@@ -117,7 +118,7 @@ def test_a_correct_second_or_third_choice_is_accepted_through_the_tree(target, r
 
 @pytest.mark.parametrize("nodes", [4, 16])
 def test_tree_speculation_is_lossless_with_a_random_drafter(target, nodes):
-    cfg = config_for_target(target.config, block_size=8, num_taps=3)
+    cfg = config_for_target(target.config, block_size=8, taps=3)
     proposer = DFlashProposer(LocalDraftBackend(random_drafter(cfg, seed=nodes)))
     for prompt in (PROMPT, [200, 11, 11, 11, 250, 12, 13]):
         result = generate(target, prompt, proposer, DecodeOptions(MAX_NEW, tree_nodes=nodes, adaptive=nodes == 16))

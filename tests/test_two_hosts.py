@@ -79,7 +79,7 @@ def hosts(tmp_path_factory):
         folder = tmp_path_factory.mktemp("hosts")
         target = tiny_target("qwen3", seed=4)
         target.model.save_pretrained(folder / "model")
-        cfg = config_for_target(target.config, block_size=8, num_taps=3)
+        cfg = config_for_target(target.config, block_size=8, taps=3)
         checkpoint = save_drafter(random_drafter(cfg, seed=1, std=0.1), folder / "drafter")
         for name in ("draft", "target"):
             create_keypair(folder, name)

@@ -109,12 +109,12 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
 
 def drafter_config(args: argparse.Namespace, target: TargetModel) -> DFlashConfig:
     """The drafter this run trains, for `target`, from the shape flags."""
-    taps = [int(x) for x in args.taps.split(",")] if args.taps else None
+    taps = [int(x) for x in args.taps.split(",")] if args.taps else 5
     cfg = config_for_target(
         target.config,
         num_layers=args.layers,
         block_size=args.block_size,
-        target_layer_ids=taps,
+        taps=taps,
         mask_token_id=args.mask_token_id,
         dflash2=args.format == "dflash2",
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from target_node.decoding.sampling import SamplingParams
+from protocol.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.output import OnCommit, Output
 from target_node.decoding.pace import PrefillPace
 from target_node.decoding.sampling import Sampler
-from target_node.decoding.speculative import Plan, Step, finish_step, plan_step
+from target_node.decoding.speculative import ForwardOut, Plan, Step, finish_step, plan_step
 from target_node.decoding.stats import Stats
 from target_node.drafting.proposers import EMPTY, Proposer
 from target_node.model.target import TargetModel
@@ -154,24 +154,19 @@ class Sequence:
         )
         return Part(self.plan.tokens, self.plan.parents, len(self.plan.tokens))
 
-    def take(
-        self, features: torch.Tensor | None, choices: list[int] | None, logits: torch.Tensor | None, forward_s: float
-    ) -> None:
-        """What the forward computed for this sequence's part: its tapped features, and for its head
-        rows the target's greedy choices (greedy) or logits (sampled)."""
+    def take(self, out: ForwardOut) -> None:
+        """What the forward computed for this sequence's part."""
         if self.prefilling:
             start = self.prefilled
             rows = min(self.chunk, len(self.prompt) - start)
             self.prefilled += rows
-            self.proposer.commit(start, features)
+            self.proposer.commit(start, out.features)
             if not self.prefilling:  # the prompt is in: the target's first token
-                first = choices[0] if self.sampler is None else self.sampler.pick(logits[0])
+                first = out.choices[0] if self.sampler is None else self.sampler.pick(out.logits[0])
                 self.output.commit([first])
                 self.stats.ttft_s = time.perf_counter() - self.began
             return
-        step = finish_step(
-            self.target, self.proposer, self.plan, features, choices, logits, self.sampler, forward_s, self.slot
-        )
+        step = finish_step(self.target, self.proposer, self.plan, out, self.sampler, self.slot)
         self._count(step)
         if self.governor is not None:
             self.governor.record(
@@ -250,7 +245,7 @@ def step(
     for seq, part, (_, features) in zip(sequences, parts, outs, strict=True):
         end = at + part.head_rows
         mine = None if features is None else _select(features, taps, seq.proposer.taps, target.hidden_size)
-        seq.take(mine, choices[at:end], None if logits is None else logits[at:end], forward_s)
+        seq.take(ForwardOut(mine, choices[at:end], None if logits is None else logits[at:end], forward_s))
         at = end
 
 

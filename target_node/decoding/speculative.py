@@ -138,21 +138,25 @@ def plan_step(
     )
 
 
+@dataclass
+class ForwardOut:
+    """What one forward computed for one sequence's rows: their tapped features, and for the rows
+    that needed the head the target's greedy `choices` or (sampled) their `logits`."""
+
+    features: torch.Tensor | None
+    choices: list[int]
+    logits: torch.Tensor | None
+    forward_s: float
+
+
 def finish_step(
-    target: TargetModel,
-    proposer: Proposer,
-    plan: Plan,
-    features: torch.Tensor | None,
-    choices: list[int] | None,
-    logits: torch.Tensor | None,
-    sampler: Sampler | None,
-    forward_s: float,
-    slot: int = 0,
+    target: TargetModel, proposer: Proposer, plan: Plan, out: ForwardOut, sampler: Sampler | None, slot: int = 0
 ) -> Step:
-    """Accept from the forward's results for the plan's rows (`choices`: the target's greedy token
-    after each; `logits`, for sampling), and leave the target's cache and the proposer's
+    """Accept from the forward's results for the plan's rows (`out.choices`: the target's greedy
+    token after each; `out.logits`, for sampling), and leave the target's cache and the proposer's
     features holding exactly the committed positions."""
     began = time.perf_counter()
+    features, choices, logits = out.features, out.choices, out.logits
     tree = plan.tree
     if sampler is None:
         # Greedy: the deepest path the target agrees with, then the target's own choice after it.
@@ -172,7 +176,7 @@ def finish_step(
         bool(plan.proposal.tokens),
         plan.proposal.source or "hint",
         plan.propose_s,
-        forward_s + time.perf_counter() - began,
+        out.forward_s + time.perf_counter() - began,
         tree.is_chain,
         plan.predicted,
     )

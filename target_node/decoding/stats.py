@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, fields
 
+from protocol.stats import RequestStats
+
 
 @dataclass
 class Stats:
@@ -45,34 +47,25 @@ class Stats:
         self.governor = other.governor or self.governor
         return self
 
-    def to_dict(self) -> dict:
+    def report(self) -> RequestStats:
+        """These figures as they travel (the `done` reply's stats)."""
         per_step = 1000 / self.steps if self.steps else 0.0
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "new_tokens": self.new_tokens,
-            "steps": self.steps,
-            "plain_steps": self.plain_steps,
-            "proposed": self.proposed,
-            "accepted": self.accepted,
-            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "tau": round(self.tau, 4),
-            "histogram": {str(k): v for k, v in sorted(self.histogram.items())},
-            "ttft_s": round(self.ttft_s, 4),
-            "decode_s": round(self.decode_s, 4),
-            "decode_tok_s": round(self.decode_tok_s, 2),
-            "sources": dict(self.sources),
-            "governor": self.governor,
-            "propose_ms_per_step": round(self.propose_s * per_step, 3),
-            "verify_ms_per_step": round(self.verify_s * per_step, 3),
-        }
-
-
-def stats_line(stats: dict) -> str:
-    """One line a person reads, from a request's stats as they travel (`to_dict`)."""
-    return (
-        f"{stats.get('new_tokens', 0)} tokens | tau {stats.get('tau', 0):.2f} | "
-        f"accepted {stats.get('accepted', 0)}/{stats.get('proposed', 0)} | "
-        f"{stats.get('decode_tok_s', 0):.1f} tok/s | ttft {stats.get('ttft_s', 0) * 1000:.0f} ms | "
-        f"proposer {stats.get('proposer', '?')}"
-    )
+        return RequestStats(
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            new_tokens=self.new_tokens,
+            steps=self.steps,
+            plain_steps=self.plain_steps,
+            proposed=self.proposed,
+            accepted=self.accepted,
+            acceptance_rate=self.accepted / self.proposed if self.proposed else 0.0,
+            tau=round(self.tau, 4),
+            histogram={str(k): v for k, v in sorted(self.histogram.items())},
+            ttft_s=round(self.ttft_s, 4),
+            decode_s=round(self.decode_s, 4),
+            decode_tok_s=round(self.decode_tok_s, 2),
+            sources=dict(self.sources),
+            governor=self.governor,
+            propose_ms_per_step=round(self.propose_s * per_step, 3),
+            verify_ms_per_step=round(self.verify_s * per_step, 3),
+        )

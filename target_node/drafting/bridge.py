@@ -26,7 +26,10 @@ class DrafterMismatch(ValueError):
     """A drafter built for a different target."""
 
 
-class Drafting:
+class DrafterBridge:
+    """One drafter's pieces on the target's side (the module says which), built once the drafter
+    has described itself and checked against this target."""
+
     def __init__(
         self,
         target: TargetModel,

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from target_node.drafting.bridge import Drafting
+from target_node.drafting.bridge import DrafterBridge
 from target_node.drafting.selector import Lattice
 from target_node.model.target import TargetModel
 
@@ -164,7 +164,7 @@ class DFlashProposer:
     def __init__(self, backend: DraftBackend, fallback: NoProposer | None = None) -> None:
         self.backend = backend
         self.fallback = fallback or NoProposer()
-        self.drafting: Drafting | None = None
+        self.drafting: DrafterBridge | None = None
         self.synced: int | None = None  # positions [.., synced) are with the drafter; None: unknown
         self.base: int | None = None  # ... from this one on (0: the whole context from the start)
 
@@ -179,7 +179,7 @@ class DFlashProposer:
             self.drafting = None
         elif self.drafting is None or self.drafting.target is not target or self.drafting.info != info:
             try:
-                self.drafting = Drafting(target, info, self.backend.codebooks)
+                self.drafting = DrafterBridge(target, info, self.backend.codebooks)
             except DrafterUnavailable:  # its codebooks did not come: the fallback drafts this request
                 self.drafting = None
         if self.drafting is not None:
@@ -253,105 +253,3 @@ class DFlashProposer:
             self.synced = self.base = ring.oldest
         features = ring.read(self.synced, position)
         return self.synced, features, drafting.noise(tokens[-1]), position, rows
-
-
-class DraftPass:
-    """The slots of one target drafting with one in-process drafter. The steps they send ahead
-    (`send_draft`: a batch's sequences each do in `prepare`) are drafted in one pass when the first
-    of them asks for its drafts, as the draft daemon drafts a burst of proposes; each gets its
-    bits alone where the drafter's load check says a pass keeps them, else they run one by one."""
-
-    def __init__(self, drafter) -> None:  # a DFlashDrafter
-        self.drafter = drafter
-        self.together: bool | None = None  # checked at the first pass of two or more
-        self.pending: dict[int, tuple[tuple, object]] = {}  # by backend: (its draft arguments, its step)
-        self.done: dict[int, tuple[tuple, tuple, float]] = {}  # by backend: (arguments, result, ms)
-        self.counters = {"passes": 0, "batched": 0}
-
-    def send(self, backend: LocalDraftBackend, key: tuple, step) -> None:
-        self.done.pop(id(backend), None)
-        self.pending[id(backend)] = (key, step)
-
-    def forget(self, backend: LocalDraftBackend) -> None:
-        """Drop what this backend sent (its cache is about to change under it)."""
-        self.pending.pop(id(backend), None)
-        self.done.pop(id(backend), None)
-
-    def take(self, backend: LocalDraftBackend, key: tuple) -> tuple[tuple, float] | None:
-        """This backend's drafts for `key` and their share of the pass's time, or None where it
-        sent none for these arguments."""
-        if id(backend) in self.pending:
-            self._run()
-        entry = self.done.pop(id(backend), None)
-        return (entry[1], entry[2]) if entry is not None and entry[0] == key else None
-
-    def _run(self) -> None:
-        from draft_node.kv_cache import drafts_alone_in_one_pass, timed_pass
-
-        items, self.pending = list(self.pending.items()), {}
-        if len(items) > 1 and self.together is None:
-            self.together = drafts_alone_in_one_pass(self.drafter)
-        results, share = timed_pass([step for _, (_, step) in items], bool(self.together))
-        self.counters["passes"] += 1
-        self.counters["batched"] += len(items) if self.together and len(items) > 1 else 0
-        for (owner, (key, _)), result in zip(items, results, strict=True):
-            self.done[owner] = (key, result, share)
-
-
-class LocalDraftBackend:
-    """The drafter in this process, with its context K/V ring. Backends that share a `DraftPass`
-    (a target's slots) draft the steps they sent ahead together."""
-
-    def __init__(self, drafter, capacity: int = 4096, drafting_pass: DraftPass | None = None) -> None:
-        from draft_node.kv_cache import DraftKVCache
-
-        self.info = drafter.describe(capacity)
-        self.drafter = drafter
-        self.cache = DraftKVCache(drafter, capacity)
-        self.drafting_pass = drafting_pass or DraftPass(drafter)
-        self.counters = {"proposals": 0, "draft_ms": 0.0}
-        self.attached = True  # in this process: always there
-
-    def begin_request(self) -> None:
-        self.drafting_pass.forget(self)
-
-    def keepalive(self) -> None:
-        pass
-
-    def keep(self, name: str, rows: int) -> int:
-        return 0  # in this process a prefix's context is recomputed from its features: no wire to spare
-
-    def restore(self, name: str, rows: int) -> int:
-        self.reset(0)
-        return 0
-
-    def reset(self, position: int) -> None:
-        self.drafting_pass.forget(self)
-        self.cache.reset(position)
-
-    def send_draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> None:
-        """Leave this step with the pass: `draft` with the same arguments takes its drafts."""
-        self.drafting_pass.send(self, (start, position, rows), self._step(start, features, noise, position, rows))
-
-    def draft(
-        self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        taken = self.drafting_pass.take(self, (start, position, rows))
-        if taken is None:  # nothing sent ahead for this step: a pass of its own
-            self.send_draft(start, features, noise, position, rows)
-            taken = self.drafting_pass.take(self, (start, position, rows))
-        (hidden, gate), draft_ms = taken
-        self.counters["proposals"] += 1
-        self.counters["draft_ms"] += draft_ms
-        return hidden, gate
-
-    def _step(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int):
-        from draft_node.kv_cache import DraftStep
-
-        if position != start + features.shape[0]:
-            end = start + features.shape[0]
-            raise ValueError(f"feature rows [{start}, {end}) must end where the block starts, {position}")
-        return DraftStep(self.cache, start, features, noise, rows)
-
-    def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.drafter.codebooks()

@@ -41,27 +41,36 @@ class Reachability:
     retry_at: float = 0.0
 
 
+@dataclass(frozen=True)
+class LinkTiming:
+    """How long the target waits on its drafter: a reply (`timeout_s`), a probe of a daemon that
+    was away (`probe_timeout_s`), between probes (`retry_s`), and how long a session may go
+    unheard before a keepalive (`keepalive_s`)."""
+
+    timeout_s: float = 2.0
+    probe_timeout_s: float = 0.25
+    retry_s: float = 5.0
+    keepalive_s: float = KEEPALIVE_S
+
+
 class RemoteDraftBackend:
     def __init__(
         self,
         address: str,
         target: TargetModel,
         *,
-        timeout_s: float = 2.0,
-        probe_timeout_s: float = 0.25,
-        retry_s: float = 5.0,
+        timing: LinkTiming = LinkTiming(),
         wire_dtype: str | None = None,
         name: str | None = None,
         curve: ClientKeys | None = None,
         reach: Reachability | None = None,
-        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         """Raises DrafterMismatch if a drafter answers now and was built for another target (an
         operator's mistake to see at once); a drafter that does not answer yet is picked up later."""
         self.address = address
         self.target = target
-        self.timeout_s, self.probe_timeout_s, self.retry_s = timeout_s, probe_timeout_s, retry_s
-        self.keepalive_s = keepalive_s
+        self.timeout_s, self.probe_timeout_s, self.retry_s = timing.timeout_s, timing.probe_timeout_s, timing.retry_s
+        self.keepalive_s = timing.keepalive_s
         self.session = name or f"target-{uuid.uuid4().hex[:12]}"
         self.wire_request = wire_dtype
         self.client = Client(address, curve=curve)

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import Packed
+from kernels.row_blocks import BLOCK  # rows per forward block: the drafter's blocks too
 
-BLOCK = 64  # rows per forward block
 CHUNK = 128  # key-list positions per attention chunk
 
 

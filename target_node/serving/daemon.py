@@ -28,11 +28,12 @@ from pathlib import Path
 from protocol import ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
 from protocol.messages import HEARTBEAT_MISSES
+from protocol.sampling import SamplingParams
+from protocol.stats import ServedStats
 from protocol.transport import CONTROL_MAX_FRAME, Server
 from target_node.decoding.governor import Governor
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.pace import PrefillPace
-from target_node.decoding.sampling import SamplingParams
 from target_node.decoding.sequence import Result, Sequence, step
 from target_node.drafting.proposers import Proposer
 from target_node.model.target import ContextLengthError, TargetModel
@@ -215,19 +216,19 @@ class TargetService:
 
     def report(self) -> dict:
         """The `stats` reply: what was served since start, the queue now, and the drafter's state."""
-        return {
-            "model": Path(self.target.config.name_or_path).name,  # the folder it was loaded from
-            "served": self.served,
-            "queued": self.pending(),
-            "running": len(self.active),
-            "max_batch": self.max_batch,
-            "proposer": self.proposer.name,
-            "drafter": drafter_state(self.proposer),
-            "prefill": self.pace.to_dict() if self.pace is not None else {"chunk": self.settings.prefill_chunk},
-            "prefix_cache": self.prefix_cache.to_dict() if self.prefix_cache is not None else None,
+        return ServedStats(
+            model=Path(self.target.config.name_or_path).name,  # the folder it was loaded from
+            served=self.served,
+            queued=self.pending(),
+            running=len(self.active),
+            max_batch=self.max_batch,
+            proposer=self.proposer.name,
+            drafter=drafter_state(self.proposer),
+            prefill=self.pace.to_dict() if self.pace is not None else {"chunk": self.settings.prefill_chunk},
+            prefix_cache=self.prefix_cache.to_dict() if self.prefix_cache is not None else None,
             **self.counters,
             **self.metrics.to_dict(),
-        }
+        ).to_dict()
 
     def cancel(self, identity: bytes, request_id: int) -> None:
         """Stop a running or queued request; a cancel for one that is not here (done already) is ignored."""
@@ -488,15 +489,15 @@ class TargetService:
             self.send(job.identity, encode_error(job.request.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
 
     def stats(self, active: Active, result: Result) -> dict:
-        stats = result.stats.to_dict()
-        stats["proposer"] = self.proposer.name
-        stats["queued_s"] = round(active.queued_s, 4)
-        stats["batch"] = self.max_batch - len(self.free) + 1  # requests running when it ended, itself included
+        stats = result.stats.report()
+        stats.proposer = self.proposer.name
+        stats.queued_s = round(active.queued_s, 4)
+        stats.batch = self.max_batch - len(self.free) + 1  # requests running when it ended, itself included
         backend = self.proposers[active.sequence.slot].backend
         if backend is not None:  # this request's own drafter figures, not the slot's since start
             before = active.drafter_before
-            stats["drafter"] = {k: round(v - before.get(k, 0), 3) for k, v in backend.counters.items()}
-        return stats
+            stats.drafter = {k: round(v - before.get(k, 0), 3) for k, v in backend.counters.items()}
+        return stats.to_dict()
 
 
 def heard_only(identity: bytes, msg: Message) -> None:

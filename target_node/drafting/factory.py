@@ -1,0 +1,69 @@
+"""Who drafts for each of a target daemon's slots, from one settings object: the one place the
+proposers are wired (drafter weights loaded once and shared, a remote session per slot)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from draft_node.checkpoint import load_drafter
+from protocol.keys import ClientKeys
+from target_node.drafting.draft_pass import DraftPass
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer, NGramProposer, NoProposer, Proposer
+from target_node.drafting.remote import LinkTiming, Reachability, RemoteDraftBackend
+from target_node.model.target import TargetModel
+
+PROPOSER_KINDS = ("remote", "local", "ngram", "none")
+
+
+@dataclass(frozen=True)
+class ProposerSettings:
+    """`kind`: a draft daemon at `drafter` (`remote`, with `fallback` drafting while it is away),
+    a drafter `checkpoint` in this process (`local`), prompt lookup (`ngram`) or none."""
+
+    kind: str = "remote"
+    drafter: str = ""  # the draft daemon's address, for remote
+    checkpoint: Path | None = None  # the drafter's folder, for local
+    fallback: str = "ngram"
+    draft_timeout_s: float = 2.0
+    draft_retry_s: float = 5.0
+    wire_dtype: str | None = None  # None: negotiated
+    ring_capacity: int = 4096  # context positions a local drafter keeps
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROPOSER_KINDS:
+            raise ValueError(f"unknown proposer {self.kind!r}; expected one of {PROPOSER_KINDS}")
+        if self.kind == "local" and self.checkpoint is None:
+            raise ValueError("a local proposer needs a drafter checkpoint")
+
+
+def build_proposers(
+    settings: ProposerSettings, target: TargetModel, count: int, drafter_keys: ClientKeys | None = None
+) -> list[Proposer]:
+    """One proposer per slot (each request drafts from its own state)."""
+    if settings.kind == "none":
+        return [NoProposer() for _ in range(count)]
+    if settings.kind == "ngram":
+        return [NGramProposer() for _ in range(count)]
+    if settings.kind == "local":
+        drafter = load_drafter(settings.checkpoint, target.device, target.model.dtype)
+        together = DraftPass(drafter)  # the slots' drafts of one step in one pass
+        return [
+            DFlashProposer(LocalDraftBackend(drafter, settings.ring_capacity, together), NGramProposer())
+            for _ in range(count)
+        ]
+    reach = Reachability()  # one daemon behind every slot's session: one probe when it is away
+
+    def remote() -> Proposer:
+        backend = RemoteDraftBackend(
+            settings.drafter,
+            target,
+            timing=LinkTiming(timeout_s=settings.draft_timeout_s, retry_s=settings.draft_retry_s),
+            wire_dtype=settings.wire_dtype,
+            curve=drafter_keys,
+            reach=reach,
+        )
+        return DFlashProposer(backend, NGramProposer() if settings.fallback == "ngram" else NoProposer())
+
+    return [remote() for _ in range(count)]
