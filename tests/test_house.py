@@ -1,0 +1,22 @@
+"""The house rules, held against the code: short functions, few parameters, imports one way."""
+
+from pathlib import Path
+
+from benchmarks.house import MAX_LINES, MAX_PARAMS, read
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_no_function_is_too_long_or_takes_too_many_parameters_and_no_imports_run_in_a_circle():
+    house = read(ROOT)
+    assert house.long == [], f"functions over {MAX_LINES} lines"
+    assert house.wide == [], f"functions over {MAX_PARAMS} parameters"
+    assert house.cycles == []
+
+
+def test_the_lower_floors_import_nothing_from_the_upper_ones():
+    rooms = {(a, b) for a, b in read(ROOT).arrows}
+    assert not {b for a, b in rooms if a == "protocol"}, "protocol knows nothing of the rest"
+    assert not {b for a, b in rooms if a == "kernels"}
+    assert {b for a, b in rooms if a == "draft_node"} <= {"protocol", "kernels"}, "the drafter knows only the wire"
+    assert not {a for a, b in rooms if b in ("launch", "benchmarks") and a not in ("launch", "benchmarks")}
