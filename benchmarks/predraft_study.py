@@ -1,0 +1,174 @@
+"""Can the draft daemon draft the next block while the target still verifies this one? (issue 31)
+
+Pre-drafting must guess the verify's outcome, the accepted length j and the bonus token b, and
+draft without the target features of the rows under verification, which do not exist yet. The
+form measured here keeps the drafter's context as it is (features up to the block's anchor) and
+puts the outcome in the block instead: [last_tok, d_1 .. d_j, b, MASK ...] at the anchor's
+positions, so the slots after b draft the next step's tokens. The drafter was trained with masks
+there; this measures what that costs against a fresh draft, and how often the outcome is among
+the A likeliest the target can name before its verify (by the draft's own probabilities for b,
+and the acceptance lengths seen so far for j).
+
+Offline, from the target's greedy answers: one forward per prompt gives every position's
+features (the engine computes a row the same whichever way it runs), and each chain step's
+outcome follows from the answer itself, so no verify runs. Prints and writes:
+hit rate by A, and on hits the accepted drafts of the pre-draft against a fresh draft.
+
+    python -m benchmarks.predraft_study --limit 20 --json docs/predraft_study.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draft_node.checkpoint import load_drafter
+from draft_node.kv_cache import DraftKVCache
+from launch.common import DTYPE_CHOICES, ensure_default_drafter, resolve_model
+from target_node.decoding.options import DecodeOptions
+from target_node.decoding.sequence import generate
+from target_node.drafting.bridge import DrafterBridge
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import NoProposer
+from target_node.model.target import TargetModel
+from training.prompts import read_prompts
+
+ROOT = Path(__file__).resolve().parent.parent
+ALTERNATIVES = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class Tally:
+    steps: int = 0
+    answer_positions: int = 0  # answer tokens that anchored a step or were drafted (all but the last)
+    outcomes: Counter = field(default_factory=Counter)  # accepted length j -> steps
+    hits: Counter = field(default_factory=Counter)  # A -> steps whose outcome was among the A likeliest
+    fresh_on_hits: int = 0  # accepted drafts of the fresh draft after a hit (at the largest A)
+    pre_on_hits: int = 0  # ... of the pre-draft for the same step
+    paired: int = 0
+    draft_s: float = 0.0
+    drafts: int = 0
+
+    def report(self) -> dict:
+        steps = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "answer_positions": self.answer_positions,
+            "accepted_length": {str(j): n for j, n in sorted(self.outcomes.items())},
+            "hit_rate": {str(a): round(self.hits[a] / steps, 4) for a in ALTERNATIVES},
+            "paired_steps": self.paired,
+            "accepted_per_step_fresh": round(self.fresh_on_hits / max(self.paired, 1), 4),
+            "accepted_per_step_predraft": round(self.pre_on_hits / max(self.paired, 1), 4),
+            "draft_ms_per_block": round(1000 * self.draft_s / max(self.drafts, 1), 3),
+        }
+
+
+def accepted(drafts: list[int], truth: list[int]) -> int:
+    n = 0
+    while n < len(drafts) and n < len(truth) and drafts[n] == truth[n]:
+        n += 1
+    return n
+
+
+def likeliest_outcomes(logits: torch.Tensor, drafts: list[int], lengths: Counter, count: int) -> list[tuple[int, int]]:
+    """The `count` likeliest (j, b): P(j) from the acceptance lengths seen (smoothed), P(b | j) from the
+    draft's distribution at slot j+1 without its rejected draft."""
+    total = sum(lengths.values()) + len(drafts) + 1
+    scored = []
+    probabilities = torch.softmax(logits.float(), -1)
+    for j in range(len(drafts)):
+        p_j = (lengths[j] + 1) / total
+        p = probabilities[j].clone()
+        p[drafts[j]] = 0.0
+        p = p / p.sum().clamp_min(1e-30)
+        top = p.topk(count)
+        scored += [(p_j * float(v), j, int(b)) for v, b in zip(top.values, top.indices, strict=True)]
+    scored.sort(reverse=True)
+    return [(j, b) for _, j, b in scored[:count]]
+
+
+def study_prompt(
+    target: TargetModel, bridge: DrafterBridge, cache: DraftKVCache, ids: list[int], answer: list[int], tally: Tally
+) -> None:
+    sequence = ids + answer
+    target.reset(0, expect=len(sequence))
+    features = target.forward_batch([(0, sequence, None)], bridge.taps)[0][1]
+    cache.reset(0)
+    tally.answer_positions += len(answer) - 1
+    block = bridge.block_size
+    position, synced, pending = len(ids), 0, None  # pending: the pre-draft of the step now drafted
+    while position + 1 < len(sequence):
+        cache.append(synced, features[synced:position])
+        synced = position
+        began = time.perf_counter()
+        hidden, _ = cache.draft_rows(bridge.noise(sequence[position]), position, block - 1)
+        tally.draft_s += time.perf_counter() - began
+        tally.drafts += 1
+        logits = bridge.project(hidden)
+        drafts = logits.argmax(-1).tolist()
+        truth = sequence[position + 1 : position + block]
+        j = accepted(drafts, truth)
+        if pending is not None:  # the previous step's outcome was predicted: both drafts for this step
+            tally.paired += 1
+            tally.fresh_on_hits += j
+            tally.pre_on_hits += accepted(pending, truth)
+        pending = None
+        if j < len(drafts) and position + 1 + j < len(sequence):
+            outcome = (j, sequence[position + 1 + j])
+            ranked = likeliest_outcomes(logits, drafts, tally.outcomes, max(ALTERNATIVES))
+            for count in ALTERNATIVES:
+                tally.hits[count] += outcome in ranked[:count]
+            if outcome in ranked:
+                pending = predraft(bridge, cache, sequence[position], drafts[:j], outcome[1], position)
+        tally.outcomes[j] += 1
+        tally.steps += 1
+        position += j + 1
+
+
+def predraft(
+    bridge: DrafterBridge, cache: DraftKVCache, last: int, kept: list[int], bonus: int, position: int
+) -> list[int]:
+    """The next step's drafts for outcome (len(kept), bonus), from the context the drafter holds now."""
+    head = bridge.target.embed([last, *kept, bonus])
+    masks = bridge.mask_row.expand(bridge.block_size - head.shape[0], -1)
+    hidden, _ = cache.draft_rows(torch.cat([head, masks]), position, bridge.block_size - 1)
+    return bridge.project(hidden[len(kept) + 1 :]).argmax(-1).tolist()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="target folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", help="drafter folder (default: the shipped drafter)")
+    parser.add_argument("--prompts", default=str(ROOT / "data" / "eval_prompts.jsonl"))
+    parser.add_argument("--limit", type=int, default=0, help="first N prompts (0: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = resolve_model(args.model)
+    target = TargetModel.load(model, dtype=args.dtype)
+    drafter = load_drafter(args.drafter or ensure_default_drafter(model), dtype=target.model.dtype)
+    backend = LocalDraftBackend(drafter)
+    bridge = DrafterBridge(target, backend.info)
+    tally = Tally()
+    for text in read_prompts(args.prompts)[: args.limit or None]:
+        ids = target.encode_chat([{"role": "user", "content": text}])
+        answer = generate(target, ids, NoProposer(), DecodeOptions(args.max_new_tokens)).tokens
+        study_prompt(target, bridge, backend.cache, ids, answer, tally)
+    figures = {"model": model.name, "dtype": str(target.model.dtype), **tally.report()}
+    print(json.dumps(figures, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
