@@ -1,7 +1,7 @@
 """How fast the training-data generator decodes, by batch size and thread count.
 
 Answers the store's own prompts (those of stored answers, shuffled the same way every
-run) with `training.generate.RefillGenerator`, features captured as in `--stage gen`, for
+run) with `training.generate.RefillGenerator` (the target's engine), features captured as in `--stage gen`, for
 `--seconds` per setting, and counts every token the target produced, rows still in flight
 included, so a short window measures the steady rate rather than who finished first.
 
@@ -28,19 +28,8 @@ from training.answer_store import STORE, AnswerStore
 from training.generate import RefillGenerator
 
 
-class _CountingGenerator(RefillGenerator):
-    """Counts the tokens each forward produced (a prefill gives one, a decode step one per slot)."""
-
-    produced = 0
-
-    def _run(self, **inputs: object):
-        tokens, features = super()._run(**inputs)
-        self.produced += len(tokens)
-        return tokens, features
-
-
 def measure(target: TargetModel, prompts: list[list[int]], batch: int, seconds: float, taps: tuple[int, ...]) -> dict:
-    generator = _CountingGenerator(target.model, target.eos_ids, batch, max_new=192, layer_ids=taps)
+    generator = RefillGenerator(target, batch, max_new=192, layer_ids=taps)
     queue = iter(enumerate(prompts))
     began = time.perf_counter()
     answered = generator.run(lambda: next(queue, None), lambda *done: None, deadline=time.time() + seconds)
@@ -67,8 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     if unknown := [n for n in names if n not in FLOAT_DTYPES]:
         raise SystemExit(f"--dtypes: {', '.join(unknown)} not among {', '.join(FLOAT_DTYPES)}")
     model = resolve_model(args.model)
-    targets = {name: TargetModel.load(model, "cpu", torch_dtype(name)) for name in names}
-    taps = config_for_target(next(iter(targets.values())).config, num_layers=1).target_layer_ids
+    slots = max(int(b) for b in args.batch.split(","))
+    targets = {name: TargetModel.load(model, "cpu", torch_dtype(name), slots=slots) for name in names}
+    taps = config_for_target(next(iter(targets.values())).config, num_layers=1).target_layer_ids  # the default taps
     prompts = [a.tokens[: a.prompt_len] for a in AnswerStore(args.store).answers]
     random.Random(0).shuffle(prompts)  # the store's mix of short and long prompts from the start
     if not prompts:

@@ -2,8 +2,8 @@
 
 Batching refills finished rows: a row that hits EOS or the token cap is handed out and
 replaced by the next turn at once, so the batch never idles waiting for its longest
-answer. Rows sit in fixed slots of one preallocated KV cache, their last tokens aligned
-at a shared write column, with a padding mask and explicit positions (`_SlotCache`).
+answer. The rows run on the target's engine through the decoder the daemon serves with,
+so the answers and their features are exactly what the daemon would produce.
 
 The pipeline keeps follow-up turns ahead of fresh jobs, so few conversations are open at
 once, and it resumes from the store: turns already answered are skipped, and the turns
@@ -15,148 +15,48 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from target_node.model.taps import tap_features
+from target_node.decoding.options import DecodeOptions
+from target_node.decoding.sequence import Sequence, step
+from target_node.drafting.proposers import NoProposer
+from target_node.model.target import TargetModel
 from training.answer_store import Answer, AnswerStore
 from training.features import FeatureCache
 from training.prompts import Ask, HeldOut, next_turns
 
 
-@dataclass
-class _Row:
-    item: object
-    tokens: list[int]
-    prompt_len: int
-    features: list[torch.Tensor]
+class FeatureRecorder(NoProposer):
+    """Drafts nothing and keeps what the forwards tapped for the committed positions, in order:
+    the drafter's features for an answer, captured while it is generated."""
 
-    def finish(self, eos: frozenset[int], max_new: int) -> str:
-        """Why the row is done ("eos" or "length"), or "" while it goes on."""
-        if self.tokens[-1] in eos:
-            return "eos"
-        return "length" if len(self.tokens) - self.prompt_len >= max_new else ""
+    def __init__(self, taps: tuple[int, ...]) -> None:
+        self.taps = taps
+        self.rows: list[torch.Tensor] = []
 
-
-class _BufferLayer(DynamicLayer):
-    """A full-attention cache layer whose keys and values are views of preallocated buffers.
-
-    Appending a token writes one column where `DynamicLayer` concatenates (copies) the whole
-    cache: at 64 rows x 300 columns those copies were 30% of a decode step.
-    """
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        super().__init__()
-        self.key_buffer, self.value_buffer = keys, values
-        self.device, self.is_initialized = keys.device, True
-        self.resize(length)
-
-    def resize(self, length: int) -> None:
-        self.length = length
-        self.keys, self.values = self.key_buffer[..., :length, :], self.value_buffer[..., :length, :]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        end = self.length + key_states.shape[-2]
-        self.key_buffer[..., self.length : end, :] = key_states
-        self.value_buffer[..., self.length : end, :] = value_states
-        self.resize(end)
-        return self.keys, self.values
-
-
-class _SlotCache:
-    """One KV cache for rows of different lengths: fixed slots, one shared write column.
-
-    Every row writes its next token at column `width`; a new row's prompt is placed to end
-    there (shifting everyone right if the prompt is longer), and a finished row's slot is
-    refilled in place. Columns no row looks at any more are dropped only when the buffers
-    fill, so a decode step writes one column instead of copying the cache.
-    """
-
-    def __init__(self, slots: int, device: torch.device) -> None:
-        self.cache: DynamicCache | None = None
-        self.mask = torch.zeros(slots, 0, dtype=torch.bool, device=device)
-        self.width = 0
-
-    def _rebuild(self, slots: list[int], width: int = 0, room: int = 1) -> None:
-        """Keep `slots`, drop dead columns on the left, shift right to at least `width`, leave `room` free."""
-        used = self.mask[slots, : self.width].any(0).nonzero()
-        first = int(used[0]) if len(used) else self.width
-        shift = max(width - (self.width - first), 0)
-        width = self.width - first + shift
-        capacity = width + max(room, 128)  # zeroing a buffer costs as much as it holds: no doubling
-        index = torch.tensor(slots, device=self.mask.device)
-        for layer in self.cache.layers:
-            for name in ("key_buffer", "value_buffer"):
-                old = getattr(layer, name)
-                new = old.new_zeros(len(slots), old.shape[1], capacity, old.shape[3])
-                new[:, :, shift:width] = old[index, :, first : self.width]
-                setattr(layer, name, new)
-            layer.resize(width)
-        mask = self.mask.new_zeros(len(slots), capacity)
-        mask[:, shift:width] = self.mask[index, first : self.width]
-        self.mask, self.width = mask, width
-
-    def place(self, slot: int, one: DynamicCache, length: int) -> None:
-        """Put a row whose prompt (`length` positions) sits in its own cache `one` into `slot`."""
-        if self.cache is None:
-            self.cache = DynamicCache()
-            shapes = [(self.mask.shape[0], layer.keys.shape[1], 0, layer.keys.shape[3]) for layer in one.layers]
-            self.cache.layers = [
-                _BufferLayer(layer.keys.new_zeros(shape), layer.values.new_zeros(shape), 0)
-                for layer, shape in zip(one.layers, shapes, strict=True)
-            ]
-        if length > self.width:
-            self._rebuild(list(range(self.mask.shape[0])), length, length)
-        span = slice(self.width - length, self.width)
-        for mine, new in zip(self.cache.layers, one.layers, strict=True):
-            mine.key_buffer[slot, :, span], mine.value_buffer[slot, :, span] = new.keys[0], new.values[0]
-        self.mask[slot] = False
-        self.mask[slot, span] = True
-
-    def free(self, slot: int) -> None:
-        self.mask[slot] = False
-
-    def keep(self, slots: list[int]) -> None:
-        """Only these slots go on, in this order: no compute for slots nothing will refill."""
-        self._rebuild(slots)
-
-    def next_mask(self) -> torch.Tensor:
-        """Open the shared column for the next token (empty slots see only it) and return the mask."""
-        if self.width + 1 > self.mask.shape[1]:
-            self._rebuild(list(range(self.mask.shape[0])))
-        self.mask[:, self.width] = True
-        self.width += 1
-        return self.mask[:, : self.width].long()
+    def commit(self, start: int, features: torch.Tensor | None) -> None:
+        if features is not None:
+            self.rows.append(features)
 
 
 class RefillGenerator:
-    """Batched greedy decoding where finished rows are replaced by new prompts mid-flight."""
+    """Batched greedy decoding on the target's engine, the daemon's own decoder (`Sequence`, `step`):
+    a row per engine slot, and a finished row replaced by the next prompt at once, so the batch
+    never idles waiting for its longest answer. Each answer is the target's greedy answer to its
+    prompt alone, bit for bit (the engine computes every row as if alone)."""
 
-    def __init__(
-        self,
-        model,  # a transformers causal LM
-        eos_ids: Iterable[int],
-        batch: int,
-        max_new: int,
-        layer_ids: tuple[int, ...] = (),
-    ) -> None:
+    def __init__(self, target: TargetModel, batch: int, max_new: int, layer_ids: tuple[int, ...] = ()) -> None:
         """`layer_ids`: also capture these layers' outputs for every position (the drafter's features)."""
-        self.model, self.eos = model, frozenset(eos_ids)
-        self.batch, self.max_new, self.layer_ids = batch, max_new, tuple(layer_ids)
-        self.device = next(model.parameters()).device
+        if target.slots < batch:
+            raise ValueError(f"a batch of {batch} needs a target with as many slots, not {target.slots}")
+        self.target, self.batch, self.layer_ids = target, batch, tuple(layer_ids)
+        self.options = DecodeOptions(max_new, adaptive=False)
+        self.produced = 0  # tokens the target committed, rows still running included
 
-    def _run(self, **inputs: object) -> tuple[list[int], torch.Tensor | None]:
-        """The model on `inputs`: each row's greedy next token, and its tapped features if wanted."""
-        out = self.model(**inputs, use_cache=True, output_hidden_states=bool(self.layer_ids))
-        features = tap_features(out.hidden_states, self.layer_ids) if self.layer_ids else None
-        return out.logits[:, -1].argmax(-1).tolist(), features
-
-    @torch.inference_mode()
     def run(
         self,
         take: Callable[[], tuple[object, list[int]] | None],
@@ -169,52 +69,27 @@ class RefillGenerator:
         for every position but the last, or None without `layer_ids`.
         `take` is called whenever a row is free, after on_done, so on_done may feed it new prompts.
         """
-        rows: list[_Row | None] = [None] * self.batch
-        slots = _SlotCache(self.batch, self.device)
-        finished = 0
-
-        def check(i: int) -> None:
-            """Hand row i out if it is done (EOS, or the cap), freeing its slot."""
-            nonlocal finished
-            row = rows[i]
-            if finish := row.finish(self.eos, self.max_new):
-                rows[i] = None
-                slots.free(i)
-                on_done(row.item, row.tokens, row.prompt_len, finish, torch.cat(row.features) if row.features else None)
-                finished += 1
-
+        running: dict[int, tuple[object, Sequence, FeatureRecorder]] = {}
+        free, finished = list(range(self.batch))[::-1], 0
         while deadline is None or time.time() <= deadline:
-            drained = False
-            for i in range(len(rows)):
-                while rows[i] is None and not drained:
-                    if (item := take()) is None:
-                        drained = True
-                        break
-                    thing, ids = item
-                    one = DynamicCache(config=self.model.config)
-                    prompt = torch.tensor([ids], device=self.device)
-                    (first,), features = self._run(input_ids=prompt, cache=one, logits_to_keep=1)
-                    slots.place(i, one, len(ids))
-                    rows[i] = _Row(thing, [*ids, first], len(ids), [] if features is None else [features[0]])
-                    check(i)  # the first token may already end it
-            live = [i for i, row in enumerate(rows) if row is not None]
-            if not live:
+            while free:  # asked again each step: an answer handed out may have queued its next turn
+                item = take()
+                if item is None:
+                    break
+                slot, recorder = free.pop(), FeatureRecorder(self.layer_ids)
+                running[slot] = (item[0], Sequence(self.target, item[1], recorder, self.options, slot=slot), recorder)
+            if not running:
                 break
-            if drained and len(live) <= len(rows) // 2:
-                slots.keep(live)
-                rows = [rows[i] for i in live]
-            tokens, features = self._run(
-                input_ids=torch.tensor([[r.tokens[-1] if r else 0] for r in rows], device=self.device),
-                attention_mask=slots.next_mask(),
-                position_ids=torch.tensor([[len(r.tokens) - 1 if r else 0] for r in rows], device=self.device),
-                cache=slots.cache,
-            )
-            for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
-                if row is not None:
-                    row.tokens.append(token)
-                    if features is not None:
-                        row.features.append(features[i, -1:])
-                    check(i)
+            before = sum(len(seq.output.tokens) for _, seq, _ in running.values())
+            step(self.target, [seq for _, seq, _ in running.values()])
+            self.produced += sum(len(seq.output.tokens) for _, seq, _ in running.values()) - before
+            for slot in [slot for slot, (_, seq, _) in running.items() if seq.done]:
+                thing, seq, recorder = running.pop(slot)
+                free.append(slot)
+                result, tokens = seq.result(), seq.prompt + seq.output.tokens
+                features = torch.cat(recorder.rows)[: len(tokens) - 1] if recorder.rows else None
+                on_done(thing, tokens, len(seq.prompt), result.finish_reason, features)
+                finished += 1
         return finished
 
 
@@ -287,7 +162,7 @@ class GenerateOptions:
 
 
 def generate(
-    target,  # a TargetModel (model, tokenizer, chat template, eos ids)
+    target: TargetModel,
     store: AnswerStore,
     openings: Iterator[Ask],
     opts: GenerateOptions = GenerateOptions(),
@@ -319,7 +194,10 @@ def generate(
             log(f"answers {len(store)} | answer tokens {store.answer_tokens} | {rate:.1f} tok/s")
 
     taps = layer_ids if features is not None else ()
-    generator = RefillGenerator(target.model, target.eos_ids, opts.batch, opts.max_new, taps)
+    batch = min(opts.batch, target.slots)
+    if batch < opts.batch:
+        log(f"generation: batch {batch}, as many rows as the target decodes at once (asked for {opts.batch})")
+    generator = RefillGenerator(target, batch, opts.max_new, taps)
     try:
         done = generator.run(turns.take, on_done, opts.deadline)
     finally:

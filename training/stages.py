@@ -77,7 +77,9 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
     # Generation may run the target in bf16 (a GPU, a CPU with native bf16); features and
     # training use fp32, as inference does.
     generating = args.stage in ("gen", "all")
-    target = TargetModel.load(args.model, args.device, args.gen_dtype if generating else torch.float32)
+    # As many engine slots as generation decodes rows at once (slots cost memory only once used).
+    dtype = args.gen_dtype if generating else torch.float32
+    target = TargetModel.load(args.model, args.device, dtype, slots=args.gen_batch)
     cfg = drafter_config(args, target)
     layers = "-".join(map(str, cfg.target_layer_ids))
     features = FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{layers}", cfg.feature_width)
@@ -85,7 +87,7 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
         full_precision = target.model.dtype == torch.float32
         generate_stage(args, target, cfg, store, features if full_precision else None, log, ranks)
         if not full_precision:
-            target = TargetModel.load(args.model, args.device, torch.float32)
+            target = TargetModel.load(args.model, args.device, torch.float32, slots=args.gen_batch)
     answers = list(store.answers)
     for folder in args.data:
         answers += [a for a in AnswerStore(folder).answers if a.key not in store.keys]

@@ -127,8 +127,9 @@ def tiny_target(
     cache_policy: str | None = None,
     engine: bool | str | None = None,
     dtype: torch.dtype = torch.float32,
+    slots: int = 1,
 ) -> TargetModel:
-    """A random `arch` model behind the target adapter (`cache_policy`, `engine`: see TargetModel)."""
+    """A random `arch` model behind the target adapter (`cache_policy`, `engine`, `slots`: see TargetModel)."""
     config = tiny_config(arch, layers, vocab)
     torch.manual_seed(seed)
     model = getattr(transformers, f"{FAMILIES[arch][0]}ForCausalLM")(config)
@@ -137,4 +138,4 @@ def tiny_target(
         for name, p in model.named_parameters():
             if p.dim() > 1 or name.endswith(".bias"):  # biases too, so a path that drops them shows
                 p.normal_(0, 0.2)
-    return TargetModel(model.to(dtype).eval(), tokenizer=None, cache_policy=cache_policy, engine=engine)
+    return TargetModel(model.to(dtype).eval(), tokenizer=None, cache_policy=cache_policy, engine=engine, slots=slots)
