@@ -31,10 +31,12 @@ import torch
 import zmq
 
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
+from draft_node.config import CheckpointError
 from draft_node.kv_cache import DraftKVCache
 from kernels import Packed
 from launch.common import ensure_default_drafter, resolve_model
 from launch.local import daemon, free_address
+from launch.net import one_line_errors
 from protocol import decode, encode
 from protocol.transport import dealer, receive, router
 from target_node.decoding.governor import Governor, VerifyCosts
@@ -604,7 +606,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.quick:
         args.max_new_tokens = min(args.max_new_tokens, 24)
-    run(args)
+    with one_line_errors(parser.prog, CheckpointError):
+        run(args)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from draft_node.config import CheckpointError
 from launch.common import DTYPE_CHOICES, dtype_of, resolve_model
+from launch.net import one_line_errors
 
 if TYPE_CHECKING:
     from protocol.sampling import SamplingParams
@@ -222,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.time()
-    result = evaluate(args)
+    with one_line_errors("dflash-evaluate", CheckpointError):
+        result = evaluate(args)
     result["wall_s"] = round(time.time() - start, 1)
     print_table(result)
     if args.json:

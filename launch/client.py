@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.client_keys = client_security(parser, args.curve_key, args.server_key, "--server-key")
     try:
-        with one_line_errors(parser):
+        with one_line_errors(parser.prog):
             run(args)
     except KeyboardInterrupt:  # the request in flight was cancelled on the way out
         print("\n[cancelled]", file=sys.stderr)

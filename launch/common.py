@@ -52,8 +52,13 @@ def apply_runtime_args(args: argparse.Namespace) -> None:
 
 
 def resolve_model(folder: str | None) -> Path:
-    """A local HF folder, or the default SmolLM2-135M-Instruct converted once into the cache."""
-    return Path(folder) if folder else ensure_default_model()
+    """A local HF folder, or the default SmolLM2-135M-Instruct converted once into the cache. A
+    folder that holds no model is refused here, before anything is loaded or started from it."""
+    if not folder:
+        return ensure_default_model()
+    if not (Path(folder) / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    return Path(folder)
 
 
 def ensure_default_drafter(model_dir: Path | None = None) -> Path:

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = settings_from(args, DraftSettings)
     except ValueError as exc:
         parser.error(str(exc))
-    with one_line_errors(parser, CheckpointError):
+    with one_line_errors(parser.prog, CheckpointError):
         drafter = load_drafter(args.checkpoint or ensure_default_drafter(), args.device, dtype)
         service = DraftService(drafter, settings)
         logging.getLogger("draft_daemon").info(

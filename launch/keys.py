@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from launch.net import one_line_errors
 from protocol.keys import client_keys, create_keypair, load_public
 
 
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.names:
         if not args.force and (out / f"{name}.key_secret").exists():
             parser.error(f"{out / name}.key_secret exists; --force replaces it (and locks out its old peers)")
-        public, secret = create_keypair(out, name)
+        with one_line_errors(parser.prog, FileExistsError, PermissionError):
+            public, secret = create_keypair(out, name)
         print(f"{name}: public {public} ({load_public(public).decode()}), secret {secret}")
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from launch import client
 from launch.common import DTYPE_CHOICES, ensure_default_drafter, resolve_model
 from launch.keys import LocalKeys
+from launch.net import one_line_errors
 from launch.processes import stop
 from protocol.keys import ClientKeys
 from protocol.transport import wait_ready
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     add_daemon_args(parser)
     client.add_client_args(parser)
     args = parser.parse_args(argv)
-    with local_daemons(args) as target_address:
+    with one_line_errors(parser.prog), local_daemons(args) as target_address:
         args.address = target_address
         client.run(args)
 

@@ -8,6 +8,7 @@ server's public key. Misuse is refused at parse time, before any model is loaded
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,7 +21,7 @@ TARGET_ADDRESS = "tcp://127.0.0.1:5556"
 
 
 @contextmanager
-def one_line_errors(parser: argparse.ArgumentParser, *more: type[Exception]) -> Iterator[None]:
+def one_line_errors(prog: str, *more: type[Exception]) -> Iterator[None]:
     """A user's mistake ends the command with one line on stderr and exit 1, not a traceback: a
     folder that holds no model, an address taken or that no daemon answers, a request the daemon
     refuses, and the `more` a command knows (a checkpoint that is none, a drafter that does not
@@ -29,7 +30,8 @@ def one_line_errors(parser: argparse.ArgumentParser, *more: type[Exception]) -> 
     try:
         yield
     except mistakes as exc:
-        parser.exit(1, f"{parser.prog}: error: {exc}\n")
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        raise SystemExit(1) from None
 
 
 def add_server_security_args(parser: argparse.ArgumentParser) -> None:

@@ -26,6 +26,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from launch.net import client_security, one_line_errors
 from launch.processes import stop
 
 
@@ -105,11 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from launch.net import client_security
-
     parser = build_parser()
     args = parser.parse_args(argv)
     args.client_keys = client_security(parser, args.curve_key, args.server_key, "--server-key")
+    with one_line_errors(parser.prog):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """The front end, in front of a running daemon or of both daemons it starts."""
     import uvicorn
 
     from frontend.app import create_app

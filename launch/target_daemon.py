@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = settings_from(args, ServiceSettings)
     except ValueError as exc:
         parser.error(str(exc))
-    with one_line_errors(parser, DrafterMismatch):
+    with one_line_errors(parser.prog, DrafterMismatch):
         target = TargetModel.load(
             resolve_model(args.model), args.device, args.dtype, args.cache_policy, slots=args.max_batch
         )

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from launch.common import SHIPPED_DRAFTER, named_dtype, resolve_model
+from launch.net import one_line_errors
 from protocol import FLOAT_DTYPES
 from target_node import CACHE_ROOT
 from training.answer_store import STORE
@@ -40,14 +41,15 @@ def main(argv: list[str] | None = None) -> None:
     from training.stages import run_stages  # it imports transformers, which --help can do without
 
     args = parse_args(argv)
-    args.model = str(resolve_model(args.model))
-    torch.set_num_threads(args.threads)
-    ranks, args.device = start(args.device)  # under torchrun: this rank's place and device
-    try:
-        args.gen_dtype = named_dtype(args.gen_dtype, args.device)  # "auto" as this rank's device has it
-        run_stages(args, ranks)
-    finally:
-        stop(ranks)
+    with one_line_errors("dflash-train"):
+        args.model = str(resolve_model(args.model))
+        torch.set_num_threads(args.threads)
+        ranks, args.device = start(args.device)  # under torchrun: this rank's place and device
+        try:
+            args.gen_dtype = named_dtype(args.gen_dtype, args.device)  # "auto" as this rank's device has it
+            run_stages(args, ranks)
+        finally:
+            stop(ranks)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

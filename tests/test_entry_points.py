@@ -1,5 +1,6 @@
 """Every console script the package declares imports and explains itself."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,22 +31,56 @@ def taken_address():
     sock.close(0)
 
 
-@pytest.mark.parametrize(
-    "module, args, says",
-    [
-        ("launch.target_daemon", ["--model", "/nowhere/model", "--proposer", "none"], "no config.json"),
-        ("launch.draft_daemon", ["--checkpoint", "EMPTY"], "is not a drafter checkpoint"),
-        ("launch.draft_daemon", ["--bind", "TAKEN"], "cannot listen on tcp://127.0.0.1:"),
-        ("launch.client", ["--address", "tcp://127.0.0.1:9", "--prompt", "hi"], "no target daemon answered a ping"),
-    ],
-    ids=["target-no-model", "draft-no-checkpoint", "draft-address-taken", "client-nobody-there"],
-)
+LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \w+ (INFO|WARNING) ")
+MISTAKES = [
+    pytest.param(
+        *("launch.target_daemon", ["--model", "/nowhere/model", "--proposer", "none"], "no config.json"),
+        id="target-no-model",
+    ),
+    pytest.param(
+        *("launch.draft_daemon", ["--checkpoint", "EMPTY"], "is not a drafter checkpoint"), id="draft-no-checkpoint"
+    ),
+    pytest.param(
+        *("launch.draft_daemon", ["--bind", "TAKEN"], "cannot listen on tcp://127.0.0.1:"), id="draft-address-taken"
+    ),
+    pytest.param(
+        *("launch.client", ["--address", "tcp://127.0.0.1:9", "--prompt", "hi"], "no target daemon answered a ping"),
+        id="client-nobody-there",
+    ),
+    pytest.param(
+        *("launch.local", ["--model", "/nowhere/model", "--prompt", "hi"], "no config.json"), id="local-no-model"
+    ),
+    pytest.param("launch.serve", ["--model", "/nowhere/model"], "no config.json", id="serve-no-model"),
+    pytest.param(
+        *("launch.train", ["--stage", "train", "--model", "/nowhere/model"], "no config.json"), id="train-no-model"
+    ),
+    pytest.param("launch.keys", ["--out", "FILE", "client"], "File exists", id="keys-into-a-file"),
+    pytest.param(
+        *("benchmarks.evaluate", ["--model", "/nowhere/model", "--drafter", "EMPTY"], "no config.json"),
+        id="evaluate-no-model",
+    ),
+    pytest.param(
+        *("benchmarks.bench", ["--model", "/nowhere/model", "--skip-engines"], "no config.json"), id="bench-no-model"
+    ),
+]
+
+
+@pytest.mark.parametrize("module, args, says", MISTAKES)
 def test_a_users_mistake_is_one_line_on_stderr_not_a_traceback(module, args, says, tmp_path, taken_address):
-    args = [str(tmp_path) if a == "EMPTY" else taken_address if a == "TAKEN" else a for a in args]
+    (tmp_path / "file").write_text("")
+    places = {"EMPTY": str(tmp_path), "TAKEN": taken_address, "FILE": str(tmp_path / "file")}
+    args = [places.get(a, a) for a in args]
     done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120)
-    last = done.stderr.strip().splitlines()[-1]
+    *logged, last = done.stderr.strip().splitlines()
     assert done.returncode == 1, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr and says in last and last.startswith("dflash-"), done.stderr[-2000:]
+    assert says in last and last.startswith("dflash-"), done.stderr[-2000:]
+    # The mistake is one line; what comes before it is the daemon's own log of its start, nothing else.
+    assert all(LOG_RECORD.match(line) for line in logged), done.stderr[-2000:]
+
+
+def test_every_console_script_is_tried_with_a_users_mistake():
+    tried = {case.values[0] for case in MISTAKES}
+    assert {target.split(":")[0] for target in SCRIPTS.values()} <= tried
 
 
 def test_launch_holds_only_entry_points_and_their_helpers():
