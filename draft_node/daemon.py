@@ -53,17 +53,9 @@ class DraftService:
         `max_sessions_per_peer`, and a full daemon takes a slot from another peer only if that
         peer holds more than its fair share, left that session idle for `reclaim_after` and has
         itself said nothing for as long (a live target pings at least every KEEPALIVE_S)."""
-        settings = settings or DraftSettings()
+        self.settings = settings = settings or DraftSettings()
         self.drafter = drafter
         self.config = drafter.config
-        self.ring_capacity = settings.ring_capacity
-        self.max_sessions = settings.max_sessions
-        self.idle_timeout_s = settings.idle_timeout
-        # A full daemon takes a slot from another peer only if that session has been idle this
-        # long: a live target touches its session every step.
-        self.reclaim_after_s = settings.reclaim_after
-        self.max_sessions_per_peer = settings.max_sessions_per_peer
-        self.max_pass_rows = settings.max_pass_rows
         self.kept = KeptPrefixes(round(settings.keep_mb * (1 << 20)))  # by (peer, the target's name)
         self.sessions: dict[tuple[str, str], Session] = {}  # (owner, name) -> session
         self.heard: dict[str, float] = {}  # peer holding sessions -> when it last sent anything
@@ -87,7 +79,7 @@ class DraftService:
     def max_message_bytes(self) -> int:
         """The largest frame a target needs to send: a header, or a propose carrying a full ring
         of fp32 feature rows (what a target resends after a restart). Larger ones are dropped."""
-        features = self.ring_capacity * self.config.feature_width * ITEMSIZE["float32"]
+        features = self.settings.ring_capacity * self.config.feature_width * ITEMSIZE["float32"]
         return max(MAX_HEADER_BYTES, features) + FRAME_OVERHEAD
 
     def handle(self, request: Message | ProtocolError) -> list:
@@ -109,7 +101,7 @@ class DraftService:
 
     @property
     def info(self) -> dict:
-        return self.drafter.describe(self.ring_capacity)
+        return self.drafter.describe(self.settings.ring_capacity)
 
     def on_unexpected(self, msg: Message) -> list:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"the draft daemon does not serve '{msg.type}' requests")
@@ -144,48 +136,48 @@ class DraftService:
         key = (msg.peer, msg["session"])
         if key not in self.sessions:
             self.make_room(msg.peer)
-        self.sessions[key] = Session(msg.peer, DraftKVCache(self.drafter, self.ring_capacity), mask)
+        self.sessions[key] = Session(msg.peer, DraftKVCache(self.drafter, self.settings.ring_capacity), mask)
         return encode("ok", msg.id)
 
     def make_room(self, peer: str) -> None:
         """Free a slot for a new session of `peer`, or answer busy. Never a session in use: at its
         quota a peer gives up its own longest-idle one (a restarted target's leftovers) if idle
-        `reclaim_after_s`; in a full daemon, that, else a session another peer left idle as long
+        `reclaim_after`; in a full daemon, that, else a session another peer left idle as long
         while silent as long itself (a live target pings: see KEEPALIVE_S) and holding more than
         its fair share (max_sessions over the peers). So no peer, however many identities it
         has, takes a session of a live target, and a peer keeping many alive takes no one's."""
         self.evict_idle()
         now = time.monotonic()
         held = Counter(owner for owner, _ in self.sessions)
-        own_idle = [
-            key for key, s in self.sessions.items() if key[0] == peer and now - s.last_used > self.reclaim_after_s
-        ]
-        if held[peer] >= self.max_sessions_per_peer:
+        reclaim_after = self.settings.reclaim_after
+        own_idle = [key for key, s in self.sessions.items() if key[0] == peer and now - s.last_used > reclaim_after]
+        if held[peer] >= self.settings.max_sessions_per_peer:
             if not own_idle:
                 raise ProtocolError(
                     ErrorCode.BUSY,
-                    f"this peer holds {held[peer]} sessions (limit {self.max_sessions_per_peer}), all in use; "
+                    f"this peer holds {held[peer]} sessions (limit {self.settings.max_sessions_per_peer}), all in use; "
                     "close one or retry later",
                 )
             self.evict(min(own_idle, key=lambda k: self.sessions[k].last_used))
             return
-        if len(self.sessions) < self.max_sessions:
+        if len(self.sessions) < self.settings.max_sessions:
             return
         if own_idle:
             self.evict(min(own_idle, key=lambda k: self.sessions[k].last_used))
             return
-        share = self.max_sessions // (len(held) + (peer not in held))
+        share = self.settings.max_sessions // (len(held) + (peer not in held))
         idle = [
             key
             for key, s in self.sessions.items()
             if held[key[0]] > share
-            and now - s.last_used > self.reclaim_after_s
-            and now - self.heard.get(key[0], 0.0) > self.reclaim_after_s
+            and now - s.last_used > self.settings.reclaim_after
+            and now - self.heard.get(key[0], 0.0) > self.settings.reclaim_after
         ]
         if not idle:
             raise ProtocolError(
                 ErrorCode.BUSY,
-                f"all {self.max_sessions} sessions are in use or belong to live peers at their fair share; retry later",
+                f"all {self.settings.max_sessions} sessions are in use or belong to live peers at their fair share; "
+                "retry later",
             )
         self.evict(min(idle, key=lambda k: self.sessions[k].last_used))
 
@@ -260,7 +252,7 @@ class DraftService:
         propose checked alone as its pass comes (a bad one gets its error, the rest are drafted;
         a pass's tensors are read only then); each reports its share of its pass's time."""
         replies: list[list] = [[] for _ in msgs]
-        for group in passes([msg.tensors["features"][0].shape[0] for msg in msgs], self.max_pass_rows):
+        for group in passes([msg.tensors["features"][0].shape[0] for msg in msgs], self.settings.max_pass_rows):
             admitted: list[tuple[int, Session, DraftStep]] = []
             for i in group:
                 try:
@@ -355,7 +347,7 @@ class DraftService:
     def evict_idle(self) -> None:
         """Sessions idle past `idle_timeout_s` go, and what was heard of peers that hold none."""
         now = time.monotonic()
-        for key in [k for k, s in self.sessions.items() if now - s.last_used > self.idle_timeout_s]:
+        for key in [k for k, s in self.sessions.items() if now - s.last_used > self.settings.idle_timeout]:
             self.evict(key)
         if len(self.heard) > len(self.sessions):
             owners = {owner for owner, _ in self.sessions}

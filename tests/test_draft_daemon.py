@@ -1,6 +1,7 @@
 """The draft daemon answers every mistake with a precise error and keeps serving."""
 
 import time
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -105,12 +106,12 @@ def test_sessions_are_evicted_when_idle_or_when_full(service):
     # max_sessions=2, both in use: the peer's own live sessions are not evicted for its third.
     refused = call(service, "open", session="c")
     assert error_code(refused) == "busy" and {name for _, name in service.sessions} == {"a", "b"}
-    service.reclaim_after_s = 0.02
+    service.settings = replace(service.settings, reclaim_after=0.02)
     time.sleep(0.05)
     call(service, "reset", session="b", position=0)
     assert call(service, "open", session="c").type == "ok"  # its own idle one goes: "a"
     assert {name for _, name in service.sessions} == {"b", "c"}
-    service.idle_timeout_s = 0.0
+    service.settings = replace(service.settings, idle_timeout=1e-6)
     time.sleep(0.01)
     service.evict_idle()
     assert service.sessions == {} and service.counters["evicted"] == 3

@@ -7,10 +7,22 @@ differently keeps the transformers path instead of serving wrong output.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from target_node.engine.weights import EngineUnsupported
+
+
+class LayerByLayer(Protocol):
+    """What the check needs of an engine (which calls it while it loads): one layer run alone."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def layer_alone(self, i: int, tokens: list[int], given: torch.Tensor) -> torch.Tensor: ...
 
 
 def agrees(ours: torch.Tensor, theirs: torch.Tensor, precision: torch.dtype, scale: float | None = None) -> bool:
@@ -24,7 +36,7 @@ def agrees(ours: torch.Tensor, theirs: torch.Tensor, precision: torch.dtype, sca
 
 
 @torch.inference_mode()
-def check_against(engine, model: nn.Module) -> None:  # an Engine (which calls this while it loads)
+def check_against(engine: LayerByLayer, model: nn.Module) -> None:
     """The engine must compute the model the transformers modules define. On a few tokens, each
     layer is given the input the transformers forward gave it, and its output must agree with
     theirs up to rounding (so one layer's rounding, not the drift of a whole bf16 stack, is what
@@ -33,8 +45,8 @@ def check_against(engine, model: nn.Module) -> None:  # an Engine (which calls t
     decoder = model.get_decoder()
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def capture(i):
-        def hook(module, args, kwargs, out):
+    def capture(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
             given = kwargs.get("hidden_states", args[0] if args else None)
             seen[i] = (given[0], out[0] if isinstance(out, tuple) else out)
 

@@ -86,7 +86,9 @@ class Rows:
         return Rows(self.tokens[part], self.positions[part], self.slots[part], self.index[part], keys)
 
 
-def chain_rows(tokens: list[int], start: int, windows: set[int | None], slot: int = 0, device="cpu") -> Rows:
+def chain_rows(
+    tokens: list[int], start: int, windows: set[int | None], slot: int = 0, device: torch.device | str = "cpu"
+) -> Rows:
     """Tokens at positions start, start + 1, ... of one slot, each seeing everything before it."""
     n = len(tokens)
     positions = torch.arange(start, start + n, dtype=torch.int32)
@@ -116,7 +118,12 @@ def tree_depths(parents: list[int]) -> list[int]:
 
 
 def tree_rows(
-    tokens: list[int], start: int, parents: list[int], windows: set[int | None], slot: int = 0, device="cpu"
+    tokens: list[int],
+    start: int,
+    parents: list[int],
+    windows: set[int | None],
+    slot: int = 0,
+    device: torch.device | str = "cpu",
 ) -> Rows:
     """Rows at cache indices start.. and positions start + depth: each sees the committed context,
     then its ancestors and itself in depth order."""

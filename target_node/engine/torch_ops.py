@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from kernels import Packed
 from kernels.row_blocks import BLOCK  # rows per forward block: the drafter's blocks too
@@ -30,7 +31,7 @@ def prepare(weight: torch.Tensor, *more: torch.Tensor) -> Packed:
 class TorchOps:
     block = BLOCK
 
-    def linear(self, x, w, n, bias, residual, out) -> None:
+    def linear(self, x: Tensor, w: Tensor, n: int, bias: Tensor | None, residual: Tensor | None, out: Tensor) -> None:
         y = F.linear(x.to(w.dtype), w).float()
         if bias is not None:
             y = y + bias
@@ -38,15 +39,29 @@ class TorchOps:
             y = residual + y
         out.copy_(y)
 
-    def rmsnorm(self, x, weight, eps, plus_one, out) -> None:
+    def rmsnorm(self, x: Tensor, weight: Tensor, eps: float, plus_one: bool, out: Tensor) -> None:
         scale = 1.0 + weight if plus_one else weight
         out.copy_(scale * (x * (1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))))
 
-    def silu_mul(self, gu, out) -> None:
+    def silu_mul(self, gu: Tensor, out: Tensor) -> None:
         gate, up = gu.chunk(2, -1)
         out.copy_(gate / (1.0 + torch.exp(-gate)) * up)
 
-    def rope_store(self, qkv, cos, sin, kc, vc, slots, index, hq, hkv, q_norm, k_norm, eps) -> None:
+    def rope_store(
+        self,
+        qkv: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kc: Tensor,
+        vc: Tensor,
+        slots: Tensor,
+        index: Tensor,
+        hq: int,
+        hkv: int,
+        q_norm: Tensor | None,
+        k_norm: Tensor | None,
+        eps: float,
+    ) -> None:
         m, d = qkv.shape[0], kc.shape[3]
         heads = qkv[:, : (hq + hkv) * d].view(m, hq + hkv, d)
         if q_norm is not None:
@@ -62,7 +77,20 @@ class TorchOps:
         kc[slot, :, at] = heads[:, hq:].to(kc.dtype)
         vc[slot, :, at] = qkv[:, (hq + hkv) * d :].view(m, hkv, d).to(vc.dtype)
 
-    def attention(self, qkv, kc, vc, slots, lo, hi, extra, count, hq, scale, out) -> None:
+    def attention(
+        self,
+        qkv: Tensor,
+        kc: Tensor,
+        vc: Tensor,
+        slots: Tensor,
+        lo: Tensor,
+        hi: Tensor,
+        extra: Tensor,
+        count: Tensor,
+        hq: int,
+        scale: float,
+        out: Tensor,
+    ) -> None:
         m = qkv.shape[0]
         hkv, d = kc.shape[1], kc.shape[3]
         group = hq // hkv

@@ -14,6 +14,7 @@ rollback policies use): a sliding layer is full attention with a window on the k
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +78,7 @@ def _norm(module: nn.Module, what: str) -> torch.Tensor:
     return module.weight.detach().float().contiguous()
 
 
-def read_decoder(model: nn.Module, prepare=pack) -> DecoderWeights:
+def read_decoder(model: nn.Module, prepare: Callable[..., Packed] = pack) -> DecoderWeights:
     """The decoder's weights laid out by `prepare` (the CPU kernels' `pack`, or as they are for torch's
     matmuls), or EngineUnsupported with the reason."""
     config = model.config
