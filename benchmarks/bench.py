@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 import zmq
 
+from dflash_kernels import Packed
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
 from draft_node.config import CheckpointError
 from draft_node.kv_cache import DraftKVCache
-from kernels import Packed
 from launch.common import ensure_default_drafter, resolve_model
 from launch.local import daemon, free_address
 from launch.net import one_line_errors

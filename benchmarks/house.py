@@ -19,7 +19,7 @@ from pathlib import Path
 
 MAX_LINES = 60
 MAX_PARAMS = 8
-# The torch twins of the CPU kernels' bindings keep the kernels' signatures (kernels/cpu.cpp).
+# The torch twins of the CPU kernels' bindings keep the kernels' signatures (dflash_kernels/cpu.cpp).
 KERNEL_BINDINGS = ("target_node/engine/torch_ops.py",)
 SKIP = {"tests", "build", "data", "docs"}
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_kernels.row_blocks import row_independence
 from draft_node.model import Context, DFlashDrafter
-from kernels.row_blocks import row_independence
 
 
 class OutOfOrderError(ValueError):

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_kernels.row_blocks import Linear, in_row_blocks
 from draft_node.config import SLIDING, DFlashConfig, drafter_info
-from kernels.row_blocks import Linear, in_row_blocks
 
 
 class RMSNorm(nn.Module):

@@ -96,7 +96,7 @@ def named_dtype(name: str, device: str) -> torch.dtype:
         return torch_dtype(name)
     import torch
 
-    from kernels import native_bf16
+    from dflash_kernels import native_bf16
 
     kind = torch.device(device).type
     return torch.bfloat16 if kind == "cuda" or (kind == "cpu" and native_bf16()) else torch.float32

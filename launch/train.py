@@ -124,6 +124,12 @@ def _schedule_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-len", type=int, default=320, help="longest sequence used (tokens)")
     ap.add_argument("--gamma", type=float, default=4.0)
     ap.add_argument(
+        "--known",
+        type=float,
+        default=0.0,
+        help="share of blocks given 1..B-2 of the tokens after their anchor (a pre-draft's form); no loss there",
+    )
+    ap.add_argument(
         "--conv-lr-scale", type=float, default=1.0, help="DFlash2: the convolutions' learning rate relative to --lr"
     )
     ap.add_argument("--seed", type=int, default=0)

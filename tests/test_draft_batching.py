@@ -14,13 +14,13 @@ import pytest
 import torch
 from helpers import drafter_config
 
+from dflash_kernels import row_blocks
 from draft_node import daemon as draft_daemon
 from draft_node.checkpoint import load_drafter, random_drafter
 from draft_node.config import FULL, SLIDING, in_dflash2
 from draft_node.daemon import DraftService
 from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, drafts_alone_in_one_pass, propose
 from draft_node.settings import DraftSettings
-from kernels import row_blocks
 from protocol import decode, encode
 
 SHIPPED = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"

@@ -209,15 +209,15 @@ def test_speculative_output_with_the_governor_is_plain_output(target):
 def test_the_bf16_choice_is_measured_once_per_machine_and_then_read_back(tmp_path, monkeypatch):
     """Two processes that measured for themselves could pick different dtypes under a burst of load,
     and then two daemons give different outputs: the first measurement is kept and read back."""
-    import kernels
+    import dflash_kernels
 
-    monkeypatch.setattr(kernels, "load", lambda: tmp_path)
+    monkeypatch.setattr(dflash_kernels, "load", lambda: tmp_path)
     timings = iter([{"float32": 2.0, "bfloat16": 1.0}, {"float32": 1.0, "bfloat16": 2.0}])
-    monkeypatch.setattr(kernels, "_one_row_seconds", lambda hidden, outputs: next(timings))
-    measure = kernels.bf16_faster.__wrapped__  # past the per-process cache
+    monkeypatch.setattr(dflash_kernels, "_one_row_seconds", lambda hidden, outputs: next(timings))
+    measure = dflash_kernels.bf16_faster.__wrapped__  # past the per-process cache
     assert measure() is True
     assert measure() is True  # a slower second measurement would say False: it is not taken
     assert next(timings) == {"float32": 1.0, "bfloat16": 2.0}
     (tmp_path / "bf16_faster-1024x4096.json").write_text("not json")  # a damaged record is measured again
-    monkeypatch.setattr(kernels, "_one_row_seconds", lambda hidden, outputs: {"float32": 1.0, "bfloat16": 2.0})
+    monkeypatch.setattr(dflash_kernels, "_one_row_seconds", lambda hidden, outputs: {"float32": 1.0, "bfloat16": 2.0})
     assert measure() is False and measure() is False

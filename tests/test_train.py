@@ -707,3 +707,26 @@ def test_each_rank_builds_its_share_of_the_batch_one_process_draws(setup):
     for i, row in enumerate(rows):
         span = min(row.shape[0], whole.features.shape[1])
         assert torch.equal(row[:span], whole.features[i, :span])
+
+
+def test_blocks_given_known_tokens_hold_the_targets_tokens_there_and_learn_only_the_rest(setup):
+    """Pre-drafting's block form (issue 31): some slots after the anchor hold the target's own
+    next tokens instead of masks, carry no loss, and leave at least one slot to learn."""
+    target, cfg, store, features = setup
+    trainer = Trainer(target, cfg, store.answers, features, opts())
+    records = trainer.train_records[:6]
+    plain = make_batch(records, trainer.features, cfg, 5, 320, torch.Generator().manual_seed(0))
+    given = make_batch(records, trainer.features, cfg, 5, 320, torch.Generator().manual_seed(0), known=1.0)
+    assert (plain.block_tokens[..., 1:] == cfg.mask_token_id).all()
+    seen = 0
+    for i, r in enumerate(records):
+        for j, a in enumerate(given.anchors[i].tolist()):
+            toks, labels = given.block_tokens[i, j], given.labels[i, j]
+            if (plain.labels[i, j] < 0).all() or (plain.labels[i, j, 1:] >= 0).sum() < 2:
+                continue  # a padding anchor, or too near the end for a given slot
+            k = next(m for m in range(1, cfg.block_size) if labels[m] >= 0) - 1  # given slots: no loss
+            assert 1 <= k <= cfg.block_size - 2 and toks[1 : k + 1].tolist() == r.tokens[a + 1 : a + k + 1]
+            assert (labels[1 : k + 1] == -100).all() and (labels[k + 1 :] >= 0).any()
+            assert labels[k + 1 :].tolist() == plain.labels[i, j, k + 1 :].tolist()
+            seen += 1
+    assert seen >= 10

@@ -46,6 +46,9 @@ class TrainOptions:
     anchors: int = 24
     max_len: int = 320
     gamma: float = 4.0
+    # Share of training blocks given 1..B-2 of the tokens after their anchor, as a pre-draft's
+    # block [last_tok, d_1..d_j, b, MASK...] has them (issue 31); given slots carry no loss.
+    known: float = 0.0
     seed: int = 0
     val_answers: int = 60
     val_anchors: int = 400
@@ -236,10 +239,12 @@ def make_batch(
     max_len: int,
     gen: torch.Generator,
     part: slice = slice(None),
+    known: float = 0.0,
 ) -> Batch:
     """Random anchors in each answer; a slot's label is the target's own token there. Anchors are
     drawn for all `records` and the batch is built of `records[part]` only: a rank's share of the
-    batch one process would draw (training.distributed)."""
+    batch one process would draw (training.distributed). A `known` share of the blocks get the
+    target's tokens in their first slots after the anchor instead of masks (no loss there)."""
     block, mask_id = cfg.block_size, cfg.mask_token_id
     chosen = []
     for r in records:
@@ -266,6 +271,10 @@ def make_batch(
             toks[i, j, 0] = seq[a]
             end = min(a + block, n)
             labels[i, j, 1 : end - a] = seq[a + 1 : end]
+            if known > 0 and end - a > 2 and float(torch.rand((), generator=gen)) < known:
+                given = int(torch.randint(1, end - a - 1, (), generator=gen))  # at least one slot left to learn
+                toks[i, j, 1 : given + 1] = seq[a + 1 : a + given + 1]
+                labels[i, j, 1 : given + 1] = -100
     return Batch(feats, anc, toks, labels)
 
 
@@ -365,9 +374,8 @@ class Trainer:
         pool = records if records is not None else self.train_records
         idx = torch.randint(len(pool), (count or self.opts.batch,), generator=gen).tolist()
         part = self.ranks.share(len(idx)) if records is None else slice(None)
-        return make_batch(
-            [pool[i] for i in idx], self.features, self.cfg, self.opts.anchors, self.opts.max_len, gen, part
-        )
+        chosen, opts = [pool[i] for i in idx], self.opts
+        return make_batch(chosen, self.features, self.cfg, opts.anchors, opts.max_len, gen, part, opts.known)
 
     def logits(self, batch: Batch, forward=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft logits [rows, draft vocab] for the labelled slots, their labels as draft-vocab

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-import kernels
+import dflash_kernels
 from protocol.messages import fit_problems
 from target_node.drafting.feature_ring import FeatureRing
 from target_node.drafting.selector import Lattice, Selector, SelectorSpec, rerank
@@ -85,9 +85,9 @@ class DraftHead:
         self.packed = None
         if self.weight.device.type == "cpu":
             try:
-                kernels.load()
-                self.packed = kernels.pack(self.weight)
-            except kernels.KernelsUnavailable:
+                dflash_kernels.load()
+                self.packed = dflash_kernels.pack(self.weight)
+            except dflash_kernels.KernelsUnavailable:
                 pass
 
     @torch.inference_mode()
@@ -95,7 +95,7 @@ class DraftHead:
         """Draft logits [rows, vocab]: the drafter's hidden states through the target's own head
         (-inf outside the drafter's vocabulary)."""
         if self.packed is not None:
-            sub = self.target.scale_logits(kernels.linear(hidden.float().contiguous(), self.packed))
+            sub = self.target.scale_logits(dflash_kernels.linear(hidden.float().contiguous(), self.packed))
         else:
             hidden = hidden.to(device=self.weight.device, dtype=self.weight.dtype)
             sub = self.target.scale_logits((hidden @ self.weight.T).float())

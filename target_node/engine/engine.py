@@ -1,7 +1,7 @@
 """The target engine: a decoder forward over explicit rows, batch-invariant by construction.
 
 One forward runs M rows (a plain step's one token, a chain or a tree to verify, a prefill
-chunk) through every layer with the kernels of kernels/cpu.cpp, writing keys and values into the
+chunk) through every layer with the kernels of dflash_kernels/cpu.cpp, writing keys and values into the
 static cache in place. Each row's result depends only on its token, its position and the keys
 its list names (rows.py), never on the other rows: so a verify forward gives every row the bits
 the plain step would have given it, and speculative decoding is bit-identical to plain decoding
@@ -19,7 +19,7 @@ import logging
 import torch
 from torch import nn
 
-import kernels
+import dflash_kernels
 from target_node.engine import torch_ops
 from target_node.engine.check import check_against
 from target_node.engine.kv_cache import StaticKVCache
@@ -45,8 +45,8 @@ class Engine:
         if ops == "kernels":
             if device.type != "cpu":
                 raise EngineUnsupported(f"the CPU kernels do not run on {device.type}")
-            kernels.load()
-            self.ops, prepare, self.block = torch.ops.dflash, kernels.pack, None
+            dflash_kernels.load()
+            self.ops, prepare, self.block = torch.ops.dflash, dflash_kernels.pack, None
         elif ops == "torch":
             self.ops, prepare, self.block = TorchOps(), torch_ops.prepare, torch_ops.BLOCK
         else:
@@ -237,6 +237,6 @@ def engine_for(model: nn.Module, **kwargs) -> Engine | None:
     """The engine for `model`, or None (logged once, with the reason) where it cannot serve it."""
     try:
         return Engine(model, **kwargs)
-    except (EngineUnsupported, kernels.KernelsUnavailable) as err:
+    except (EngineUnsupported, dflash_kernels.KernelsUnavailable) as err:
         log.info("the target engine does not serve %s (%s); the transformers path runs it", type(model).__name__, err)
         return None

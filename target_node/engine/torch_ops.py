@@ -1,6 +1,6 @@
 """The engine's operations in torch, for devices the CPU kernels do not run on (CUDA).
 
-Same signatures and the same arithmetic contract as kernels/cpu.cpp, reached another way. On a
+Same signatures and the same arithmetic contract as dflash_kernels/cpu.cpp, reached another way. On a
 GPU the engine runs every forward in blocks of exactly `BLOCK` rows (the last one padded with
 rows that write only to a scratch slot), so every matmul, norm and reduction runs at one shape,
 and a row's bits depend on its own inputs only as far as a kernel launched at a fixed shape
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import Packed
-from kernels.row_blocks import BLOCK  # rows per forward block: the drafter's blocks too
+from dflash_kernels import Packed
+from dflash_kernels.row_blocks import BLOCK  # rows per forward block: the drafter's blocks too
 
 CHUNK = 128  # key-list positions per attention chunk
 

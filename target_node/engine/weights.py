@@ -22,7 +22,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kernels import Packed, pack
+from dflash_kernels import Packed, pack
 
 # Rotary variants whose frequencies do not change with the sequence (a cached key stays valid).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kernels import bf16_faster, native_bf16
+from dflash_kernels import bf16_faster, native_bf16
 from target_node.engine.engine import Engine, engine_for
 from target_node.model.greedy_head import ScreenedArgmaxHead
 from target_node.model.support import check_structure, probe

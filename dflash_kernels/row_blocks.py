@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import dflash_kernels
 
 BLOCK = 64  # rows per torch call where row-wise operations run in fixed blocks
 _row_block: ContextVar[int] = ContextVar("row_block", default=0)
@@ -29,7 +29,7 @@ class Linear(nn.Linear):
     packed copy follows the weight (repacked when an optimizer or a load changes it); training,
     other devices and machines without a compiler keep torch's."""
 
-    _packed: kernels.Packed | None = None
+    _packed: dflash_kernels.Packed | None = None
     _packed_from: tuple[int, int] = (-1, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,17 +37,17 @@ class Linear(nn.Linear):
             return in_row_blocks(lambda rows: F.linear(rows, self.weight, self.bias), x)
         weight = self.weight
         if self._packed_from != (weight.data_ptr(), weight._version):
-            self._packed, self._packed_from = kernels.pack(weight.detach()), (weight.data_ptr(), weight._version)
+            self._packed, self._packed_from = dflash_kernels.pack(weight.detach()), (weight.data_ptr(), weight._version)
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
         bias = None if self.bias is None else self.bias.detach().float()
-        return kernels.linear(rows, self._packed, bias).view(*x.shape[:-1], -1).to(x.dtype)
+        return dflash_kernels.linear(rows, self._packed, bias).view(*x.shape[:-1], -1).to(x.dtype)
 
 
 @cache
 def available() -> bool:
     try:
-        kernels.load()
-    except kernels.KernelsUnavailable:
+        dflash_kernels.load()
+    except dflash_kernels.KernelsUnavailable:
         return False
     return True
 

@@ -117,5 +117,5 @@ def _compile(compiler: str, library: Path) -> None:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         errors = [line for line in done.stderr.splitlines() if "error" in line][:5]
-        raise KernelsUnavailable("compiling kernels/cpu.cpp failed: " + " | ".join(errors))
+        raise KernelsUnavailable("compiling dflash_kernels/cpu.cpp failed: " + " | ".join(errors))
     library.with_suffix(".partial").rename(library)

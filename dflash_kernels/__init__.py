@@ -16,7 +16,7 @@ from functools import cache
 
 import torch
 
-from kernels.build import KernelsUnavailable, load, locked, native_bf16
+from dflash_kernels.build import KernelsUnavailable, load, locked, native_bf16
 
 __all__ = ["KernelsUnavailable", "Packed", "bf16_faster", "linear", "load", "native_bf16", "pack"]
 
