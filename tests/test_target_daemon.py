@@ -190,7 +190,7 @@ def test_queue_limits_answer_busy_and_lose_nothing_accepted(model_dir, tmp_path)
             b.close(0)
 
 
-def test_the_queue_is_bounded_in_bytes_and_holds_prompts_compactly(model_dir, tmp_path):
+def test_the_queue_is_bounded_in_bytes_and_holds_prompts_compactly(tmp_path):
     """Requests queued behind a busy slot count by what they hold: 60,000-id prompts as 4-byte
     arrays (~235 KiB each, not ~2 MiB as Python ints), two of them under a 600 KiB bound."""
     from protocol.codec import Message
@@ -200,11 +200,16 @@ def test_the_queue_is_bounded_in_bytes_and_holds_prompts_compactly(model_dir, tm
     held = compact(msg)
     assert 240_000 < held < 242_000 and msg["token_ids"].itemsize == 4 and list(msg["token_ids"][:3]) == [0, 1, 2]
     address = f"ipc://{tmp_path}/bytes.sock"
-    args = ["--model", str(model_dir), "--proposer", "none", "--max-batch", "1", "--max-queued-bytes", "600K"]
+    # The slot holder must outlast the three sends even on a loaded machine: room for 4,096 new
+    # tokens (the daemon's own limit), still too few positions for a 60,000-token prompt.
+    longer = tiny_target("llama", seed=5).model
+    longer.config.max_position_embeddings = 50_000
+    longer.save_pretrained(tmp_path / "model")
+    args = ["--model", str(tmp_path / "model"), "--proposer", "none", "--max-batch", "1", "--max-queued-bytes", "600K"]
     with daemon("target daemon", "launch.target_daemon", address, args, 120):
         sock = dealer(zmq.Context.instance(), address)
         try:
-            sock.send_multipart(encode("generate", 1, {"token_ids": PROMPT, "max_new_tokens": 1500}))
+            sock.send_multipart(encode("generate", 1, {"token_ids": PROMPT, "max_new_tokens": 4096}))
             assert receive(sock, 1, time.monotonic() + 60).type == "chunk"  # it holds the one slot
             big = {"token_ids": [7] * 60_000, "max_new_tokens": 4, "stream": False}
             for i in (2, 3, 4):
