@@ -13,7 +13,7 @@ from launch.net import DRAFT_ADDRESS, TARGET_ADDRESS  # noqa: F401 - entry point
 from protocol import FLOAT_DTYPES
 from protocol.tensors import torch_dtype
 from target_node import CACHE_ROOT
-from target_node.model.default_model import DEFAULT_MODEL_DIR, ensure_default_model
+from target_node.model.default_model import DEFAULT_MODEL_DIR, ensure_default_model, model_folder
 
 if TYPE_CHECKING:  # torch loads where a model runs, not in the HTTP front end that shares these flags
     import torch
@@ -54,11 +54,7 @@ def apply_runtime_args(args: argparse.Namespace) -> None:
 def resolve_model(folder: str | None) -> Path:
     """A local HF folder, or the default SmolLM2-135M-Instruct converted once into the cache. A
     folder that holds no model is refused here, before anything is loaded or started from it."""
-    if not folder:
-        return ensure_default_model()
-    if not (Path(folder) / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
-    return Path(folder)
+    return model_folder(folder) if folder else ensure_default_model()
 
 
 def ensure_default_drafter(model_dir: Path | None = None) -> Path:

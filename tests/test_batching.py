@@ -60,18 +60,19 @@ def requests(target, seed: int, count: int) -> list[dict]:
     return out
 
 
+def options(r) -> DecodeOptions:
+    """A request's options, the same whether it runs alone or batched."""
+    return DecodeOptions(
+        r["max_new"], stop_on_eos=False, sampling=r["sampling"], tree_nodes=r["tree_nodes"], prefill_chunk=r["chunk"]
+    )
+
+
 def alone(target, r) -> list[int]:
     return generate(
         target,
         r["prompt"],
         r["proposer"](),
-        DecodeOptions(
-            r["max_new"],
-            stop_on_eos=False,
-            sampling=r["sampling"],
-            tree_nodes=r["tree_nodes"],
-            prefill_chunk=r["chunk"],
-        ),
+        options(r),
     ).tokens
 
 
@@ -91,13 +92,7 @@ def batched(target, reqs, pace: PrefillPace | None = None) -> dict[int, list[int
                 target,
                 r["prompt"],
                 r["proposer"](),
-                DecodeOptions(
-                    r["max_new"],
-                    stop_on_eos=False,
-                    sampling=r["sampling"],
-                    tree_nodes=r["tree_nodes"],
-                    prefill_chunk=r["chunk"],
-                ),
+                options(r),
                 slot=free.pop(0),
                 governor=governor,
             )

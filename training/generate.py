@@ -86,7 +86,8 @@ class RefillGenerator:
             for slot in [slot for slot, (_, seq, _) in running.items() if seq.done]:
                 thing, seq, recorder = running.pop(slot)
                 free.append(slot)
-                result, tokens = seq.result(), seq.prompt + seq.output.tokens
+                result = seq.result()
+                tokens = seq.prompt + result.tokens
                 features = torch.cat(recorder.rows)[: len(tokens) - 1] if recorder.rows else None
                 on_done(thing, tokens, len(seq.prompt), result.finish_reason, features)
                 finished += 1

