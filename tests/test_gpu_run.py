@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,8 @@ def test_tiny_mode_runs_every_phase(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
+    if os.environ.get("KEEP_GPU_RUN"):
+        Path(os.environ["KEEP_GPU_RUN"]).write_text(json.dumps(results))
     phases = results["phases"]
     assert list(phases) == [
         "tests",
@@ -66,3 +69,37 @@ def test_tiny_mode_runs_every_phase(tmp_path):
     compared = {k: v for k, v in phases["eval"].items() if k in ("shipped", "new")}
     assert len(compared) == 2 and all(m["mismatches"] == 0 and m["tau"] >= 1.0 for m in compared.values())
     assert (out / "log.txt").read_text().count("== ") == len(phases)
+
+
+@pytest.mark.slow
+def test_tiny_drafter_plan_trains_one_drafter_per_depth_and_compares_them(tmp_path):
+    """--plan drafter: features for the store by prefill, a drafter per --layers entry (grown from the
+    shipped one), then every drafter scored offline and live against the shipped one."""
+    store = tmp_path / "store"
+    store.mkdir()
+    shutil.copy(ROOT / "data" / "answers" / "20261201-063342-f8af9b02.jsonl.gz", store)  # 35 answers
+    env = dict(os.environ, DFLASH_GPU_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    out = tmp_path / "out"
+    flags = ["--tiny", "--device", "cpu", "--threads", "1", "--minutes", "1.5", "--format", "dflash"]
+    flags += ["--plan", "drafter", "--layers", "1,2", "--store", str(store)]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_run", "--out", str(out), *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    phases = results["phases"]
+    assert results["plan"] == "drafter" and list(phases) == ["train-L1", "train-L2", "estimate", "eval"]
+    assert all(p["ok"] for p in phases.values()), {k: p.get("error") for k, p in phases.items()}
+    assert any("answers filled by prefill" in line for line in phases["train-L1"]["log_tail"])
+    for layers in (1, 2):
+        config = json.loads((out / f"drafter-L{layers}" / "config.json").read_text())
+        assert config["num_hidden_layers"] == layers and config["architectures"] == ["DFlashDraftModel"]
+    table = "\n".join(phases["estimate"]["table"])
+    assert all(str(out / f"drafter-L{n}") in table for n in (1, 2))
+    live = {k: v for k, v in phases["eval"].items() if k in ("shipped", "L1", "L2")}
+    assert len(live) == 3 and all(m["mismatches"] == 0 for m in live.values())

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import greedy, tiny_target
 
+import training.features as features_module
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_draft_vocab, save_drafter
 from draft_node.config import FULL, SLIDING
 from target_node.decoding.options import DecodeOptions
@@ -157,6 +158,22 @@ def test_a_crash_mid_conversation_resumes_with_its_next_turn(setup, tmp_path):
     resumed = AnswerStore(folder)
     assert generate_answers(tiny, resumed, iter([]), **QUIET) == 4
     assert {a.key for a in AnswerStore(folder).answers} == {a.key for a in full.answers}
+
+
+def test_a_feature_fill_stops_at_its_deadline_and_counts_what_it_added(setup, tmp_path, monkeypatch):
+    """A time-boxed fill (--feature-minutes) stops between batches; what it filled is the store's
+    first window in store order, not the shortest answers of the whole store."""
+    target, cfg, store, _ = setup
+    some = store.answers[:12]
+    late = FeatureCache(tmp_path / "late", cfg.feature_width)
+    assert late.fill(some, target.model, cfg.target_layer_ids, deadline=time.time() - 1, log=None) == 0
+    assert len(late) == 0
+    monkeypatch.setattr(features_module, "WINDOW", 4)
+    clock = iter([0.0, 0.0, 1e12])  # time for two checks of the deadline: one batch, then time is up
+    monkeypatch.setattr(features_module.time, "time", lambda: next(clock, 1e12))
+    part = FeatureCache(tmp_path / "part", cfg.feature_width)
+    added = part.fill(some, target.model, cfg.target_layer_ids, batch_tokens=10**6, deadline=0.5, log=None)
+    assert added == len(part) == 4 and {a.key for a in some[:4]} == set(part.index)
 
 
 def test_features_recomputed_from_ids_equal_those_captured_in_generation(setup, tmp_path):
@@ -474,6 +491,7 @@ def test_recorded_traffic_becomes_training_data(setup, tmp_path):
 
 WRITER = """
 import sys, time, torch
+import training.features as features_module
 from training.features import FeatureCache
 cache = FeatureCache(sys.argv[1], width=6)
 tag = int(sys.argv[2])

@@ -28,6 +28,8 @@ import torch
 from target_node.model.taps import tap_features
 from training.answer_store import Answer
 
+WINDOW = 512  # answers sorted by length together when filling (see FeatureCache.fill)
+
 
 class FeatureCache:
     def __init__(self, folder: str | Path, width: int, readonly: bool = False) -> None:
@@ -109,29 +111,35 @@ class FeatureCache:
         *,
         max_rows: int = 1024,
         batch_tokens: int = 4096,
+        deadline: float | None = None,
         log: Callable[[str], None] = print,
     ) -> int:
         """Compute features for answers that have none, by batched prefill; returns how many were added.
 
         Sequences are right-padded: under causal attention no real position sees a pad, so
-        every row equals what the sequence alone would give (up to float noise).
+        every row equals what the sequence alone would give (up to float noise). Answers go in
+        windows of `WINDOW` in the store's order, each sorted by length (little padding), so a run
+        stopped at `deadline` (a `time.time()`) has filled a fair sample of the store, not only
+        its shortest answers.
         """
-        todo = sorted((a for a in answers if a.key not in self.index), key=lambda a: len(a.tokens))
+        waiting = [a for a in answers if a.key not in self.index]
+        windows = (waiting[w : w + WINDOW] for w in range(0, len(waiting), WINDOW))
+        todo = [a for window in windows for a in sorted(window, key=lambda a: len(a.tokens))]
         device = next(model.parameters()).device
-        began, done_rows = time.time(), 0
+        began, done_rows, added = time.time(), 0, 0
 
         def span(answer: Answer) -> int:
             return min(len(answer.tokens), max_rows + 1)
 
         i = 0
-        while i < len(todo):
-            # Sorted by length, so the last one taken is the longest: it sets the padded width.
+        while i < len(todo) and (deadline is None or time.time() < deadline):
+            # Within a window, sorted by length: the last one taken is the longest, and sets the padded width.
             group = [todo[i]]
             i += 1
-            while i < len(todo) and (len(group) + 1) * span(todo[i]) <= batch_tokens:
+            while i < len(todo) and i % WINDOW and (len(group) + 1) * span(todo[i]) <= batch_tokens:
                 group.append(todo[i])
                 i += 1
-            length = span(group[-1])
+            length = max(span(a) for a in group)
             ids = torch.zeros(len(group), length, dtype=torch.long)
             for row, answer in enumerate(group):
                 seq = answer.tokens[:length]
@@ -142,6 +150,9 @@ class FeatureCache:
                 n = min(len(answer.tokens), length) - 1
                 self.add(answer.key, features[row, :n])
                 done_rows += n
+            added += len(group)
             if log and i % 200 < len(group):
                 log(f"features: {i}/{len(todo)} answers, {done_rows / max(time.time() - began, 1e-9):.0f} rows/s")
-        return len(todo)
+        if log and i < len(todo):
+            log(f"features: time is up with {len(todo) - i} of {len(todo)} answers left")
+        return added

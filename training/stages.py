@@ -92,7 +92,9 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
     for folder in args.data:
         answers += [a for a in AnswerStore(folder).answers if a.key not in store.keys]
     if args.stage == "features" or (args.stage in ("train", "all") and not args.cached_only):
-        added = features.fill(answers[ranks.rank :: ranks.world], target.model, cfg.target_layer_ids, log=log)
+        deadline = time.time() + args.feature_minutes * 60 if args.feature_minutes else None
+        mine = answers[ranks.rank :: ranks.world]
+        added = features.fill(mine, target.model, cfg.target_layer_ids, deadline=deadline, log=log)
         ranks.barrier()  # every rank's rows are in before any trains on them
         features = FeatureCache(features.folder, cfg.feature_width)
         log(f"features: {added} answers filled by prefill; {len(features)} cached")
