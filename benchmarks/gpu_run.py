@@ -30,8 +30,9 @@ runs as one command, each phase time-boxed, every result written as it comes int
 `--plan drafter` spends the whole budget on drafters instead (issue 29), the committed answer store
 its data: features by batched prefill on the device (15% of the budget), then one drafter per
 `--layers` entry (`1,2,4`: a scaling table's rows at equal wall-clock), each grown from the shipped
-drafter (or `--fresh`), into `OUT/drafter-L<n>`; then `estimate` (every drafter's chain tau offline,
-on the same blocks) and `eval` (live, drafting every step, on the held-out prompts):
+drafter (or `--fresh`); then `estimate` (every drafter's chain tau offline, on the same blocks),
+`eval` (live, drafting every step, on the held-out prompts) and `pack`: the best by live tau as
+`OUT/drafter-L<n>.tar.partNN`, parts small enough to come back from the device machine:
 
     bash launch/gpu_run.sh $OUT --minutes 12 --plan drafter --layers 2,4 --format dflash
 
@@ -42,11 +43,13 @@ installs them from carried wheels, joins the carried GGUF parts, then runs this.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -425,14 +428,15 @@ def drafter_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
     """The whole budget for drafters (issue 29): features for the committed answer store by batched
     prefill on the device, then one drafter per `--layers` entry at equal wall-clock (each grown from
     the shipped drafter, or fresh with --fresh), then each against the shipped one, offline on the
-    same blocks and live on the held-out prompts. The drafters come back in OUT/drafter-L<layers>."""
+    same blocks and live on the held-out prompts. The best of them by live chain tau comes back as
+    `OUT/<name>.tar.partNN` (`pack_back`); all of them stay under the cache folder."""
     sizes, layers = setup.sizes, [int(n) for n in args.layers.split(",")]
     features = 0.15 * run.left() / 60
     each = max(0.2, (run.left() / 60 - sizes["eval_minutes"] - features) / len(layers))
     drafters = {"shipped": setup.shipped}
     for i, n in enumerate(layers):
         phase = TrainPhase(
-            run.out / f"drafter-L{n}",
+            sizes["drafters"] / f"drafter-L{n}",
             each,
             features if i == 0 else 0.0,  # the runs share one feature cache
             None if args.fresh else setup.shipped,
@@ -448,6 +452,27 @@ def drafter_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
     trained = {name: path for name, path in drafters.items() if (path / "config.json").is_file()}
     run.phase("estimate", estimate_offline, setup.common, trained, sizes["store"])
     run.phase("eval", compare, setup.model, trained, args.device, sizes["prompts"], sizes["max_new"])
+    live = run.results["phases"]["eval"]
+    scored = [(live[name]["tau"], name) for name in trained if name != "shipped" and name in live]
+    if scored:
+        best = max(scored)[1]
+        run.phase("pack", lambda: {"drafter": best, "parts": pack_back(trained[best], run.out)})
+
+
+PART_BYTES = 15 * 2**20  # the device machine returns files of at most 16 MiB, 8 of them, 64 MiB together
+
+
+def pack_back(folder: Path, out: Path) -> list[str]:
+    """A drafter folder as `OUT/<name>.tar.partNN` files small enough to come back from the device
+    machine (a 4-layer drafter's weights alone are 45 MB); `cat NAME.tar.part* | tar -x` restores it."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        tar.add(folder, arcname=folder.name)
+    data, names = buffer.getvalue(), []
+    for i in range(0, len(data), PART_BYTES):
+        names.append(f"{folder.name}.tar.part{i // PART_BYTES:02d}")
+        (out / names[-1]).write_bytes(data[i : i + PART_BYTES])
+    return names
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -510,6 +535,7 @@ def main(argv: list[str] | None = None) -> None:
             "train_anchors": 48 if gpu else 24,
         }
     sizes["store"] = Path(args.store)  # SmolLM2's token ids: the tiny model shares its tokenizer
+    sizes["drafters"] = cache / "drafters"  # the drafter plan's; the best one comes back packed
     setup = Setup(train_args(model, cache, args.device, args.tiny), model, shipped, sizes)
     run.results["environment"] = environment(args.device)
     run.results["plan"] = args.plan

@@ -1,10 +1,12 @@
 """The one-shot GPU script runs end to end on CPU in its tiny mode, and records every phase."""
 
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -93,13 +95,21 @@ def test_tiny_drafter_plan_trains_one_drafter_per_depth_and_compares_them(tmp_pa
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     phases = results["phases"]
-    assert results["plan"] == "drafter" and list(phases) == ["train-L1", "train-L2", "estimate", "eval"]
+    assert results["plan"] == "drafter" and list(phases) == ["train-L1", "train-L2", "estimate", "eval", "pack"]
     assert all(p["ok"] for p in phases.values()), {k: p.get("error") for k, p in phases.items()}
     assert any("answers filled by prefill" in line for line in phases["train-L1"]["log_tail"])
     for layers in (1, 2):
-        config = json.loads((out / f"drafter-L{layers}" / "config.json").read_text())
+        config = json.loads((tmp_path / "cache" / "drafters" / f"drafter-L{layers}" / "config.json").read_text())
         assert config["num_hidden_layers"] == layers and config["architectures"] == ["DFlashDraftModel"]
     table = "\n".join(phases["estimate"]["table"])
-    assert all(str(out / f"drafter-L{n}") in table for n in (1, 2))
+    assert all(f"drafter-L{n} |" in table for n in (1, 2))
     live = {k: v for k, v in phases["eval"].items() if k in ("shipped", "L1", "L2")}
     assert len(live) == 3 and all(m["mismatches"] == 0 for m in live.values())
+    # The best comes back in parts the device machine returns (under 16 MiB each), whole when joined.
+    best, parts = phases["pack"]["drafter"], phases["pack"]["parts"]
+    assert parts and all((out / p).stat().st_size <= 16 * 2**20 for p in parts)
+    with tarfile.open(fileobj=io.BytesIO(b"".join((out / p).read_bytes() for p in parts))) as tar:
+        tar.extractall(tmp_path / "back", filter="data")
+    weights = Path(f"drafter-{best}") / "model.safetensors"
+    trained = tmp_path / "cache" / "drafters" / weights
+    assert (tmp_path / "back" / weights).read_bytes() == trained.read_bytes()
