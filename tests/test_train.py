@@ -323,14 +323,14 @@ def test_train_forward_equals_inference_forward(setup, layer_types):
     batch = make_batch(records, trainer.features, cfg, 5, 320, torch.Generator().manual_seed(0))
     noise = torch.randn(*batch.block_tokens.shape, cfg.hidden_size)
     with torch.no_grad():
-        rows = drafter.forward_anchors(batch.features, batch.anchors, noise, scale)
+        rows = drafter.forward_anchors(batch.features.float(), batch.anchors, noise, scale)
     plain = export_drafter(drafter, scale)
     checked = 0
     for i in range(len(records)):
         for j, a in enumerate(batch.anchors[i].tolist()):
             if (batch.labels[i, j] < 0).all():
                 continue  # padding anchor
-            feats = batch.features[i, :a]
+            feats = batch.features[i, :a].float()
             want = plain(feats, torch.arange(a), noise[i, j], a)
             torch.testing.assert_close(rows[i, j], want, atol=1e-5, rtol=1e-5)
             checked += 1
@@ -360,7 +360,7 @@ def test_loss_is_over_the_draft_vocabulary_the_drafter_proposes_from(setup, tmp_
     assert (trainer.vocab[slots[inside]] == labels[inside]).all()
     # Logits are the LM-head rows of exactly those tokens.
     noise = torch.nn.functional.embedding(batch.block_tokens, trainer.embed)
-    hidden = trainer.drafter.forward_anchors(batch.features, batch.anchors, noise, trainer.scale)
+    hidden = trainer.drafter.forward_anchors(batch.features.float(), batch.anchors, noise, trainer.scale)
     hidden = hidden[labelled].to(trainer.head.dtype)
     full_head = target.model.get_output_embeddings().weight.to(trainer.head.dtype)
     torch.testing.assert_close(logits, (hidden @ full_head.T).float()[:, trainer.vocab])

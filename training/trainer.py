@@ -70,7 +70,7 @@ class TrainOptions:
 
 @dataclass
 class Batch:
-    features: torch.Tensor  # [S, T, W] context feature rows (zero past each sequence's end)
+    features: torch.Tensor  # [S, T, W] context feature rows, fp16 as cached (zero past each sequence's end)
     anchors: torch.Tensor  # [S, N] anchor positions (0 for padding anchors)
     block_tokens: torch.Tensor  # [S, N, B] tok[a], then mask ids
     labels: torch.Tensor  # [S, N, B] tok[a+k], -100 where no loss
@@ -257,24 +257,31 @@ def make_batch(
         chosen.append(pick.sort().values)
     records, chosen = records[part], chosen[part]
     span = max([int(c.max()) for c in chosen if len(c)] + [1])  # context rows needed: < largest anchor
-    feats = torch.zeros(len(records), span, cfg.feature_width)
-    anc = torch.zeros(len(records), anchors, dtype=torch.long)
-    toks = torch.full((len(records), anchors, block), mask_id, dtype=torch.long)
-    labels = torch.full((len(records), anchors, block), -100, dtype=torch.long)
+    count, width = len(records), max([min(len(r.tokens), max_len) for r in records] + [0]) + block
+    feats = torch.zeros(count, span, cfg.feature_width, dtype=torch.float16)
+    rows_of, anc = feats.numpy(), torch.zeros(count, anchors, dtype=torch.long)
+    seq = torch.full((count, width), -100, dtype=torch.long)  # each answer's tokens, -100 past its end
     for i, (r, pick) in enumerate(zip(records, chosen, strict=True)):
         rows = min(span, len(r.tokens) - 1)
-        feats[i, :rows] = torch.from_numpy(np.asarray(features[r.offset : r.offset + rows], dtype=np.float32))
+        rows_of[i, :rows] = features[r.offset : r.offset + rows]  # fp16 as cached: the device widens them
         n = min(len(r.tokens), max_len)
-        seq = torch.tensor(r.tokens[:n])
-        for j, a in enumerate(pick.tolist()):
-            anc[i, j] = a
-            toks[i, j, 0] = seq[a]
-            end = min(a + block, n)
-            labels[i, j, 1 : end - a] = seq[a + 1 : end]
-            if known > 0 and end - a > 2 and float(torch.rand((), generator=gen)) < known:
-                given = int(torch.randint(1, end - a - 1, (), generator=gen))  # at least one slot left to learn
-                toks[i, j, 1 : given + 1] = seq[a + 1 : a + given + 1]
-                labels[i, j, 1 : given + 1] = -100
+        seq[i, :n] = torch.tensor(r.tokens[:n])
+        anc[i, : len(pick)] = pick
+    real = torch.arange(anchors) < torch.tensor([len(c) for c in chosen], dtype=torch.long)[:, None]  # [S, N]
+    # Every block's window of the answer: tok[a], tok[a + 1], ..., tok[a + B - 1] (-100 past the end).
+    window = torch.gather(seq, 1, (anc[:, :, None] + torch.arange(block)).reshape(count, -1)).view(anc.shape + (block,))
+    window[~real] = -100
+    labels = window.clone()
+    labels[..., 0] = -100
+    toks = torch.full_like(window, mask_id)
+    toks[..., 0] = torch.where(real, window[..., 0], mask_id)
+    if known > 0:
+        learnable = (labels[..., 1:] >= 0).sum(-1)  # labelled slots after the anchor
+        drawn = real & (learnable >= 2) & (torch.rand(anc.shape, generator=gen) < known)
+        given = (torch.rand(anc.shape, generator=gen) * (learnable - 1).clamp_min(1)).long() + 1  # 1..learnable-1
+        slot = torch.arange(block)
+        shown = drawn[..., None] & (slot >= 1) & (slot <= given[..., None])
+        toks[shown], labels[shown] = window[shown], -100
     return Batch(feats, anc, toks, labels)
 
 
@@ -391,7 +398,8 @@ class Trainer:
         """The drafter's block hidden states [S, N, B, hidden] and the labels [S, N, B], on the device;
         `forward`: the training forward (DDP's, on many ranks), else the drafter's own."""
         noise = F.embedding(batch.block_tokens.to(self.dev), self.embed)
-        features, anchors = batch.features.to(self.dev), batch.anchors.to(self.dev)
+        features = batch.features.to(self.dev, non_blocking=True).float()
+        anchors = batch.anchors.to(self.dev)
         hidden = (forward or self.drafter.forward_anchors)(features, anchors, noise, self.scale)
         return hidden, batch.labels.to(self.dev)
 
