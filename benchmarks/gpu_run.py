@@ -304,6 +304,10 @@ class TrainPhase:
     batch: int = 32
     anchors: int = 32
     selector_steps: int = 0  # DFlash2's selector; 0: launch.train's default
+    # The field's 6e-4 from random weights, half that from a trained drafter (the 300-step fine-tunes
+    # of docs/deployment.md used 3e-4; launch.train's 1e-3 took the shipped drafter from an offline
+    # tau of 1.66 to 1.50 in 31 steps on 25 answers, in a CPU dry run of this plan).
+    lr: float = 6e-4
 
 
 def train_drafter(common: list[str], phase: TrainPhase, stores: list[Path]) -> dict:
@@ -316,6 +320,7 @@ def train_drafter(common: list[str], phase: TrainPhase, stores: list[Path]) -> d
     flags = ["--stage", "train", *data, "--minutes", str(phase.minutes), "--steps", str(phase.steps)]
     flags += ["--feature-minutes", str(phase.feature_minutes), "--name", phase.name, "--out", str(phase.out)]
     flags += ["--batch", str(phase.batch), "--anchors", str(phase.anchors), "--format", phase.fmt]
+    flags += ["--lr", str(phase.lr if phase.init is None else phase.lr / 2)]
     flags += ["--layers", str(phase.layers)] if phase.layers else []
     flags += ["--selector-steps", str(phase.selector_steps)] if phase.selector_steps else []
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]

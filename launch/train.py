@@ -147,6 +147,12 @@ def _schedule_flags(ap: argparse.ArgumentParser) -> None:
         default=0.0,
         help="stop filling features after this long and train on what is cached (0: fill them all)",
     )
+    ap.add_argument(
+        "--autocast",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="train the drafter's forward in bf16 autocast; auto: where the device computes bf16 natively",
+    )
     ap.add_argument("--resume", action="store_true", help="continue from the cache's state.pt")
     ap.add_argument(
         "--init",

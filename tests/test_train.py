@@ -217,6 +217,27 @@ def test_training_lowers_loss_and_beats_a_random_drafter(setup, tmp_path):
     assert accepted > 0
 
 
+def test_training_under_bf16_autocast_runs_the_drafter_in_bf16_and_learns(setup, tmp_path):
+    """--autocast (TrainOptions.autocast): the drafter's matmuls run in bf16, the loss and the weights
+    stay fp32, and it learns as the fp32 run does, within bf16's rounding."""
+    target, cfg, store, features = setup
+    seen = []
+    runs = {}
+    for on in (False, True):
+        trainer = Trainer(target, cfg, store.answers, features, opts(steps=60, autocast=on))
+        hook = trainer.drafter.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        runs[on] = [trainer.train_step() for _ in range(60)]
+        hook.remove()
+        assert all(p.dtype == torch.float32 for p in trainer.drafter.parameters())
+    assert set(seen[: len(seen) // 2]) == {torch.float32} and set(seen[len(seen) // 2 :]) == {torch.bfloat16}
+    fp32, bf16 = runs[False], runs[True]
+    assert sum(bf16[-10:]) < 0.95 * sum(bf16[:10]) and sum(fp32[-10:]) < 0.95 * sum(fp32[:10])  # they learn
+    assert abs(sum(bf16[-10:]) - sum(fp32[-10:])) / sum(fp32[-10:]) < 0.05  # as fp32 does
+    from training.stages import autocast
+
+    assert autocast("off", "cuda") is False and autocast("on", "cpu") is True and autocast("auto", "cuda:1") is True
+
+
 def test_init_from_a_checkpoint_continues_where_it_left(setup, tmp_path):
     target, cfg, store, features = setup
     first = train(
@@ -680,7 +701,7 @@ def test_torchrun_on_two_ranks_trains_as_one_process_and_resumes_on_one(setup, t
         args = ["--model", model_dir, "--store", store.folder, "--name", name, "--cache", tmp_path / "cache"]
         args += ["--stage", "train", "--block-size", "4", "--steps", steps, "--batch", 6, "--anchors", 4]
         args += ["--lr", "5e-3", "--warmup", 2, "--eval-every", 0, "--save-every", 0, "--draft-vocab", 64]
-        args += ["--threads", 1, "--out", tmp_path / name, *extra]
+        args += ["--threads", 1, "--out", tmp_path / name, "--autocast", "off", *extra]  # fp32 on any CPU
         launcher = [sys.executable]
         if ranks > 1:
             launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]

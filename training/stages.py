@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_kernels import native_bf16
 from draft_node.checkpoint import config_for_target, load_drafter, save_draft_vocab, save_drafter
 from draft_node.config import DFlashConfig
 from protocol.tensors import torch_dtype
@@ -166,14 +167,29 @@ def train_stage(
 ) -> None:
     """Train the drafter on every rank (its state under `work`, its checkpoint at --out); a DFlash2
     drafter's selector then learns on the finished backbone's outputs, on rank 0."""
-    # Every training flag is named after its TrainOptions field; only the dtype and the folder need parsing.
+    # Every training flag is named after its TrainOptions field; the dtype, autocast and the folder need parsing.
     given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if hasattr(args, f.name)}
-    opts = TrainOptions(**given | {"save_dtype": torch_dtype(args.save_dtype), "out": Path(args.out)})
+    opts = TrainOptions(
+        **given
+        | {
+            "save_dtype": torch_dtype(args.save_dtype),
+            "out": Path(args.out),
+            "autocast": autocast(args.autocast, args.device),
+        }
+    )
     trainer = train(target, cfg, answers, features, opts, work / "state.pt", log=log, ranks=ranks)
     if cfg.dflash2 and ranks.main:  # the backbone is done: its selector learns on its outputs
         train_selector(trainer, args.selector_batches, args.selector_steps, args.selector_lr, log)
         trainer.save(work / "state.pt", opts.out)
         log(f"DFlash2 drafter -> {opts.out}")
+
+
+def autocast(choice: str, device: str) -> bool:
+    """--autocast: `auto` trains under bf16 autocast where the device computes bf16 natively (CUDA,
+    a CPU with AVX512-BF16 or AMX; on AVX2 bf16 matmuls are several times slower than fp32)."""
+    if choice != "auto":
+        return choice == "on"
+    return device.startswith("cuda") or (device == "cpu" and native_bf16())
 
 
 def average_stage(args: argparse.Namespace, log: Log) -> None:

@@ -61,6 +61,9 @@ class TrainOptions:
     # bf16 halves the head's memory, but CPUs without native bf16 units run its matmuls several
     # times slower (6x on an AVX2 machine: 1536x576 @ 576x8192 took 2.9 s vs 0.51 s in fp32).
     head_dtype: torch.dtype = torch.float32
+    # The drafter's training forward under bf16 autocast (the loss and optimizer in fp32): where the
+    # device computes bf16 natively (a GPU, a CPU with AVX512-BF16 or AMX), as the field's trainers do.
+    autocast: bool = False
     save_dtype: torch.dtype = torch.bfloat16
     draft_vocab: int = 8192  # most frequent answer tokens the drafter proposes from; 0 = all
     out: Path | None = None  # the public checkpoint `train` writes with each save; None: its state alone
@@ -424,7 +427,10 @@ class Trainer:
     def train_step(self) -> float:
         """One optimizer step; the loss of the whole batch (all ranks' shares)."""
         self.drafter.train()
-        total, weight = self._weighted_ce_parts(*self.logits(self.batch(self.step), self.forward))
+        batch = self.batch(self.step)
+        with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.opts.autocast):
+            logits, slots, labelled = self.logits(batch, self.forward)
+        total, weight = self._weighted_ce_parts(logits.float(), slots, labelled)
         # Normalised by the whole batch's weight, times the ranks DDP averages over: the gradient
         # of the loss one process computes on the whole batch.
         weight = self.ranks.total(weight.detach())
