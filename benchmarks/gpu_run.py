@@ -1,6 +1,6 @@
 """One shot on a GPU: test the CUDA path, benchmark it, then generate and train, all inside a time budget.
 
-    python -m benchmarks.gpu_run --out $OUT --minutes 9            # on a machine with one CUDA GPU
+    python -m benchmarks.gpu_run --out $OUT --minutes 7            # on a machine with one CUDA GPU
     python -m benchmarks.gpu_run --out /tmp/gpu-tiny --tiny        # the same steps on CPU, tiny settings (tests)
 
 GPU time is scarce (a lease of minutes), so everything it should do is prepared here and
@@ -34,7 +34,7 @@ drafter (or `--fresh`); then `estimate` (every drafter's chain tau offline, on t
 `eval` (live, drafting every step, on the held-out prompts) and `pack`: the best by live tau as
 `OUT/drafter-L<n>.tar.partNN`, parts small enough to come back from the device machine:
 
-    bash launch/gpu_run.sh $OUT --minutes 12 --plan drafter --layers 2,4 --format dflash
+    bash launch/gpu_run.sh $OUT --minutes 7 --plan drafter --layers 2,4 --format dflash
 
 The GPU machine has torch and transformers but no pyzmq and no gguf: `launch/gpu_run.sh`
 installs them from carried wheels, joins the carried GGUF parts, then runs this.

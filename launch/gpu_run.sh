@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-shot GPU run, as the device machine gets it: install the wheels it lacks (pyzmq,
 # gguf) from .whl/, join the SmolLM2 GGUF parts carried in .gpu/, then run benchmarks.gpu_run.
-# Usage there:  bash launch/gpu_run.sh "$OUT" [extra benchmarks.gpu_run flags]
+# Prepared here by launch/gpu_prepare.sh. Usage there:  bash launch/gpu_run.sh "$OUT" [benchmarks.gpu_run flags]
 set -euo pipefail
 py="${PYTHON:-python3}"  # the GPU machine's own python (torch is installed there)
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,6 +18,10 @@ gguf=()
 if compgen -G ".gpu/*.gguf.part*" > /dev/null; then
   mkdir -p /tmp/gguf
   cat .gpu/*.gguf.part* > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+  if [ -f .gpu/SHA256SUMS ] && ! (cd /tmp/gguf && sha256sum --quiet -c "$root/.gpu/SHA256SUMS"); then
+    echo "gpu_run.sh: the GGUF parts in .gpu/ do not make the whole file (a call's part missing?): $(ls .gpu | tr "\n" " ")" >&2
+    exit 1
+  fi
   gguf=(--gguf-folder /tmp/gguf)
 fi
 export PYTHONUNBUFFERED=1

