@@ -460,8 +460,9 @@ def drafter_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
     live = run.results["phases"]["eval"]
     scored = [(live[name]["tau"], name) for name in trained if name != "shipped" and name in live]
     if scored:
-        best = max(scored)[1]
-        run.phase("pack", lambda: {"drafter": best, "parts": pack_back(trained[best], run.out)})
+        tau, best = max(scored)
+        beats = tau > live.get("shipped", {}).get("tau", float("inf"))
+        run.phase("pack", lambda: {"drafter": best, "beats_shipped": beats, "parts": pack_back(trained[best], run.out)})
 
 
 PART_BYTES = 15 * 2**20  # the device machine returns files of at most 16 MiB, 8 of them, 64 MiB together

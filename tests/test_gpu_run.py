@@ -107,6 +107,7 @@ def test_tiny_drafter_plan_trains_one_drafter_per_depth_and_compares_them(tmp_pa
     assert len(live) == 3 and all(m["mismatches"] == 0 for m in live.values())
     # The best comes back in parts the device machine returns (under 16 MiB each), whole when joined.
     best, parts = phases["pack"]["drafter"], phases["pack"]["parts"]
+    assert phases["pack"]["beats_shipped"] == (live[best]["tau"] > live["shipped"]["tau"])
     assert parts and all((out / p).stat().st_size <= 16 * 2**20 for p in parts)
     with tarfile.open(fileobj=io.BytesIO(b"".join((out / p).read_bytes() for p in parts))) as tar:
         tar.extractall(tmp_path / "back", filter="data")
