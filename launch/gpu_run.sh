@@ -8,7 +8,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:?usage: gpu_run.sh OUT_DIR [flags]}"; shift
 mkdir -p "$out"
 cd "$root"
-if compgen -G ".whl/*.whl" > /dev/null; then
+if ! "$py" -c "import zmq, gguf" 2>/dev/null && compgen -G ".whl/*.whl" > /dev/null; then  # only what is missing
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:$root${PYTHONPATH:+:$PYTHONPATH}"
 else

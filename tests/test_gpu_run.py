@@ -14,33 +14,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow  # it converts SmolLM2 once for its tokenizer, like the other real-model tests
-def test_tiny_mode_runs_every_phase(tmp_path):
+def run_tiny(tmp_path: Path, *flags: str) -> tuple[Path, dict]:
+    """`launch/gpu_run.sh OUT --tiny ...` as the device machine runs it, on CPU: OUT and its results."""
     env = dict(os.environ, DFLASH_GPU_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1", PYTHON=sys.executable)
     out = tmp_path / "out"
-    done = subprocess.run(
-        [
-            "bash",
-            str(ROOT / "launch" / "gpu_run.sh"),
-            str(out),
-            "--tiny",
-            "--device",
-            "cpu",
-            "--threads",
-            "1",
-            "--minutes",
-            "4",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    command = ["bash", str(ROOT / "launch" / "gpu_run.sh"), str(out), "--tiny", "--device", "cpu", "--threads", "1"]
+    done = subprocess.run([*command, *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
-    if os.environ.get("KEEP_GPU_RUN"):
-        Path(os.environ["KEEP_GPU_RUN"]).write_text(json.dumps(results))
+    return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow  # it converts SmolLM2 once for its tokenizer, like the other real-model tests
+def test_tiny_mode_runs_every_phase(tmp_path):
+    out, results = run_tiny(tmp_path, "--minutes", "4")
     phases = results["phases"]
     assert list(phases) == [
         "tests",
@@ -80,20 +66,8 @@ def test_tiny_drafter_plan_trains_one_drafter_per_depth_and_compares_them(tmp_pa
     store = tmp_path / "store"
     store.mkdir()
     shutil.copy(ROOT / "data" / "answers" / "20261201-063342-f8af9b02.jsonl.gz", store)  # 35 answers
-    env = dict(os.environ, DFLASH_GPU_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    out = tmp_path / "out"
-    flags = ["--tiny", "--device", "cpu", "--threads", "1", "--minutes", "1.5", "--format", "dflash"]
-    flags += ["--plan", "drafter", "--layers", "1,2", "--store", str(store)]
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_run", "--out", str(out), *flags],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
+    flags = ["--minutes", "1.5", "--format", "dflash", "--plan", "drafter", "--layers", "1,2", "--store", str(store)]
+    out, results = run_tiny(tmp_path, *flags)
     phases = results["phases"]
     assert results["plan"] == "drafter" and list(phases) == ["train-L1", "train-L2", "estimate", "eval", "pack"]
     assert all(p["ok"] for p in phases.values()), {k: p.get("error") for k, p in phases.items()}
