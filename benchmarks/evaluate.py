@@ -53,6 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--baseline", help="a second drafter folder run in the same modes, side by side (rows MODE@baseline)"
     )
     ap.add_argument("--baseline-address", help="a second running draft daemon instead, side by side")
+    ap.add_argument(
+        "--predraft",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run every mode with pre-drafting of N outcomes (rows MODE@predraft), through the draft daemon "
+        "at --baseline-address (else --drafter-address; else in process, where it overlaps nothing)",
+    )
     ap.add_argument("--prompts", default="data/eval_prompts.jsonl", help='jsonl of {"prompt": ...}')
     ap.add_argument("--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--device", default="cpu")
@@ -122,6 +130,10 @@ def prepare_runs(args: argparse.Namespace, target: TargetModel) -> Runs:
     proposers = {"": DFlashProposer(backend_for(args, target, args.drafter, args.drafter_address))}
     if args.baseline or args.baseline_address:
         proposers["@baseline"] = DFlashProposer(backend_for(args, target, args.baseline, args.baseline_address))
+    if args.predraft:
+        address = args.baseline_address or args.drafter_address
+        backend = backend_for(args, target, args.baseline or args.drafter, address)
+        proposers["@predraft"] = DFlashProposer(backend, predraft=args.predraft)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
     costs = VerifyCosts()
@@ -174,6 +186,11 @@ def mode_table(runs: Runs) -> dict:
             "nodes_per_step": round(s.proposed / s.steps, 2) if s.steps else 0.0,
             "mismatches": runs.mismatches.get(mode, 0),
             "histogram": {str(k): v for k, v in sorted(s.histogram.items())},
+            # Who drafted each drafting step ("predraft": a pre-draft's hit), and what those steps accepted.
+            "drafted_steps": dict(s.sources),
+            "accepted_per_step": {k: round(s.accepted_by_source[k] / n, 3) for k, n in s.sources.items() if n},
+            "propose_ms_per_step": round(1000 * s.propose_s / s.steps, 2) if s.steps else 0.0,
+            "verify_ms_per_step": round(1000 * s.verify_s / s.steps, 2) if s.steps else 0.0,
             "governor": s.governor,
         }
         for mode, s in runs.totals.items()

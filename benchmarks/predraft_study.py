@@ -30,11 +30,13 @@ import torch
 
 from draft_node.checkpoint import load_drafter
 from draft_node.kv_cache import DraftKVCache
+from draft_node.predraft import predraft as draft_predrafts
 from launch.common import DTYPE_CHOICES, ensure_default_drafter, resolve_model
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.bridge import DrafterBridge
 from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.outcomes import likeliest_outcomes
 from target_node.drafting.proposers import NoProposer
 from target_node.model.target import TargetModel
 from training.prompts import read_prompts
@@ -76,23 +78,6 @@ def accepted(drafts: list[int], truth: list[int]) -> int:
     return n
 
 
-def likeliest_outcomes(logits: torch.Tensor, drafts: list[int], lengths: Counter, count: int) -> list[tuple[int, int]]:
-    """The `count` likeliest (j, b): P(j) from the acceptance lengths seen (smoothed), P(b | j) from the
-    draft's distribution at slot j+1 without its rejected draft."""
-    total = sum(lengths.values()) + len(drafts) + 1
-    scored = []
-    probabilities = torch.softmax(logits.float(), -1)
-    for j in range(len(drafts)):
-        p_j = (lengths[j] + 1) / total
-        p = probabilities[j].clone()
-        p[drafts[j]] = 0.0
-        p = p / p.sum().clamp_min(1e-30)
-        top = p.topk(count)
-        scored += [(p_j * float(v), j, int(b)) for v, b in zip(top.values, top.indices, strict=True)]
-    scored.sort(reverse=True)
-    return [(j, b) for _, j, b in scored[:count]]
-
-
 def study_prompt(
     target: TargetModel, bridge: DrafterBridge, cache: DraftKVCache, ids: list[int], answer: list[int], tally: Tally
 ) -> None:
@@ -121,7 +106,7 @@ def study_prompt(
         pending = None
         if j < len(drafts) and position + 1 + j < len(sequence):
             outcome = (j, sequence[position + 1 + j])
-            ranked = likeliest_outcomes(logits, drafts, tally.outcomes, max(ALTERNATIVES))
+            ranked = likeliest_outcomes(logits, drafts, tally.outcomes, max(ALTERNATIVES), deepest=block - 3)
             for count in ALTERNATIVES:
                 tally.hits[count] += outcome in ranked[:count]
             if outcome in ranked:
@@ -134,11 +119,10 @@ def study_prompt(
 def predraft(
     bridge: DrafterBridge, cache: DraftKVCache, last: int, kept: list[int], bonus: int, position: int
 ) -> list[int]:
-    """The next step's drafts for outcome (len(kept), bonus), from the context the drafter holds now."""
-    head = bridge.target.embed([last, *kept, bonus])
-    masks = bridge.mask_row.expand(bridge.block_size - head.shape[0], -1)
-    hidden, _ = cache.draft_rows(torch.cat([head, masks]), position, bridge.block_size - 1)
-    return bridge.project(hidden[len(kept) + 1 :]).argmax(-1).tolist()
+    """The next step's drafts for outcome (len(kept), bonus), as the draft daemon pre-drafts them."""
+    heads = bridge.target.embed([last, *kept, bonus])
+    hidden, _ = draft_predrafts(cache, heads, [heads.shape[0]], bridge.mask_row).drafted[0]
+    return bridge.project(hidden).argmax(-1).tolist()
 
 
 def main(argv: list[str] | None = None) -> None:

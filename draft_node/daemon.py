@@ -20,6 +20,7 @@ import torch
 from draft_node.kept_prefixes import KeptPrefixes
 from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, drafts_alone_in_one_pass, timed_pass
 from draft_node.model import DFlashDrafter
+from draft_node.predraft import Predrafts, predraft
 from draft_node.settings import DraftSettings
 from protocol import FLOAT_DTYPES, MAX_HEADER_BYTES, ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
@@ -43,6 +44,8 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     steps: int = 0
     rows_in: int = 0
+    predrafts: Predrafts | None = None  # the last `predraft`'s drafts, until the next propose or reset
+    predraft_hits: int = 0
 
 
 class DraftService:
@@ -69,6 +72,7 @@ class DraftService:
         )
         # batched: proposals drafted in one pass with at least one other session's
         self.counters = {"requests": 0, "errors": 0, "proposals": 0, "batched": 0, "evicted": 0, "draft_ms": 0.0}
+        self.counters.update(predrafts=0, predraft_hits=0)
 
     @property
     def preferred_wire_dtype(self) -> str:
@@ -192,7 +196,32 @@ class DraftService:
         return found
 
     def on_reset(self, msg: Message) -> list:
-        self.session(msg).cache.reset(msg["position"])
+        session = self.session(msg)
+        session.cache.reset(msg["position"])
+        session.predrafts = None
+        return encode("ok", msg.id)
+
+    def on_predraft(self, msg: Message) -> list:
+        """Draft the named outcomes' next blocks now, while the target verifies (predraft.py)."""
+        session = self.session(msg)
+        session.predrafts = None  # whatever happens next, the older ones are stale
+        spec = msg.tensors["heads"][0]
+        if spec.shape[1] != self.config.hidden_size:
+            raise ProtocolError(
+                ErrorCode.CONFIG_MISMATCH,
+                f"heads rows are {spec.shape[1]} wide, the drafter wants {self.config.hidden_size}",
+            )
+        if msg["position"] != session.cache.length:
+            raise ProtocolError(
+                ErrorCode.OUT_OF_ORDER,
+                f"predraft at {msg['position']} but the context ends at {session.cache.length}: propose there first",
+            )
+        heads = finite(msg, "heads", self.drafter)
+        try:
+            session.predrafts = predraft(session.cache, heads, msg["known"], session.mask)
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"predraft: {exc}") from exc
+        self.counters["predrafts"] += 1
         return encode("ok", msg.id)
 
     def on_keep(self, msg: Message) -> list:
@@ -205,7 +234,8 @@ class DraftService:
 
     def on_restore(self, msg: Message) -> list:
         """Start the session's context from a prefix this peer had kept; 0 rows where it holds none."""
-        cache = self.session(msg).cache
+        session = self.session(msg)
+        cache, session.predrafts = session.cache, None
         found = self.kept.take(msg.peer, msg["name"], msg["rows"])
         if found is None:
             cache.reset(0)
@@ -256,7 +286,9 @@ class DraftService:
             admitted: list[tuple[int, Session, DraftStep]] = []
             for i in group:
                 try:
-                    admitted.append((i, *self.admit_propose(msgs[i])))
+                    session, step = self.admit_propose(msgs[i])
+                    if not self._answer_predrafted(msgs[i], session, step, replies, i):
+                        admitted.append((i, session, step))
                 except ProtocolError as exc:
                     self.counters["errors"] += 1
                     replies[i] = encode_error(msgs[i].id, exc.code, exc.message)
@@ -288,6 +320,28 @@ class DraftService:
             self.counters["draft_ms"] += draft_ms
             wire = msg.tensors["noise"][0].dtype
             replies[i] = encode("proposal", msg.id, {"draft_ms": draft_ms}, tensors, wire_dtype=wire)
+
+    def _answer_predrafted(self, msg: Message, session: Session, step: DraftStep, replies: list, i: int) -> bool:
+        """Answer a propose from the session's pre-draft of the outcome it names, if there is one
+        for the context its rows continue; its feature rows join the context all the same. Any
+        propose ends the session's pre-drafts."""
+        found, session.predrafts = session.predrafts, None
+        drafted = found.take(msg["predraft"], step.start, msg["position"], step.rows) if found is not None else None
+        if drafted is None:
+            return False
+        step.noise = None  # the context rows only: the block is drafted already
+        _, draft_ms = timed_pass([step], together=True)
+        hidden, gate = drafted
+        session.steps += 1
+        session.rows_in += step.features.shape[0]
+        session.predraft_hits += 1
+        self.counters["proposals"] += 1
+        self.counters["predraft_hits"] += 1
+        self.counters["draft_ms"] += draft_ms
+        tensors = {"hidden": hidden} if gate is None else {"hidden": hidden, "gate": gate}
+        wire = msg.tensors["noise"][0].dtype
+        replies[i] = encode("proposal", msg.id, {"draft_ms": draft_ms, "predrafted": True}, tensors, wire_dtype=wire)
+        return True
 
     def admit_propose(self, msg: Message) -> tuple[Session, DraftStep]:
         """A propose's session and step, or the error that refuses it; nothing changes yet."""
@@ -339,7 +393,10 @@ class DraftService:
             "sessions": len(mine),
             "block_size": self.config.block_size,
             "proposals": sum(s.steps for s in mine.values()),
-            "per_session": {name: {"steps": s.steps, "rows_in": s.rows_in} for name, s in mine.items()},
+            "per_session": {
+                name: {"steps": s.steps, "rows_in": s.rows_in, "predraft_hits": s.predraft_hits}
+                for name, s in mine.items()
+            },
             "kept_prefixes": self.kept.of(msg.peer),
         }
         return encode("stats_ok", msg.id, {"stats": stats})

@@ -22,6 +22,7 @@ from launch.common import (
 )
 from launch.net import add_server_security_args, client_security, one_line_errors, server_security
 from protocol import FLOAT_DTYPES
+from protocol.messages import MAX_PREDRAFT_OUTCOMES
 from protocol.transport import stop_on_signals
 from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.factory import PROPOSER_KINDS, ProposerSettings, build_proposers
@@ -87,6 +88,15 @@ def add_proposer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drafter-key", help="the draft daemon's public key (NAME.key): CURVE on the drafter link, needs --curve-key"
     )
+    parser.add_argument(
+        "--predraft",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with a draft daemon: as each chain verify starts, have it draft the next block for the N likeliest "
+        f"outcomes (at most {MAX_PREDRAFT_OUTCOMES}) while the target verifies; a step whose outcome was named "
+        "waits for no drafting (0: off; see docs/deployment.md for when it pays)",
+    )
 
 
 def proposer_settings(args: argparse.Namespace) -> ProposerSettings:
@@ -103,6 +113,7 @@ def proposer_settings(args: argparse.Namespace) -> ProposerSettings:
         args.draft_retry,
         args.wire_dtype,
         args.ring_capacity,
+        args.predraft,
     )
 
 

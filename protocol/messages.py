@@ -14,7 +14,7 @@ from .errors import ErrorCode, ProtocolError
 from .fields import Bool, Float, Int, Json, List, Maybe, Str, Struct
 from .tensors import FLOAT_DTYPES, TensorSpec
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 # Header keys owned by the envelope; no message may use them as field names.
 RESERVED_KEYS = ("v", "type", "id", "tensors")
@@ -75,6 +75,15 @@ def _check_propose(fields: Mapping[str, Any], tensors: Mapping[str, TensorSpec])
         )
 
 
+def _check_predraft(fields: Mapping[str, Any], tensors: Mapping[str, TensorSpec]) -> None:
+    """The outcomes' known rows must add up to the head rows sent."""
+    if sum(fields["known"]) != tensors["heads"].shape[0]:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"predraft: known rows add up to {sum(fields['known'])} but heads holds {tensors['heads'].shape[0]} rows",
+        )
+
+
 REQUEST_ID = Int(0, 2**63 - 1)
 SESSION = Str(1, MAX_SESSION_LEN)
 # Token positions: int32, far past any model's context, and far from int64 overflow when a
@@ -83,6 +92,7 @@ MAX_POSITION = 2**31 - 1
 POSITION = Int(0, MAX_POSITION)
 COUNT = Int(1)
 MAX_CODEBOOK_ROWS = 1 << 14  # rows per `codebook` reply: 16 MiB per codebook at rank 256 in fp32
+MAX_PREDRAFT_OUTCOMES = 16  # outcomes one `predraft` names at most: each costs the draft daemon a block
 MAX_REPLY_TOKENS = 1 << 16  # token ids one `chunk` or `done` carries: a daemon's new-token limit stays within it
 FLOAT_DTYPE = Str(choices=FLOAT_DTYPES)
 FLOAT_DTYPE_LIST = List(FLOAT_DTYPE, 1, len(FLOAT_DTYPES) * 2)
@@ -210,8 +220,9 @@ SCHEMAS: dict[str, Schema] = {
     "propose": Schema(
         Struct(
             {"session": SESSION, "start": POSITION, "position": POSITION},
-            # How many draft rows (block slots 1..rows) the target will use; 0 means all.
-            optional={"rows": (Int(0), 0)},
+            # How many draft rows (block slots 1..rows) the target will use; 0 means all. `predraft`:
+            # which outcome of the session's last `predraft` happened (its index), or -1 for none.
+            optional={"rows": (Int(0), 0), "predraft": (Int(-1, MAX_PREDRAFT_OUTCOMES - 1), -1)},
         ),
         tensors=(
             TensorRule("features", FLOAT_DTYPES, (0, 1)),
@@ -220,9 +231,20 @@ SCHEMAS: dict[str, Schema] = {
         replies=("proposal",),
         check=_check_propose,
     ),
+    # Pre-drafting (new in version 6): as its verify starts, the target names the outcomes it
+    # finds likeliest, each by its known tokens [last_tok, accepted drafts, bonus] embedded
+    # (`heads`: one run of `known[i]` rows per outcome), and the daemon drafts the next block of
+    # each over the session's context as it ends now, at `position`, while the verify runs.
+    "predraft": Schema(
+        Struct({"session": SESSION, "position": POSITION, "known": List(Int(2, 1 << 10), 1, MAX_PREDRAFT_OUTCOMES)}),
+        tensors=(TensorRule("heads", FLOAT_DTYPES, (2, 1)),),
+        replies=("ok",),
+        check=_check_predraft,
+    ),
     # `gate` (dflash2): the selector's projection of the same rows, [rows, selector rank].
+    # `predrafted`: the drafts are the named outcome's pre-draft (possibly fewer rows than asked).
     "proposal": Schema(
-        Struct({"draft_ms": Float(0.0)}),
+        Struct({"draft_ms": Float(0.0)}, optional={"predrafted": (Bool(), False)}),
         tensors=(TensorRule("hidden", FLOAT_DTYPES, (0, 1)), TensorRule("gate", FLOAT_DTYPES, (0, 1), optional=True)),
     ),
     # A dflash2 drafter's selector codebooks, rows [start, start + rows) of each: fetched once,

@@ -44,6 +44,7 @@ class RequestStats(_Figures):
     decode_s: float = 0.0
     decode_tok_s: float = 0.0
     sources: dict[str, int] = field(default_factory=dict)  # who drafted -> steps
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # who drafted -> drafts accepted
     governor: dict[str, Any] = field(default_factory=dict)
     propose_ms_per_step: float = 0.0
     verify_ms_per_step: float = 0.0

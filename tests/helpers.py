@@ -77,12 +77,16 @@ class OracleBackend:
         self.length = 0
         self.attached = True
         self.counters: dict = {}
+        self.hit = False  # it never pre-drafts
 
     def begin_request(self) -> None:
         pass
 
-    def send_draft(self, start, features, noise, position, rows) -> None:
+    def send_draft(self, start, features, noise, position, rows, predraft=-1) -> None:
         pass  # it answers in `draft`
+
+    def predraft(self, position, heads, known) -> None:
+        pass  # it drafts the truth whenever asked
 
     def keepalive(self) -> None:
         pass
@@ -90,7 +94,7 @@ class OracleBackend:
     def reset(self, position: int) -> None:
         self.length = position
 
-    def draft(self, start, features, noise, position, rows):
+    def draft(self, start, features, noise, position, rows, predraft=-1):
         assert start == self.length and start + features.shape[0] == position, "features out of order"
         self.length = position
         head = self.target.model.get_output_embeddings().weight

@@ -6,8 +6,8 @@ import json
 import torch
 
 from benchmarks import predraft_study
-from benchmarks.predraft_study import likeliest_outcomes
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
+from target_node.drafting.outcomes import likeliest_outcomes
 from target_node.model.target import TargetModel
 
 

@@ -82,6 +82,8 @@ SAMPLES = {
         {"features": torch.randn(2, WIDTH), "noise": torch.randn(BLOCK, HIDDEN)},
     ),
     "proposal": ({"draft_ms": 1.25}, {"hidden": torch.randn(BLOCK, HIDDEN), "gate": torch.randn(BLOCK, 16)}),
+    "proposal2": ({"draft_ms": 0.5, "predrafted": True}, {"hidden": torch.randn(3, HIDDEN)}),
+    "predraft": ({"session": "s-1", "position": 5, "known": [2, 4, 3]}, {"heads": torch.randn(9, HIDDEN)}),
     "codebook": ({"start": 4096, "rows": 4096}, {}),
     "codebook_ok": ({}, {"predecessor": torch.randn(4, 16), "successor": torch.randn(4, 16)}),
     "ping": ({}, {}),
@@ -159,7 +161,9 @@ def test_round_trip_every_type(type_):
     if sample == "hello_ok":
         expected["drafter"] = {**DRAFTER, "format": "dflash", "selector": None}
     if type_ == "propose":
-        expected["rows"] = 0
+        expected["rows"], expected["predraft"] = 0, -1
+    if sample == "proposal":
+        expected["predrafted"] = False
     assert msg.fields == expected
     assert set(msg.tensors) == set(tensors)
     for name, t in tensors.items():

@@ -21,6 +21,7 @@ import torch
 from helpers import OracleBackend, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
+from protocol.messages import MAX_PREDRAFT_OUTCOMES
 from protocol.sampling import SamplingParams
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sampling import make_generator, probabilities, sample, verify_sampled
@@ -268,9 +269,11 @@ class MirrorProposer(NoProposer):
 
 
 def proposer_for(kind: str, target, block: int):
-    if kind in ("random", "dflash2"):  # dflash2: the selector's chains, made q's first choices
+    if kind in ("random", "dflash2", "predraft"):  # dflash2: the selector's chains, made q's first choices
         cfg = config_for_target(target.config, block_size=block, taps=2, dflash2=kind == "dflash2")
-        return DFlashProposer(LocalDraftBackend(random_drafter(cfg, seed=1, std=0.2)))
+        # predraft: each verify's likely outcomes drafted ahead; a hit's drafts are the q verified against.
+        outcomes = MAX_PREDRAFT_OUTCOMES if kind == "predraft" else 0
+        return DFlashProposer(LocalDraftBackend(random_drafter(cfg, seed=1, std=0.2)), predraft=outcomes)
     if kind == "oracle":  # peaked q along the greedy path, so sampled drafts are often right
         path = PROMPT + greedy(target, PROMPT, 8, stop_on_eos=False)
         return DFlashProposer(OracleBackend(target, path, block, target_layer_ids=(0, 1)))
@@ -290,8 +293,9 @@ def proposer_for(kind: str, target, block: int):
         ("mirror", SamplingParams(temperature=1.2, top_k=6)),
         ("ngram", SamplingParams(temperature=1.5, top_p=0.8)),
         ("dflash2", SamplingParams(temperature=0.9, top_k=8)),
+        ("predraft", SamplingParams(temperature=1.1, top_p=0.95)),
     ],
-    ids=["random-top_p-hinted", "mirror-top_k", "ngram-hot", "dflash2-walk-hinted"],
+    ids=["random-top_p-hinted", "mirror-top_k", "ngram-hot", "dflash2-walk-hinted", "predraft-hits"],
 )
 def test_sampled_output_has_the_targets_law(target, kind, params):
     length, n = 4, RUNS
@@ -309,6 +313,8 @@ def test_sampled_output_has_the_targets_law(target, kind, params):
         counts[1][tuple(result.tokens[1:])] += 1
         proposed, accepted = proposed + result.stats.proposed, accepted + result.stats.accepted
     assert 0 < accepted < proposed, "both acceptance and rejection must be exercised"
+    if kind == "predraft":
+        assert proposer.backend.counters["predraft_hits"] > RUNS // 10, "pre-drafts must be verified often"
     joint = exact_joint(target, PROMPT, params, length)
     assert_fits(counts[0], window(joint, 0, 3), n, f"{kind} tokens 1-3")
     assert_fits(counts[1], window(joint, 1, 4), n, f"{kind} tokens 2-4")

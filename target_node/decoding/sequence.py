@@ -191,6 +191,7 @@ class Sequence:
         if step.drafts:
             stats.histogram[step.accepted] += 1
             stats.sources[step.source] += 1
+            stats.accepted_by_source[step.source] += step.accepted
 
     def result(self) -> Result:
         stats = self.stats

@@ -21,7 +21,8 @@ class Stats:
     histogram: Counter = field(default_factory=Counter)  # accepted drafts per step -> count
     ttft_s: float = 0.0
     decode_s: float = 0.0
-    sources: Counter = field(default_factory=Counter)
+    sources: Counter = field(default_factory=Counter)  # who drafted -> steps
+    accepted_by_source: Counter = field(default_factory=Counter)  # who drafted -> drafts accepted
     propose_s: float = 0.0  # drafting: features + noise out, draft, projection back
     verify_s: float = 0.0  # target forward over [last_tok, drafts] and the rollback
     requests: int = 0
@@ -65,6 +66,7 @@ class Stats:
             decode_s=round(self.decode_s, 4),
             decode_tok_s=round(self.decode_tok_s, 2),
             sources=dict(self.sources),
+            accepted_by_source=dict(self.accepted_by_source),
             governor=self.governor,
             propose_ms_per_step=round(self.propose_s * per_step, 3),
             verify_ms_per_step=round(self.verify_s * per_step, 3),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from draft_node.checkpoint import load_drafter
 from protocol.keys import ClientKeys
+from protocol.messages import MAX_PREDRAFT_OUTCOMES
 from target_node.drafting.draft_pass import DraftPass
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer, NGramProposer, NoProposer, Proposer
@@ -30,8 +31,11 @@ class ProposerSettings:
     draft_retry_s: float = 5.0
     wire_dtype: str | None = None  # None: negotiated
     ring_capacity: int = 4096  # context positions a local drafter keeps
+    predraft: int = 0  # outcomes pre-drafted per chain verify (draft_node/predraft.py); 0: none
 
     def __post_init__(self) -> None:
+        if not 0 <= self.predraft <= MAX_PREDRAFT_OUTCOMES:
+            raise ValueError(f"predraft names 0 to {MAX_PREDRAFT_OUTCOMES} outcomes, got {self.predraft}")
         if self.kind not in PROPOSER_KINDS:
             raise ValueError(f"unknown proposer {self.kind!r}; expected one of {PROPOSER_KINDS}")
         if self.kind == "local" and self.checkpoint is None:
@@ -50,7 +54,9 @@ def build_proposers(
         drafter = load_drafter(settings.checkpoint, target.device, target.model.dtype)
         together = DraftPass(drafter)  # the slots' drafts of one step in one pass
         return [
-            DFlashProposer(LocalDraftBackend(drafter, settings.ring_capacity, together), NGramProposer())
+            DFlashProposer(
+                LocalDraftBackend(drafter, settings.ring_capacity, together), NGramProposer(), settings.predraft
+            )
             for _ in range(count)
         ]
     reach = Reachability()  # one daemon behind every slot's session: one probe when it is away
@@ -64,6 +70,7 @@ def build_proposers(
             curve=drafter_keys,
             reach=reach,
         )
-        return DFlashProposer(backend, NGramProposer() if settings.fallback == "ngram" else NoProposer())
+        fallback = NGramProposer() if settings.fallback == "ngram" else NoProposer()
+        return DFlashProposer(backend, fallback, settings.predraft)
 
     return [remote() for _ in range(count)]

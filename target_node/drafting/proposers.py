@@ -9,12 +9,14 @@ names the layers in `taps`; the loop hands it the committed positions' features 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from target_node.drafting.bridge import DrafterBridge
+from target_node.drafting.outcomes import likeliest_outcomes
 from target_node.drafting.selector import Lattice
 from target_node.model.target import TargetModel
 
@@ -47,6 +49,10 @@ class Proposer(Protocol):
         """Start the `propose` that follows with the same arguments (a remote drafter sends its
         request now, so the drafts of a batch's requests overlap); others do nothing here."""
 
+    def predraft(self, tokens: list[int], drafts: list[int], logits: torch.Tensor | None) -> None:
+        """The target is about to verify the chain `drafts` after `tokens`: a drafter elsewhere
+        may draft the next block for its likeliest outcomes meanwhile; others do nothing here."""
+
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         """The target committed positions [start, start + rows); `features` are their taps."""
 
@@ -76,6 +82,9 @@ class NoProposer:
         return EMPTY
 
     def prefetch(self, tokens: list[int], max_tokens: int) -> None:
+        pass
+
+    def predraft(self, tokens: list[int], drafts: list[int], logits: torch.Tensor | None) -> None:
         pass
 
     def commit(self, start: int, features: torch.Tensor | None) -> None:
@@ -120,10 +129,18 @@ class DraftBackend(Protocol):
     info: dict | None  # the drafter's description (DRAFTER_INFO); None while there is none to use
     attached: bool  # it can draft now (a remote one: its session is open on a daemon that answers)
     counters: dict  # what it did since it was made: proposals, draft_ms, and a remote one's failures
+    hit: bool  # whether the last `draft` came from a pre-draft
 
-    def send_draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> None:
+    def send_draft(
+        self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int, predraft: int = -1
+    ) -> None:
         """Start the `draft` that follows with the same arguments (a batch's requests each send
         theirs first, so their drafts overlap); a backend may also do nothing here."""
+
+    def predraft(self, position: int, heads: torch.Tensor, known: list[int]) -> None:
+        """Draft, over the context as it ends at `position`, the next block of each named outcome:
+        `heads` holds their known tokens [last_tok, accepted drafts, bonus] embedded, `known[i]`
+        rows each (draft_node/predraft.py). The next `draft` names the one that happened."""
 
     def begin_request(self) -> None:
         """A new request starts."""
@@ -132,10 +149,11 @@ class DraftBackend(Protocol):
         """Forget context at and after `position`; if it holds less, start the context there."""
 
     def draft(
-        self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int
+        self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int, predraft: int = -1
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append feature rows from `start`, then return block hidden states for slots 1..rows and,
-        from a DFlash2 drafter, their selector gate."""
+        from a DFlash2 drafter, their selector gate. With `predraft` >= 0 (the outcome of the last
+        `predraft` that happened), the pre-draft's rows where it holds them (fewer: `hit`)."""
 
     def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A DFlash2 drafter's selector codebooks (predecessor, successor) [vocab, rank]."""
@@ -157,16 +175,24 @@ class DrafterUnavailable(RuntimeError):
 
 
 class DFlashProposer:
-    """Block drafts from a DFlash drafter: ship new feature rows and the noise block, project the reply."""
+    """Block drafts from a DFlash drafter: ship new feature rows and the noise block, project the reply.
+
+    With `predraft` > 0, each chain verify also names that many likeliest outcomes for the
+    drafter to pre-draft while the target verifies (draft_node/predraft.py); a step whose
+    outcome was named takes its drafts from the pre-draft (source "predraft")."""
 
     name = "dflash"
 
-    def __init__(self, backend: DraftBackend, fallback: NoProposer | None = None) -> None:
+    def __init__(self, backend: DraftBackend, fallback: NoProposer | None = None, predraft: int = 0) -> None:
         self.backend = backend
         self.fallback = fallback or NoProposer()
         self.drafting: DrafterBridge | None = None
         self.synced: int | None = None  # positions [.., synced) are with the drafter; None: unknown
         self.base: int | None = None  # ... from this one on (0: the whole context from the start)
+        self.outcomes = predraft  # outcomes named per verify (0: no pre-drafting)
+        # The last named outcomes: their verify's position and each one's tokens from there.
+        self.named: tuple[int, list[tuple[int, ...]]] | None = None
+        self.lengths: Counter = Counter()  # accepted lengths of the verifies that named outcomes
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -186,10 +212,32 @@ class DFlashProposer:
             self.drafting.ring.reset()
         self.fallback.begin(target)
         self.synced = self.base = None
+        self.named = None
 
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         if features is not None and self.drafting is not None:
             self.drafting.ring.write(start, features)
+            if self.named is not None and self.named[0] == start:  # the verify that named outcomes
+                self.lengths[features.shape[0] - 1] += 1
+
+    def predraft(self, tokens: list[int], drafts: list[int], logits: torch.Tensor | None) -> None:
+        self.named = None
+        drafting, position = self.drafting, len(tokens) - 1
+        if not self.outcomes or drafting is None or logits is None or not drafts or self.synced != position:
+            return  # (the drafter's context must end where this block starts: it drafted it)
+        deepest = drafting.block_size - 3  # a pre-draft keeps at least one slot to draft after b
+        named = likeliest_outcomes(logits, drafts, self.lengths, self.outcomes, deepest, drafting.head.vocab)
+        if not named:
+            return
+        heads = [(tokens[-1], *drafts[:j], b) for j, b in named]
+        try:
+            self.backend.predraft(
+                position, drafting.target.embed([t for h in heads for t in h]), [len(h) for h in heads]
+            )
+        except DrafterUnavailable:
+            self.synced = None  # the next propose falls back, or resends
+            return
+        self.named = (position, heads)
 
     def keep(self, name: str, rows: int) -> None:
         if self.drafting is None or self.base != 0 or not self.synced:
@@ -238,7 +286,7 @@ class DFlashProposer:
             return self.fallback.propose(tokens, max_tokens)
         self.synced = len(tokens) - 1
         guesses, logits, walk = drafting.guesses(hidden, gate, tokens[-1])
-        return Proposal(guesses, logits, self.name, walk)
+        return Proposal(guesses, logits, "predraft" if self.backend.hit else self.name, walk)
 
     def _request(self, tokens: list[int], max_tokens: int) -> tuple | None:
         """The backend's draft arguments for this step (the drafter's context brought in sync first)."""
@@ -252,4 +300,12 @@ class DFlashProposer:
             self.backend.reset(ring.oldest)
             self.synced = self.base = ring.oldest
         features = ring.read(self.synced, position)
-        return self.synced, features, drafting.noise(tokens[-1]), position, rows
+        return self.synced, features, drafting.noise(tokens[-1]), position, rows, self._outcome(tokens)
+
+    def _outcome(self, tokens: list[int]) -> int:
+        """Which of the named outcomes happened: its index, or -1."""
+        if self.named is None:
+            return -1
+        position, heads = self.named
+        happened = tuple(tokens[position:])
+        return heads.index(happened) if happened in heads else -1

@@ -85,8 +85,11 @@ class RemoteDraftBackend:
         self.pending: tuple[tuple[int, int, int], int, float] | None = None  # a propose sent ahead (send_draft)
         self.last_sent = time.monotonic()
         self.counters = dict.fromkeys(
-            ["round_trips", "timeouts", "errors", "bytes_out", "bytes_in", "proposals", "sent_ahead", "changes"], 0
+            ["round_trips", "timeouts", "errors", "bytes_out", "bytes_in", "proposals", "sent_ahead", "changes"]
+            + ["predrafts", "predraft_hits"],
+            0,
         )
+        self.hit = False  # whether the last `draft` came from a pre-draft
         self.counters.update(draft_ms=0.0, propose_rtt_ms=0.0)
         self.attach(self.timeout_s, strict=True)
         self.request_info = self.info
@@ -210,41 +213,59 @@ class RemoteDraftBackend:
         self.ensure()
         return self._call("restore", {"session": self.session, "name": name, "rows": rows})["rows"]
 
-    def send_draft(self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int) -> None:
+    def predraft(self, position: int, heads: torch.Tensor, known: list[int]) -> None:
+        """Have the daemon draft the named outcomes while the target verifies. Nothing waits for
+        its reply (the next wait skips it): a pre-draft that fails only makes the next propose a miss."""
+        self.ensure()
+        self._send("predraft", {"session": self.session, "position": position, "known": known}, {"heads": heads})
+        self.counters["predrafts"] += 1
+
+    def send_draft(
+        self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int, predraft: int = -1
+    ) -> None:
         """Send this propose now and take its reply in `draft` (same arguments): a batch's requests
         each send theirs first, so the draft daemon works on one while the others' are on the
         wire, and a step waits about one round trip, not one per request."""
         self.ensure()
         began = time.perf_counter()
-        sent = self._send("propose", *self._propose(start, features, noise, position, rows))
-        self.pending = ((start, position, rows), sent, began)
+        sent = self._send("propose", *self._propose(start, features, noise, position, rows, predraft))
+        self.pending = ((start, position, rows, predraft), sent, began)
         self.counters["sent_ahead"] += 1
 
     def draft(
-        self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int
+        self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int, predraft: int = -1
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`predraft`: the index of the outcome of the last `predraft` that happened (-1: none); the
+        daemon answers from that pre-draft if it holds it (`hit`), with as many rows as it drafted."""
         self.ensure()
         pending, self.pending = self.pending, None
-        if pending is not None and pending[0] == (start, position, rows):
+        if pending is not None and pending[0] == (start, position, rows, predraft):
             # The deadline runs from the send: a batch's proposes, sent together, time out together.
             _, sent, began = pending
             timeout_s = max(0.001, self.timeout_s - (time.perf_counter() - began))
         else:  # nothing sent ahead (or for another step: its reply is skipped as stale)
             began, timeout_s = time.perf_counter(), self.timeout_s
-            sent = self._send("propose", *self._propose(start, features, noise, position, rows))
+            sent = self._send("propose", *self._propose(start, features, noise, position, rows, predraft))
         reply = self._wait("propose", sent, timeout_s)
+        self.hit = bool(reply["predrafted"]) and predraft >= 0
         hidden = reply.tensor("hidden", self.target.device)  # in the wire dtype: the projection casts once
-        if tuple(hidden.shape) != (rows, self.info["hidden_size"]) or not torch.isfinite(hidden).all():
+        got = hidden.shape[0] if self.hit else rows  # a pre-draft holds the rows after its known tokens
+        if (
+            tuple(hidden.shape) != (got, self.info["hidden_size"])
+            or not 0 < got <= rows
+            or not torch.isfinite(hidden).all()
+        ):
             self.counters["errors"] += 1
             raise DrafterUnavailable(f"the drafter's reply {list(hidden.shape)} is misshapen or holds NaN/Inf")
         selector = self.info.get("selector")
         gate = reply.tensor("gate", self.target.device) if selector and "gate" in reply.tensors else None
-        if gate is not None and (tuple(gate.shape) != (rows, selector["rank"]) or not torch.isfinite(gate).all()):
+        if gate is not None and (tuple(gate.shape) != (got, selector["rank"]) or not torch.isfinite(gate).all()):
             self.counters["errors"] += 1
             raise DrafterUnavailable(f"the drafter's gate {list(gate.shape)} is misshapen or holds NaN/Inf")
         self.counters["draft_ms"] += reply["draft_ms"]
         self.counters["propose_rtt_ms"] += (time.perf_counter() - began) * 1000
         self.counters["proposals"] += 1
+        self.counters["predraft_hits"] += self.hit
         return hidden, gate
 
     def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,10 +287,10 @@ class RemoteDraftBackend:
         return torch.cat(pieces[0]), torch.cat(pieces[1])
 
     def _propose(
-        self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int
+        self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int, predraft: int
     ) -> tuple[dict, dict]:
         # Rows 1.. of the noise block are the mask embedding the daemon holds since `open`.
-        fields = {"session": self.session, "start": start, "position": position, "rows": rows}
+        fields = {"session": self.session, "start": start, "position": position, "rows": rows, "predraft": predraft}
         return fields, {"features": features, "noise": noise[:1]}
 
     def close(self) -> None:

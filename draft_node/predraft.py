@@ -1,0 +1,89 @@
+"""Pre-drafts: the next block for each outcome of a verify the target has not finished.
+
+While the target verifies block `[x_p, d_1 .. d_k]`, the drafter would sit idle. The target
+names the outcomes it finds likeliest (j drafts accepted, then bonus token b) and sends their
+known tokens `[x_p, d_1 .. d_j, b]` embedded; each is drafted as the block
+`[x_p, d_1 .. d_j, b, MASK ...]` over the context the drafter holds now (positions before p:
+the features of the rows under verification do not exist yet). Slots after b are the next
+step's drafts. When the target's next propose names the outcome that happened, its drafts are
+ready; any other propose drafts afresh. The target verifies whatever it gets, so a pre-draft
+can cost acceptance but never exactness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_kernels.row_blocks import row_independence
+from draft_node.kv_cache import DraftKVCache
+from draft_node.model import Context
+from protocol.messages import MAX_PREDRAFT_OUTCOMES
+
+
+@dataclass
+class Predrafts:
+    """One session's pre-drafts: drafted over the context [.., base), one (hidden, gate) per
+    outcome, holding the drafts after its `known` tokens."""
+
+    base: int
+    known: list[int]
+    drafted: list[tuple[torch.Tensor, torch.Tensor | None]]
+
+    def take(
+        self, outcome: int, start: int, position: int, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Outcome `outcome`'s drafts (at most `rows`) for a propose of feature rows [start,
+        position), if they were drafted over the context those rows continue and for a block at
+        that position; None otherwise (a miss)."""
+        if start != self.base or not 0 <= outcome < len(self.drafted):
+            return None
+        if position != self.base + self.known[outcome] - 1:  # its bonus sits where the block starts
+            return None
+        hidden, gate = self.drafted[outcome]
+        return hidden[:rows], None if gate is None else gate[:rows]
+
+
+def check_outcomes(known: list[int], head_rows: int, block_size: int) -> None:
+    """Refuse what no target sends: too many outcomes, a head that leaves no slot to draft, or
+    row counts that do not add up to the rows sent. Raises ValueError naming the problem."""
+    if not 1 <= len(known) <= MAX_PREDRAFT_OUTCOMES:
+        raise ValueError(f"{len(known)} outcomes: name 1 to {MAX_PREDRAFT_OUTCOMES}")
+    if any(not 2 <= k <= block_size - 1 for k in known):
+        raise ValueError(
+            f"known rows {known}: each 2 (last_tok and the bonus) to {block_size - 1} (one slot left to draft)"
+        )
+    if sum(known) != head_rows:
+        raise ValueError(f"known rows add up to {sum(known)}, but {head_rows} head rows came")
+
+
+@torch.inference_mode()
+def predraft(cache: DraftKVCache, heads: torch.Tensor, known: list[int], mask: torch.Tensor) -> Predrafts:
+    """Draft every outcome over `cache`'s context as it is (which it leaves unchanged), in one
+    pass: `heads` [sum(known), hidden] are the outcomes' known tokens embedded, one run of
+    `known[i]` rows each, `mask` [1, hidden] the mask token's embedding. The outcomes share the
+    context, so each reads a copy of it with room for its own block's keys and values."""
+    drafter = cache.drafter
+    block = drafter.config.block_size
+    check_outcomes(known, heads.shape[0], block)
+    count, anchor = len(known), cache.length
+    noise = torch.stack([torch.cat([head, mask.expand(block - head.shape[0], -1)]) for head in heads.split(known)])
+    shared = cache.context()
+    live = shared.positions.shape[0]
+    buffers = []
+    for k, v in shared.buffers:
+        copies = (
+            k.new_empty((count, k.shape[1], live + block, k.shape[3])),
+            v.new_empty((count, v.shape[1], live + block, v.shape[3])),
+        )
+        copies[0][:, :, :live], copies[1][:, :, :live] = k[:, :, :live], v[:, :, :live]
+        buffers.append(copies)
+    rows = anchor + torch.arange(block, device=drafter.device).expand(count, -1)
+    with row_independence(drafter.device):
+        hidden = drafter.run_blocks(noise, rows, torch.full_like(rows, anchor), [Context(buffers, shared.positions)])
+        drafts = [hidden[i, k:] for i, k in enumerate(known)]  # the slots after each outcome's b
+        gates = drafter.gate(torch.cat(drafts)).split([block - k for k in known]) if drafter.config.dflash2 else None
+    return Predrafts(
+        anchor, list(known), [(h, None if gates is None else g) for h, g in zip(drafts, gates or drafts, strict=True)]
+    )

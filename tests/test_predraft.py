@@ -1,0 +1,302 @@
+"""Pre-drafting (draft_node/predraft.py): the next block drafted for the verify's likeliest
+outcomes while the target verifies. A hit answers from the pre-draft, a miss drafts afresh, a
+stale pre-draft is never used, a drafter that dies mid-pre-draft costs one timeout: and the
+output stays the target's own, greedy and sampled, remote and in process."""
+
+import os
+import signal
+
+import msgpack
+import pytest
+import torch
+from helpers import draft_daemon, greedy, tiny_target
+
+from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
+from draft_node.daemon import DraftService
+from draft_node.kv_cache import DraftKVCache
+from draft_node.predraft import predraft
+from draft_node.settings import DraftSettings
+from protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
+from protocol.messages import MAX_PREDRAFT_OUTCOMES
+from protocol.sampling import SamplingParams
+from target_node.decoding.options import DecodeOptions
+from target_node.decoding.sequence import generate
+from target_node.drafting.local_backend import LocalDraftBackend
+from target_node.drafting.proposers import DFlashProposer, NGramProposer
+from target_node.drafting.remote import LinkTiming, RemoteDraftBackend
+
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [40, 41, 42, 43, 44, 45, 46]]
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", seed=4)
+
+
+@pytest.fixture(scope="module")
+def cfg(target):
+    return config_for_target(target.config, block_size=8, taps=3)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(cfg, tmp_path_factory):
+    return save_drafter(random_drafter(cfg, seed=1, std=0.1), tmp_path_factory.mktemp("drafter"))
+
+
+# --- the pre-draft itself ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dflash2", [False, True], ids=["dflash", "dflash2"])
+def test_outcomes_drafted_in_one_pass_equal_each_drafted_alone(target, dflash2):
+    cfg = config_for_target(target.config, block_size=8, taps=3, dflash2=dflash2)
+    drafter = random_drafter(cfg, seed=2, std=0.1)
+    g = torch.Generator().manual_seed(0)
+    cache = DraftKVCache(drafter, capacity=16)  # 20 rows: the ring has wrapped
+    cache.append(0, torch.randn(20, cfg.feature_width, generator=g))
+    mask = torch.randn(1, cfg.hidden_size, generator=g)
+    known = [2, 5, 3, 7]
+    heads = torch.randn(sum(known), cfg.hidden_size, generator=g)
+    drafted = predraft(cache, heads, known, mask)
+    assert drafted.base == cache.length == 20  # the context is left as it was
+    for (hidden, gate), head in zip(drafted.drafted, heads.split(known), strict=True):
+        noise = torch.cat([head, mask.expand(cfg.block_size - head.shape[0], -1)])
+        alone, alone_gate = cache.draft_rows(noise, 20, cfg.block_size - 1)
+        k = head.shape[0]
+        assert hidden.shape[0] == cfg.block_size - k  # the slots after the outcome's bonus
+        assert torch.equal(hidden, alone[k - 1 :])
+        assert (gate is None) == (not dflash2) and (gate is None or torch.equal(gate, alone_gate[k - 1 :]))
+
+
+# --- the draft daemon's side ---------------------------------------------------------------------
+
+
+def call(svc, type_, tensors=None, **fields):
+    msg = decode(encode(type_, 9, fields, tensors))
+    msg.peer = "peer"
+    return decode(svc.handle(msg))
+
+
+def raw_call(svc, header: dict, tensors: dict):
+    """A message as a careless or hostile peer sends it: not checked on the way out."""
+    specs = [
+        {"name": n, "dtype": "float32", "shape": list(t.shape), "nbytes": t.numel() * 4} for n, t in tensors.items()
+    ]
+    frames = [msgpack.packb({"v": PROTOCOL_VERSION, "id": 9, **header, "tensors": specs})]
+    frames += [t.float().contiguous().numpy().tobytes() for t in tensors.values()]
+    try:
+        msg = decode(frames)
+        msg.peer = "peer"
+    except ProtocolError as exc:  # what the daemon's socket loop hands it for an undecodable message
+        msg = exc
+    return decode(svc.handle(msg))
+
+
+class Session:
+    """A target's session on a DraftService: its feature rows, drawn once, sent as a target would."""
+
+    def __init__(self, cfg, seed: int = 0, name: str = "s", drafter=None) -> None:
+        self.cfg, self.name = cfg, name
+        self.svc = DraftService(drafter or random_drafter(cfg, seed=3, std=0.1), DraftSettings(ring_capacity=64))
+        g = torch.Generator().manual_seed(seed)
+        self.features = torch.randn(40, cfg.feature_width, generator=g)
+        self.noise = torch.randn(40, 1, cfg.hidden_size, generator=g)
+        self.mask = torch.randn(1, cfg.hidden_size, generator=g)
+        self.heads = torch.randn(40, cfg.hidden_size, generator=g)
+        assert call(self.svc, "open", {"mask": self.mask}, session=name).type == "ok"
+
+    def propose(self, start: int, position: int, outcome: int = -1):
+        tensors = {"features": self.features[start:position], "noise": self.noise[position]}
+        return call(self.svc, "propose", tensors, session=self.name, start=start, position=position, predraft=outcome)
+
+    def predraft(self, position: int, known: list[int], heads: torch.Tensor | None = None):
+        heads = self.heads[: sum(known)] if heads is None else heads
+        return call(self.svc, "predraft", {"heads": heads}, session=self.name, position=position, known=known)
+
+    @property
+    def cache(self) -> DraftKVCache:
+        return self.svc.sessions[("peer", self.name)].cache
+
+
+def test_a_named_outcome_is_answered_from_its_predraft_and_the_context_goes_on_as_after_a_fresh_draft(cfg):
+    drafter = random_drafter(cfg, seed=3, std=0.1)
+    hit, fresh = Session(cfg, drafter=drafter), Session(cfg, drafter=drafter)
+    for s in (hit, fresh):
+        assert s.propose(0, 5).type == "proposal"
+    known = [2, 4, 3]
+    want = predraft(hit.cache, hit.heads[:9], known, hit.mask).drafted[1][0]
+    assert hit.predraft(5, known).type == "ok"
+    reply = hit.propose(5, 5 + known[1] - 1, outcome=1)  # outcome 1 happened: 2 drafts accepted, then b
+    assert reply["predrafted"] and torch.equal(reply.tensor("hidden"), want)
+    assert reply.tensor("hidden").shape[0] == cfg.block_size - known[1]
+    assert not fresh.propose(5, 8)["predrafted"]
+    # The hit's feature rows joined the context exactly as a fresh propose's do.
+    assert torch.equal(hit.propose(8, 11).tensor("hidden"), fresh.propose(8, 11).tensor("hidden"))
+    assert hit.svc.counters["predraft_hits"] == 1 and hit.svc.counters["predrafts"] == 1
+
+
+def test_stale_or_unnamed_predrafts_are_never_used(cfg):
+    s, fresh = Session(cfg), Session(cfg)
+
+    def same_as_fresh(reply, start, position):
+        """Not pre-drafted, and what a session that never pre-drafted drafts for the same rows."""
+        call(fresh.svc, "reset", session=fresh.name, position=0)
+        if start:
+            fresh.propose(0, start)
+        return not reply["predrafted"] and torch.equal(
+            reply.tensor("hidden"), fresh.propose(start, position).tensor("hidden")
+        )
+
+    s.propose(0, 5)
+    s.predraft(5, [2, 3])
+    call(s.svc, "reset", session=s.name, position=5)  # a reset ends them
+    assert same_as_fresh(s.propose(5, 6, outcome=0), 5, 6)
+    s.predraft(6, [2, 3])
+    assert same_as_fresh(s.propose(6, 8, outcome=0), 6, 8)  # named 0 (2 rows), but 3 came: the target's bug
+    s.predraft(8, [2, 3])
+    assert same_as_fresh(s.propose(2, 9, outcome=1), 2, 9)  # rows resent from 2: another context
+    s.predraft(9, [2, 3])
+    assert same_as_fresh(s.propose(9, 10, outcome=5), 9, 10)  # no such outcome
+    s.predraft(10, [2, 3])
+    assert same_as_fresh(s.propose(10, 11), 10, 11)  # none named: and the propose ends them
+    assert same_as_fresh(s.propose(11, 12, outcome=0), 11, 12)
+    assert s.svc.counters["predraft_hits"] == 0
+
+
+def test_a_hit_in_a_burst_of_proposes_is_answered_beside_the_fresh_drafts(cfg):
+    drafter = random_drafter(cfg, seed=3, std=0.1)
+    a, b = Session(cfg, seed=0, name="a", drafter=drafter), Session(cfg, seed=1, name="b", drafter=drafter)
+    b.svc = a.svc  # one daemon, two sessions
+    assert call(a.svc, "open", {"mask": b.mask}, session="b").type == "ok"
+    a.propose(0, 4), b.propose(0, 4)
+    a.predraft(4, [3])
+    burst = []
+    for s, outcome in ((a, 0), (b, -1)):
+        tensors = {"features": s.features[4:6], "noise": s.noise[6]}
+        msg = decode(encode("propose", 9, dict(session=s.name, start=4, position=6, predraft=outcome), tensors))
+        msg.peer = "peer"
+        burst.append(msg)
+    replies = [decode(r) for r in a.svc.handle_all(burst)]
+    assert [r.type for r in replies] == ["proposal", "proposal"]
+    assert replies[0]["predrafted"] and not replies[1]["predrafted"]
+    assert replies[0].tensor("hidden").shape[0] == cfg.block_size - 3 and replies[1].tensor("hidden").shape[0] == 7
+
+
+@pytest.mark.parametrize(
+    "known, heads, position, code",
+    [
+        ([2, 3], 4, 5, "bad_field"),  # rows do not add up
+        ([1], 1, 5, "bad_field"),  # no bonus
+        ([8], 8, 5, "bad_field"),  # no slot left to draft (block 8)
+        ([2] * (MAX_PREDRAFT_OUTCOMES + 1), 2 * (MAX_PREDRAFT_OUTCOMES + 1), 5, "bad_field"),
+        ([2], 2, 4, "out_of_order"),  # the context ends at 5
+        ([2], "nan", 5, "bad_tensor"),
+        ([2], "wide", 5, "config_mismatch"),
+    ],
+)
+def test_a_bad_predraft_gets_a_precise_error_and_the_session_serves_on(cfg, known, heads, position, code):
+    s = Session(cfg)
+    s.propose(0, 5)
+    if heads == "nan":
+        rows = torch.full((2, cfg.hidden_size), float("nan"))
+    elif heads == "wide":
+        rows = torch.randn(2, cfg.hidden_size + 1)
+    else:
+        rows = torch.randn(heads, cfg.hidden_size)
+    header = {"type": "predraft", "session": s.name, "position": position, "known": known}
+    reply = raw_call(s.svc, header, {"heads": rows})
+    assert reply.type == "error" and reply["code"] == code, reply.fields
+    assert s.propose(5, 6, outcome=0).type == "proposal"
+    stranger = raw_call(s.svc, dict(header, session="never", known=[2]), {"heads": torch.randn(2, cfg.hidden_size)})
+    assert stranger["code"] == "unknown_session"
+
+
+def test_a_peer_of_an_older_version_is_refused_with_bad_version(cfg):
+    s = Session(cfg)
+    s.propose(0, 3)
+    header = {"v": 5, "type": "propose", "session": s.name, "start": 3, "position": 4}
+    features, noise = torch.randn(1, cfg.feature_width), torch.randn(1, cfg.hidden_size)
+    reply = raw_call(s.svc, header, {"features": features, "noise": noise})
+    assert reply.type == "error" and reply["code"] == "bad_version"
+    assert "v=5" in reply["message"] and f"v={PROTOCOL_VERSION}" in reply["message"]
+
+
+def test_a_flood_of_predrafts_keeps_one_per_session_and_others_are_served(cfg):
+    drafter = random_drafter(cfg, seed=3, std=0.1)
+    a, b = Session(cfg, seed=0, name="a", drafter=drafter), Session(cfg, seed=1, name="b", drafter=drafter)
+    b.svc = a.svc
+    call(a.svc, "open", {"mask": b.mask}, session="b")
+    a.propose(0, 5)
+    position = 0
+    for i in range(300):
+        assert a.predraft(5, [2] * MAX_PREDRAFT_OUTCOMES, a.heads[: 2 * MAX_PREDRAFT_OUTCOMES]).type == "ok"
+        if i % 30 == 0:  # the other session steps on through the flood
+            assert b.propose(position, position + 1).type == "proposal"
+            position += 1
+    held = [s.predrafts for s in a.svc.sessions.values() if s.predrafts is not None]
+    assert len(held) == 1 and len(held[0].drafted) == MAX_PREDRAFT_OUTCOMES  # the last one, no more
+    assert a.svc.counters["predrafts"] == 300 and a.svc.counters["errors"] == 0
+
+
+# --- end to end: exact whatever happens ----------------------------------------------------------
+
+
+def run(target, proposer, prompt, sampling=None, **options):
+    options.setdefault("adaptive", False)  # the same steps every run, so sources compare
+    return generate(target, prompt, proposer, DecodeOptions(MAX_NEW, sampling=sampling, **options))
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_remote_predrafting_is_exact_and_hits_where_the_drafter_in_process_does(target, checkpoint, tmp_path, sampled):
+    from draft_node.checkpoint import load_drafter
+
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=7) if sampled else None
+    local = DFlashProposer(LocalDraftBackend(load_drafter(checkpoint)), predraft=MAX_PREDRAFT_OUTCOMES)
+    plain_local = DFlashProposer(LocalDraftBackend(load_drafter(checkpoint)))
+    address = f"ipc://{tmp_path}/predraft.sock"
+    with draft_daemon(address, checkpoint):
+        backend = RemoteDraftBackend(address, target)
+        remote = DFlashProposer(backend, predraft=MAX_PREDRAFT_OUTCOMES)
+        hits = 0
+        for prompt in PROMPTS:
+            reference = run(target, plain_local, prompt, sampling)
+            if not sampled:
+                assert reference.tokens == greedy(target, prompt, MAX_NEW)
+            mine, theirs = run(target, local, prompt, sampling), run(target, remote, prompt, sampling)
+            # Greedy: the target's own output. Sampled: the same draws against the same q, hit or not.
+            assert theirs.tokens == mine.tokens and theirs.stats.sources == mine.stats.sources
+            assert theirs.stats.accepted_by_source == mine.stats.accepted_by_source
+            if not sampled:
+                assert mine.tokens == reference.tokens
+            hits += theirs.stats.sources.get("predraft", 0)
+        assert hits > 0 and backend.counters["predraft_hits"] == hits
+        assert backend.counters["timeouts"] == backend.counters["errors"] == 0
+        # A tree verify names no outcomes (only a chain's are predictable), and stays exact.
+        tree = run(target, remote, PROMPTS[0], tree_nodes=8)
+        assert tree.tokens == greedy(target, PROMPTS[0], MAX_NEW) and "predraft" not in tree.stats.sources
+        backend.close()
+
+
+def test_a_drafter_killed_mid_predraft_costs_one_timeout_and_nothing_else(target, checkpoint, tmp_path):
+    address = f"ipc://{tmp_path}/dying.sock"
+    prompt = PROMPTS[2]
+    want = greedy(target, prompt, MAX_NEW)
+    with draft_daemon(address, checkpoint) as proc:
+        backend = RemoteDraftBackend(
+            address, target, timing=LinkTiming(timeout_s=1.0, probe_timeout_s=0.2, retry_s=60.0)
+        )
+        sent = backend.predraft
+
+        def predraft_then_die(position, heads, known):
+            sent(position, heads, known)
+            if backend.counters["predrafts"] == 4:  # the daemon dies with a pre-draft in hand
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+        backend.predraft = predraft_then_die
+        proposer = DFlashProposer(backend, NGramProposer(), predraft=4)
+        result = run(target, proposer, prompt)
+    assert result.tokens == want
+    assert backend.counters["timeouts"] == 1 and backend.counters["predrafts"] == 4
+    assert result.stats.sources["dflash"] >= 3 and result.stats.sources.get("ngram", 0) > 0
+    backend.close()
