@@ -16,16 +16,18 @@ runs as one command, each phase time-boxed, every result written as it comes int
    each target's verify cost by width (what the governor weighs);
 4. `bench`: plain vs DFlash on the GPU, the draft daemon a separate process on the same GPU
    (`benchmarks.evaluate` modes plain, chain, tree:8 and the adaptive default, on held-out prompts);
-5. `batching`: requests decoded side by side against each alone, and what drafting pays as N grows;
-6. `draft_batch`: the draft daemon's proposes in one pass against one by one, and whether its load
+5. `split`: the split on one GPU, two processes: the drafter in the target's process, in a draft
+   daemon, and in the daemon pre-drafting 8 outcomes during each verify (issue 31), in turns;
+6. `batching`: requests decoded side by side against each alone, and what drafting pays as N grows;
+7. `draft_batch`: the draft daemon's proposes in one pass against one by one, and whether its load
    check (each session's bits as alone, torch's kernels in fixed row blocks) let it batch them;
-7. `gen`: self-instruct answers from the target in bf16 with large batches, into `OUT/answers`
+8. `gen`: self-instruct answers from the target in bf16 with large batches, into `OUT/answers`
    (answer-store shards: copy them into data/answers/ to keep them);
-8. `train`: the shipped drafter trained further on the store plus the new answers, into `OUT/drafter`,
+9. `train`: the shipped drafter trained further on the store plus the new answers, into `OUT/drafter`,
    in the DFlash2 format by default (its convolutions learn with the backbone from the identity, then
    its selector on the backbone's outputs; `--format dflash` keeps the first format), under
    `torchrun` with one rank per visible GPU (DDP over NCCL), the path a many-GPU machine takes;
-9. `eval`: the new drafter against the shipped one on the held-out prompts (drafting every step).
+10. `eval`: the new drafter against the shipped one on the held-out prompts (drafting every step).
 
 `--plan drafter` spends the whole budget on drafters instead (issue 29), the committed answer store
 its data: features by batched prefill on the device (15% of the budget), then one drafter per
@@ -188,6 +190,23 @@ def bench(model: Path, drafter: Path, device: str, prompts: int, max_new: int, t
             ]
         )
         result = evaluate.evaluate(options)
+    return {"modes": result["modes"], "mismatches": result["mismatches"], "prompts": result["prompts"]}
+
+
+def split(model: Path, drafter: Path, device: str, prompts: int, max_new: int, threads: int) -> dict:
+    """The split on one device, in turns: the drafter in the target's process, in a draft daemon
+    (a second process on the same device), and in the daemon pre-drafting 8 outcomes per verify
+    (rows MODE, MODE@baseline, MODE@predraft)."""
+    from benchmarks import evaluate
+    from launch.local import daemon, free_address
+
+    address = free_address()
+    args = ["--checkpoint", str(drafter), "--device", device, "--threads", str(threads)]
+    with daemon("draft daemon", "launch.draft_daemon", address, args, 300):
+        flags = ["--drafter", str(drafter), "--baseline-address", address, "--predraft", "8", "--model", str(model)]
+        flags += ["--device", device, "--modes", "chain,adaptive", "--limit", str(prompts)]
+        flags += ["--max-new-tokens", str(max_new), "--prompts", str(ROOT / "data" / "eval_prompts.jsonl")]
+        result = evaluate.evaluate(evaluate.parse_args(flags))
     return {"modes": result["modes"], "mismatches": result["mismatches"], "prompts": result["prompts"]}
 
 
@@ -415,6 +434,7 @@ def check_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
     run.phase("invariance", run_invariance, args.device, max(90.0, min(180.0, 0.2 * run.left())), args.tiny)
     run.phase("exactness", exactness, model, shipped, args.device, sizes["exact_prompts"], sizes["max_new"])
     run.phase("bench", bench, model, shipped, args.device, sizes["prompts"], sizes["max_new"], args.threads)
+    run.phase("split", split, model, shipped, args.device, sizes["prompts"], sizes["max_new"], args.threads)
     run.phase("batching", batching, model, shipped, args.device, sizes["prompts"], sizes["max_new"], sizes["widest"])
     run.phase("draft_batch", draft_batch, shipped, args.device, "1,4" if args.tiny else "1,2,4,8,16,32")
     gen = (sizes["gen"], sizes["batch"], sizes["dtype"], sizes["answer"])

@@ -33,6 +33,7 @@ def test_tiny_mode_runs_every_phase(tmp_path):
         "invariance",
         "exactness",
         "bench",
+        "split",
         "batching",
         "draft_batch",
         "gen",
@@ -46,6 +47,8 @@ def test_tiny_mode_runs_every_phase(tmp_path):
     assert set(exact) == {f"{d} {p}" for d in ("bfloat16", "float32") for p in ("engine", "transformers path")}
     assert all(n == 0 for name, row in exact.items() if "engine" in name for n in row["differs"].values())
     assert phases["bench"]["mismatches"] == 0 and set(phases["bench"]["modes"]) >= {"plain", "chain", "adaptive"}
+    split = phases["split"]
+    assert split["mismatches"] == 0 and set(split["modes"]) >= {"chain", "chain@baseline", "chain@predraft"}
     drafts = phases["draft_batch"]["rows"]
     assert {r["sessions"] for r in drafts} == {1, 4} and all(r["batched_in_one_pass"] for r in drafts)
     rounds = phases["batching"]["rounds"]
