@@ -312,14 +312,26 @@ class DraftService:
         if len(group) > 1:
             self.counters["batched"] += len(group)
         for (i, session, step), (hidden, gate) in zip(group, drafted, strict=True):
-            msg = msgs[i]
-            tensors = {"hidden": hidden} if gate is None else {"hidden": hidden, "gate": gate}
-            session.steps += 1
-            session.rows_in += step.features.shape[0]
-            self.counters["proposals"] += 1
-            self.counters["draft_ms"] += draft_ms
-            wire = msg.tensors["noise"][0].dtype
-            replies[i] = encode("proposal", msg.id, {"draft_ms": draft_ms}, tensors, wire_dtype=wire)
+            replies[i] = self._proposal(msgs[i], session, step, hidden, gate, draft_ms)
+
+    def _proposal(
+        self,
+        msg: Message,
+        session: Session,
+        step: DraftStep,
+        hidden: torch.Tensor,
+        gate: torch.Tensor | None,
+        draft_ms: float,
+        predrafted: bool = False,
+    ) -> list:
+        """A propose's reply, counted: in the wire dtype its noise came in."""
+        session.steps += 1
+        session.rows_in += step.features.shape[0]
+        self.counters["proposals"] += 1
+        self.counters["draft_ms"] += draft_ms
+        tensors = {"hidden": hidden} if gate is None else {"hidden": hidden, "gate": gate}
+        fields = {"draft_ms": draft_ms, "predrafted": True} if predrafted else {"draft_ms": draft_ms}
+        return encode("proposal", msg.id, fields, tensors, wire_dtype=msg.tensors["noise"][0].dtype)
 
     def _answer_predrafted(self, msg: Message, session: Session, step: DraftStep, replies: list, i: int) -> bool:
         """Answer a propose from the session's pre-draft of the outcome it names, if there is one
@@ -331,16 +343,9 @@ class DraftService:
             return False
         step.noise = None  # the context rows only: the block is drafted already
         _, draft_ms = timed_pass([step], together=True)
-        hidden, gate = drafted
-        session.steps += 1
-        session.rows_in += step.features.shape[0]
         session.predraft_hits += 1
-        self.counters["proposals"] += 1
         self.counters["predraft_hits"] += 1
-        self.counters["draft_ms"] += draft_ms
-        tensors = {"hidden": hidden} if gate is None else {"hidden": hidden, "gate": gate}
-        wire = msg.tensors["noise"][0].dtype
-        replies[i] = encode("proposal", msg.id, {"draft_ms": draft_ms, "predrafted": True}, tensors, wire_dtype=wire)
+        replies[i] = self._proposal(msg, session, step, *drafted, draft_ms, predrafted=True)
         return True
 
     def admit_propose(self, msg: Message) -> tuple[Session, DraftStep]:
