@@ -17,7 +17,8 @@ runs as one command, each phase time-boxed, every result written as it comes int
 4. `bench`: plain vs DFlash on the GPU, the draft daemon a separate process on the same GPU
    (`benchmarks.evaluate` modes plain, chain, tree:8 and the adaptive default, on held-out prompts);
 5. `split`: the split on one GPU, two processes: the drafter in the target's process, in a draft
-   daemon, and in the daemon pre-drafting 8 outcomes during each verify (issue 31), in turns;
+   daemon, and in the daemon pre-drafting 8 outcomes during each verify (issue 31), in turns; then
+   1, 4, 16 and 64 requests drafted together or in two alternating halves (`benchmarks.bench_overlap`);
 6. `batching`: requests decoded side by side against each alone, and what drafting pays as N grows;
 7. `draft_batch`: the draft daemon's proposes in one pass against one by one, and whether its load
    check (each session's bits as alone, torch's kernels in fixed row blocks) let it batch them;
@@ -193,11 +194,12 @@ def bench(model: Path, drafter: Path, device: str, prompts: int, max_new: int, t
     return {"modes": result["modes"], "mismatches": result["mismatches"], "prompts": result["prompts"]}
 
 
-def split(model: Path, drafter: Path, device: str, prompts: int, max_new: int, threads: int) -> dict:
+def split(model: Path, drafter: Path, device: str, prompts: int, max_new: int, threads: int, batches: str) -> dict:
     """The split on one device, in turns: the drafter in the target's process, in a draft daemon
     (a second process on the same device), and in the daemon pre-drafting 8 outcomes per verify
-    (rows MODE, MODE@baseline, MODE@predraft)."""
-    from benchmarks import evaluate
+    (rows MODE, MODE@baseline, MODE@predraft); then `batches` requests at once drafted together
+    or in two alternating halves, against plain batched decoding (`overlap`)."""
+    from benchmarks import bench_overlap, evaluate
     from launch.local import daemon, free_address
 
     address = free_address()
@@ -207,7 +209,10 @@ def split(model: Path, drafter: Path, device: str, prompts: int, max_new: int, t
         flags += ["--device", device, "--modes", "chain,adaptive", "--limit", str(prompts)]
         flags += ["--max-new-tokens", str(max_new), "--prompts", str(ROOT / "data" / "eval_prompts.jsonl")]
         result = evaluate.evaluate(evaluate.parse_args(flags))
-    return {"modes": result["modes"], "mismatches": result["mismatches"], "prompts": result["prompts"]}
+        flags = ["--drafter-address", address, "--model", str(model), "--device", device, "--batches", batches]
+        overlap = bench_overlap.main([*flags, "--rounds", "1", "--max-new-tokens", str(max_new), "--threads", "0"])
+    modes, mismatches = result["modes"], result["mismatches"] + overlap["mismatches"]
+    return {"modes": modes, "overlap": overlap["rows"], "mismatches": mismatches, "prompts": result["prompts"]}
 
 
 def batching(model: Path, drafter: Path, device: str, prompts: int, max_new: int, widest: int) -> dict:
@@ -434,7 +439,8 @@ def check_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
     run.phase("invariance", run_invariance, args.device, max(90.0, min(180.0, 0.2 * run.left())), args.tiny)
     run.phase("exactness", exactness, model, shipped, args.device, sizes["exact_prompts"], sizes["max_new"])
     run.phase("bench", bench, model, shipped, args.device, sizes["prompts"], sizes["max_new"], args.threads)
-    run.phase("split", split, model, shipped, args.device, sizes["prompts"], sizes["max_new"], args.threads)
+    overlap = "1,2" if args.tiny else "1,4,16,64"
+    run.phase("split", split, model, shipped, args.device, sizes["prompts"], sizes["max_new"], args.threads, overlap)
     run.phase("batching", batching, model, shipped, args.device, sizes["prompts"], sizes["max_new"], sizes["widest"])
     run.phase("draft_batch", draft_batch, shipped, args.device, "1,4" if args.tiny else "1,2,4,8,16,32")
     gen = (sizes["gen"], sizes["batch"], sizes["dtype"], sizes["answer"])

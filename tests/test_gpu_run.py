@@ -49,6 +49,7 @@ def test_tiny_mode_runs_every_phase(tmp_path):
     assert phases["bench"]["mismatches"] == 0 and set(phases["bench"]["modes"]) >= {"plain", "chain", "adaptive"}
     split = phases["split"]
     assert split["mismatches"] == 0 and set(split["modes"]) >= {"chain", "chain@baseline", "chain@predraft"}
+    assert [row["batch"] for row in split["overlap"]] == [1, 2] and split["overlap"][1]["halves_tok_s"] > 0
     drafts = phases["draft_batch"]["rows"]
     assert {r["sessions"] for r in drafts} == {1, 4} and all(r["batched_in_one_pass"] for r in drafts)
     rounds = phases["batching"]["rounds"]

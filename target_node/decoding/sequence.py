@@ -205,20 +205,26 @@ class Sequence:
 
 
 def step(
-    target: TargetModel, sequences: list[Sequence], pace: PrefillPace | None = None, waiting: bool = False
+    target: TargetModel,
+    sequences: list[Sequence],
+    pace: PrefillPace | None = None,
+    waiting: bool = False,
+    prepared: bool = False,
 ) -> None:
     """One forward for all `sequences` (not done), each offering its part; then one head projection
     for every row that needs it, and each sequence takes its share. A `pace` sizes the prompt
     chunks in it to a time budget (else each sequence's own `prefill_chunk`), unless one prompt
-    runs alone and no other request is `waiting` to start."""
+    runs alone and no other request is `waiting` to start. `prepared`: each sequence's `prepare`
+    ran already (a schedule that starts one group's drafts while another group's forward runs)."""
     prefilling = [seq for seq in sequences if seq.prefilling]
     if pace is not None:
         alone = len(sequences) == 1 and not waiting
         for seq in prefilling:
             seq.chunk = pace.chunk(len(prefilling), alone)
     began = time.perf_counter()
-    for seq in sequences:
-        seq.prepare(len(sequences))
+    if not prepared:
+        for seq in sequences:
+            seq.prepare(len(sequences))
     parts = [seq.part() for seq in sequences]
     _share_draft_time(sequences, time.perf_counter() - began)
     prompt_rows = sum(len(p.tokens) for seq, p in zip(sequences, parts, strict=True) if seq.prefilling)
