@@ -276,6 +276,7 @@ def spawn(module: str, address: str, args: list[str], log: Path) -> subprocess.P
         [sys.executable, "-m", module, "--bind", address, *args], env=colocated_env(), stdout=out, stderr=out
     )
     if not wait_ready(address, 300, alive=lambda: proc.poll() is None):
+        stop(proc)  # one still loading must not outlive the soak that gave up on it
         raise SystemExit(f"{module} did not become ready at {address}; see {log}")
     return proc
 
@@ -372,7 +373,11 @@ def start_daemons(args: argparse.Namespace, model: Path, checkpoint: Path, work:
     # A stopped drafter stalls a step this long, then the fallback drafts: short, so pings keep their bar.
     target_args += ["--draft-timeout", "0.2", "--draft-retry", "1", "--prefix-cache-mb", str(prefix_mb)]
     drafter = spawn("launch.draft_daemon", draft_address, draft_args, work / "draft.log")
-    target = spawn("launch.target_daemon", target_address, target_args, work / "target.log")
+    try:
+        target = spawn("launch.target_daemon", target_address, target_args, work / "target.log")
+    except BaseException:  # a target that would not start leaves no draft daemon behind
+        stop(drafter)
+        raise
     return Daemons(drafter, target, draft_address, target_address, draft_args, work / "draft.log")
 
 

@@ -6,6 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from benchmarks import soak
+
 
 def test_a_short_soak_loses_nothing_and_every_greedy_output_is_its_own(tmp_path):
     out = tmp_path / "soak.json"
@@ -21,3 +25,20 @@ def test_a_short_soak_loses_nothing_and_every_greedy_output_is_its_own(tmp_path)
     assert report["ping_max_ms"] <= 250  # during the drafter's faults too
     cache = report["prefix_cache"]  # a small one: requests started from stored rows while others were evicted
     assert cache["hits"] > 0 and cache["evicted"] > 0 and cache["bytes"] <= cache["max_bytes"]
+
+
+def test_a_target_that_will_not_start_leaves_no_draft_daemon_behind(tmp_path, monkeypatch):
+    spawned = []
+
+    def spawn(*args, **kwargs):
+        spawned.append(real(*args, **kwargs))
+        return spawned[-1]
+
+    real = soak.spawn
+    monkeypatch.setattr(soak, "spawn", spawn)
+    model, checkpoint = soak.tiny_pair(tmp_path)
+    (model / "config.json").write_text("{}")  # the target daemon refuses it and exits
+    args = soak.parse_args(["--tiny", "--seconds", "1"])
+    with pytest.raises(SystemExit, match="launch.target_daemon did not become ready"):
+        soak.start_daemons(args, model, checkpoint, tmp_path)
+    assert len(spawned) == 1 and spawned[0].poll() is not None  # the draft daemon started, and is gone
