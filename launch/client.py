@@ -15,6 +15,7 @@ from pathlib import Path
 
 from frontend.target_client import TargetClient
 from launch.net import TARGET_ADDRESS, client_security, one_line_errors
+from protocol.keys import ClientKeys
 from protocol.stats import RequestStats
 from protocol.transport import wait_ready
 
@@ -44,11 +45,11 @@ def request_fields(prompt: str, args: argparse.Namespace) -> dict:
     return fields
 
 
-def run(args: argparse.Namespace, out=sys.stdout) -> list[dict]:
+def run(args: argparse.Namespace, keys: ClientKeys | None = None, out=sys.stdout) -> list[dict]:
+    """Send the prompts `args` names to the target daemon at `args.address` (over CURVE with `keys`)."""
     prompts = read_prompts(args)
     if not prompts:
         raise SystemExit("no prompts: give --prompt TEXT or --prompts-file FILE")
-    keys = getattr(args, "client_keys", None)
     if not wait_ready(args.address, min(args.timeout, READY_S), curve=keys):
         raise TimeoutError(
             f"no target daemon answered a ping at {args.address} within {min(args.timeout, READY_S):g} s "
@@ -108,10 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server-key", help="the target daemon's public key (NAME.key): CURVE, needs --curve-key")
     add_client_args(parser)
     args = parser.parse_args(argv)
-    args.client_keys = client_security(parser, args.curve_key, args.server_key, "--server-key")
+    keys = client_security(parser, args.curve_key, args.server_key, "--server-key")
     try:
         with one_line_errors(parser.prog):
-            run(args)
+            run(args, keys)
     except KeyboardInterrupt:  # the request in flight was cancelled on the way out
         print("\n[cancelled]", file=sys.stderr)
         raise SystemExit(130) from None

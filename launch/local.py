@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with one_line_errors(parser.prog), local_daemons(args) as target_address:
         args.address = target_address
-        client.run(args)
+        client.run(args, args.client_keys)
 
 
 if __name__ == "__main__":
