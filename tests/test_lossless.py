@@ -92,3 +92,18 @@ def test_draft_vocabulary_restricts_proposals_and_stays_lossless(target):
         seen.extend(logits.argmax(-1).tolist())
         assert torch.isinf(logits[:, 1]).all() and torch.isfinite(logits[:, 3]).all()
     assert all(t % 3 == 0 for t in seen)
+
+
+def test_guesses_over_a_drafters_own_columns_are_the_argmaxes_over_the_whole_vocabulary(target):
+    cfg = config_for_target(target.config, block_size=8, taps=2)
+    drafter = random_drafter(cfg, seed=6)
+    vocab = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(1))[: target.vocab_size // 4]
+    drafter.draft_vocab = vocab.tolist()  # a vocabulary comes most frequent first, not in id order
+    proposer = DFlashProposer(LocalDraftBackend(drafter))
+    generate(target, PROMPTS[0], proposer, DecodeOptions(4, adaptive=False))  # the request attaches the drafter
+    hidden = torch.randn(6, target.hidden_size)
+    proposal = proposer.drafting.guesses(hidden, None, 0)
+    full = proposer.drafting.project(hidden)
+    assert proposal.tokens == full.argmax(-1).tolist()
+    assert tuple(proposal.logits.shape) == (6, len(vocab)) and proposal.columns.tolist() == sorted(vocab.tolist())
+    assert torch.equal(proposal.full_logits(target.vocab_size), full)

@@ -36,3 +36,16 @@ def test_outcomes_rank_by_length_seen_times_the_bonus_tokens_probability_without
     logits[1, 3], logits[1, 4] = 5.0, 1.0  # slot 2: draft 3, runner-up 4
     ranked = likeliest_outcomes(logits, [1, 3], {0: 8, 1: 1}, 2)
     assert ranked == [(0, 2), (1, 4)]  # never a rejected draft as its own bonus
+
+
+def test_outcomes_from_a_drafters_own_columns_equal_those_from_the_whole_vocabulary():
+    gen = torch.Generator().manual_seed(3)
+    columns = torch.randperm(500, generator=gen)[:60].sort().values
+    compact = torch.randn(4, 60, generator=gen) * 3
+    full = torch.full((4, 500), float("-inf"))
+    full[:, columns] = compact
+    drafts = columns[compact.argmax(-1)].tolist()
+    lengths = {0: 5, 1: 3, 2: 1}
+    want = likeliest_outcomes(full, drafts, lengths, 8)
+    assert likeliest_outcomes(compact, drafts, lengths, 8, columns=columns) == want
+    assert len(want) == 8 and all(b in columns.tolist() and b != drafts[j] for j, b in want)

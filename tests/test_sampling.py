@@ -27,7 +27,8 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sampling import make_generator, probabilities, sample, verify_sampled
 from target_node.decoding.sequence import generate
 from target_node.drafting.local_backend import LocalDraftBackend
-from target_node.drafting.proposers import EMPTY, DFlashProposer, NGramProposer, NoProposer, Proposal
+from target_node.drafting.proposal import EMPTY, Proposal
+from target_node.drafting.proposers import DFlashProposer, NGramProposer, NoProposer
 
 ALPHA = 1e-4
 VOCAB = 16

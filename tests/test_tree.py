@@ -9,7 +9,8 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.tree import DraftTree
 from target_node.drafting.local_backend import LocalDraftBackend
-from target_node.drafting.proposers import DFlashProposer, NoProposer, Proposal
+from target_node.drafting.proposal import Proposal
+from target_node.drafting.proposers import DFlashProposer, NoProposer
 
 PROMPT = [5, 17, 42, 99, 3, 7]
 MAX_NEW = 40
@@ -139,3 +140,16 @@ def test_an_adversarial_drafter_costs_speed_never_output(target):
     result = generate(target, PROMPT, Adversary(), DecodeOptions(MAX_NEW, tree_nodes=12, adaptive=False))
     assert_lossless(target, PROMPT, result.tokens, want)
     assert result.stats.proposed >= 10 * result.stats.steps  # wide trees, all of them verified and refused
+
+
+def test_a_tree_from_a_drafters_own_columns_is_the_tree_from_the_whole_vocabulary():
+    gen = torch.Generator().manual_seed(4)
+    columns = torch.randperm(300, generator=gen)[:40].sort().values
+    compact = torch.randn(5, 40, generator=gen) * 3
+    full = torch.full((5, 300), float("-inf"))
+    full[:, columns] = compact
+    want = DraftTree.best_first(torch.log_softmax(full, -1), budget=12, max_depth=5, branching=3)
+    got = DraftTree.best_first(torch.log_softmax(compact, -1), budget=12, max_depth=5, branching=3, columns=columns)
+    assert (got.tokens, got.parents, got.depths) == (want.tokens, want.parents, want.depths)
+    assert got.path_probs == pytest.approx(want.path_probs, rel=1e-5)
+    assert set(got.tokens) <= set(columns.tolist()) and not got.is_chain

@@ -24,7 +24,8 @@ from target_node.decoding.pace import PrefillPace
 from target_node.decoding.sampling import Sampler
 from target_node.decoding.speculative import ForwardOut, Plan, Step, finish_step, plan_step
 from target_node.decoding.stats import Stats
-from target_node.drafting.proposers import EMPTY, Proposer
+from target_node.drafting.proposal import EMPTY
+from target_node.drafting.proposers import Proposer
 from target_node.model.target import TargetModel
 
 

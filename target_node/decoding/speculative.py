@@ -24,7 +24,8 @@ import torch
 from target_node.decoding.governor import Governor
 from target_node.decoding.sampling import Sampler
 from target_node.decoding.tree import DraftTree
-from target_node.drafting.proposers import EMPTY, Proposal, Proposer
+from target_node.drafting.proposal import EMPTY, Proposal
+from target_node.drafting.proposers import Proposer
 from target_node.model.target import TargetModel
 
 
@@ -70,7 +71,7 @@ def draft_tree(
     if proposal.logits is not None and proposal.tokens:
         logprobs = torch.log_softmax(proposal.logits.float(), dim=-1)
         budget = tree_nodes or min(limit, logprobs.shape[0])
-        tree = DraftTree.best_first(logprobs, budget, limit, branching=8 if tree_nodes else 1)
+        tree = DraftTree.best_first(logprobs, budget, limit, 8 if tree_nodes else 1, proposal.columns)
         probabilities = True
     else:
         tree, probabilities = DraftTree.chain(proposal.tokens[:limit]), False
@@ -119,14 +120,14 @@ def plan_step(
         tree, probabilities = draft_tree(proposal, limit, hints, trees, governor)
         predicted = tree.expected()[-1] if probabilities else None
     else:
-        drafts, q = sampler.draft(proposal.tokens, proposal.logits, proposal.walk)
+        drafts, q = sampler.draft(proposal.tokens, proposal.full_logits(target.vocab_size), proposal.walk)
         drafts = [hints[i] if i < len(hints) else drafts[i] for i in range(max(len(drafts), len(hints)))]
         tree, predicted = DraftTree.chain(drafts), None
         if governor is not None:
             tree = tree.prefix(governor.nodes(tree, False))
     if tree.is_chain and len(tree) and not hints:
         # While the forward verifies this chain, a drafter elsewhere may draft the next block.
-        proposer.predraft(tokens, tree.tokens, proposal.logits)
+        proposer.predraft(tokens, tree.tokens, proposal)
     position = len(tokens) - 1
     return Plan(
         [tokens[-1], *tree.tokens],

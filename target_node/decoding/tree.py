@@ -37,13 +37,22 @@ class DraftTree:
         return cls(list(tokens), list(range(n)), list(range(1, n + 1)), [1.0] * n)
 
     @classmethod
-    def best_first(cls, logprobs: torch.Tensor, budget: int, max_depth: int, branching: int = 8) -> DraftTree:
-        """The `budget` likeliest nodes, from per-depth draft log-probabilities [depths, vocab]."""
+    def best_first(
+        cls,
+        logprobs: torch.Tensor,
+        budget: int,
+        max_depth: int,
+        branching: int = 8,
+        columns: torch.Tensor | None = None,
+    ) -> DraftTree:
+        """The `budget` likeliest nodes, from per-depth draft log-probabilities [depths, columns]
+        (`columns`: each column's token id, ascending; None: column i is token i)."""
         max_depth = min(max_depth, logprobs.shape[0])
         if budget <= 0 or max_depth <= 0:
             return cls([], [], [], [])
         k = min(branching, budget, logprobs.shape[1])
-        top_lp, top_ids = (t.tolist() for t in logprobs[:max_depth].float().topk(k, dim=-1))
+        top = logprobs[:max_depth].float().topk(k, dim=-1)
+        top_lp, top_ids = top.values.tolist(), (top.indices if columns is None else columns[top.indices]).tolist()
         tree = cls([], [], [], [])
         # Candidates: (-path logprob, parent node, depth, rank among that depth's top-k).
         heap = [(-top_lp[0][0], 0, 1, 0)]

@@ -18,7 +18,8 @@ import torch
 import dflash_kernels
 from protocol.messages import fit_problems
 from target_node.drafting.feature_ring import FeatureRing
-from target_node.drafting.selector import Lattice, Selector, SelectorSpec, rerank
+from target_node.drafting.proposal import Proposal
+from target_node.drafting.selector import Selector, SelectorSpec, rerank
 from target_node.model.target import TargetModel
 
 
@@ -57,18 +58,19 @@ class DrafterBridge:
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.project(hidden)
 
-    def guesses(
-        self, hidden: torch.Tensor, gate: torch.Tensor | None, anchor: int
-    ) -> tuple[list[int], torch.Tensor, Lattice | None]:
-        """(first choices, draft logits, the selector's lattice or None) for the drafter's rows after
-        `anchor`: the argmaxes, or with a DFlash2 selector its greedy chain, made the logits' first
-        choices (selector.rerank); sampled steps walk the lattice by drawing instead."""
-        logits = self.project(hidden)
+    def guesses(self, hidden: torch.Tensor, gate: torch.Tensor | None, anchor: int) -> Proposal:
+        """The drafts of the drafter's rows after `anchor` and their logits: the argmaxes over the
+        drafter's vocabulary's columns, or with a DFlash2 selector its greedy chain, made the logits'
+        first choices (selector.rerank), with its lattice (sampled steps walk it by drawing)."""
         if self.selector is None or gate is None:
-            return logits.argmax(-1).tolist(), logits, None
+            logits, columns = self.head.compact(hidden), self.head.columns
+            best = logits.argmax(-1)
+            return Proposal((best if columns is None else columns[best]).tolist(), logits, columns=columns)
+        logits = self.project(hidden)
         lattice = self.selector.lattice(logits, gate, anchor, self.head.vocab)
         chain = lattice.greedy()
-        return chain, rerank(logits, chain, lattice.ids[:, 0]), lattice  # the candidates' first: the argmax
+        # The candidates' first made the argmax, over the whole vocabulary (the lattice's ids are tokens).
+        return Proposal(chain, rerank(logits, chain, lattice.ids[:, 0]), walk=lattice)
 
 
 class DraftHead:
@@ -80,7 +82,10 @@ class DraftHead:
         self.target = target
         weight = target.head.weight.detach()
         self.vocab = torch.tensor(vocab, dtype=torch.long, device=target.device) if vocab else None
-        rows = weight[self.vocab] if self.vocab is not None else weight
+        # The columns of `compact` logits, ascending: an argmax over them breaks ties as one over
+        # the whole vocabulary would (the selector reads full logits in the drafter's own order).
+        self.columns = self.vocab.sort().values if self.vocab is not None else None
+        rows = weight[self.columns] if self.columns is not None else weight
         self.weight = rows.to(torch.bfloat16) if target.fast_bf16 else rows
         self.packed = None
         if self.weight.device.type == "cpu":
@@ -91,19 +96,18 @@ class DraftHead:
                 pass
 
     @torch.inference_mode()
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits [rows, vocab]: the drafter's hidden states through the target's own head
-        (-inf outside the drafter's vocabulary)."""
+    def compact(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [rows, columns]: the drafter's hidden states through the target's own head,
+        for the tokens of `columns` only (all tokens where the drafter has no vocabulary)."""
         if self.packed is not None:
-            sub = self.target.scale_logits(dflash_kernels.linear(hidden.float().contiguous(), self.packed))
-        else:
-            hidden = hidden.to(device=self.weight.device, dtype=self.weight.dtype)
-            sub = self.target.scale_logits((hidden @ self.weight.T).float())
-        if self.vocab is None:
-            return sub
-        logits = sub.new_full((sub.shape[0], self.target.vocab_size), float("-inf"))
-        logits[:, self.vocab] = sub
-        return logits
+            return self.target.scale_logits(dflash_kernels.linear(hidden.float().contiguous(), self.packed))
+        hidden = hidden.to(device=self.weight.device, dtype=self.weight.dtype)
+        return self.target.scale_logits((hidden @ self.weight.T).float())
+
+    @torch.inference_mode()
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [rows, vocab] over the whole vocabulary (-inf outside the drafter's)."""
+        return Proposal([], self.compact(hidden), columns=self.columns).full_logits(self.target.vocab_size)
 
 
 # One head per target and vocabulary, however many requests draft at once: building one packs

@@ -20,24 +20,28 @@ def likeliest_outcomes(
     lengths: Mapping[int, int],
     count: int,
     deepest: int | None = None,
-    vocab: torch.Tensor | None = None,
+    columns: torch.Tensor | None = None,
 ) -> list[tuple[int, int]]:
-    """The `count` likeliest (j, b), best first, for j at most `deepest` (default: any). It runs on
-    the target's critical path every drafting step, so it reads only the columns of the drafter's
-    `vocab` (where its logits can be finite; None: all) and each row's top tokens."""
+    """The `count` likeliest (j, b), best first, for j at most `deepest` (default: any), from draft
+    `logits` [drafts, columns] (`columns`: each column's token id, ascending, holding every draft;
+    None: column i is token i). It runs on the target's critical path every drafting step: a
+    drafter's own vocabulary keeps it to its columns and each row's top tokens."""
     depth = len(drafts) if deepest is None else min(len(drafts), deepest + 1)
     if count <= 0 or depth <= 0:
         return []
     rows = logits[:depth].float()
     total = sum(lengths.values()) + len(drafts) + 1
     p_j = torch.tensor([(lengths.get(j, 0) + 1) / total for j in range(depth)])
-    finite = rows if vocab is None else rows.index_select(-1, vocab)
-    normal = finite.logsumexp(-1, keepdim=True)
-    top = finite.topk(min(count + 1, finite.shape[-1]), -1)  # one more: the rejected draft may be among them
-    ids = top.indices if vocab is None else vocab[top.indices]
+    normal = rows.logsumexp(-1, keepdim=True)
+    top = rows.topk(min(count + 1, rows.shape[-1]), -1)  # one more: the rejected draft may be among them
+    ids = top.indices if columns is None else columns[top.indices]
     chosen = torch.tensor(drafts[:depth])[:, None]
     p = (top.values - normal).exp().masked_fill(ids == chosen, 0.0)  # never the rejected draft
-    p_draft = (rows.gather(-1, chosen) - normal).exp()
+    if columns is None:
+        p_draft = (rows.gather(-1, chosen) - normal).exp()
+    else:  # a draft outside the columns (none should be) had no probability
+        at = torch.searchsorted(columns, chosen).clamp_max(columns.shape[0] - 1)
+        p_draft = (rows.gather(-1, at) - normal).exp() * (columns[at] == chosen)
     score = p_j[:, None] * p / (1 - p_draft).clamp_min(1e-30)
     flat, ids = score.flatten().tolist(), ids.flatten().tolist()
     # Stable on ties: the shallower outcome, then the likelier token, first.

@@ -10,29 +10,14 @@ names the layers in `taps`; the loop hands it the committed positions' features 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from target_node.drafting.bridge import DrafterBridge
 from target_node.drafting.outcomes import likeliest_outcomes
-from target_node.drafting.selector import Lattice
+from target_node.drafting.proposal import EMPTY, Proposal
 from target_node.model.target import TargetModel
-
-
-@dataclass
-class Proposal:
-    tokens: list[int]
-    # Draft logits [len(tokens), vocab] where the proposer has a distribution (for sampling);
-    # None means the proposal is one-hot.
-    logits: torch.Tensor | None = None
-    source: str = ""
-    # A DFlash2 selector's lattice: sampled steps draw their drafts by walking it.
-    walk: Lattice | None = None
-
-
-EMPTY = Proposal([])
 
 
 class Proposer(Protocol):
@@ -49,7 +34,7 @@ class Proposer(Protocol):
         """Start the `propose` that follows with the same arguments (a remote drafter sends its
         request now, so the drafts of a batch's requests overlap); others do nothing here."""
 
-    def predraft(self, tokens: list[int], drafts: list[int], logits: torch.Tensor | None) -> None:
+    def predraft(self, tokens: list[int], drafts: list[int], proposal: Proposal) -> None:
         """The target is about to verify the chain `drafts` after `tokens`: a drafter elsewhere
         may draft the next block for its likeliest outcomes meanwhile; others do nothing here."""
 
@@ -84,7 +69,7 @@ class NoProposer:
     def prefetch(self, tokens: list[int], max_tokens: int) -> None:
         pass
 
-    def predraft(self, tokens: list[int], drafts: list[int], logits: torch.Tensor | None) -> None:
+    def predraft(self, tokens: list[int], drafts: list[int], proposal: Proposal) -> None:
         pass
 
     def commit(self, start: int, features: torch.Tensor | None) -> None:
@@ -220,13 +205,13 @@ class DFlashProposer:
             if self.named is not None and self.named[0] == start:  # the verify that named outcomes
                 self.lengths[features.shape[0] - 1] += 1
 
-    def predraft(self, tokens: list[int], drafts: list[int], logits: torch.Tensor | None) -> None:
+    def predraft(self, tokens: list[int], drafts: list[int], proposal: Proposal) -> None:
         self.named = None
-        drafting, position = self.drafting, len(tokens) - 1
+        drafting, position, logits = self.drafting, len(tokens) - 1, proposal.logits
         if not self.outcomes or drafting is None or logits is None or not drafts or self.synced != position:
             return  # (the drafter's context must end where this block starts: it drafted it)
         deepest = drafting.block_size - 3  # a pre-draft keeps at least one slot to draft after b
-        named = likeliest_outcomes(logits, drafts, self.lengths, self.outcomes, deepest, drafting.head.vocab)
+        named = likeliest_outcomes(logits, drafts, self.lengths, self.outcomes, deepest, proposal.columns)
         if not named:
             return
         heads = [(tokens[-1], *drafts[:j], b) for j, b in named]
@@ -285,8 +270,9 @@ class DFlashProposer:
             self.synced = None
             return self.fallback.propose(tokens, max_tokens)
         self.synced = len(tokens) - 1
-        guesses, logits, walk = drafting.guesses(hidden, gate, tokens[-1])
-        return Proposal(guesses, logits, "predraft" if self.backend.hit else self.name, walk)
+        proposal = drafting.guesses(hidden, gate, tokens[-1])
+        proposal.source = "predraft" if self.backend.hit else self.name
+        return proposal
 
     def _request(self, tokens: list[int], max_tokens: int) -> tuple | None:
         """The backend's draft arguments for this step (the drafter's context brought in sync first)."""
