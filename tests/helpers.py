@@ -6,6 +6,7 @@ import torch
 
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
+from target_node.drafting.proposal import Proposal
 from target_node.drafting.proposers import NoProposer
 from target_node.model.target import TargetModel
 from target_node.model.tiny import tiny_target  # noqa: F401 - the tests import it from here
@@ -30,6 +31,14 @@ def drafter_config(**overrides):
     )
     base.update(overrides)
     return DFlashConfig(**base)
+
+
+def columns_logits(rows: int, vocab: int, kept: int, seed: int) -> Proposal:
+    """Random draft logits over `kept` of `vocab` tokens, as a drafter with a vocabulary of its own
+    gives them: on its columns, ascending."""
+    gen = torch.Generator().manual_seed(seed)
+    columns = torch.randperm(vocab, generator=gen)[:kept].sort().values
+    return Proposal([], torch.randn(rows, kept, generator=gen) * 3, columns=columns)
 
 
 def greedy(target: TargetModel, prompt: list[int], max_new: int, **kw) -> list[int]:

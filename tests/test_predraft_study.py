@@ -4,6 +4,7 @@ naming more outcomes never finds fewer."""
 import json
 
 import torch
+from helpers import columns_logits
 
 from benchmarks import predraft_study
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
@@ -39,11 +40,9 @@ def test_outcomes_rank_by_length_seen_times_the_bonus_tokens_probability_without
 
 
 def test_outcomes_from_a_drafters_own_columns_equal_those_from_the_whole_vocabulary():
-    gen = torch.Generator().manual_seed(3)
-    columns = torch.randperm(500, generator=gen)[:60].sort().values
-    compact = torch.randn(4, 60, generator=gen) * 3
-    full = torch.full((4, 500), float("-inf"))
-    full[:, columns] = compact
+    proposal = columns_logits(4, 500, 60, seed=3)
+    compact, columns, full = proposal.logits, proposal.columns, proposal.full_logits(500)
+    assert torch.isinf(full).sum() == 4 * (500 - 60) and torch.equal(full[:, columns], compact)
     drafts = columns[compact.argmax(-1)].tolist()
     lengths = {0: 5, 1: 3, 2: 1}
     want = likeliest_outcomes(full, drafts, lengths, 8)

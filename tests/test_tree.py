@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import OracleBackend, assert_lossless, greedy, tiny_target
+from helpers import OracleBackend, assert_lossless, columns_logits, greedy, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.options import DecodeOptions
@@ -143,11 +143,8 @@ def test_an_adversarial_drafter_costs_speed_never_output(target):
 
 
 def test_a_tree_from_a_drafters_own_columns_is_the_tree_from_the_whole_vocabulary():
-    gen = torch.Generator().manual_seed(4)
-    columns = torch.randperm(300, generator=gen)[:40].sort().values
-    compact = torch.randn(5, 40, generator=gen) * 3
-    full = torch.full((5, 300), float("-inf"))
-    full[:, columns] = compact
+    proposal = columns_logits(5, 300, 40, seed=4)
+    compact, columns, full = proposal.logits, proposal.columns, proposal.full_logits(300)
     want = DraftTree.best_first(torch.log_softmax(full, -1), budget=12, max_depth=5, branching=3)
     got = DraftTree.best_first(torch.log_softmax(compact, -1), budget=12, max_depth=5, branching=3, columns=columns)
     assert (got.tokens, got.parents, got.depths) == (want.tokens, want.parents, want.depths)
