@@ -29,7 +29,7 @@ from launch.common import resolve_model
 from target_node import CACHE_ROOT
 from target_node.model.target import TargetModel
 from training.answer_store import STORE, AnswerStore
-from training.features import FeatureCache
+from training.features import FeatureCache, feature_folder
 from training.trainer import Trainer, TrainOptions
 
 
@@ -83,15 +83,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
-    target = TargetModel.load(model, args.device, torch.float32)
+    target = TargetModel.load(model, args.device, "auto", slots=16)  # as launch.train loads it
     depths = [int(x) for x in args.layers.split(",")]
     autocasts = [x.strip() == "on" for x in args.autocast.split(",")]
     cfgs = {n: config_for_target(target.config, num_layers=n) for n in depths}
     base = cfgs[depths[0]]
-    taps = "-".join(map(str, base.target_layer_ids))
-    features = FeatureCache(Path(args.cache) / "features" / f"{Path(model).name}-taps{taps}", base.feature_width)
+    folder = feature_folder(args.cache, model, base.target_layer_ids, target.model.dtype)
+    features = FeatureCache(folder, base.feature_width)
     answers = [a for a in AnswerStore(Path(args.store)).answers if not a.held_out][: args.answers]
-    added = features.fill(answers, target.model, base.target_layer_ids, log=None)
+    added = features.fill(answers, target, base.target_layer_ids, log=None)
     features = FeatureCache(features.folder, base.feature_width)
     print(f"{len(answers)} answers ({added} filled now); cpu native bf16: {native_bf16()}")
     settings = []

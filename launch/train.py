@@ -97,7 +97,16 @@ def _data_flags(ap: argparse.ArgumentParser) -> None:
         choices=("auto", *FLOAT_DTYPES),
         default="auto",
         help="target dtype for generation; auto: bf16 on a GPU or a CPU with native bf16 (2.3x the answers "
-        "of fp32 on an AVX512-BF16 EPYC core), else fp32; bf16 answers get their features by fp32 prefill",
+        "of fp32 on an AVX512-BF16 EPYC core), else fp32; answers in the --feature-dtype get their features "
+        "as they are generated, others by prefill",
+    )
+    ap.add_argument(
+        "--feature-dtype",
+        choices=("auto", *FLOAT_DTYPES),
+        default="auto",
+        help="dtype the target computes the drafter's features in, on its engine, as the target daemon "
+        "serves them; auto: as the daemon's --dtype auto (bf16 where the device computes it natively and "
+        "the engine runs the model, else fp32). Training reads the target's embeddings and head in it too",
     )
     ap.add_argument("--gen-batch", type=int, default=64, help="rows decoded at once (finished rows are refilled)")
     ap.add_argument("--max-new", type=int, default=192, help="answer token cap")

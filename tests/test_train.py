@@ -23,7 +23,7 @@ from target_node.drafting.proposers import DFlashProposer
 from training.answer_store import Answer, AnswerStore
 from training.average import average_drafters
 from training.estimate import estimate
-from training.features import FeatureCache
+from training.features import FeatureCache, feature_folder
 from training.generate import GenerateOptions, RefillGenerator
 from training.generate import generate as generate_answers
 from training.prompts import Ask, HeldOut
@@ -166,30 +166,54 @@ def test_a_feature_fill_stops_at_its_deadline_and_counts_what_it_added(setup, tm
     target, cfg, store, _ = setup
     some = store.answers[:12]
     late = FeatureCache(tmp_path / "late", cfg.feature_width)
-    assert late.fill(some, target.model, cfg.target_layer_ids, deadline=time.time() - 1, log=None) == 0
+    assert late.fill(some, target, cfg.target_layer_ids, deadline=time.time() - 1, log=None) == 0
     assert len(late) == 0
     monkeypatch.setattr(features_module, "WINDOW", 4)
     clock = iter([0.0, 0.0, 1e12])  # time for two checks of the deadline: one batch, then time is up
     monkeypatch.setattr(features_module.time, "time", lambda: next(clock, 1e12))
     part = FeatureCache(tmp_path / "part", cfg.feature_width)
-    added = part.fill(some, target.model, cfg.target_layer_ids, batch_tokens=10**6, deadline=0.5, log=None)
+    added = part.fill(some, target, cfg.target_layer_ids, batch_tokens=10**6, deadline=0.5, log=None)
     assert added == len(part) == 4 and {a.key for a in some[:4]} == set(part.index)
 
 
-def test_features_recomputed_from_ids_equal_those_captured_in_generation(setup, tmp_path):
+def test_features_recomputed_from_ids_are_the_bits_generation_captured_and_serving_taps(setup, tmp_path):
+    """Prefill on the engine, generation's decode steps and a serving forward compute each row as if
+    alone: one answer's features are the same bits whichever computed them (after fp16 storage)."""
     target, cfg, store, features = setup
     assert len(features) == len(store)
     again = FeatureCache(tmp_path / "fresh", cfg.feature_width)
     some = store.answers[:40]
-    assert again.fill(some, target.model, cfg.target_layer_ids, batch_tokens=256, log=None) == 40
+    assert again.fill(some, target, cfg.target_layer_ids, batch_tokens=256, log=None) == 40
     for a in some:
         captured, recomputed = features.get(a.key), again.get(a.key)
         assert captured.shape == recomputed.shape == (len(a.tokens) - 1, cfg.feature_width)
-        torch.testing.assert_close(recomputed, captured, atol=2e-3, rtol=2e-3)  # fp16 storage
-    # What serving taps for the same tokens is what training reads.
+        assert torch.equal(recomputed, captured), a.key
     target.reset()
     _, served = target.forward(some[0].tokens[:-1], cfg.target_layer_ids)
-    torch.testing.assert_close(features.get(some[0].key), served, atol=2e-3, rtol=2e-3)
+    assert torch.equal(features.get(some[0].key), served.to(torch.float16).float())
+
+
+def test_bf16_features_filled_by_prefill_are_the_bits_bf16_generation_captured(tmp_path):
+    """The same in bf16, the dtype a native-bf16 machine serves and now trains in."""
+    target = tiny_target(layers=2, slots=4, dtype=torch.bfloat16)
+    cfg = config_for_target(target.config, num_layers=1, block_size=4, mask_token_id=0)
+    store = AnswerStore(tmp_path / "answers")
+    captured = FeatureCache(tmp_path / "captured", cfg.feature_width)
+    gen = dict(QUIET, opts=GenerateOptions(batch=4, max_new=24, held_out=HeldOut([])))
+    taps = cfg.target_layer_ids
+    generate_answers(_TokenTarget(target), store, iter(_openings(6, held=0)), features=captured, layer_ids=taps, **gen)
+    filled = FeatureCache(tmp_path / "filled", cfg.feature_width)
+    assert filled.fill(store.answers, target, taps, log=None) == len(store) == 6
+    for a in store.answers:
+        assert torch.equal(filled.get(a.key), captured.get(a.key)), a.key
+
+
+def test_features_live_in_a_folder_per_dtype(tmp_path):
+    """bf16 features (a bf16-serving machine's) never mix with fp32 ones; fp32 keeps its old folder."""
+    fp32 = feature_folder(tmp_path, "/m/SmolLM2", (1, 8), torch.float32)
+    bf16 = feature_folder(tmp_path, "/m/SmolLM2", (1, 8), torch.bfloat16)
+    assert fp32 == tmp_path / "features" / "SmolLM2-taps1-8"
+    assert bf16 == tmp_path / "features" / "SmolLM2-taps1-8-bfloat16"
 
 
 def test_training_lowers_loss_and_beats_a_random_drafter(setup, tmp_path):

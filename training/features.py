@@ -1,10 +1,12 @@
 """The feature cache: tapped target features for stored answers, rebuilt from their token ids.
 
 Features are bulky (a row of len(taps) x hidden fp16 values per position: 5.8 KB for
-SmolLM2 with 5 taps) and belong to one target and one set of taps, so they live in the
-cache folder, never in the repository. Generation writes the features it captured on the
-way for free; anything else (answers from another machine, recorded traffic) is filled
-in by batched prefill of the target, through the same tap rule serving uses.
+SmolLM2 with 5 taps) and belong to one target, one set of taps and the dtype the target ran
+in, so they live in the cache folder (`feature_folder`), never in the repository. They are
+the rows serving taps: computed on the target's engine in the dtype the daemon serves in (bf16
+where the device computes it natively), so the drafter trains on what it will be fed.
+Generation writes the features it captured on the way for free; anything else (answers from
+another machine, recorded traffic) is filled in by batched prefill on the same engine.
 
 features.f16 holds rows back to back; index.jsonl maps an answer key to its first row and
 row count. Rows are written before their index line, so a crash leaves at most an
@@ -25,10 +27,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from target_node.model.taps import tap_features
+from target_node.model.target import TargetModel
 from training.answer_store import Answer
 
 WINDOW = 512  # answers sorted by length together when filling (see FeatureCache.fill)
+
+
+def feature_folder(cache: str | Path, model: str | Path, layer_ids: tuple[int, ...], dtype: torch.dtype) -> Path:
+    """Where one target's features for these taps, computed in `dtype`, live under the cache
+    (fp32 features keep the folder name they had before the dtype was part of it)."""
+    name = f"{Path(model).name}-taps{'-'.join(map(str, layer_ids))}"
+    if dtype != torch.float32:
+        name += "-" + str(dtype).removeprefix("torch.")
+    return Path(cache) / "features" / name
 
 
 class FeatureCache:
@@ -106,53 +117,59 @@ class FeatureCache:
     def fill(
         self,
         answers: list[Answer],
-        model,  # the target's transformers causal LM
+        target: TargetModel,
         layer_ids: tuple[int, ...],
         *,
         max_rows: int = 1024,
         batch_tokens: int = 4096,
         deadline: float | None = None,
-        log: Callable[[str], None] = print,
+        log: Callable[[str], None] | None = print,
     ) -> int:
         """Compute features for answers that have none, by batched prefill; returns how many were added.
 
-        Sequences are right-padded: under causal attention no real position sees a pad, so
-        every row equals what the sequence alone would give (up to float noise). Answers go in
-        windows of `WINDOW` in the store's order, each sorted by length (little padding), so a run
-        stopped at `deadline` (a `time.time()`) has filled a fair sample of the store, not only
-        its shortest answers.
+        Each answer takes a slot of one `forward_batch` on the target, so on the engine its rows
+        are the bits serving taps for the same tokens, in the dtype the target runs in (the engine
+        computes every row as if alone; off the engine, one answer a forward). Answers go in
+        windows of `WINDOW` in the store's order, each sorted by length (similar lengths share a
+        forward), so a run stopped at `deadline` (a `time.time()`) has filled a fair sample of the
+        store, not only its shortest answers.
         """
         waiting = [a for a in answers if a.key not in self.index]
         windows = (waiting[w : w + WINDOW] for w in range(0, len(waiting), WINDOW))
         todo = [a for window in windows for a in sorted(window, key=lambda a: len(a.tokens))]
-        device = next(model.parameters()).device
         began, done_rows, added = time.time(), 0, 0
 
-        def span(answer: Answer) -> int:
-            return min(len(answer.tokens), max_rows + 1)
+        def rows(answer: Answer) -> int:  # positions whose features training reads: all but the last
+            return min(len(answer.tokens) - 1, max_rows)
 
         i = 0
         while i < len(todo) and (deadline is None or time.time() < deadline):
-            # Within a window, sorted by length: the last one taken is the longest, and sets the padded width.
+            # Within a window, sorted by length: the last one taken is the longest.
             group = [todo[i]]
             i += 1
-            while i < len(todo) and i % WINDOW and (len(group) + 1) * span(todo[i]) <= batch_tokens:
+            while (
+                i < len(todo)
+                and i % WINDOW
+                and len(group) < target.slots
+                and (len(group) + 1) * rows(todo[i]) <= batch_tokens
+            ):
                 group.append(todo[i])
                 i += 1
-            length = max(span(a) for a in group)
-            ids = torch.zeros(len(group), length, dtype=torch.long)
-            for row, answer in enumerate(group):
-                seq = answer.tokens[:length]
-                ids[row, : len(seq)] = torch.tensor(seq)
-            out = model.get_decoder()(input_ids=ids.to(device), use_cache=False, output_hidden_states=True)
-            features = tap_features(out.hidden_states, layer_ids)
-            for row, answer in enumerate(group):
-                n = min(len(answer.tokens), length) - 1
-                self.add(answer.key, features[row, :n])
-                done_rows += n
+            for answer in [a for a in group if rows(a) == 0]:  # nothing after its first token
+                self.add(answer.key, torch.empty(0, self.width))
+            running = [a for a in group if rows(a) > 0]
+            for slot, answer in enumerate(running):
+                target.reset(slot, rows(answer))
+            parts = [(slot, answer.tokens[: rows(answer)], None) for slot, answer in enumerate(running)]
+            results = target.forward_batch(parts, tuple(layer_ids)) if parts else []
+            for answer, (_, features) in zip(running, results, strict=True):
+                self.add(answer.key, features)
+                done_rows += features.shape[0]
             added += len(group)
             if log and i % 200 < len(group):
                 log(f"features: {i}/{len(todo)} answers, {done_rows / max(time.time() - began, 1e-9):.0f} rows/s")
+        for slot in range(min(len(todo), target.slots)):
+            target.reset(slot)
         if log and i < len(todo):
             log(f"features: time is up with {len(todo) - i} of {len(todo)} answers left")
         return added

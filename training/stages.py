@@ -27,7 +27,7 @@ from training.answer_store import Answer, AnswerStore
 from training.average import average_drafters
 from training.distributed import Ranks
 from training.estimate import estimate
-from training.features import FeatureCache
+from training.features import FeatureCache, feature_folder
 from training.generate import GenerateOptions, generate
 from training.prompts import Ask, HeldOut, jobs, read_prompts
 from training.selector import train_selector
@@ -75,27 +75,26 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
         average_stage(args, log)
         return
 
-    # Generation may run the target in bf16 (a GPU, a CPU with native bf16); features and
-    # training use fp32, as inference does.
-    generating = args.stage in ("gen", "all")
-    # As many engine slots as generation decodes rows at once (slots cost memory only once used).
-    dtype = args.gen_dtype if generating else torch.float32
-    target = TargetModel.load(args.model, args.device, dtype, slots=args.gen_batch)
+    # The target as the daemon serves it on this device (--feature-dtype "auto": bf16 where the
+    # device computes it natively and the engine runs the model), with as many engine slots as
+    # generation decodes rows at once (slots cost memory only once used). Its engine computes the
+    # features, so the drafter trains on the rows serving feeds it; training reads its embeddings
+    # and head (in fp32 from here on: the values serving projects through).
+    target = TargetModel.load(args.model, args.device, args.feature_dtype, slots=args.gen_batch)
     cfg = drafter_config(args, target)
-    layers = "-".join(map(str, cfg.target_layer_ids))
-    features = FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{layers}", cfg.feature_width)
-    if generating:
-        full_precision = target.model.dtype == torch.float32
-        generate_stage(args, target, cfg, store, features if full_precision else None, log, ranks)
-        if not full_precision:
-            target = TargetModel.load(args.model, args.device, torch.float32, slots=args.gen_batch)
+    folder = feature_folder(cache, args.model, cfg.target_layer_ids, target.model.dtype)
+    features = FeatureCache(folder, cfg.feature_width)
+    if args.stage in ("gen", "all"):
+        same = args.gen_dtype == target.model.dtype  # then its answers' features come for free
+        writer = target if same else TargetModel.load(args.model, args.device, args.gen_dtype, slots=args.gen_batch)
+        generate_stage(args, writer, cfg, store, features if same else None, log, ranks)
     answers = list(store.answers)
     for folder in args.data:
         answers += [a for a in AnswerStore(folder).answers if a.key not in store.keys]
     if args.stage == "features" or (args.stage in ("train", "all") and not args.cached_only):
         deadline = time.time() + args.feature_minutes * 60 if args.feature_minutes else None
         mine = answers[ranks.rank :: ranks.world]
-        added = features.fill(mine, target.model, cfg.target_layer_ids, deadline=deadline, log=log)
+        added = features.fill(mine, target, cfg.target_layer_ids, deadline=deadline, log=log)
         ranks.barrier()  # every rank's rows are in before any trains on them
         features = FeatureCache(features.folder, cfg.feature_width)
         log(f"features: {added} answers filled by prefill; {len(features)} cached")
@@ -204,13 +203,15 @@ def average_stage(args: argparse.Namespace, log: Log) -> None:
 def estimate_stage(args: argparse.Namespace, target: TargetModel, store: AnswerStore, cache: Path, log: Log) -> None:
     """Each drafter's chain acceptance, offline, on the same blocks: the held-out prompts' answers, the store's.
 
-    The target answers --prompts once (greedy, kept under the cache, keyed by the prompts and
-    the model); features come by prefill for each drafter's taps.
+    The target answers --prompts once (greedy, kept under the cache, keyed by the prompts, the
+    model and its dtype); features come by prefill for each drafter's taps.
     """
     if not args.drafters:
         raise SystemExit("--stage estimate needs --drafters A[,B...]")
     prompts = read_prompts(args.prompts)
-    tag = hashlib.sha1(json.dumps([prompts, args.estimate_tokens]).encode()).hexdigest()[:10]
+    dtype = target.model.dtype
+    key = [prompts, args.estimate_tokens] if dtype == torch.float32 else [prompts, args.estimate_tokens, str(dtype)]
+    tag = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:10]
     folder = cache / "estimate" / f"{Path(args.model).name}-{Path(args.prompts).stem}-{tag}"
     answers = AnswerStore(folder / "answers")
     asks = (Ask(f"estimate-{i}", "answer", (("user", p),)) for i, p in enumerate(prompts))
@@ -223,11 +224,11 @@ def estimate_stage(args: argparse.Namespace, target: TargetModel, store: AnswerS
         taps, width = "-".join(map(str, drafter.config.target_layer_ids)), drafter.config.feature_width
         groups = (
             (answers.answers, FeatureCache(folder / f"features-taps{taps}", width)),
-            (held_out, FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{taps}", width)),
+            (held_out, FeatureCache(feature_folder(cache, args.model, drafter.config.target_layer_ids, dtype), width)),
         )
         scores = []
         for group, features in groups:
-            features.fill(group, target.model, drafter.config.target_layer_ids, log=None)
+            features.fill(group, target, drafter.config.target_layer_ids, log=None)
             result = estimate(target, drafter, group, features)
             walk = f", walk {result['selector_tau']:.3f}" if "selector_tau" in result else ""
             scores.append(f"{result['tau']:.3f}{walk} ({sum(result['histogram'])} blocks)" if result else "-")
@@ -242,8 +243,8 @@ def selector_stage(args: argparse.Namespace, target: TargetModel, answers: list[
     backbone = load_drafter(args.init)
     drafter = as_dflash2(backbone.float(), target.vocab_size, args.selector_rank, args.selector_top_k)
     cfg = drafter.config
-    taps = "-".join(map(str, cfg.target_layer_ids))
-    features = FeatureCache(cache / "features" / f"{Path(args.model).name}-taps{taps}", cfg.feature_width)
+    folder = feature_folder(cache, args.model, cfg.target_layer_ids, target.model.dtype)
+    features = FeatureCache(folder, cfg.feature_width)
     # The answers whose features are cached (--stage features fills the rest): the backbone's rows need them.
     log(f"selector: {sum(a.key in features for a in answers)} of {len(answers)} answers have cached features")
     opts = TrainOptions(
