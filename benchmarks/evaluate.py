@@ -74,7 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every run of a prompt)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N prompts")
-    ap.add_argument("--json", default="", help="where to save the results (default: next to the drafter)")
+    ap.add_argument(
+        "--json",
+        default="",
+        help="where to save the results (default: ~/.cache/dflash-split/eval/NAME.json, NAME the drafter folder's "
+        "name or 'remote'; never inside a checkpoint folder, which may be the repository's)",
+    )
     return ap.parse_args(argv)
 
 
@@ -234,6 +239,13 @@ def print_table(result: dict) -> None:
         )
 
 
+def default_results_path(drafter: str | None) -> Path:
+    """Under the cache, named after the drafter: a checkpoint folder may be the repository's own."""
+    from target_node import CACHE_ROOT
+
+    return CACHE_ROOT / "eval" / f"{Path(drafter).resolve().name if drafter else 'remote'}.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.drafter and not args.drafter_address:
@@ -245,15 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate(args)
     result["wall_s"] = round(time.time() - start, 1)
     print_table(result)
-    if args.json:
-        out = Path(args.json)
-    elif args.drafter:
-        out = Path(args.drafter) / "eval.json"
-    else:
-        from target_node import CACHE_ROOT
-
-        out = CACHE_ROOT / "eval" / "remote.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(args.json) if args.json else default_results_path(args.drafter)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {out}")
     return 1 if result["mismatches"] else 0

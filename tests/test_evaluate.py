@@ -23,3 +23,10 @@ def test_a_drafter_and_a_baseline_run_every_mode_against_one_reference(chat_mode
     for row in result["per_prompt"]:
         assert all(row[mode]["same"] for mode in result["modes"] if mode != "plain")
     assert all(result["modes"][mode]["nodes_per_step"] > 0 for mode in ("chain", "chain@baseline"))
+
+
+def test_results_go_under_the_cache_never_into_the_checkpoint_folder(tmp_path):
+    drafter = tmp_path / "drafters" / "smollm2"
+    path = evaluate.default_results_path(str(drafter))
+    assert path.name == "smollm2.json" and drafter not in path.parents
+    assert evaluate.default_results_path(None).name == "remote.json"
