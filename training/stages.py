@@ -16,8 +16,6 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
 
-import torch
-
 from dflash_kernels import native_bf16
 from draft_node.checkpoint import config_for_target, load_drafter, save_draft_vocab, save_drafter
 from draft_node.config import DFlashConfig
@@ -82,8 +80,8 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
     # and head (in fp32 from here on: the values serving projects through).
     target = TargetModel.load(args.model, args.device, args.feature_dtype, slots=args.gen_batch)
     cfg = drafter_config(args, target)
-    folder = feature_folder(cache, args.model, cfg.target_layer_ids, target.model.dtype)
-    features = FeatureCache(folder, cfg.feature_width)
+    where = feature_folder(cache, args.model, cfg.target_layer_ids, target.model.dtype)
+    features = FeatureCache(where, cfg.feature_width)
     if args.stage in ("gen", "all"):
         same = args.gen_dtype == target.model.dtype  # then its answers' features come for free
         writer = target if same else TargetModel.load(args.model, args.device, args.gen_dtype, slots=args.gen_batch)
@@ -210,8 +208,7 @@ def estimate_stage(args: argparse.Namespace, target: TargetModel, store: AnswerS
         raise SystemExit("--stage estimate needs --drafters A[,B...]")
     prompts = read_prompts(args.prompts)
     dtype = target.model.dtype
-    key = [prompts, args.estimate_tokens] if dtype == torch.float32 else [prompts, args.estimate_tokens, str(dtype)]
-    tag = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:10]
+    tag = hashlib.sha1(json.dumps([prompts, args.estimate_tokens, str(dtype)]).encode()).hexdigest()[:10]
     folder = cache / "estimate" / f"{Path(args.model).name}-{Path(args.prompts).stem}-{tag}"
     answers = AnswerStore(folder / "answers")
     asks = (Ask(f"estimate-{i}", "answer", (("user", p),)) for i, p in enumerate(prompts))

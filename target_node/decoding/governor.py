@@ -11,7 +11,7 @@ Two decisions, both from what this machine measures:
   in runs (prose, then code), so the rule before (the mean rate of the last 6 steps, a probe
   judged on one) switched off drafters that pay on average. On 40 held-out prompts (bf16, one
   core, in turns) the shipped drafter ran at 1.02x plain under that rule and 1.09x under this
-  one; a random drafter at 0.97x and 0.98x (docs/deployment.md).
+  one; a random drafter at 0.97x and 0.98x (docs/benchmarks.md).
 - **How many drafts to verify.** A verify step's cost is a measured table by width (on CPU
   it is not even monotonic: 5 rows can be cheaper than 3), and the drafts' worth is the
   expected number accepted: from the drafter's own probabilities (scaled by how well they
@@ -89,7 +89,7 @@ class Governor:
     confidence: float = 1.0  # standard errors by which drafting must lose before it is switched off
     probe_every: int = 8  # plain steps before re-probing; doubles while probes fail
     max_probe_every: int = 256
-    margin: float = 1.0  # speculate while spec_rate >= margin * plain_rate
+    margin: float = 1.0  # drafting is measured against margin x the plain steps' rate (`loses`)
     # Above this many tokens per step a verify step (at most ~3 plain steps' cost on CPU, far
     # less on GPU) always pays, so plain steps are not even measured.
     sure_tau: float = 3.0
