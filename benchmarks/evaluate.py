@@ -195,6 +195,10 @@ def mode_table(runs: Runs) -> dict:
             "drafted_steps": dict(s.sources),
             "accepted_per_step": {k: round(s.accepted_by_source[k] / n, 3) for k, n in s.sources.items() if n},
             "propose_ms_per_step": round(1000 * s.propose_s / s.steps, 2) if s.steps else 0.0,
+            # What drafting took the target on a drafting step, by who drafted (a hit: no draft to wait for).
+            "propose_ms_by_source": {
+                k: round(1000 * s.propose_s_by_source[k] / n, 2) for k, n in s.sources.items() if n
+            },
             "verify_ms_per_step": round(1000 * s.verify_s / s.steps, 2) if s.steps else 0.0,
             "governor": s.governor,
         }

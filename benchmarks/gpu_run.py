@@ -33,9 +33,11 @@ runs as one command, each phase time-boxed, every result written as it comes int
 `--plan drafter` spends the whole budget on drafters instead (issue 29), the committed answer store
 its data: features by batched prefill on the device (15% of the budget), then one drafter per
 `--layers` entry (`1,2,4`: a scaling table's rows at equal wall-clock), each grown from the shipped
-drafter (or `--fresh`); then `estimate` (every drafter's chain tau offline, on the same blocks),
-`eval` (live, drafting every step, on the held-out prompts) and `pack`: the best by live tau as
-`OUT/drafter-L<n>.tar.partNN`, parts small enough to come back from the device machine:
+drafter (or `--fresh`); then `pack` (every new drafter that fits, deepest first, as
+`OUT/drafters.tar.partNN`, parts small enough to come back from the device machine, written before
+any scoring), `estimate` (every drafter's chain tau offline, on the same blocks), `eval` (live,
+drafting every step, on the held-out prompts) and `best` (the best by live tau, and whether it
+beats the shipped one):
 
     bash launch/gpu_run.sh $OUT --minutes 7 --plan drafter --layers 2,4 --format dflash
 
@@ -481,30 +483,46 @@ def drafter_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
         run.phase(f"train-L{n}", train_drafter, setup.common, phase, [sizes["store"]])
         drafters[f"L{n}"] = phase.out
     trained = {name: path for name, path in drafters.items() if (path / "config.json").is_file()}
+    # Packed before any scoring, so a scoring phase that fails or outlasts the call loses no weights.
+    new = {name: path for name, path in trained.items() if name != "shipped"}
+    run.phase("pack", pack_back, new, run.out)
     run.phase("estimate", estimate_offline, setup.common, trained, sizes["store"])
     run.phase("eval", compare, setup.model, trained, args.device, sizes["prompts"], sizes["max_new"])
     live = run.results["phases"]["eval"]
-    scored = [(live[name]["tau"], name) for name in trained if name != "shipped" and name in live]
+    scored = [(live[name]["tau"], name) for name in new if name in live]
     if scored:
         tau, best = max(scored)
         beats = tau > live.get("shipped", {}).get("tau", float("inf"))
-        run.phase("pack", lambda: {"drafter": best, "beats_shipped": beats, "parts": pack_back(trained[best], run.out)})
+        run.phase("best", lambda: {"drafter": best, "beats_shipped": beats})
 
 
 PART_BYTES = 15 * 2**20  # the device machine returns files of at most 16 MiB, 8 of them, 64 MiB together
+PACK_BYTES = 56 * 2**20  # what the drafters may take of those 64 MiB (results.json and log.txt beside)
 
 
-def pack_back(folder: Path, out: Path) -> list[str]:
-    """A drafter folder as `OUT/<name>.tar.partNN` files small enough to come back from the device
-    machine (a 4-layer drafter's weights alone are 45 MB); `cat NAME.tar.part* | tar -x` restores it."""
-    buffer = io.BytesIO()
+def pack_back(drafters: dict[str, Path], out: Path) -> dict:
+    """The drafter folders, deepest first while they fit in PACK_BYTES, as `OUT/drafters.tar.partNN`
+    files small enough to come back from the device machine (a 4-layer DFlash drafter alone is 32 MB):
+    every row of the scaling table can then be measured where the drafter will serve.
+    `cat drafters.tar.part* | tar -x` restores them."""
+    buffer, packed, left_out = io.BytesIO(), [], []
+    deepest_first = sorted(drafters.items(), key=lambda item: -_folder_bytes(item[1]))
     with tarfile.open(fileobj=buffer, mode="w") as tar:
-        tar.add(folder, arcname=folder.name)
+        for name, folder in deepest_first:
+            if buffer.tell() + _folder_bytes(folder) > PACK_BYTES:
+                left_out.append(name)
+                continue
+            tar.add(folder, arcname=folder.name)
+            packed.append(name)
     data, names = buffer.getvalue(), []
     for i in range(0, len(data), PART_BYTES):
-        names.append(f"{folder.name}.tar.part{i // PART_BYTES:02d}")
+        names.append(f"drafters.tar.part{i // PART_BYTES:02d}")
         (out / names[-1]).write_bytes(data[i : i + PART_BYTES])
-    return names
+    return {"drafters": packed, "left_out": left_out, "parts": names}
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

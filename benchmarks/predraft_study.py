@@ -6,8 +6,9 @@ form measured here keeps the drafter's context as it is (features up to the bloc
 puts the outcome in the block instead: [last_tok, d_1 .. d_j, b, MASK ...] at the anchor's
 positions, so the slots after b draft the next step's tokens. The drafter was trained with masks
 there; this measures what that costs against a fresh draft, and how often the outcome is among
-the A likeliest the target can name before its verify (by the draft's own probabilities for b,
-and the acceptance lengths seen so far for j).
+the A likeliest the target can name before its verify (by the drafter's own probabilities of the
+path and of b: target_node/drafting/outcomes.py); and the same hit rate had the step verified a
+tree of TREE_NODES nodes, as the default mode often does.
 
 Offline, from the target's greedy answers: one forward per prompt gives every position's
 features (the engine computes a row the same whichever way it runs), and each chain step's
@@ -34,6 +35,7 @@ from draft_node.predraft import predraft as draft_predrafts
 from launch.common import DTYPE_CHOICES, ensure_default_drafter, resolve_model
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
+from target_node.decoding.tree import DraftTree
 from target_node.drafting.bridge import DrafterBridge
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.outcomes import likeliest_outcomes
@@ -43,6 +45,7 @@ from training.prompts import read_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 ALTERNATIVES = (1, 2, 4, 8, 16)
+TREE_NODES = 8
 
 
 @dataclass
@@ -51,6 +54,7 @@ class Tally:
     answer_positions: int = 0  # answer tokens that anchored a step or were drafted (all but the last)
     outcomes: Counter = field(default_factory=Counter)  # accepted length j -> steps
     hits: Counter = field(default_factory=Counter)  # A -> steps whose outcome was among the A likeliest
+    tree_hits: Counter = field(default_factory=Counter)  # ... had the step verified a tree of TREE_NODES
     fresh_on_hits: int = 0  # accepted drafts of the fresh draft after a hit (at the largest A)
     pre_on_hits: int = 0  # ... of the pre-draft for the same step
     paired: int = 0
@@ -64,6 +68,8 @@ class Tally:
             "answer_positions": self.answer_positions,
             "accepted_length": {str(j): n for j, n in sorted(self.outcomes.items())},
             "hit_rate": {str(a): round(self.hits[a] / steps, 4) for a in ALTERNATIVES},
+            "tree_nodes": TREE_NODES,
+            "tree_hit_rate": {str(a): round(self.tree_hits[a] / steps, 4) for a in ALTERNATIVES},
             "paired_steps": self.paired,
             "accepted_per_step_fresh": round(self.fresh_on_hits / max(self.paired, 1), 4),
             "accepted_per_step_predraft": round(self.pre_on_hits / max(self.paired, 1), 4),
@@ -95,10 +101,18 @@ def study_prompt(
         hidden, _ = cache.draft_rows(bridge.noise(sequence[position]), position, block - 1)
         tally.draft_s += time.perf_counter() - began
         tally.drafts += 1
-        logits = bridge.project(hidden)
-        drafts = logits.argmax(-1).tolist()
+        proposal = bridge.guesses(hidden, None, sequence[position])
+        logprobs = proposal.logits.float().log_softmax(-1)
+        chain = DraftTree.best_first(logprobs, block - 1, block - 1, 1, proposal.columns)
+        drafts = chain.tokens
         truth = sequence[position + 1 : position + block]
         j = accepted(drafts, truth)
+        tree = DraftTree.best_first(logprobs, TREE_NODES, block - 1, 8, proposal.columns)
+        node = tree_outcome(tree, truth)
+        if node is not None and depth_of(tree, node[0]) <= block - 3:
+            ranked = likeliest_outcomes(proposal.logits, tree, max(ALTERNATIVES), block - 3, proposal.columns)
+            for count in ALTERNATIVES:
+                tally.tree_hits[count] += node in ranked[:count]
         if pending is not None:  # the previous step's outcome was predicted: both drafts for this step
             tally.paired += 1
             tally.fresh_on_hits += j
@@ -106,7 +120,7 @@ def study_prompt(
         pending = None
         if j < len(drafts) and position + 1 + j < len(sequence):
             outcome = (j, sequence[position + 1 + j])
-            ranked = likeliest_outcomes(logits, drafts, tally.outcomes, max(ALTERNATIVES), deepest=block - 3)
+            ranked = likeliest_outcomes(proposal.logits, chain, max(ALTERNATIVES), block - 3, proposal.columns)
             for count in ALTERNATIVES:
                 tally.hits[count] += outcome in ranked[:count]
             if outcome in ranked:
@@ -114,6 +128,22 @@ def study_prompt(
         tally.outcomes[j] += 1
         tally.steps += 1
         position += j + 1
+
+
+def tree_outcome(tree: DraftTree, truth: list[int]) -> tuple[int, int] | None:
+    """How verifying `tree` against the target's tokens `truth` ends: (deepest node accepted, the
+    target's token after it); None where the answer ends first."""
+    children: dict[int, dict[int, int]] = {}
+    for node, (parent, token) in enumerate(zip(tree.parents, tree.tokens, strict=True), start=1):
+        children.setdefault(parent, {})[token] = node
+    node = depth = 0
+    while depth < len(truth) and truth[depth] in children.get(node, {}):
+        node, depth = children[node][truth[depth]], depth + 1
+    return (node, truth[depth]) if depth < len(truth) else None
+
+
+def depth_of(tree: DraftTree, node: int) -> int:
+    return tree.depths[node - 1] if node else 0
 
 
 def predraft(

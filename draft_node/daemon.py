@@ -217,12 +217,17 @@ class DraftService:
                 f"predraft at {msg['position']} but the context ends at {session.cache.length}: propose there first",
             )
         heads = finite(msg, "heads", self.drafter)
+        began = time.perf_counter()
         try:
-            session.predrafts = predraft(session.cache, heads, msg["known"], session.mask)
+            session.predrafts = drafted = predraft(session.cache, heads, msg["known"], session.mask)
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"predraft: {exc}") from exc
+        draft_ms = (time.perf_counter() - began) * 1000
         self.counters["predrafts"] += 1
-        return encode("ok", msg.id)
+        self.counters["draft_ms"] += draft_ms
+        hidden, gate = drafted.joined()
+        tensors = {"hidden": hidden} if gate is None else {"hidden": hidden, "gate": gate}
+        return encode("predrafts", msg.id, {"draft_ms": draft_ms}, tensors, wire_dtype=msg.tensors["heads"][0].dtype)
 
     def on_keep(self, msg: Message) -> list:
         """Keep the session's context of positions [0, rows) (as many as it holds from 0) for this peer."""

@@ -44,6 +44,24 @@ class Predrafts:
         hidden, gate = self.drafted[outcome]
         return hidden[:rows], None if gate is None else gate[:rows]
 
+    @classmethod
+    def from_rows(
+        cls, base: int, known: list[int], block_size: int, hidden: torch.Tensor, gate: torch.Tensor | None
+    ) -> Predrafts:
+        """The pre-drafts back from `joined`'s rows (how the target holds what the daemon sent);
+        ValueError if the rows do not add up to the outcomes named."""
+        sizes = [block_size - k for k in known]
+        if hidden.shape[0] != sum(sizes) or (gate is not None and gate.shape[0] != sum(sizes)):
+            raise ValueError(f"{hidden.shape[0]} pre-drafted rows for outcomes of {sizes} rows")
+        gates = gate.split(sizes) if gate is not None else [None] * len(sizes)
+        return cls(base, list(known), list(zip(hidden.split(sizes), gates, strict=True)))
+
+    def joined(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every outcome's drafts in one run of rows, in the order named (what the daemon sends)."""
+        hidden = torch.cat([h for h, _ in self.drafted])
+        gates = [g for _, g in self.drafted]
+        return hidden, None if gates[0] is None else torch.cat(gates)
+
 
 def check_outcomes(known: list[int], head_rows: int, block_size: int) -> None:
     """Refuse what no target sends: too many outcomes, a head that leaves no slot to draft, or

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare here what the device machine lacks and cannot fetch (it reaches no network): the wheels
 # launch/gpu_run.sh installs (.whl/) and the SmolLM2 GGUF in parts (.gpu/), each small enough to
-# ride along with one call (a call carries at most 64 MiB, the ~21 MB working tree included).
+# ride along with one call (a call carries at most 64 MiB, the ~31 MB working tree included).
 # Both folders are git-ignored. How to carry them, call by call: docs/training.md, "On a GPU".
 # Usage: bash launch/gpu_prepare.sh [PART_MB]     (default 32)
 set -euo pipefail

@@ -14,7 +14,7 @@ from .errors import ErrorCode, ProtocolError
 from .fields import Bool, Float, Int, Json, List, Maybe, Str, Struct
 from .tensors import FLOAT_DTYPES, TensorSpec
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 # Header keys owned by the envelope; no message may use them as field names.
 RESERVED_KEYS = ("v", "type", "id", "tensors")
@@ -238,8 +238,15 @@ SCHEMAS: dict[str, Schema] = {
     "predraft": Schema(
         Struct({"session": SESSION, "position": POSITION, "known": List(Int(2, 1 << 10), 1, MAX_PREDRAFT_OUTCOMES)}),
         tensors=(TensorRule("heads", FLOAT_DTYPES, (2, 1)),),
-        replies=("ok",),
+        replies=("predrafts",),
         check=_check_predraft,
+    ),
+    # The pre-drafts themselves (version 7), sent as soon as they are drafted, so the target holds
+    # them when its verify ends and a hit waits for nothing: outcome i's rows, `block_size -
+    # known[i]` of them, one run per outcome in the order named; `gate` for a dflash2 drafter.
+    "predrafts": Schema(
+        Struct({"draft_ms": Float(0.0)}),
+        tensors=(TensorRule("hidden", FLOAT_DTYPES, (1, 1)), TensorRule("gate", FLOAT_DTYPES, (1, 1), optional=True)),
     ),
     # `gate` (dflash2): the selector's projection of the same rows, [rows, selector rank].
     # `predrafted`: the drafts are the named outcome's pre-draft (possibly fewer rows than asked).

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_run
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -73,7 +75,7 @@ def test_tiny_drafter_plan_trains_one_drafter_per_depth_and_compares_them(tmp_pa
     flags = ["--minutes", "1.5", "--format", "dflash", "--plan", "drafter", "--layers", "1,2", "--store", str(store)]
     out, results = run_tiny(tmp_path, *flags)
     phases = results["phases"]
-    assert results["plan"] == "drafter" and list(phases) == ["train-L1", "train-L2", "estimate", "eval", "pack"]
+    assert results["plan"] == "drafter" and list(phases) == ["train-L1", "train-L2", "pack", "estimate", "eval", "best"]
     assert all(p["ok"] for p in phases.values()), {k: p.get("error") for k, p in phases.items()}
     assert any("answers filled by prefill" in line for line in phases["train-L1"]["log_tail"])
     for layers in (1, 2):
@@ -83,12 +85,31 @@ def test_tiny_drafter_plan_trains_one_drafter_per_depth_and_compares_them(tmp_pa
     assert all(f"drafter-L{n} |" in table for n in (1, 2))
     live = {k: v for k, v in phases["eval"].items() if k in ("shipped", "L1", "L2")}
     assert len(live) == 3 and all(m["mismatches"] == 0 for m in live.values())
-    # The best comes back in parts the device machine returns (under 16 MiB each), whole when joined.
-    best, parts = phases["pack"]["drafter"], phases["pack"]["parts"]
-    assert phases["pack"]["beats_shipped"] == (live[best]["tau"] > live["shipped"]["tau"])
-    assert parts and all((out / p).stat().st_size <= 16 * 2**20 for p in parts)
+    # Every new drafter comes back in parts the device machine returns (under 16 MiB each), whole when joined.
+    assert phases["best"]["beats_shipped"] == (live[phases["best"]["drafter"]]["tau"] > live["shipped"]["tau"])
+    packed, parts = phases["pack"]["drafters"], phases["pack"]["parts"]
+    assert sorted(packed) == ["L1", "L2"] and parts and all((out / p).stat().st_size <= 16 * 2**20 for p in parts)
     with tarfile.open(fileobj=io.BytesIO(b"".join((out / p).read_bytes() for p in parts))) as tar:
         tar.extractall(tmp_path / "back", filter="data")
-    weights = Path(f"drafter-{best}") / "model.safetensors"
-    trained = tmp_path / "cache" / "drafters" / weights
-    assert (tmp_path / "back" / weights).read_bytes() == trained.read_bytes()
+    for name in packed:
+        weights = Path(f"drafter-{name}") / "model.safetensors"
+        trained = tmp_path / "cache" / "drafters" / weights
+        assert (tmp_path / "back" / weights).read_bytes() == trained.read_bytes()
+
+
+def test_pack_back_leaves_out_what_does_not_fit(tmp_path, monkeypatch):
+    """Drafters beyond what the device machine returns stay behind, named, the deepest packed first."""
+    for name, size in (("drafter-L1", 3000), ("drafter-L4", 9000), ("drafter-L2", 5000)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"x" * size)
+    monkeypatch.setattr(gpu_run, "PACK_BYTES", 16000)  # L4, then L1 fit; L4 and L2 would not
+    monkeypatch.setattr(gpu_run, "PART_BYTES", 10000)
+    out = tmp_path / "out"
+    out.mkdir()
+    packed = gpu_run.pack_back({n: tmp_path / f"drafter-{n}" for n in ("L1", "L2", "L4")}, out)
+    assert packed["drafters"] == ["L4", "L1"] and packed["left_out"] == ["L2"]
+    assert packed["parts"] == [f"drafters.tar.part{i:02d}" for i in range(len(packed["parts"]))]
+    assert all((out / p).stat().st_size <= 10000 for p in packed["parts"])
+    with tarfile.open(fileobj=io.BytesIO(b"".join((out / p).read_bytes() for p in packed["parts"]))) as tar:
+        names = sorted(tar.getnames())
+    assert names == ["drafter-L1", "drafter-L1/model.safetensors", "drafter-L4", "drafter-L4/model.safetensors"]

@@ -5,6 +5,7 @@ output stays the target's own, greedy and sampled, remote and in process."""
 
 import os
 import signal
+import time
 
 import msgpack
 import pytest
@@ -14,7 +15,7 @@ from helpers import draft_daemon, greedy, tiny_target
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 from draft_node.daemon import DraftService
 from draft_node.kv_cache import DraftKVCache
-from draft_node.predraft import predraft
+from draft_node.predraft import Predrafts, predraft
 from draft_node.settings import DraftSettings
 from protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
 from protocol.messages import MAX_PREDRAFT_OUTCOMES
@@ -124,8 +125,12 @@ def test_a_named_outcome_is_answered_from_its_predraft_and_the_context_goes_on_a
     for s in (hit, fresh):
         assert s.propose(0, 5).type == "proposal"
     known = [2, 4, 3]
-    want = predraft(hit.cache, hit.heads[:9], known, hit.mask).drafted[1][0]
-    assert hit.predraft(5, known).type == "ok"
+    drafted = predraft(hit.cache, hit.heads[:9], known, hit.mask)
+    want = drafted.drafted[1][0]
+    pushed = hit.predraft(5, known)  # every outcome's drafts come back at once, in the order named
+    assert pushed.type == "predrafts" and torch.equal(pushed.tensor("hidden"), drafted.joined()[0])
+    held = Predrafts.from_rows(5, known, cfg.block_size, pushed.tensor("hidden"), None)
+    assert torch.equal(held.take(1, 5, 5 + known[1] - 1, cfg.block_size)[0], want)
     reply = hit.propose(5, 5 + known[1] - 1, outcome=1)  # outcome 1 happened: 2 drafts accepted, then b
     assert reply["predrafted"] and torch.equal(reply.tensor("hidden"), want)
     assert reply.tensor("hidden").shape[0] == cfg.block_size - known[1]
@@ -229,7 +234,7 @@ def test_a_flood_of_predrafts_keeps_one_per_session_and_others_are_served(cfg):
     a.propose(0, 5)
     position = 0
     for i in range(300):
-        assert a.predraft(5, [2] * MAX_PREDRAFT_OUTCOMES, a.heads[: 2 * MAX_PREDRAFT_OUTCOMES]).type == "ok"
+        assert a.predraft(5, [2] * MAX_PREDRAFT_OUTCOMES, a.heads[: 2 * MAX_PREDRAFT_OUTCOMES]).type == "predrafts"
         if i % 30 == 0:  # the other session steps on through the flood
             assert b.propose(position, position + 1).type == "proposal"
             position += 1
@@ -300,3 +305,39 @@ def test_a_drafter_killed_mid_predraft_costs_one_timeout_and_nothing_else(target
     assert backend.counters["timeouts"] == 1 and backend.counters["predrafts"] == 4
     assert result.stats.sources["dflash"] >= 3 and result.stats.sources.get("ngram", 0) > 0
     backend.close()
+
+
+def test_a_remote_hit_takes_the_drafts_sent_during_the_verify_and_waits_for_no_reply(target, checkpoint, tmp_path):
+    """The daemon sends the pre-drafts as soon as they are drafted, so a hit needs nothing more
+    from it: here the daemon is stopped before the hit's propose, which still returns at once with
+    the pre-draft's rows; once it runs again, the next propose is answered as after any hit."""
+    from draft_node.checkpoint import load_drafter
+
+    address = f"ipc://{tmp_path}/pushed.sock"
+    local = LocalDraftBackend(load_drafter(checkpoint))
+    g = torch.Generator().manual_seed(5)
+    width, hidden = local.info["feature_width"], local.info["hidden_size"]
+    features = torch.randn(12, width, generator=g)
+    mask = target.embed([local.info["mask_token_id"]])  # what the remote backend opens its session with
+    noise = [torch.cat([torch.randn(1, hidden, generator=g), mask.expand(7, -1)]) for _ in range(12)]
+    heads, known = torch.randn(7, hidden, generator=g), [3, 4]
+    with draft_daemon(address, checkpoint) as proc:
+        backend = RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=5.0))
+        for b in (local, backend):
+            b.draft(0, features[:5], noise[5], 5, 7)
+            b.predraft(5, heads, known)
+        want, _ = local.draft(5, features[5:8], noise[8], 8, 7, predraft=1)  # outcome 1: 4 known rows
+        time.sleep(0.5)  # the verify: the pre-drafts arrive meanwhile
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            began = time.perf_counter()
+            got, _ = backend.draft(5, features[5:8], noise[8], 8, 7, predraft=1)
+            waited = time.perf_counter() - began
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert backend.hit and torch.equal(got, want) and waited < 1.0
+        assert backend.counters["timeouts"] == 0
+        # The hit's rows joined the daemon's context: its next fresh draft is the in-process one.
+        after, _ = backend.draft(8, features[8:10], noise[10], 10, 7)
+        assert not backend.hit and torch.equal(after, local.draft(8, features[8:10], noise[10], 10, 7)[0])
+        backend.close()

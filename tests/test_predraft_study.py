@@ -2,12 +2,14 @@
 naming more outcomes never finds fewer."""
 
 import json
+import math
 
 import torch
 from helpers import columns_logits
 
 from benchmarks import predraft_study
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
+from target_node.decoding.tree import DraftTree
 from target_node.drafting.outcomes import likeliest_outcomes
 from target_node.model.target import TargetModel
 
@@ -27,24 +29,46 @@ def test_the_study_walks_each_answer_once_and_hit_rates_grow_with_the_outcomes_n
     assert sum(lengths.values()) == result["steps"] > 0
     assert sum((j + 1) * n for j, n in lengths.items()) == result["answer_positions"]  # each token once
     assert all(0 <= j <= cfg.block_size - 1 for j in lengths)
-    rates = [result["hit_rate"][str(a)] for a in predraft_study.ALTERNATIVES]
-    assert rates == sorted(rates) and 0 <= rates[0] and rates[-1] <= 1
+    for key in ("hit_rate", "tree_hit_rate"):
+        rates = [result[key][str(a)] for a in predraft_study.ALTERNATIVES]
+        assert rates == sorted(rates) and 0 <= rates[0] and rates[-1] <= 1
 
 
-def test_outcomes_rank_by_length_seen_times_the_bonus_tokens_probability_without_the_rejected_draft():
-    logits = torch.full((2, 5), -10.0)
+def chain_logits() -> torch.Tensor:
+    logits = torch.full((3, 5), -10.0)
     logits[0, 1], logits[0, 2] = 5.0, 4.0  # slot 1: draft 1, runner-up 2
     logits[1, 3], logits[1, 4] = 5.0, 1.0  # slot 2: draft 3, runner-up 4
-    ranked = likeliest_outcomes(logits, [1, 3], {0: 8, 1: 1}, 2)
-    assert ranked == [(0, 2), (1, 4)]  # never a rejected draft as its own bonus
+    logits[2, 0], logits[2, 2] = 5.0, 4.9  # slot 3: after both drafts
+    return logits
+
+
+def test_outcomes_rank_by_the_drafters_path_and_bonus_probabilities_and_never_name_a_child():
+    logits = chain_logits()
+    chain = DraftTree.chain([1, 3])
+    # Both drafts accepted (p 0.73 x 0.98), then 0 or 2; none accepted, then 2 (0.27); one, then 4.
+    assert likeliest_outcomes(logits, chain, 4, deepest=5) == [(2, 0), (2, 2), (0, 2), (1, 4)]
+    assert likeliest_outcomes(logits, chain, 2, deepest=1) == [(0, 2), (1, 4)]  # not past `deepest`
+    p = logits.log_softmax(-1)
+    assert math.isclose(p[0, 1] + p[1, 3] + p[2, 0], math.log(0.731 * 0.982 * 0.525), abs_tol=0.01)
+
+
+def test_a_trees_outcomes_exclude_every_child_of_their_node():
+    logits = chain_logits()
+    tree = DraftTree.best_first(logits.log_softmax(-1), 3, 2, branching=2)  # 1 then 3, and 2 under the root
+    assert tree.parents == [0, 1, 0] and tree.tokens == [1, 3, 2]
+    named = likeliest_outcomes(logits, tree, 30, deepest=5)
+    assert all(b not in (1, 2) for node, b in named if node == 0)
+    assert all(b != 3 for node, b in named if node == 1)
+    assert named[:2] == [(2, 0), (2, 2)] and (3, 3) in named  # 2's child 3 is no child of node 3's
+    assert tree.path(2) == [1, 3] and tree.path(3) == [2] and tree.path(0) == []
 
 
 def test_outcomes_from_a_drafters_own_columns_equal_those_from_the_whole_vocabulary():
     proposal = columns_logits(4, 500, 60, seed=3)
     compact, columns, full = proposal.logits, proposal.columns, proposal.full_logits(500)
     assert torch.isinf(full).sum() == 4 * (500 - 60) and torch.equal(full[:, columns], compact)
-    drafts = columns[compact.argmax(-1)].tolist()
-    lengths = {0: 5, 1: 3, 2: 1}
-    want = likeliest_outcomes(full, drafts, lengths, 8)
-    assert likeliest_outcomes(compact, drafts, lengths, 8, columns=columns) == want
-    assert len(want) == 8 and all(b in columns.tolist() and b != drafts[j] for j, b in want)
+    for branching in (1, 3):
+        tree = DraftTree.best_first(compact.log_softmax(-1), 4, 4, branching, columns)
+        want = likeliest_outcomes(full, tree, 8, deepest=5)
+        assert likeliest_outcomes(compact, tree, 8, deepest=5, columns=columns) == want
+        assert len(want) == 8 and all(b in columns.tolist() for _, b in want)

@@ -176,6 +176,27 @@ def test_a_feature_fill_stops_at_its_deadline_and_counts_what_it_added(setup, tm
     assert added == len(part) == 4 and {a.key for a in some[:4]} == set(part.index)
 
 
+def test_a_feature_fill_stops_before_the_disk_is_full(setup, tmp_path, monkeypatch):
+    """On a fast device the fill outruns the disk (5.8 KB a token): it stops between batches while
+    `keep_free` bytes are left, keeping what it wrote, and says why."""
+    target, cfg, store, _ = setup
+    some = store.answers[:12]
+    monkeypatch.setattr(features_module, "WINDOW", 4)
+    free = iter([10**12])  # room for one batch, then the disk is nearly full
+    monkeypatch.setattr(features_module.shutil, "disk_usage", lambda _: shutil_usage(next(free, 10)))
+    said = []
+    part = FeatureCache(tmp_path / "part", cfg.feature_width)
+    added = part.fill(some, target, cfg.target_layer_ids, batch_tokens=10**6, keep_free=1000, log=said.append)
+    assert added == len(part) == 4 and {a.key for a in some[:4]} == set(part.index)
+    assert said[-1] == "features: the disk is nearly full with 8 of 12 answers left"
+
+
+def shutil_usage(free: int):
+    import shutil
+
+    return shutil._ntuple_diskusage(total=2 * free, used=free, free=free)
+
+
 def test_features_recomputed_from_ids_are_the_bits_generation_captured_and_serving_taps(setup, tmp_path):
     """Prefill on the engine, generation's decode steps and a serving forward compute each row as if
     alone: one answer's features are the same bits whichever computed them (after fp16 storage)."""

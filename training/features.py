@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -123,6 +124,7 @@ class FeatureCache:
         max_rows: int = 1024,
         batch_tokens: int = 4096,
         deadline: float | None = None,
+        keep_free: int = 4 * 2**30,
         log: Callable[[str], None] | None = print,
     ) -> int:
         """Compute features for answers that have none, by batched prefill; returns how many were added.
@@ -142,19 +144,13 @@ class FeatureCache:
         def rows(answer: Answer) -> int:  # positions whose features training reads: all but the last
             return min(len(answer.tokens) - 1, max_rows)
 
+        def disk_full() -> bool:
+            return shutil.disk_usage(self.folder).free < keep_free
+
         i = 0
-        while i < len(todo) and (deadline is None or time.time() < deadline):
-            # Within a window, sorted by length: the last one taken is the longest.
-            group = [todo[i]]
-            i += 1
-            while (
-                i < len(todo)
-                and i % WINDOW
-                and len(group) < target.slots
-                and (len(group) + 1) * rows(todo[i]) <= batch_tokens
-            ):
-                group.append(todo[i])
-                i += 1
+        while i < len(todo) and (deadline is None or time.time() < deadline) and not disk_full():
+            group = _next_group(todo, i, target.slots, batch_tokens, rows)
+            i += len(group)
             for answer in [a for a in group if rows(a) == 0]:  # nothing after its first token
                 self.add(answer.key, torch.empty(0, self.width))
             running = [a for a in group if rows(a) > 0]
@@ -171,5 +167,18 @@ class FeatureCache:
         for slot in range(min(len(todo), target.slots)):
             target.reset(slot)
         if log and i < len(todo):
-            log(f"features: time is up with {len(todo) - i} of {len(todo)} answers left")
+            why = "the disk is nearly full" if disk_full() else "time is up"
+            log(f"features: {why} with {len(todo) - i} of {len(todo)} answers left")
         return added
+
+
+def _next_group(todo: list[Answer], i: int, slots: int, batch_tokens: int, rows: Callable[[Answer], int]) -> list:
+    """The answers from todo[i] on that share one forward: within one window (sorted by length, so
+    the last one taken is the longest), at most `slots`, their count times the last one's rows
+    within `batch_tokens`."""
+    group = [todo[i]]
+    for j in range(i + 1, len(todo)):
+        if not j % WINDOW or len(group) >= slots or (len(group) + 1) * rows(todo[j]) > batch_tokens:
+            break
+        group.append(todo[j])
+    return group

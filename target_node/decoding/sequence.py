@@ -193,6 +193,7 @@ class Sequence:
             stats.histogram[step.accepted] += 1
             stats.sources[step.source] += 1
             stats.accepted_by_source[step.source] += step.accepted
+            stats.propose_s_by_source[step.source] += step.propose_s
 
     def result(self) -> Result:
         stats = self.stats

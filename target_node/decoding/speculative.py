@@ -127,7 +127,7 @@ def plan_step(
             tree = tree.prefix(governor.nodes(tree, False))
     if tree.is_chain and len(tree) and not hints:
         # While the forward verifies this chain, a drafter elsewhere may draft the next block.
-        proposer.predraft(tokens, tree.tokens, proposal)
+        proposer.predraft(tokens, tree, proposal)
     position = len(tokens) - 1
     return Plan(
         [tokens[-1], *tree.tokens],

@@ -23,6 +23,7 @@ class Stats:
     decode_s: float = 0.0
     sources: Counter = field(default_factory=Counter)  # who drafted -> steps
     accepted_by_source: Counter = field(default_factory=Counter)  # who drafted -> drafts accepted
+    propose_s_by_source: Counter = field(default_factory=Counter)  # who drafted -> seconds drafting took
     propose_s: float = 0.0  # drafting: features + noise out, draft, projection back
     verify_s: float = 0.0  # target forward over [last_tok, drafts] and the rollback
     requests: int = 0

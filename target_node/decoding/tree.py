@@ -77,6 +77,14 @@ class DraftTree:
         """The first n nodes: itself a tree (parents come first)."""
         return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.path_probs[:n])
 
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root's child down to `node` (none for the root, node 0)."""
+        tokens = []
+        while node:
+            tokens.append(self.tokens[node - 1])
+            node = self.parents[node - 1]
+        return tokens[::-1]
+
     def expected(self) -> list[float]:
         """Expected accepted drafts when verifying the first n nodes, for n = 0..len: running sums
         of path probabilities (meaningful only where the probabilities are known)."""

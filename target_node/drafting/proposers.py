@@ -9,11 +9,11 @@ names the layers in `taps`; the loop hands it the committed positions' features 
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Protocol
 
 import torch
 
+from target_node.decoding.tree import DraftTree
 from target_node.drafting.bridge import DrafterBridge
 from target_node.drafting.outcomes import likeliest_outcomes
 from target_node.drafting.proposal import EMPTY, Proposal
@@ -34,9 +34,9 @@ class Proposer(Protocol):
         """Start the `propose` that follows with the same arguments (a remote drafter sends its
         request now, so the drafts of a batch's requests overlap); others do nothing here."""
 
-    def predraft(self, tokens: list[int], drafts: list[int], proposal: Proposal) -> None:
-        """The target is about to verify the chain `drafts` after `tokens`: a drafter elsewhere
-        may draft the next block for its likeliest outcomes meanwhile; others do nothing here."""
+    def predraft(self, tokens: list[int], tree: DraftTree, proposal: Proposal) -> None:
+        """The target is about to verify `tree` after `tokens`: a drafter elsewhere may draft the
+        next block for its likeliest outcomes meanwhile; others do nothing here."""
 
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         """The target committed positions [start, start + rows); `features` are their taps."""
@@ -69,7 +69,7 @@ class NoProposer:
     def prefetch(self, tokens: list[int], max_tokens: int) -> None:
         pass
 
-    def predraft(self, tokens: list[int], drafts: list[int], proposal: Proposal) -> None:
+    def predraft(self, tokens: list[int], tree: DraftTree, proposal: Proposal) -> None:
         pass
 
     def commit(self, start: int, features: torch.Tensor | None) -> None:
@@ -177,7 +177,6 @@ class DFlashProposer:
         self.outcomes = predraft  # outcomes named per verify (0: no pre-drafting)
         # The last named outcomes: their verify's position and each one's tokens from there.
         self.named: tuple[int, list[tuple[int, ...]]] | None = None
-        self.lengths: Counter = Counter()  # accepted lengths of the verifies that named outcomes
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -202,19 +201,17 @@ class DFlashProposer:
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         if features is not None and self.drafting is not None:
             self.drafting.ring.write(start, features)
-            if self.named is not None and self.named[0] == start:  # the verify that named outcomes
-                self.lengths[features.shape[0] - 1] += 1
 
-    def predraft(self, tokens: list[int], drafts: list[int], proposal: Proposal) -> None:
+    def predraft(self, tokens: list[int], tree: DraftTree, proposal: Proposal) -> None:
         self.named = None
         drafting, position, logits = self.drafting, len(tokens) - 1, proposal.logits
-        if not self.outcomes or drafting is None or logits is None or not drafts or self.synced != position:
+        if not self.outcomes or drafting is None or logits is None or not len(tree) or self.synced != position:
             return  # (the drafter's context must end where this block starts: it drafted it)
         deepest = drafting.block_size - 3  # a pre-draft keeps at least one slot to draft after b
-        named = likeliest_outcomes(logits, drafts, self.lengths, self.outcomes, deepest, proposal.columns)
+        named = likeliest_outcomes(logits, tree, self.outcomes, deepest, proposal.columns)
         if not named:
             return
-        heads = [(tokens[-1], *drafts[:j], b) for j, b in named]
+        heads = [(tokens[-1], *tree.path(node), b) for node, b in named]
         try:
             self.backend.predraft(
                 position, drafting.target.embed([t for h in heads for t in h]), [len(h) for h in heads]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draft_node.predraft import Predrafts
 from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError
 from protocol.keys import ClientKeys
 from protocol.messages import FORMATS, KEEPALIVE_S, MAX_CODEBOOK_ROWS, fit_problems
@@ -83,6 +84,7 @@ class RemoteDraftBackend:
         # unreachable, none probes it again before `retry_at`.
         self.reach = reach or Reachability()
         self.pending: tuple[tuple[int, int, int], int, float] | None = None  # a propose sent ahead (send_draft)
+        self.predrafting: tuple[int, int, list[int]] | None = None  # the last predraft: (its id, position, known)
         self.last_sent = time.monotonic()
         self.counters = dict.fromkeys(
             ["round_trips", "timeouts", "errors", "bytes_out", "bytes_in", "proposals", "sent_ahead", "changes"]
@@ -90,7 +92,7 @@ class RemoteDraftBackend:
             0,
         )
         self.hit = False  # whether the last `draft` came from a pre-draft
-        self.counters.update(draft_ms=0.0, propose_rtt_ms=0.0)
+        self.counters.update(draft_ms=0.0, propose_rtt_ms=0.0, predraft_ms=0.0)
         self.attach(self.timeout_s, strict=True)
         self.request_info = self.info
         if self.info is None:
@@ -116,11 +118,12 @@ class RemoteDraftBackend:
         if self.attached and time.monotonic() - self.last_sent > self.keepalive_s:
             self._send("ping", {})
 
-    def _wait(self, type_: str, sent: int, timeout_s: float | None = None) -> Message:
-        timeout_s = timeout_s or self.timeout_s
+    def _receive(self, type_: str, sent: int, timeout_s: float) -> Message:
+        """The reply to request `sent` (an error reply too); a garbled or late one drops the peer
+        as unreliable and raises DrafterUnavailable."""
         try:
             reply = self.client.wait(sent, type_, timeout_s)
-        except ProtocolError as exc:  # a garbled or out-of-place reply: treat the peer as unreliable
+        except ProtocolError as exc:
             self._drop(f"bad reply to {type_}: {exc.message}")
             raise DrafterUnavailable(exc.message) from exc
         if reply is None:
@@ -131,6 +134,11 @@ class RemoteDraftBackend:
         self.counters["bytes_in"] += sum(spec.nbytes for spec, _ in reply.tensors.values())
         if reply.type == "error":
             self.counters["errors"] += 1
+        return reply
+
+    def _wait(self, type_: str, sent: int, timeout_s: float | None = None) -> Message:
+        reply = self._receive(type_, sent, timeout_s or self.timeout_s)
+        if reply.type == "error":
             if type_ == "hello" and reply["code"] == ErrorCode.CONFIG_MISMATCH.value:
                 raise DrafterMismatch(f"draft daemon at {self.address}: {reply['message']}")
             # The daemon lost our session (restart, eviction) or our stream: start over.
@@ -143,7 +151,7 @@ class RemoteDraftBackend:
         """Lazy pirate: a socket that missed a reply may hold a stale one; build a new one later."""
         log.warning("drafter unavailable (%s); falling back, retrying in %.1f s", why, self.retry_s)
         self.client.close()
-        self.attached, self.pending = False, None
+        self.attached, self.pending, self.predrafting = False, None, None
         self.reach.retry_at = time.monotonic() + self.retry_s
 
     def attach(self, timeout_s: float, strict: bool = False) -> None:
@@ -203,6 +211,7 @@ class RemoteDraftBackend:
 
     def reset(self, position: int) -> None:
         self.ensure()
+        self.predrafting = None
         self._call("reset", {"session": self.session, "position": position})
 
     def keep(self, name: str, rows: int) -> int:
@@ -214,10 +223,12 @@ class RemoteDraftBackend:
         return self._call("restore", {"session": self.session, "name": name, "rows": rows})["rows"]
 
     def predraft(self, position: int, heads: torch.Tensor, known: list[int]) -> None:
-        """Have the daemon draft the named outcomes while the target verifies. Nothing waits for
-        its reply (the next wait skips it): a pre-draft that fails only makes the next propose a miss."""
+        """Have the daemon draft the named outcomes while the target verifies. Its reply, the
+        pre-drafts, arrives during the verify; only a step whose outcome was named reads it (any
+        other wait skips it), and a pre-draft that failed only makes that step a miss."""
         self.ensure()
-        self._send("predraft", {"session": self.session, "position": position, "known": known}, {"heads": heads})
+        sent = self._send("predraft", {"session": self.session, "position": position, "known": known}, {"heads": heads})
+        self.predrafting = (sent, position, list(known))
         self.counters["predrafts"] += 1
 
     def send_draft(
@@ -239,6 +250,16 @@ class RemoteDraftBackend:
         daemon answers from that pre-draft if it holds it (`hit`), with as many rows as it drafted."""
         self.ensure()
         pending, self.pending = self.pending, None
+        held = self._predrafted(start, position, rows, predraft)
+        if held is not None:
+            # A hit: the drafts came during the verify. The daemon's context still takes the rows,
+            # from this propose (sent ahead, or now); nothing waits for its reply.
+            if pending is None or pending[0] != (start, position, rows, predraft):
+                self._send("propose", *self._propose(start, features, noise, position, rows, predraft))
+            self.hit = True
+            self.counters["proposals"] += 1
+            self.counters["predraft_hits"] += 1
+            return held
         if pending is not None and pending[0] == (start, position, rows, predraft):
             # The deadline runs from the send: a batch's proposes, sent together, time out together.
             _, sent, began = pending
@@ -267,6 +288,33 @@ class RemoteDraftBackend:
         self.counters["proposals"] += 1
         self.counters["predraft_hits"] += self.hit
         return hidden, gate
+
+    def _predrafted(
+        self, start: int, position: int, rows: int, outcome: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Outcome `outcome`'s drafts from the last predraft's reply (waited for: it comes before
+        this step's propose reply in any case), if they were drafted for this step; None for a
+        miss, including a pre-draft the daemon refused or sent misshapen."""
+        predrafting, self.predrafting = self.predrafting, None
+        if predrafting is None or outcome < 0:
+            return None
+        sent, base, known = predrafting
+        reply = self._receive("predraft", sent, self.timeout_s)
+        if reply.type == "error":  # the propose that follows gets its answer (or the same error)
+            log.debug("predraft refused: %s: %s", reply["code"], reply["message"])
+            return None
+        self.counters["predraft_ms"] += reply["draft_ms"]
+        hidden = reply.tensor("hidden", self.target.device)
+        gate = reply.tensor("gate", self.target.device) if "gate" in reply.tensors else None
+        try:
+            if hidden.shape[1] != self.info["hidden_size"] or not torch.isfinite(hidden).all():
+                raise ValueError(f"pre-drafted rows {list(hidden.shape)} are misshapen or hold NaN/Inf")
+            drafted = Predrafts.from_rows(base, known, self.info["block_size"], hidden, gate)
+        except ValueError as exc:
+            self.counters["errors"] += 1
+            log.warning("ignoring the daemon's pre-drafts: %s", exc)
+            return None
+        return drafted.take(outcome, start, position, rows)
 
     def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's selector codebooks, in pieces of MAX_CODEBOOK_ROWS rows (50 MB for a
