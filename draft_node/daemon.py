@@ -20,7 +20,7 @@ import torch
 from draft_node.kept_prefixes import KeptPrefixes
 from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, drafts_alone_in_one_pass, timed_pass
 from draft_node.model import DFlashDrafter
-from draft_node.predraft import Predrafts, predraft
+from draft_node.predraft import PassCost, Predrafts, check_outcomes, predraft
 from draft_node.settings import DraftSettings
 from protocol import FLOAT_DTYPES, MAX_HEADER_BYTES, ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
@@ -46,6 +46,7 @@ class Session:
     rows_in: int = 0
     predrafts: Predrafts | None = None  # the last `predraft`'s drafts, until the next propose or reset
     predraft_hits: int = 0
+    predraft_outcomes_cut: int = 0  # named, but not drafted: no time before the verify ends
 
 
 class DraftService:
@@ -72,7 +73,9 @@ class DraftService:
         )
         # batched: proposals drafted in one pass with at least one other session's
         self.counters = {"requests": 0, "errors": 0, "proposals": 0, "batched": 0, "evicted": 0, "draft_ms": 0.0}
-        self.counters.update(predrafts=0, predraft_hits=0)
+        # predraft_outcomes_cut: outcomes named but not drafted, for want of time before the verify ends
+        self.counters.update(predrafts=0, predraft_hits=0, predraft_outcomes_cut=0)
+        self.pass_cost = PassCost()
 
     @property
     def preferred_wire_dtype(self) -> str:
@@ -216,18 +219,26 @@ class DraftService:
                 ErrorCode.OUT_OF_ORDER,
                 f"predraft at {msg['position']} but the context ends at {session.cache.length}: propose there first",
             )
-        heads = finite(msg, "heads", self.drafter)
-        began = time.perf_counter()
+        heads, known = finite(msg, "heads", self.drafter), msg["known"]
         try:
-            session.predrafts = drafted = predraft(session.cache, heads, msg["known"], session.mask)
+            check_outcomes(known, heads.shape[0], self.config.block_size)
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"predraft: {exc}") from exc
+        count = self.pass_cost.fitting(len(known), msg["budget_ms"])
+        self.counters["predraft_outcomes_cut"] += len(known) - count
+        session.predraft_outcomes_cut += len(known) - count
+        wire_dtype = msg.tensors["heads"][0].dtype
+        if count == 0:  # not even one fits before the verify ends: drafting now would delay the next propose
+            return encode("predrafts", msg.id, {"draft_ms": 0.0, "outcomes": 0}, {"hidden": heads[:0]}, wire_dtype)
+        began = time.perf_counter()
+        session.predrafts = drafted = predraft(session.cache, heads[: sum(known[:count])], known[:count], session.mask)
         draft_ms = (time.perf_counter() - began) * 1000
+        self.pass_cost.record(count, draft_ms)
         self.counters["predrafts"] += 1
         self.counters["draft_ms"] += draft_ms
         hidden, gate = drafted.joined()
         tensors = {"hidden": hidden} if gate is None else {"hidden": hidden, "gate": gate}
-        return encode("predrafts", msg.id, {"draft_ms": draft_ms}, tensors, wire_dtype=msg.tensors["heads"][0].dtype)
+        return encode("predrafts", msg.id, {"draft_ms": draft_ms, "outcomes": count}, tensors, wire_dtype=wire_dtype)
 
     def on_keep(self, msg: Message) -> list:
         """Keep the session's context of positions [0, rows) (as many as it holds from 0) for this peer."""
@@ -314,6 +325,7 @@ class DraftService:
                 self.counters["errors"] += 1
                 replies[i] = internal_error(msgs[i].id, exc)
             return
+        self.pass_cost.record(len(group), draft_ms)
         if len(group) > 1:
             self.counters["batched"] += len(group)
         for (i, session, step), (hidden, gate) in zip(group, drafted, strict=True):
@@ -404,7 +416,12 @@ class DraftService:
             "block_size": self.config.block_size,
             "proposals": sum(s.steps for s in mine.values()),
             "per_session": {
-                name: {"steps": s.steps, "rows_in": s.rows_in, "predraft_hits": s.predraft_hits}
+                name: {
+                    "steps": s.steps,
+                    "rows_in": s.rows_in,
+                    "predraft_hits": s.predraft_hits,
+                    "predraft_outcomes_cut": s.predraft_outcomes_cut,
+                }
                 for name, s in mine.items()
             },
             "kept_prefixes": self.kept.of(msg.peer),

@@ -236,17 +236,22 @@ SCHEMAS: dict[str, Schema] = {
     # (`heads`: one run of `known[i]` rows per outcome), and the daemon drafts the next block of
     # each over the session's context as it ends now, at `position`, while the verify runs.
     "predraft": Schema(
-        Struct({"session": SESSION, "position": POSITION, "known": List(Int(2, 1 << 10), 1, MAX_PREDRAFT_OUTCOMES)}),
+        Struct(
+            {"session": SESSION, "position": POSITION, "known": List(Int(2, 1 << 10), 1, MAX_PREDRAFT_OUTCOMES)},
+            # The time the daemon has before the verify ends (the target's measure); 0: no limit.
+            optional={"budget_ms": (Float(0.0), 0.0)},
+        ),
         tensors=(TensorRule("heads", FLOAT_DTYPES, (2, 1)),),
         replies=("predrafts",),
         check=_check_predraft,
     ),
     # The pre-drafts themselves (version 7), sent as soon as they are drafted, so the target holds
-    # them when its verify ends and a hit waits for nothing: outcome i's rows, `block_size -
-    # known[i]` of them, one run per outcome in the order named; `gate` for a dflash2 drafter.
+    # them when its verify ends and a hit waits for nothing: the first `outcomes` outcomes named
+    # (as many as the daemon drafts within `budget_ms`), outcome i's rows `block_size - known[i]`,
+    # one run per outcome in the order named; `gate` for a dflash2 drafter.
     "predrafts": Schema(
-        Struct({"draft_ms": Float(0.0)}),
-        tensors=(TensorRule("hidden", FLOAT_DTYPES, (1, 1)), TensorRule("gate", FLOAT_DTYPES, (1, 1), optional=True)),
+        Struct({"draft_ms": Float(0.0), "outcomes": Int(0, MAX_PREDRAFT_OUTCOMES)}),
+        tensors=(TensorRule("hidden", FLOAT_DTYPES, (0, 1)), TensorRule("gate", FLOAT_DTYPES, (0, 1), optional=True)),
     ),
     # `gate` (dflash2): the selector's projection of the same rows, [rows, selector rank].
     # `predrafted`: the drafts are the named outcome's pre-draft (possibly fewer rows than asked).

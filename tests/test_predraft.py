@@ -15,7 +15,7 @@ from helpers import draft_daemon, greedy, tiny_target
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 from draft_node.daemon import DraftService
 from draft_node.kv_cache import DraftKVCache
-from draft_node.predraft import Predrafts, predraft
+from draft_node.predraft import PassCost, Predrafts, predraft
 from draft_node.settings import DraftSettings
 from protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
 from protocol.messages import MAX_PREDRAFT_OUTCOMES
@@ -110,9 +110,10 @@ class Session:
         tensors = {"features": self.features[start:position], "noise": self.noise[position]}
         return call(self.svc, "propose", tensors, session=self.name, start=start, position=position, predraft=outcome)
 
-    def predraft(self, position: int, known: list[int], heads: torch.Tensor | None = None):
+    def predraft(self, position: int, known: list[int], heads: torch.Tensor | None = None, budget_ms: float = 0.0):
         heads = self.heads[: sum(known)] if heads is None else heads
-        return call(self.svc, "predraft", {"heads": heads}, session=self.name, position=position, known=known)
+        fields = dict(session=self.name, position=position, known=known, budget_ms=budget_ms)
+        return call(self.svc, "predraft", {"heads": heads}, **fields)
 
     @property
     def cache(self) -> DraftKVCache:
@@ -246,6 +247,63 @@ def test_a_flood_of_predrafts_keeps_one_per_session_and_others_are_served(cfg):
 # --- end to end: exact whatever happens ----------------------------------------------------------
 
 
+def test_pass_cost_fits_a_line_through_recent_passes_and_drafts_what_fits_the_budget():
+    cost = PassCost()
+    assert cost.estimate(8) == 0.0 and cost.fitting(8, 5.0) == 8  # nothing measured: try them all
+    cost.record(4, 8.0)
+    assert cost.estimate(2) == pytest.approx(4.0)  # one size seen: in proportion
+    for blocks, ms in ((1, 3.0), (8, 17.0), (1, 3.0), (8, 17.0)):  # 1 ms fixed + 2 ms a block
+        cost.record(blocks, ms)
+    cost.recent.popleft()  # (the proportional point aside)
+    assert cost.estimate(1) == pytest.approx(3.0) and cost.estimate(5) == pytest.approx(11.0)
+    assert cost.fitting(8, 11.0) == 5 and cost.fitting(8, 10.9) == 4 and cost.fitting(3, 100.0) == 3
+    assert cost.fitting(8, 2.0) == 0  # not even one block
+    assert cost.fitting(8, 0.0) == 8  # no budget given: every outcome named
+
+
+def test_a_predraft_drafts_only_the_likeliest_outcomes_that_fit_its_budget(cfg):
+    s = Session(cfg)
+    s.propose(0, 5)
+    s.svc.pass_cost.recent.extend([(1, 2.0), (4, 5.0)] * 4)  # 1 ms fixed + 1 ms a block, as measured
+    reply = s.predraft(5, [2, 3, 2, 4], budget_ms=3.5)
+    assert reply.type == "predrafts" and reply["outcomes"] == 2
+    assert reply.tensor("hidden").shape[0] == (cfg.block_size - 2) + (cfg.block_size - 3)
+    assert s.svc.counters["predraft_outcomes_cut"] == 2
+    assert s.propose(5, 7, outcome=2)["predrafted"] is False  # a cut outcome is a miss
+    s.svc.pass_cost.recent.extend([(1, 2.0), (4, 5.0)] * 32)  # the miss's pass, forgotten
+    assert s.predraft(7, [2, 3], budget_ms=100.0)["outcomes"] == 2
+    hit = s.propose(7, 9, outcome=1)  # outcome 1 knew 3 tokens: its block starts at 7 + 3 - 1
+    assert hit["predrafted"] and hit.tensor("hidden").shape[0] == cfg.block_size - 3
+
+
+def test_a_flood_of_predrafts_with_no_time_costs_no_pass_and_the_session_serves_on(cfg):
+    s = Session(cfg)
+    s.propose(0, 5)
+    passes = len(s.svc.pass_cost.recent)
+    for _ in range(200):
+        reply = s.predraft(5, [2] * MAX_PREDRAFT_OUTCOMES, budget_ms=1e-6)
+        assert reply["outcomes"] == 0 and reply.tensor("hidden").shape[0] == 0
+    assert s.svc.counters["predraft_outcomes_cut"] == 200 * MAX_PREDRAFT_OUTCOMES
+    assert s.svc.counters["predrafts"] == 0 and len(s.svc.pass_cost.recent) == passes  # no pass ran
+    assert s.propose(5, 6, outcome=0)["predrafted"] is False and s.svc.counters["errors"] == 0
+
+
+def test_remote_predrafting_within_the_verify_window_stays_exact(target, checkpoint, tmp_path):
+    """With the budget on (the default), this tiny target's verify is shorter than a pre-draft pass:
+    the daemon cuts outcomes, and the output is the target's own all the same."""
+    address = f"ipc://{tmp_path}/budget.sock"
+    with draft_daemon(address, checkpoint):
+        backend = RemoteDraftBackend(address, target)
+        remote = DFlashProposer(backend, predraft=MAX_PREDRAFT_OUTCOMES)
+        for prompt in PROMPTS[:2]:
+            assert run(target, remote, prompt).tokens == greedy(target, prompt, MAX_NEW)
+        assert 0 < backend.window_ms < 1000 and backend.counters["predrafts"] > 0
+        assert backend.counters["timeouts"] == backend.counters["errors"] == 0
+        mine = backend._call("stats", {})["stats"]["per_session"][backend.session]
+        assert mine["predraft_outcomes_cut"] > 0
+        backend.close()
+
+
 def run(target, proposer, prompt, sampling=None, **options):
     options.setdefault("adaptive", False)  # the same steps every run, so sources compare
     return generate(target, prompt, proposer, DecodeOptions(MAX_NEW, sampling=sampling, **options))
@@ -260,7 +318,9 @@ def test_remote_predrafting_is_exact_and_hits_where_the_drafter_in_process_does(
     plain_local = DFlashProposer(LocalDraftBackend(load_drafter(checkpoint)))
     address = f"ipc://{tmp_path}/predraft.sock"
     with draft_daemon(address, checkpoint):
-        backend = RemoteDraftBackend(address, target)
+        # Every outcome named drafted, as in process (this tiny target's verify is shorter than a
+        # pre-draft pass, so a budget would cut them: the next test).
+        backend = RemoteDraftBackend(address, target, timing=LinkTiming(predraft_budget=False))
         remote = DFlashProposer(backend, predraft=MAX_PREDRAFT_OUTCOMES)
         hits = 0
         for prompt in PROMPTS:

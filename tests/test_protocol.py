@@ -84,8 +84,12 @@ SAMPLES = {
     "proposal": ({"draft_ms": 1.25}, {"hidden": torch.randn(BLOCK, HIDDEN), "gate": torch.randn(BLOCK, 16)}),
     "proposal2": ({"draft_ms": 0.5, "predrafted": True}, {"hidden": torch.randn(3, HIDDEN)}),
     "predraft": ({"session": "s-1", "position": 5, "known": [2, 4, 3]}, {"heads": torch.randn(9, HIDDEN)}),
-    "predrafts": ({"draft_ms": 2.5}, {"hidden": torch.randn(15, HIDDEN)}),
-    "predrafts2": ({"draft_ms": 2.5}, {"hidden": torch.randn(15, HIDDEN), "gate": torch.randn(15, 16)}),
+    "predraft2": (
+        {"session": "s-1", "position": 5, "known": [2, 4, 3], "budget_ms": 12.5},
+        {"heads": torch.randn(9, HIDDEN)},
+    ),
+    "predrafts": ({"draft_ms": 2.5, "outcomes": 3}, {"hidden": torch.randn(15, HIDDEN)}),
+    "predrafts2": ({"draft_ms": 2.5, "outcomes": 3}, {"hidden": torch.randn(15, HIDDEN), "gate": torch.randn(15, 16)}),
     "codebook": ({"start": 4096, "rows": 4096}, {}),
     "codebook_ok": ({}, {"predecessor": torch.randn(4, 16), "successor": torch.randn(4, 16)}),
     "ping": ({}, {}),
@@ -166,6 +170,8 @@ def test_round_trip_every_type(type_):
         expected["rows"], expected["predraft"] = 0, -1
     if sample == "proposal":
         expected["predrafted"] = False
+    if sample == "predraft":
+        expected["budget_ms"] = 0.0  # no limit
     assert msg.fields == expected
     assert set(msg.tensors) == set(tensors)
     for name, t in tensors.items():

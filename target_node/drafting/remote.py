@@ -46,12 +46,15 @@ class Reachability:
 class LinkTiming:
     """How long the target waits on its drafter: a reply (`timeout_s`), a probe of a daemon that
     was away (`probe_timeout_s`), between probes (`retry_s`), and how long a session may go
-    unheard before a keepalive (`keepalive_s`)."""
+    unheard before a keepalive (`keepalive_s`), and whether a pre-draft asks only for what the
+    daemon drafts before the verify ends (`predraft_budget`; off, it drafts every outcome named,
+    as the drafter in process does)."""
 
     timeout_s: float = 2.0
     probe_timeout_s: float = 0.25
     retry_s: float = 5.0
     keepalive_s: float = KEEPALIVE_S
+    predraft_budget: bool = True
 
 
 class RemoteDraftBackend:
@@ -71,7 +74,7 @@ class RemoteDraftBackend:
         self.address = address
         self.target = target
         self.timeout_s, self.probe_timeout_s, self.retry_s = timing.timeout_s, timing.probe_timeout_s, timing.retry_s
-        self.keepalive_s = timing.keepalive_s
+        self.keepalive_s, self.predraft_budget = timing.keepalive_s, timing.predraft_budget
         self.session = name or f"target-{uuid.uuid4().hex[:12]}"
         self.wire_request = wire_dtype
         self.client = Client(address, curve=curve)
@@ -85,6 +88,8 @@ class RemoteDraftBackend:
         self.reach = reach or Reachability()
         self.pending: tuple[tuple[int, int, int], int, float] | None = None  # a propose sent ahead (send_draft)
         self.predrafting: tuple[int, int, list[int]] | None = None  # the last predraft: (its id, position, known)
+        self.window_began: float | None = None  # when the last predraft went out, until the next propose
+        self.window_ms = 0.0  # the time a pre-draft has (`_close_window`); 0 until measured: no limit
         self.last_sent = time.monotonic()
         self.counters = dict.fromkeys(
             ["round_trips", "timeouts", "errors", "bytes_out", "bytes_in", "proposals", "sent_ahead", "changes"]
@@ -151,7 +156,7 @@ class RemoteDraftBackend:
         """Lazy pirate: a socket that missed a reply may hold a stale one; build a new one later."""
         log.warning("drafter unavailable (%s); falling back, retrying in %.1f s", why, self.retry_s)
         self.client.close()
-        self.attached, self.pending, self.predrafting = False, None, None
+        self.attached, self.pending, self.predrafting, self.window_began = False, None, None, None
         self.reach.retry_at = time.monotonic() + self.retry_s
 
     def attach(self, timeout_s: float, strict: bool = False) -> None:
@@ -211,7 +216,7 @@ class RemoteDraftBackend:
 
     def reset(self, position: int) -> None:
         self.ensure()
-        self.predrafting = None
+        self.predrafting = self.window_began = None  # a window between requests is no verify's
         self._call("reset", {"session": self.session, "position": position})
 
     def keep(self, name: str, rows: int) -> int:
@@ -220,6 +225,7 @@ class RemoteDraftBackend:
 
     def restore(self, name: str, rows: int) -> int:
         self.ensure()
+        self.predrafting = self.window_began = None
         return self._call("restore", {"session": self.session, "name": name, "rows": rows})["rows"]
 
     def predraft(self, position: int, heads: torch.Tensor, known: list[int]) -> None:
@@ -227,9 +233,22 @@ class RemoteDraftBackend:
         pre-drafts, arrives during the verify; only a step whose outcome was named reads it (any
         other wait skips it), and a pre-draft that failed only makes that step a miss."""
         self.ensure()
-        sent = self._send("predraft", {"session": self.session, "position": position, "known": known}, {"heads": heads})
-        self.predrafting = (sent, position, list(known))
+        budget_ms = self.window_ms if self.predraft_budget else 0.0
+        fields = {"session": self.session, "position": position, "known": known, "budget_ms": budget_ms}
+        sent = self._send("predraft", fields, {"heads": heads})
+        self.predrafting, self.window_began = (sent, position, list(known)), time.perf_counter()
         self.counters["predrafts"] += 1
+
+    def _close_window(self) -> None:
+        """The time the daemon had for the last pre-draft, from its send to the next propose's: a
+        running measure, so the next pre-draft asks only for outcomes the daemon can draft in it
+        (less a tenth, for the reply's way back). A window that held plain steps too (the governor
+        paused drafting) counts as at most twice the measure."""
+        if self.window_began is None:
+            return
+        ms = 0.9 * (time.perf_counter() - self.window_began) * 1000
+        self.window_ms = ms if not self.window_ms else 0.8 * self.window_ms + 0.2 * min(ms, 2 * self.window_ms)
+        self.window_began = None
 
     def send_draft(
         self, start: int, features: torch.Tensor, noise: torch.Tensor, position: int, rows: int, predraft: int = -1
@@ -238,6 +257,7 @@ class RemoteDraftBackend:
         each send theirs first, so the draft daemon works on one while the others' are on the
         wire, and a step waits about one round trip, not one per request."""
         self.ensure()
+        self._close_window()
         began = time.perf_counter()
         sent = self._send("propose", *self._propose(start, features, noise, position, rows, predraft))
         self.pending = ((start, position, rows, predraft), sent, began)
@@ -249,6 +269,7 @@ class RemoteDraftBackend:
         """`predraft`: the index of the outcome of the last `predraft` that happened (-1: none); the
         daemon answers from that pre-draft if it holds it (`hit`), with as many rows as it drafted."""
         self.ensure()
+        self._close_window()
         pending, self.pending = self.pending, None
         held = self._predrafted(start, position, rows, predraft)
         if held is not None:
@@ -309,7 +330,7 @@ class RemoteDraftBackend:
         try:
             if hidden.shape[1] != self.info["hidden_size"] or not torch.isfinite(hidden).all():
                 raise ValueError(f"pre-drafted rows {list(hidden.shape)} are misshapen or hold NaN/Inf")
-            drafted = Predrafts.from_rows(base, known, self.info["block_size"], hidden, gate)
+            drafted = Predrafts.from_rows(base, known[: reply["outcomes"]], self.info["block_size"], hidden, gate)
         except ValueError as exc:
             self.counters["errors"] += 1
             log.warning("ignoring the daemon's pre-drafts: %s", exc)
