@@ -5,6 +5,7 @@
     python -m launch.train --stage train --minutes 30 --out drafters/smollm2
     python -m launch.train --stage variety                   # how varied the stored prompts are
     python -m launch.train --stage average --init A --average-with B --weight 0.5 --out C  # weight-average two drafters
+    python -m launch.train --stage grow --init A --layers 8 --out C  # A's drafts at an 8-layer drafter's cost
     python -m launch.train --stage estimate --drafters A,B      # offline chain tau on the held-out prompts' answers
     python -m launch.train --stage train --format dflash2 --init drafters/smollm2 --out NEW  # backbone, then selector
     python -m launch.train --stage selector --out drafters/smollm2-dflash2   # DFlash2: shipped backbone + selector
@@ -74,10 +75,12 @@ def _run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--name", default="smollm2", help="cache folder name under ~/.cache/dflash-split/train/")
     ap.add_argument(
         "--stage",
-        choices=["gen", "features", "train", "all", "vocab", "variety", "average", "estimate", "selector"],
+        choices=["gen", "features", "train", "all", "vocab", "variety", "average", "grow", "estimate", "selector"],
         default="all",
         help="vocab: only (re)write --out's draft vocabulary from the stored answers; "
         "average: write (1 - w) * --init + w * --average-with to --out; "
+        "grow: write --init grown to --layers layers to --out (the added layers add nothing: the same drafts, "
+        "the deeper drafter's cost); "
         "estimate: score --drafters offline on the target's answers to --prompts and on the store's held-out answers; "
         "selector: a DFlash2 drafter at --out from the DFlash drafter --init (default the shipped one), its selector "
         "trained on the backbone's outputs",

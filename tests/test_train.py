@@ -636,6 +636,34 @@ def test_averaging_two_drafters_mixes_their_weights_and_their_vocabularies(setup
         average_drafters(first, deeper, 0.5)
 
 
+def test_a_grown_drafter_drafts_the_same_bits_at_the_deeper_drafters_cost(setup, tmp_path):
+    """--stage grow: the added layers add exactly nothing, so a daemon timing a deeper drafter
+    drafts what the shallow one does (docs/deployment.md's depth study)."""
+    from draft_node.kv_cache import DraftKVCache
+    from launch.train import main
+
+    target, cfg, store, features = setup
+    shallow = random_drafter(cfg, seed=5, std=0.1)
+    shallow.draft_vocab = [3, 4, 9]
+    save_drafter(shallow, tmp_path / "a")
+    save_draft_vocab(tmp_path / "a", shallow.draft_vocab)
+    grow = ["--stage", "grow", "--init", str(tmp_path / "a"), "--save-dtype", "float32", "--cache", str(tmp_path)]
+    main([*grow, "--layers", "3", "--out", str(tmp_path / "g")])
+    deep = load_drafter(tmp_path / "g")
+    assert deep.config.num_hidden_layers == 3 and deep.draft_vocab == [3, 4, 9]
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(12, cfg.feature_width, generator=g)
+    noise = torch.randn(cfg.block_size, cfg.hidden_size, generator=g)
+    drafted = []
+    for drafter in (load_drafter(tmp_path / "a"), deep):
+        cache = DraftKVCache(drafter, capacity=32)
+        cache.append(0, rows)
+        drafted.append(cache.draft_rows(noise, 12, cfg.block_size - 1)[0])
+    assert torch.equal(drafted[0], drafted[1])
+    with pytest.raises(SystemExit, match="cannot grow a 3-layer drafter to 2 layers"):
+        main([*grow[:3], str(tmp_path / "g"), *grow[4:], "--layers", "2", "--out", str(tmp_path / "h")])
+
+
 def test_the_offline_estimate_scores_every_drafter_on_the_same_blocks(setup, tmp_path):
     target, cfg, store, features = setup
     train(target, cfg, store.answers, features, opts(out=tmp_path / "out"), tmp_path / "s.pt", log=lambda m: None)

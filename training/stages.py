@@ -29,7 +29,16 @@ from training.features import FeatureCache, feature_folder
 from training.generate import GenerateOptions, generate
 from training.prompts import Ask, HeldOut, jobs, read_prompts
 from training.selector import train_selector
-from training.trainer import Trainer, TrainOptions, as_dflash2, draft_vocabulary, export_drafter, samples, train
+from training.trainer import (
+    Trainer,
+    TrainOptions,
+    as_dflash2,
+    draft_vocabulary,
+    export_drafter,
+    grown_drafter,
+    samples,
+    train,
+)
 from training.variety import report
 
 Log = Callable[[str], None]
@@ -71,6 +80,9 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
         return
     if args.stage == "average":
         average_stage(args, log)
+        return
+    if args.stage == "grow":
+        grow_stage(args, log)
         return
 
     # The target as the daemon serves it on this device (--feature-dtype "auto": bf16 where the
@@ -196,6 +208,19 @@ def average_stage(args: argparse.Namespace, log: Log) -> None:
     drafter = average_drafters(load_drafter(args.init), load_drafter(args.average_with), args.weight)
     save_drafter(drafter.to(torch_dtype(args.save_dtype)), args.out)
     log(f"average: {1 - args.weight:g} x {args.init} + {args.weight:g} x {args.average_with} -> {args.out}")
+
+
+def grow_stage(args: argparse.Namespace, log: Log) -> None:
+    """--init grown to --layers layers (training.trainer.grown_drafter), saved at --out."""
+    if not args.init:
+        raise SystemExit("--stage grow needs --init A and --layers N")
+    drafter = load_drafter(args.init)
+    try:
+        grown = grown_drafter(drafter, args.layers)
+    except ValueError as exc:
+        raise SystemExit(f"--stage grow: {exc}") from exc
+    save_drafter(grown.to(torch_dtype(args.save_dtype)), args.out)
+    log(f"grow: {args.init} ({drafter.config.num_hidden_layers} layers) -> {args.out} ({args.layers} layers)")
 
 
 def estimate_stage(args: argparse.Namespace, target: TargetModel, store: AnswerStore, cache: Path, log: Log) -> None:

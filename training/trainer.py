@@ -198,6 +198,19 @@ def grown_state(drafter: DFlashDrafter, cfg: DFlashConfig) -> dict[str, torch.Te
     return state
 
 
+def grown_drafter(drafter: DFlashDrafter, layers: int) -> DFlashDrafter:
+    """`drafter` grown to `layers` layers by `grown_state`: the same drafts at the deeper drafter's
+    cost, a start for training it or a stand-in for timing one (docs/deployment.md)."""
+    if layers < drafter.config.num_hidden_layers:
+        raise ValueError(f"cannot grow a {drafter.config.num_hidden_layers}-layer drafter to {layers} layers")
+    have = drafter.config.layer_types
+    cfg = replace(drafter.config, num_hidden_layers=layers, layer_types=(*have, *[have[-1]] * (layers - len(have))))
+    grown = DFlashDrafter(cfg)
+    grown.load_state_dict({k: v.float() for k, v in grown_state(drafter, cfg).items()})
+    grown.draft_vocab = getattr(drafter, "draft_vocab", [])
+    return grown.eval()
+
+
 def target_layers_state(model: torch.nn.Module, cfg: DFlashConfig, layer_ids: list[int]) -> dict[str, torch.Tensor]:
     """Drafter layer i's weights from target decoder layer `layer_ids[i]` (attention, MLP, their
     norms; q/k norms where the target has them, else ones): a drafter layer has a target layer's
