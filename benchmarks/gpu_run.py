@@ -19,6 +19,7 @@ runs as one command, each phase time-boxed, every result written as it comes int
 5. `split`: the split on one GPU, two processes: the drafter in the target's process, in a draft
    daemon, and in the daemon pre-drafting 8 outcomes during each verify (issue 31), in turns; then
    1, 4, 16 and 64 requests drafted together or in two alternating halves (`benchmarks.bench_overlap`);
+   where a second GPU is visible, the first rows again with the daemon on it;
 6. `batching`: requests decoded side by side against each alone, and what drafting pays as N grows;
 7. `draft_batch`: the draft daemon's proposes in one pass against one by one, and whether its load
    check (each session's bits as alone, torch's kernels in fixed row blocks) let it batch them;
@@ -200,21 +201,48 @@ def split(model: Path, drafter: Path, device: str, prompts: int, max_new: int, t
     """The split on one device, in turns: the drafter in the target's process, in a draft daemon
     (a second process on the same device), and in the daemon pre-drafting 8 outcomes per verify
     (rows MODE, MODE@baseline, MODE@predraft); then `batches` requests at once drafted together
-    or in two alternating halves, against plain batched decoding (`overlap`)."""
-    from benchmarks import bench_overlap, evaluate
+    or in two alternating halves, against plain batched decoding (`overlap`). Where a second GPU
+    is visible, the same rows again with the daemon on it (`second_device`)."""
+    from benchmarks import bench_overlap
     from launch.local import daemon, free_address
 
     address = free_address()
-    args = ["--checkpoint", str(drafter), "--device", device, "--threads", str(threads)]
-    with daemon("draft daemon", "launch.draft_daemon", address, args, 300):
-        flags = ["--drafter", str(drafter), "--baseline-address", address, "--predraft", "8", "--model", str(model)]
-        flags += ["--device", device, "--modes", "chain,adaptive", "--limit", str(prompts)]
-        flags += ["--max-new-tokens", str(max_new), "--prompts", str(ROOT / "data" / "eval_prompts.jsonl")]
-        result = evaluate.evaluate(evaluate.parse_args(flags))
+    with daemon("draft daemon", "launch.draft_daemon", address, daemon_args(drafter, device, threads), 300):
+        out = split_rows(model, drafter, device, address, prompts, max_new)
         flags = ["--drafter-address", address, "--model", str(model), "--device", device, "--batches", batches]
         overlap = bench_overlap.main([*flags, "--rounds", "1", "--max-new-tokens", str(max_new), "--threads", "0"])
-    modes, mismatches = result["modes"], result["mismatches"] + overlap["mismatches"]
-    return {"modes": modes, "overlap": overlap["rows"], "mismatches": mismatches, "prompts": result["prompts"]}
+    out.update(overlap=overlap["rows"], mismatches=out["mismatches"] + overlap["mismatches"])
+    second = second_device(device, torch.cuda.device_count() if device.startswith("cuda") else 0)
+    if second is not None:
+        address = free_address()
+        with daemon("draft daemon", "launch.draft_daemon", address, daemon_args(drafter, second, threads), 300):
+            rows = split_rows(model, drafter, device, address, prompts, max_new)
+        out["second_device"] = {"daemon_device": second, **rows}
+        out["mismatches"] += rows["mismatches"]
+    return out
+
+
+def daemon_args(drafter: Path, device: str, threads: int) -> list[str]:
+    return ["--checkpoint", str(drafter), "--device", device, "--threads", str(threads)]
+
+
+def second_device(device: str, visible: int) -> str | None:
+    """Another GPU than the target's for the draft daemon, where one is visible; else None."""
+    if not device.startswith("cuda") or visible < 2:
+        return None
+    index = int(device.split(":")[1]) if ":" in device else 0
+    return f"cuda:{(index + 1) % visible}"
+
+
+def split_rows(model: Path, drafter: Path, device: str, address: str, prompts: int, max_new: int) -> dict:
+    """`benchmarks.evaluate`'s co-located, remote (the daemon at `address`) and pre-drafting rows."""
+    from benchmarks import evaluate
+
+    flags = ["--drafter", str(drafter), "--baseline-address", address, "--predraft", "8", "--model", str(model)]
+    flags += ["--device", device, "--modes", "chain,adaptive", "--limit", str(prompts)]
+    flags += ["--max-new-tokens", str(max_new), "--prompts", str(ROOT / "data" / "eval_prompts.jsonl")]
+    result = evaluate.evaluate(evaluate.parse_args(flags))
+    return {"modes": result["modes"], "mismatches": result["mismatches"], "prompts": result["prompts"]}
 
 
 def batching(model: Path, drafter: Path, device: str, prompts: int, max_new: int, widest: int) -> dict:

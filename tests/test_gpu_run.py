@@ -113,3 +113,9 @@ def test_pack_back_leaves_out_what_does_not_fit(tmp_path, monkeypatch):
     with tarfile.open(fileobj=io.BytesIO(b"".join((out / p).read_bytes() for p in packed["parts"]))) as tar:
         names = sorted(tar.getnames())
     assert names == ["drafter-L1", "drafter-L1/model.safetensors", "drafter-L4", "drafter-L4/model.safetensors"]
+
+
+def test_the_draft_daemon_goes_to_another_gpu_where_one_is_visible():
+    assert gpu_run.second_device("cuda", 2) == "cuda:1" and gpu_run.second_device("cuda:1", 2) == "cuda:0"
+    assert gpu_run.second_device("cuda:2", 4) == "cuda:3"
+    assert gpu_run.second_device("cuda", 1) is None and gpu_run.second_device("cpu", 0) is None
