@@ -3,10 +3,10 @@
 # launch/gpu_run.sh installs (.whl/) and the SmolLM2 GGUF in parts (.gpu/), each small enough to
 # ride along with one call (a call carries at most 64 MiB, the ~31 MB working tree included).
 # Both folders are git-ignored. How to carry them, call by call: docs/training.md, "On a GPU".
-# Usage: bash launch/gpu_prepare.sh [PART_MB]     (default 32)
+# Usage: bash launch/gpu_prepare.sh [PART_MB]   (default: the largest part that fits beside the
+# working tree as it is now, tracked and untracked files and the wheels, with 1 MiB to spare)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-part_mb="${1:-32}"
 cd "$root"
 [ -x .venv/bin/python ] || bash launch/setup_env.sh
 rm -rf .whl .gpu
@@ -20,7 +20,15 @@ versions=$(.venv/bin/python -c "import importlib.metadata as m; print(f\"pyzmq==
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d .whl $versions
 gguf="$(.venv/bin/python -c 'from target_node.model.default_model import _wheel_folder; print(_wheel_folder())')"
-split -b "${part_mb}M" -d "$gguf/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/SmolLM2-135M-Instruct.Q4_1.gguf.part
+if [ -n "${1:-}" ]; then
+  part_bytes=$(( $1 * 1024 * 1024 ))
+else  # what travels with every call: the working tree (tracked and untracked, not ignored) and the wheels
+  tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | du --files0-from=- -cb | tail -1 | cut -f1)
+  wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
+  part_bytes=$(( 64 * 1024 * 1024 - tree - wheels - 1024 * 1024 ))
+fi
+[ "$part_bytes" -gt 0 ] || { echo "gpu_prepare.sh: the working tree leaves no room for a GGUF part in a 64 MiB call" >&2; exit 1; }
+split -b "$part_bytes" -d "$gguf/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/SmolLM2-135M-Instruct.Q4_1.gguf.part
 # What the joined parts must hash to: gpu_run.sh checks it, so a part left behind is a clear error.
 (cd "$gguf" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf) > .gpu/SHA256SUMS
 ls -l .whl .gpu
