@@ -131,15 +131,13 @@ def study_prompt(
 
 
 def tree_outcome(tree: DraftTree, truth: list[int]) -> tuple[int, int] | None:
-    """How verifying `tree` against the target's tokens `truth` ends: (deepest node accepted, the
-    target's token after it); None where the answer ends first."""
-    children: dict[int, dict[int, int]] = {}
-    for node, (parent, token) in enumerate(zip(tree.parents, tree.tokens, strict=True), start=1):
-        children.setdefault(parent, {})[token] = node
-    node = depth = 0
-    while depth < len(truth) and truth[depth] in children.get(node, {}):
-        node, depth = children[node][truth[depth]], depth + 1
-    return (node, truth[depth]) if depth < len(truth) else None
+    """How verifying `tree` against the target's tokens `truth` ends (the verify's own walk,
+    `DraftTree.accept`): (deepest node accepted, the target's token after it); None where the
+    answer ends first."""
+    depths = [0, *tree.depths]
+    path = tree.accept([truth[d] if d < len(truth) else -1 for d in depths])  # -1: no token, the walk stops
+    node = path[-1] if path else 0
+    return (node, truth[depths[node]]) if depths[node] < len(truth) else None
 
 
 def depth_of(tree: DraftTree, node: int) -> int:
