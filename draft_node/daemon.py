@@ -76,6 +76,9 @@ class DraftService:
         # predraft_outcomes_cut: outcomes named but not drafted, for want of time before the verify ends
         self.counters.update(predrafts=0, predraft_hits=0, predraft_outcomes_cut=0)
         self.pass_cost = PassCost()
+        # When the burst being handled arrived: its replies all leave at its end, so a pre-draft
+        # handled after others has only what is left of its budget (None: handled alone).
+        self.burst_began: float | None = None
 
     @property
     def preferred_wire_dtype(self) -> str:
@@ -224,7 +227,7 @@ class DraftService:
             check_outcomes(known, heads.shape[0], self.config.block_size)
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"predraft: {exc}") from exc
-        count = self.pass_cost.fitting(len(known), msg["budget_ms"])
+        count = self.pass_cost.fitting(len(known), self.budget_left(msg["budget_ms"]))
         self.counters["predraft_outcomes_cut"] += len(known) - count
         session.predraft_outcomes_cut += len(known) - count
         wire_dtype = msg.tensors["heads"][0].dtype
@@ -239,6 +242,14 @@ class DraftService:
         hidden, gate = drafted.joined()
         tensors = {"hidden": hidden} if gate is None else {"hidden": hidden, "gate": gate}
         return encode("predrafts", msg.id, {"draft_ms": draft_ms, "outcomes": count}, tensors, wire_dtype=wire_dtype)
+
+    def budget_left(self, budget_ms: float) -> float:
+        """What is left of a pre-draft's budget after the requests of its burst handled before it
+        (several targets' pre-drafts arriving together queue for the one drafter); 0 stays 0 (no
+        budget), and a budget spent becomes the smallest one, which fits no pass."""
+        if budget_ms <= 0 or self.burst_began is None:
+            return budget_ms
+        return max(budget_ms - (time.perf_counter() - self.burst_began) * 1000, 1e-9)
 
     def on_keep(self, msg: Message) -> list:
         """Keep the session's context of positions [0, rows) (as many as it holds from 0) for this peer."""
@@ -273,6 +284,7 @@ class DraftService:
         the drafter computes each row alone, so each gets the bits of its propose alone."""
         replies: list[list] = [[] for _ in requests]
         run: list[int] = []
+        self.burst_began = time.perf_counter()
 
         def flush() -> None:
             self.counters["requests"] += len(run)
@@ -282,15 +294,18 @@ class DraftService:
                 replies[i] = reply
             run.clear()
 
-        for i, request in enumerate(requests):
-            if self.together and isinstance(request, Message) and request.type == "propose":
-                if any(_same_session(requests[j], request) for j in run):
-                    flush()
-                run.append(i)
-                continue
+        try:
+            for i, request in enumerate(requests):
+                if self.together and isinstance(request, Message) and request.type == "propose":
+                    if any(_same_session(requests[j], request) for j in run):
+                        flush()
+                    run.append(i)
+                    continue
+                flush()
+                replies[i] = self.handle(request)
             flush()
-            replies[i] = self.handle(request)
-        flush()
+        finally:
+            self.burst_began = None
         return replies
 
     def draft_together(self, msgs: list[Message]) -> list[list]:

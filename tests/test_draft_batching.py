@@ -230,13 +230,29 @@ def test_a_targets_local_slots_draft_one_pass_per_step_and_decode_as_alone(dflas
         Sequence(batch, p, proposer(together), DecodeOptions(30, adaptive=False, sampling=s), slot=slot)
         for slot, (p, s) in enumerate(zip(prompts, sampling, strict=True))
     ]
+    built, sent = [], []  # a step's request is built once: sent ahead, then taken by its propose
+    for seq in sequences:
+        seq.proposer._request = counted(seq.proposer._request, built)
+        seq.proposer.backend.send_draft = counted(seq.proposer.backend.send_draft, sent)
     while not all(seq.done for seq in sequences):
         step(batch, [seq for seq in sequences if not seq.done])
     for seq, want in zip(sequences, alone, strict=True):
         got = seq.result()
         assert got.tokens == want.tokens and got.stats.histogram == want.stats.histogram
+    proposals = sum(seq.proposer.backend.counters["proposals"] for seq in sequences)
+    assert sent and len(built) == proposals
     if row_blocks.available():
         assert together.together and together.counters["batched"] > together.counters["passes"]
+
+
+def counted(method, calls: list):
+    """`method`, noting each call in `calls`."""
+
+    def call(*args, **kwargs):
+        calls.append(args)
+        return method(*args, **kwargs)
+
+    return call
 
 
 def test_a_step_shares_its_drafting_time_evenly_among_the_sequences_that_drafted():

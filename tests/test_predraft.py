@@ -276,6 +276,53 @@ def test_a_predraft_drafts_only_the_likeliest_outcomes_that_fit_its_budget(cfg):
     assert hit["predrafted"] and hit.tensor("hidden").shape[0] == cfg.block_size - 3
 
 
+def test_predrafts_arriving_together_share_one_budget_and_the_rest_of_the_burst_is_served(cfg, monkeypatch):
+    """A burst's replies all leave at its end, so targets' pre-drafts queued behind others have only
+    what is left of their budgets: a flood of them runs no pass past the budget, and a propose in
+    the burst is still answered."""
+    import draft_node.daemon as daemon
+
+    drafter = random_drafter(cfg, seed=3, std=0.1)
+    first = Session(cfg, name="s0", drafter=drafter)
+    sessions = [first] + [Session(cfg, seed=i, name=f"s{i}", drafter=drafter) for i in range(1, 10)]
+    for s in sessions[1:]:
+        s.svc = first.svc
+        call(s.svc, "open", {"mask": s.mask}, session=s.name)
+    for s in sessions:
+        s.propose(0, 5)
+    svc = first.svc
+    svc.pass_cost.recent.extend([(1, 10.0), (4, 40.0)] * 4)  # 10 ms a block, as measured
+
+    def slow(*args):  # a pass as long as its estimate, whatever this machine's speed
+        time.sleep(0.045)
+        return predraft(*args)
+
+    monkeypatch.setattr(daemon, "predraft", slow)
+    known = [2, 2, 2, 2]
+    burst = [
+        encode("predraft", i, dict(session=s.name, position=5, known=known, budget_ms=100.0), {"heads": s.heads[:8]})
+        for i, s in enumerate(sessions)
+    ]
+    burst.append(
+        encode(
+            "propose",
+            99,
+            dict(session="s0", start=5, position=6, predraft=-1),
+            {"features": first.features[5:6], "noise": first.noise[6]},
+        )
+    )
+    messages = []
+    for frames in burst:
+        messages.append(decode(frames))
+        messages[-1].peer = "peer"
+    replies = [decode(frames) for frames in svc.handle_all(messages)]
+    outcomes = [r["outcomes"] for r in replies[:-1]]
+    assert outcomes[0] == 4 and outcomes[3:] == [0] * 7  # a session handled alone would draft all 4
+    assert outcomes == sorted(outcomes, reverse=True) and svc.counters["predrafts"] <= 3
+    assert replies[-1].type == "proposal" and svc.counters["errors"] == 0
+    assert svc.burst_began is None and s.predraft(5, known, budget_ms=100.0)["outcomes"] == 4  # alone again
+
+
 def test_a_flood_of_predrafts_with_no_time_costs_no_pass_and_the_session_serves_on(cfg):
     s = Session(cfg)
     s.propose(0, 5)

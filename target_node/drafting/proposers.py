@@ -177,6 +177,9 @@ class DFlashProposer:
         self.outcomes = predraft  # outcomes named per verify (0: no pre-drafting)
         # The last named outcomes: their verify's position and each one's tokens from there.
         self.named: tuple[int, list[tuple[int, ...]]] | None = None
+        # The request `prefetch` sent ahead, keyed by its step: `propose` takes it instead of
+        # reading the ring and building the noise a second time.
+        self.sent: tuple[tuple[int, int, int], tuple] | None = None
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -196,7 +199,7 @@ class DFlashProposer:
             self.drafting.ring.reset()
         self.fallback.begin(target)
         self.synced = self.base = None
-        self.named = None
+        self.named = self.sent = None
 
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         if features is not None and self.drafting is not None:
@@ -251,6 +254,7 @@ class DFlashProposer:
             request = self._request(tokens, max_tokens)
             if request is not None:
                 self.backend.send_draft(*request)
+                self.sent = ((len(tokens), tokens[-1], max_tokens), request)
         except DrafterUnavailable:
             self.synced = None  # `propose` falls back
 
@@ -258,8 +262,12 @@ class DFlashProposer:
         drafting = self.drafting
         if drafting is None:
             return self.fallback.propose(tokens, max_tokens)
+        sent, self.sent = self.sent, None
         try:
-            request = self._request(tokens, max_tokens)
+            if sent is not None and sent[0] == (len(tokens), tokens[-1], max_tokens) and self.synced == sent[1][0]:
+                request = sent[1]
+            else:
+                request = self._request(tokens, max_tokens)
             if request is None:
                 return EMPTY
             hidden, gate = self.backend.draft(*request)
