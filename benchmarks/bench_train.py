@@ -10,6 +10,12 @@ Features come from the cache `--stage features` fills (the same folder); answers
 get them first by prefill, up to `--answers` of them.
 
     python -m benchmarks.bench_train --layers 1,4 --autocast off,on --batch 8 --rounds 3 --steps 4
+
+`--loader-threads 0,2,4` times the batches alone instead, built by that many threads ahead
+(training.loader), in turns: on a GPU the copy of their feature rows, not the drafter, bounds a
+step, so batches/s against the GPU's steps/s says how many threads a run needs.
+
+    python -m benchmarks.bench_train --batch 64 --anchors 48 --loader-threads 0,1,2 --steps 12
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from target_node import CACHE_ROOT
 from target_node.model.target import TargetModel
 from training.answer_store import STORE, AnswerStore
 from training.features import FeatureCache, feature_folder
+from training.loader import BatchStream
 from training.trainer import Trainer, TrainOptions
 
 
@@ -61,6 +68,32 @@ def timed_steps(setting: Setting, steps: int) -> float:
     return positions / elapsed
 
 
+def batch_rate(trainer: Trainer, threads: int, first: int, steps: int) -> float:
+    """Batches per second of steps [first, first + steps), taken in order from `threads` threads."""
+    began = time.perf_counter()
+    with BatchStream(trainer.batch, first, threads) as batches:
+        for step in range(first, first + steps):
+            batches.take(step)
+    return steps / (time.perf_counter() - began)
+
+
+def loader_rates(trainer: Trainer, counts: list[int], rounds: int, steps: int) -> list[dict]:
+    """Each thread count's batches/s, in turns; each run takes steps no run took before (no batch
+    comes from a warm cache the previous run left, beyond what the page cache holds)."""
+    rates: dict[int, list[float]] = {n: [] for n in counts}
+    first = 0
+    for r in range(rounds):
+        for n in counts:
+            rates[n].append(batch_rate(trainer, n, first, steps))
+            first += steps
+        print(f"round {r + 1}: " + ", ".join(f"{n} thread(s) {rates[n][-1]:.2f} batches/s" for n in counts))
+    megabytes = trainer.batch(0).features.numel() * 2 / 1e6
+    return [
+        {"threads": n, "batches_s": round(statistics.median(v), 2), "rounds": [round(x, 2) for x in v]}
+        for n, v in rates.items()
+    ] + [{"feature_mb_per_batch": round(megabytes, 3)}]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="local HF folder of the target (default: SmolLM2)")
@@ -75,6 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per setting per round")
     ap.add_argument("--store", default=str(STORE), help="answer store folder")
     ap.add_argument("--cache", default=str(CACHE_ROOT), help="where the feature cache is (features/ under it)")
+    ap.add_argument("--loader-threads", default="", help="e.g. 0,1,2: time building batches alone, by threads")
     ap.add_argument("--json", default=None, help="write the results here")
     return ap.parse_args(argv)
 
@@ -94,6 +128,16 @@ def main(argv: list[str] | None = None) -> None:
     added = features.fill(answers, target, base.target_layer_ids, log=None)
     features = FeatureCache(features.folder, base.feature_width)
     print(f"{len(answers)} answers ({added} filled now); cpu native bf16: {native_bf16()}")
+    if args.loader_threads:
+        opts = TrainOptions(batch=args.batch, anchors=args.anchors, device=args.device, val_answers=0)
+        counts = [int(x) for x in args.loader_threads.split(",")]
+        rows = loader_rates(Trainer(target, base, answers, features, opts), counts, args.rounds, args.steps)
+        print(json.dumps(rows))
+        if args.json:
+            Path(args.json).write_text(
+                json.dumps({"batch": args.batch, "anchors": args.anchors, "loader": rows}) + "\n"
+            )
+        return
     settings = []
     for n in depths:
         for cast in autocasts:

@@ -130,7 +130,13 @@ def _schedule_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--steps", type=int, default=100000, help="schedule length (cosine to 10%% of lr)")
-    ap.add_argument("--minutes", type=float, default=0.0, help="stop training after this long (0: run all steps)")
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        default=0.0,
+        help="stop training after this long, the schedule's cosine ending then if --steps would end later "
+        "(0: run all steps)",
+    )
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=24, help="anchors (blocks) per sequence")
     ap.add_argument("--max-len", type=int, default=320, help="longest sequence used (tokens)")
@@ -164,6 +170,13 @@ def _schedule_flags(ap: argparse.ArgumentParser) -> None:
         choices=["auto", "on", "off"],
         default="auto",
         help="train the drafter's forward in bf16 autocast; auto: where the device computes bf16 natively",
+    )
+    ap.add_argument(
+        "--loader-threads",
+        type=int,
+        default=-1,
+        help="threads building the next batches while a step runs; -1: 4 on a GPU (where copying the "
+        "batch's feature rows bounds the step), none on a CPU (they would take its cores)",
     )
     ap.add_argument("--resume", action="store_true", help="continue from the cache's state.pt")
     ap.add_argument(

@@ -29,3 +29,8 @@ def test_every_setting_is_timed_each_round_and_features_are_filled_once(chat_mod
     assert f"{trained} answers ({trained} filled now)" in capsys.readouterr().out
     bench_train.main([*argv, "--rounds", "1", "--steps", "1"])
     assert f"{trained} answers (0 filled now)" in capsys.readouterr().out
+    loader = tmp_path / "loader.json"
+    bench_train.main([*argv, "--rounds", "2", "--steps", "3", "--loader-threads", "0,2", "--json", str(loader)])
+    rows = json.loads(loader.read_text())["loader"]
+    assert [r["threads"] for r in rows[:2]] == [0, 2] and all(len(r["rounds"]) == 2 for r in rows[:2])
+    assert rows[2]["feature_mb_per_batch"] > 0

@@ -842,3 +842,49 @@ def test_blocks_given_known_tokens_hold_the_targets_tokens_there_and_learn_only_
             assert labels[k + 1 :].tolist() == plain.labels[i, j, k + 1 :].tolist()
             seen += 1
     assert seen >= 10
+
+
+def test_batches_built_ahead_by_threads_train_the_same_bits_as_built_in_step(setup, tmp_path):
+    """A batch depends only on (seed, step), so loader threads change when it is built, not what it is."""
+    target, cfg, store, features = setup
+    runs = {}
+    for threads in (0, 3):
+        o = opts(steps=10, warmup=3, loader_threads=threads)
+        runs[threads] = train(target, cfg, store.answers, features, o, tmp_path / f"s{threads}.pt", log=lambda m: None)
+    assert runs[3].history == runs[0].history
+    for a, b in zip(runs[0].drafter.parameters(), runs[3].drafter.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_batch_stream_gives_each_step_its_own_batch_in_order_through_a_flood_of_steps():
+    from training.loader import BatchStream
+
+    built = []
+
+    def build(step: int) -> tuple[int, int]:
+        built.append(step)
+        time.sleep(0.0005 * (step % 3))  # threads finish out of order
+        return step, step * step
+
+    with BatchStream(build, 5, workers=4) as stream:
+        assert [stream.take(s) for s in range(5, 2005)] == [(s, s * s) for s in range(5, 2005)]
+        assert len(stream.pending) == stream.ahead  # a bounded queue: `ahead` batches, no more
+        assert stream.take(4000) == (4000, 16_000_000)  # a jump (a resume elsewhere) restarts there
+    assert max(built) < 4000 + 1 + stream.ahead and built.count(4000) == 1
+    with BatchStream(build, 0, workers=0) as inline:  # no threads: built when taken
+        built.clear()
+        assert inline.take(7) == (7, 49) and built == [7]
+
+
+def test_a_run_with_a_time_budget_ends_its_schedule_with_the_budget(setup):
+    """--minutes with more --steps than fit: the cosine follows the clock, so the run still ends at
+    the low learning rate, not at the peak where its steps would have left it."""
+    target, cfg, store, features = setup
+    trainer = Trainer(target, cfg, store.answers, features, opts(steps=100_000, warmup=2, minutes=1.0))
+    for _ in range(3):
+        trainer.train_step()
+    assert trainer.schedule.get_last_lr()[0] == pytest.approx(5e-3, rel=1e-3)  # step 3 of 100,000: the peak
+    trainer.time_spent = 0.5
+    assert trainer._lr_factor(trainer.step) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway down the cosine
+    trainer.time_spent = 1.0
+    assert trainer._lr_factor(trainer.step) == pytest.approx(0.1)

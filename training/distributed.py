@@ -47,13 +47,14 @@ class Ranks:
             dist.all_reduce(value)
         return value
 
-    def agree(self, flag: bool) -> bool:
-        """Rank 0's `flag` on every rank: decisions taken from a clock (stop now) must not differ."""
+    def from_main(self, value: float) -> float:
+        """Rank 0's `value` on every rank: what is read from a clock (stop now, the learning rate's
+        place in its schedule) must not differ between ranks."""
         if not self.many:
-            return flag
-        value = torch.tensor([int(flag)], device=_collective_device())
-        dist.broadcast(value, 0)
-        return bool(value.item())
+            return value
+        sent = torch.tensor([value], dtype=torch.float64, device=_collective_device())
+        dist.broadcast(sent, 0)
+        return float(sent.item())
 
     def barrier(self) -> None:
         if self.many:

@@ -32,6 +32,7 @@ from draft_node.model import DFlashDrafter
 from training.answer_store import Answer
 from training.distributed import ONE, Ranks
 from training.features import FeatureCache
+from training.loader import BatchStream
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class TrainOptions:
     lr: float = 1e-3
     warmup: int = 100
     steps: int = 1000
-    minutes: float = 0.0  # wall-clock cap; 0 means run all steps
+    minutes: float = 0.0  # wall-clock cap; 0 means run all steps (with a cap, the schedule ends with it)
     batch: int = 8
     anchors: int = 24
     max_len: int = 320
@@ -65,6 +66,8 @@ class TrainOptions:
     # device computes bf16 natively (a GPU, a CPU with AVX512-BF16 or AMX), as the field's trainers do.
     autocast: bool = False
     save_dtype: torch.dtype = torch.bfloat16
+    # Threads building the next batches while a step runs (training.loader); 0: each step builds its own.
+    loader_threads: int = 0
     draft_vocab: int = 8192  # most frequent answer tokens the drafter proposes from; 0 = all
     out: Path | None = None  # the public checkpoint `train` writes with each save; None: its state alone
     resume: bool = False  # `train` continues from its saved state, where there is one
@@ -349,6 +352,8 @@ class Trainer:
         self.slot_weight = torch.where(k >= 1, torch.exp(-(k - 1) / opts.gamma), torch.zeros(())).to(self.dev)
         self.step = 0
         self.history: list[float] = []
+        self.time_spent = 0.0  # the share of opts.minutes gone (rank 0's clock): the schedule ends with it
+        self.positions = 0  # labelled slots trained on, all ranks (this rank's share times their number)
 
     def _param_groups(self) -> list[dict]:
         """The backbone learns here; a DFlash2 selector learns on its outputs afterwards
@@ -388,7 +393,7 @@ class Trainer:
         warm = max(self.opts.warmup, 1)
         if step < warm:
             return (step + 1) / warm
-        progress = min(1.0, (step - warm) / max(self.opts.steps - warm, 1))
+        progress = min(1.0, max((step - warm) / max(self.opts.steps - warm, 1), self.time_spent))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     def batch(self, step: int, records: list[Sample] | None = None, count: int | None = None) -> Batch:
@@ -398,7 +403,10 @@ class Trainer:
         idx = torch.randint(len(pool), (count or self.opts.batch,), generator=gen).tolist()
         part = self.ranks.share(len(idx)) if records is None else slice(None)
         chosen, opts = [pool[i] for i in idx], self.opts
-        return make_batch(chosen, self.features, self.cfg, opts.anchors, opts.max_len, gen, part, opts.known)
+        batch = make_batch(chosen, self.features, self.cfg, opts.anchors, opts.max_len, gen, part, opts.known)
+        if self.dev.type == "cuda":  # page-locked: the GPU copies the rows in while it computes
+            batch.features = batch.features.pin_memory()
+        return batch
 
     def logits(self, batch: Batch, forward=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft logits [rows, draft vocab] for the labelled slots, their labels as draft-vocab
@@ -437,10 +445,11 @@ class Trainer:
     def loss(self, batch: Batch) -> torch.Tensor:
         return self._weighted_ce(*self.logits(batch))
 
-    def train_step(self) -> float:
-        """One optimizer step; the loss of the whole batch (all ranks' shares)."""
+    def train_step(self, batch: Batch | None = None) -> float:
+        """One optimizer step, on `batch` (built ahead: `self.batch(self.step)`); the loss of the
+        whole batch (all ranks' shares)."""
         self.drafter.train()
-        batch = self.batch(self.step)
+        batch = batch if batch is not None else self.batch(self.step)
         with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.opts.autocast):
             logits, slots, labelled = self.logits(batch, self.forward)
         total, weight = self._weighted_ce_parts(logits.float(), slots, labelled)
@@ -456,6 +465,7 @@ class Trainer:
         self.step += 1
         value = float(self.ranks.total(total.detach()) / weight)
         self.history.append(value)
+        self.positions += int(labelled.sum()) * self.ranks.world
         return value
 
     @torch.no_grad()
@@ -588,30 +598,41 @@ def train(
 
 
 def _steps(trainer: Trainer, state_path: Path, log: Callable[[str], None]) -> None:
-    """The optimizer steps up to opts.steps, or until opts.minutes have passed on rank 0's clock;
-    a loss line every 20 steps, and on rank 0 evaluations and saves as often as opts asks."""
+    """The optimizer steps up to opts.steps, or until opts.minutes have passed on rank 0's clock
+    (the schedule then ends with the budget); batches built ahead by opts.loader_threads threads."""
     opts, ranks = trainer.opts, trainer.ranks
     start = last = time.time()
     window: list[float] = []
-    while trainer.step < opts.steps:
-        if opts.minutes and ranks.agree(time.time() - start > opts.minutes * 60):  # rank 0's clock decides
-            log("time budget reached")
-            break
-        window.append(trainer.train_step())
-        step = trainer.step
-        if step % 20 == 0 or step == 1:
-            lr = trainer.schedule.get_last_lr()[0]
-            log(
-                f"step {step} | loss {sum(window) / len(window):.4f} | lr {lr:.2e} | "
-                f"{(time.time() - last) / max(len(window), 1):.2f} s/step"
-            )
-            window, last = [], time.time()
-        if opts.eval_every and step % opts.eval_every == 0 and ranks.main:
-            ev = trainer.evaluate()
-            if ev:
-                log(f"eval step {step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f} | hist {ev['histogram']}")
-        if opts.save_every and step % opts.save_every == 0 and ranks.main:
-            trainer.save(state_path, opts.out)
+    seen = trainer.positions
+    with BatchStream(trainer.batch, trainer.step, opts.loader_threads) as batches:
+        while trainer.step < opts.steps:
+            if opts.minutes:  # rank 0's clock decides, for the schedule as for the stop
+                trainer.time_spent = ranks.from_main((time.time() - start) / (opts.minutes * 60))
+                if trainer.time_spent >= 1:
+                    log("time budget reached")
+                    break
+            window.append(trainer.train_step(batches.take(trainer.step)))
+            if trainer.step % 20 == 0 or trainer.step == 1:
+                lr, spent = trainer.schedule.get_last_lr()[0], time.time() - last
+                log(
+                    f"step {trainer.step} | loss {sum(window) / len(window):.4f} | lr {lr:.2e} | "
+                    f"{spent / len(window):.2f} s/step | {(trainer.positions - seen) / spent:.0f} positions/s"
+                )
+                window, last, seen = [], time.time(), trainer.positions
+            _checkpoints(trainer, state_path, log)
+
+
+def _checkpoints(trainer: Trainer, state_path: Path, log: Callable[[str], None]) -> None:
+    """On rank 0, after a step: an evaluation and a save as often as opts asks."""
+    opts, step = trainer.opts, trainer.step
+    if not trainer.ranks.main:
+        return
+    if opts.eval_every and step % opts.eval_every == 0:
+        ev = trainer.evaluate()
+        if ev:
+            log(f"eval step {step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f} | hist {ev['histogram']}")
+    if opts.save_every and step % opts.save_every == 0:
+        trainer.save(state_path, opts.out)
 
 
 def _start(trainer: Trainer, target, state_path: Path, log: Callable[[str], None]) -> None:
