@@ -404,7 +404,7 @@ class Trainer:
         part = self.ranks.share(len(idx)) if records is None else slice(None)
         chosen, opts = [pool[i] for i in idx], self.opts
         batch = make_batch(chosen, self.features, self.cfg, opts.anchors, opts.max_len, gen, part, opts.known)
-        if self.dev.type == "cuda":  # page-locked: the GPU copies the rows in while it computes
+        if self.dev.type == "cuda" and opts.loader_threads:  # built ahead, page-locked: copied in while it computes
             batch.features = batch.features.pin_memory()
         return batch
 
