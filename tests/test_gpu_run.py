@@ -75,9 +75,13 @@ def test_tiny_drafter_plan_trains_one_drafter_per_depth_and_compares_them(tmp_pa
     flags = ["--minutes", "1.5", "--format", "dflash", "--plan", "drafter", "--layers", "1,2", "--store", str(store)]
     out, results = run_tiny(tmp_path, *flags)
     phases = results["phases"]
-    assert results["plan"] == "drafter" and list(phases) == ["train-L1", "train-L2", "pack", "estimate", "eval", "best"]
+    order = ["train-L1", "pack-L1", "train-L2", "pack-L2", "estimate", "eval", "best"]
+    assert results["plan"] == "drafter" and list(phases) == order
     assert all(p["ok"] for p in phases.values()), {k: p.get("error") for k, p in phases.items()}
     assert any("answers filled by prefill" in line for line in phases["train-L1"]["log_tail"])
+    # The first run fills the features; the later ones train on what is cached and fill none.
+    assert "by prefill" not in (tmp_path / "cache" / "train" / "L2" / "train.log").read_text()
+    assert phases["pack-L1"]["drafters"] == ["L1"]
     for layers in (1, 2):
         config = json.loads((tmp_path / "cache" / "drafters" / f"drafter-L{layers}" / "config.json").read_text())
         assert config["num_hidden_layers"] == layers and config["architectures"] == ["DFlashDraftModel"]
@@ -87,7 +91,7 @@ def test_tiny_drafter_plan_trains_one_drafter_per_depth_and_compares_them(tmp_pa
     assert len(live) == 3 and all(m["mismatches"] == 0 for m in live.values())
     # Every new drafter comes back in parts the device machine returns (under 16 MiB each), whole when joined.
     assert phases["best"]["beats_shipped"] == (live[phases["best"]["drafter"]]["tau"] > live["shipped"]["tau"])
-    packed, parts = phases["pack"]["drafters"], phases["pack"]["parts"]
+    packed, parts = phases["pack-L2"]["drafters"], phases["pack-L2"]["parts"]
     assert sorted(packed) == ["L1", "L2"] and parts and all((out / p).stat().st_size <= 16 * 2**20 for p in parts)
     with tarfile.open(fileobj=io.BytesIO(b"".join((out / p).read_bytes() for p in parts))) as tar:
         tar.extractall(tmp_path / "back", filter="data")

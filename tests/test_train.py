@@ -214,6 +214,26 @@ def test_features_recomputed_from_ids_are_the_bits_generation_captured_and_servi
     assert torch.equal(features.get(some[0].key), served.to(torch.float16).float())
 
 
+def test_off_the_engine_a_fill_is_one_padded_forward_whose_rows_are_each_answers_alone(setup, tmp_path):
+    """Off the engine (as on a GPU today) answers of different lengths share one right-padded
+    forward, and the padding after an answer changes none of its rows beyond rounding."""
+    _, cfg, store, features = setup
+    target = tiny_target(layers=4, engine=False)
+    some = store.answers[:12]
+    calls = []
+    real = target.path.features_batch
+    target.path.features_batch = lambda tokens, taps: calls.append(len(tokens)) or real(tokens, taps)
+    batched = FeatureCache(tmp_path / "batched", cfg.feature_width)
+    assert batched.fill(some, target, cfg.target_layer_ids, batch_tokens=10**6, log=None) == 12
+    assert calls == [12] and len({len(a.tokens) for a in some}) > 1
+    for a in some:
+        target.reset()
+        _, alone = target.forward(a.tokens[:-1], cfg.target_layer_ids)
+        got = batched.get(a.key)
+        assert got.shape == alone.shape
+        assert torch.allclose(got, alone.to(torch.float16).float(), rtol=2e-3, atol=2e-3), a.key
+
+
 def test_bf16_features_filled_by_prefill_are_the_bits_bf16_generation_captured(tmp_path):
     """The same in bf16, the dtype a native-bf16 machine serves and now trains in."""
     target = tiny_target(layers=2, slots=4, dtype=torch.bfloat16)

@@ -129,9 +129,10 @@ class FeatureCache:
     ) -> int:
         """Compute features for answers that have none, by batched prefill; returns how many were added.
 
-        Each answer takes a slot of one `forward_batch` on the target, so on the engine its rows
-        are the bits serving taps for the same tokens, in the dtype the target runs in (the engine
-        computes every row as if alone; off the engine, one answer a forward). Answers go in
+        Answers share one `prefill_features` forward of at most `batch_tokens` rows (padding
+        counted), so on the engine their rows are the bits serving taps for the same tokens, in the
+        dtype the target runs in (the engine computes every row as if alone; off the engine, as on
+        a GPU today, one right-padded forward). Answers go in
         windows of `WINDOW` in the store's order, each sorted by length (similar lengths share a
         forward), so a run stopped at `deadline` (a `time.time()`) has filled a fair sample of the
         store, not only its shortest answers.
@@ -149,23 +150,19 @@ class FeatureCache:
 
         i = 0
         while i < len(todo) and (deadline is None or time.time() < deadline) and not disk_full():
-            group = _next_group(todo, i, target.slots, batch_tokens, rows)
+            group = _next_group(todo, i, target.prefill_slots, batch_tokens, rows)
             i += len(group)
             for answer in [a for a in group if rows(a) == 0]:  # nothing after its first token
                 self.add(answer.key, torch.empty(0, self.width))
             running = [a for a in group if rows(a) > 0]
-            for slot, answer in enumerate(running):
-                target.reset(slot, rows(answer))
-            parts = [(slot, answer.tokens[: rows(answer)], None) for slot, answer in enumerate(running)]
-            results = target.forward_batch(parts, tuple(layer_ids)) if parts else []
-            for answer, (_, features) in zip(running, results, strict=True):
+            tokens = [answer.tokens[: rows(answer)] for answer in running]
+            results = target.prefill_features(tokens, tuple(layer_ids)) if running else []
+            for answer, features in zip(running, results, strict=True):
                 self.add(answer.key, features)
                 done_rows += features.shape[0]
             added += len(group)
             if log and i % 200 < len(group):
                 log(f"features: {i}/{len(todo)} answers, {done_rows / max(time.time() - began, 1e-9):.0f} rows/s")
-        for slot in range(min(len(todo), target.slots)):
-            target.reset(slot)
         if log and i < len(todo):
             why = "the disk is nearly full" if disk_full() else "time is up"
             log(f"features: {why} with {len(todo) - i} of {len(todo)} answers left")

@@ -105,7 +105,8 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
     if args.stage == "features" or (args.stage in ("train", "all") and not args.cached_only):
         deadline = time.time() + args.feature_minutes * 60 if args.feature_minutes else None
         mine = answers[ranks.rank :: ranks.world]
-        added = features.fill(mine, target, cfg.target_layer_ids, deadline=deadline, log=log)
+        rows = 65536 if args.device.startswith("cuda") else 4096  # a forward's rows: a GPU wants many
+        added = features.fill(mine, target, cfg.target_layer_ids, batch_tokens=rows, deadline=deadline, log=log)
         ranks.barrier()  # every rank's rows are in before any trains on them
         features = FeatureCache(features.folder, cfg.feature_width)
         log(f"features: {added} answers filled by prefill; {len(features)} cached")

@@ -41,7 +41,9 @@ class Engine:
         an object with the same operations, `prepare` and `block` (benchmarks measure alternatives)."""
         device = model.get_output_embeddings().weight.device
         if ops == "auto":
-            ops = "kernels" if device.type == "cpu" else "torch"
+            if device.type != "cpu":  # its scratch buffers are allocated on the CPU (docs/engine.md)
+                raise EngineUnsupported(f"the engine has run on CPU only, not yet on {device.type}")
+            ops = "kernels"
         if ops == "kernels":
             if device.type != "cpu":
                 raise EngineUnsupported(f"the CPU kernels do not run on {device.type}")

@@ -248,6 +248,24 @@ class TargetModel:
         after another on the transformers path): per part, what `forward` would return for it."""
         return self.path.step_batch(parts, taps)
 
+    def prefill_features(self, token_lists: list[list[int]], taps: tuple[int, ...]) -> list[torch.Tensor]:
+        """Tap features of whole sequences, for training data: on the engine, one slot each in one
+        batched forward (the bits serving computes); on the transformers path, one right-padded
+        forward (its rounding may differ from a forward alone). Leaves the slots empty."""
+        if self.engine is None:
+            return self.path.features_batch(token_lists, taps)
+        for slot, tokens in enumerate(token_lists):
+            self.reset(slot, len(tokens))
+        results = self.forward_batch([(slot, tokens, None) for slot, tokens in enumerate(token_lists)], taps)
+        for slot in range(len(token_lists)):
+            self.reset(slot)
+        return [features for _, features in results]
+
+    @property
+    def prefill_slots(self) -> int:
+        """Sequences `prefill_features` takes at once: the engine's slots; any number off it."""
+        return self.slots if self.engine is not None else 1 << 20
+
     def rollback(self, length: int, slot: int = 0) -> None:
         """Keep the first `length` positions of the slot's KV cache, dropping what was run after them."""
         self.path.rollback(length, slot)

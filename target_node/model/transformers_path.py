@@ -84,6 +84,20 @@ class TransformersPath:
             self._one(slot)
         return [self.step(tokens, taps, parents) for _, tokens, parents in parts]
 
+    @torch.inference_mode()
+    def features_batch(self, token_lists: list[list[int]], taps: tuple[int, ...]) -> list[torch.Tensor]:
+        """Tap features of several sequences from position 0 in one forward, without the cache:
+        right-padded, so causal attention keeps every row blind to the padding after it. Only the
+        rounding of a batched matmul differs from each sequence alone: fine for training data,
+        which the drafter learns from, never for verification."""
+        width = max(len(tokens) for tokens in token_lists)
+        ids = torch.zeros(len(token_lists), width, dtype=torch.long)
+        for i, tokens in enumerate(token_lists):
+            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        out = self.model.get_decoder()(input_ids=ids.to(self.model.device), use_cache=False, output_hidden_states=True)
+        features = tap_features(out.hidden_states, taps, self.tap_offset)
+        return [features[i, : len(tokens)] for i, tokens in enumerate(token_lists)]
+
     def rollback(self, length: int, slot: int = 0) -> None:
         self._one(slot)
         self.policy.rollback(self.cache, length)
