@@ -46,7 +46,7 @@ for part in "${parts[@]}"; do
     else
       echo "  [\".whl\"]"
     fi
-    echo "  [$extra\"$part\"] with: bash launch/gpu_run.sh \$OUT --minutes 8 --plan drafter --layers 1,2,4 --format dflash"
+    echo "  [$extra\"$part\"] with: bash launch/gpu_run.sh \$OUT --minutes 9 --plan drafter --layers 1,2,4 --format dflash (timeout_s 595)"
   else
     echo "  [$extra\"$part\"]"
   fi
