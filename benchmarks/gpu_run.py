@@ -315,7 +315,10 @@ def draft_batch(drafter: Path, device: str, sessions: str) -> dict:
 
 def train_args(model: Path, cache: Path, device: str, tiny: bool) -> list[str]:
     shape = ["--block-size", "4", "--layers", "1"] if tiny else []
-    return ["--model", str(model), "--device", device, "--cache", str(cache), *shape]
+    # Features in bf16, as the daemon serves them where the engine runs: off the engine (a GPU,
+    # today) "auto" would pick fp32, and the drafter would train on rows it is never served.
+    dtype = ["--feature-dtype", "bfloat16"] if device.startswith("cuda") and not tiny else []
+    return ["--model", str(model), "--device", device, "--cache", str(cache), *shape, *dtype]
 
 
 def generate_answers(common: list[str], out: Path, minutes: float, batch: int, dtype: str, max_new: int) -> dict:
