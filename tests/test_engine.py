@@ -233,3 +233,25 @@ def test_the_engine_declines_a_device_it_has_not_run_on():
     model = target.model.to("meta")
     with pytest.raises(EngineUnsupported, match="on CPU only"):
         Engine(model)
+
+
+def test_every_tensor_the_engine_makes_is_placed_where_it_belongs():
+    """On a GPU a tensor made without a device lands on the CPU: the first lease's failure at load.
+    With the default device "meta", any such tensor is a meta tensor, and the forward or its
+    values fail; so the engine on torch's ops must give the same bits with that default as without."""
+    from target_node.engine.engine import Engine
+
+    model = tiny_target(layers=2, engine=False).model
+
+    def run() -> list[torch.Tensor]:
+        engine = Engine(model, slots=2, ops="torch")
+        engine.reset(0, 16)
+        prompt = engine.step_batch([(0, CONTEXT[:10], None), (1, CONTEXT[3:9], None)], (0, 1))
+        tree = engine.step(CONTEXT[10:14], (0, 1), parents=[0, 0, 1])
+        return [t for hidden, taps in [*prompt, tree] for t in (hidden, taps)] + [engine.head(tree[0])]
+
+    plain = run()
+    with torch.device("meta"):
+        placed = run()
+    assert all(t.device.type == "cpu" for t in placed)
+    assert all(torch.equal(a, b) for a, b in zip(plain, placed, strict=True))

@@ -41,7 +41,7 @@ class Engine:
         an object with the same operations, `prepare` and `block` (benchmarks measure alternatives)."""
         device = model.get_output_embeddings().weight.device
         if ops == "auto":
-            if device.type != "cpu":  # its scratch buffers are allocated on the CPU (docs/engine.md)
+            if device.type != "cpu":  # until its bitwise tests have passed there (docs/engine.md)
                 raise EngineUnsupported(f"the engine has run on CPU only, not yet on {device.type}")
             ops = "kernels"
         if ops == "kernels":
@@ -69,7 +69,7 @@ class Engine:
             256,
             max_positions,
         )
-        self._cos = self._sin = torch.empty(0, self.w.head_dim)
+        self._cos = self._sin = torch.empty(0, self.w.head_dim, device=device)
         check_against(self, model)
 
     # --- rows of one sequence (the adapter's calls) ---------------------------------------------
@@ -157,7 +157,7 @@ class Engine:
         w = self.w
         h = w.embed.weight[rows.tokens].float()
         cos, sin = self._rotary(rows.positions)
-        work = _Work(w, len(rows))
+        work = _Work(w, len(rows), self.device)
         tapped: dict[int, torch.Tensor] = {}
         for i in range(len(w.layers)):
             self._layer(i, h, rows, cos, sin, work)
@@ -176,7 +176,7 @@ class Engine:
         rows = chain_rows(tokens, 0, self.windows, 0, self.device)
         self.cache.reserve(len(tokens))
         h = given.float().contiguous().clone()
-        self._layer(i, h, rows, *self._rotary(rows.positions), _Work(self.w, len(tokens)))
+        self._layer(i, h, rows, *self._rotary(rows.positions), _Work(self.w, len(tokens), self.device))
         self.reset()
         return h
 
@@ -209,7 +209,7 @@ class Engine:
         """fp32 logits [M, vocab] of final hidden states, each row by the same dot products."""
         hidden = hidden.float().contiguous()
         if self.block is None:
-            out = torch.empty(hidden.shape[0], self.w.head.n)
+            out = torch.empty(hidden.shape[0], self.w.head.n, device=hidden.device)
             self.ops.linear(hidden, self.w.head.data, self.w.head.n, None, None, out)
             return out
         m, size = hidden.shape[0], self.block
@@ -225,14 +225,14 @@ class Engine:
 class _Work:
     """One forward's scratch buffers, [M, ...] fp32, reused by every layer."""
 
-    def __init__(self, w: DecoderWeights, m: int) -> None:
+    def __init__(self, w: DecoderWeights, m: int, device: torch.device) -> None:
         inter = w.layers[0].gate_up.n // 2 if w.layers else 0
         hidden = w.norm.numel()
-        self.normed = torch.empty(m, hidden)
-        self.qkv = torch.empty(m, (w.heads + 2 * w.kv_heads) * w.head_dim)
-        self.attended = torch.empty(m, w.heads * w.head_dim)
-        self.gate_up = torch.empty(m, 2 * inter)
-        self.act = torch.empty(m, inter)
+        self.normed = torch.empty(m, hidden, device=device)
+        self.qkv = torch.empty(m, (w.heads + 2 * w.kv_heads) * w.head_dim, device=device)
+        self.attended = torch.empty(m, w.heads * w.head_dim, device=device)
+        self.gate_up = torch.empty(m, 2 * inter, device=device)
+        self.act = torch.empty(m, inter, device=device)
 
 
 def engine_for(model: nn.Module, **kwargs) -> Engine | None:

@@ -37,7 +37,7 @@ class StaticKVCache:
         self.slots = slots
         self.max_capacity = max_capacity
         self.capacity = 0
-        self.kv = torch.zeros(0)
+        self.kv = torch.zeros(0, device=self.device)
         self.lengths = [0] * slots
         self._allocate(min(capacity, max_capacity) if max_capacity else capacity)
 
@@ -74,7 +74,13 @@ class StaticKVCache:
         self.lengths[slot] = positions
 
     def bytes_per_position(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        return (
+            2
+            * self.layers
+            * self.kv_heads
+            * self.head_dim
+            * torch.empty(0, dtype=self.dtype, device="meta").element_size()
+        )
 
     def keep(self, slot: int, start: int, rows: list[int]) -> None:
         """After a forward from `start`: its rows `rows` (ascending offsets) move to start, start + 1, ..."""

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Rows are built here, then moved to the model's device in one go (`_on`).
+HOST = torch.device("cpu")
+
 
 @dataclass
 class KeyLists:
@@ -91,14 +94,23 @@ def chain_rows(
 ) -> Rows:
     """Tokens at positions start, start + 1, ... of one slot, each seeing everything before it."""
     n = len(tokens)
-    positions = torch.arange(start, start + n, dtype=torch.int32)
+    positions = torch.arange(start, start + n, dtype=torch.int32, device=HOST)
     hi = positions + 1
     keys = {}
     for window in windows:
-        lo = torch.zeros(n, dtype=torch.int32) if window is None else (positions - window + 1).clamp_min(0)
-        keys[window] = KeyLists(lo, hi, torch.zeros(n, 0, dtype=torch.int32), torch.zeros(n, dtype=torch.int32))
+        lo = torch.zeros(n, dtype=torch.int32, device=HOST) if window is None else (positions - window + 1).clamp_min(0)
+        keys[window] = KeyLists(
+            lo, hi, torch.zeros(n, 0, dtype=torch.int32, device=HOST), torch.zeros(n, dtype=torch.int32, device=HOST)
+        )
     return _on(
-        Rows(torch.tensor(tokens), positions.long(), torch.full((n,), slot, dtype=torch.int32), positions, keys), device
+        Rows(
+            torch.tensor(tokens, device=HOST),
+            positions.long(),
+            torch.full((n,), slot, dtype=torch.int32, device=HOST),
+            positions,
+            keys,
+        ),
+        device,
     )
 
 
@@ -141,16 +153,19 @@ def tree_rows(
             lo.append(min(low, start))
             lists.append([start + a for a in paths[node] if start + depths[a] >= low])
         width = max(len(x) for x in lists)
-        extra = torch.tensor([x + [0] * (width - len(x)) for x in lists], dtype=torch.int32)
-        count = torch.tensor([len(x) for x in lists], dtype=torch.int32)
+        extra = torch.tensor([x + [0] * (width - len(x)) for x in lists], dtype=torch.int32, device=HOST)
+        count = torch.tensor([len(x) for x in lists], dtype=torch.int32, device=HOST)
         keys[window] = KeyLists(
-            torch.tensor(lo, dtype=torch.int32), torch.full((n,), start, dtype=torch.int32), extra, count
+            torch.tensor(lo, dtype=torch.int32, device=HOST),
+            torch.full((n,), start, dtype=torch.int32, device=HOST),
+            extra,
+            count,
         )
     rows = Rows(
-        torch.tensor(tokens),
-        torch.tensor(positions),
-        torch.full((n,), slot, dtype=torch.int32),
-        torch.arange(start, start + n, dtype=torch.int32),
+        torch.tensor(tokens, device=HOST),
+        torch.tensor(positions, device=HOST),
+        torch.full((n,), slot, dtype=torch.int32, device=HOST),
+        torch.arange(start, start + n, dtype=torch.int32, device=HOST),
         keys,
     )
     return _on(rows, device)

@@ -68,7 +68,10 @@ def _bias(*modules: nn.Linear) -> torch.Tensor | None:
     if all(m.bias is None for m in modules):
         return None
     return torch.cat(
-        [m.bias.detach().float() if m.bias is not None else torch.zeros(m.weight.shape[0]) for m in modules]
+        [
+            m.bias.detach().float() if m.bias is not None else torch.zeros(m.weight.shape[0], device=m.weight.device)
+            for m in modules
+        ]
     )
 
 

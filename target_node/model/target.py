@@ -48,7 +48,8 @@ class TargetModel:
         """`model`: a transformers causal LM; `cache_policy`: how recurrent layers roll back
         (`replay`, the default, or `capture`: see recurrent.py); `engine`: None runs the engine
         where it serves the model, False never, True (or its ops by name: "kernels", "torch") or
-        refuse; `slots`: sequences the engine's cache holds at once (the transformers path: one)."""
+        refuse (True on a GPU: torch's ops, where None declines until its tests have run there);
+        `slots`: sequences the engine's cache holds at once (the transformers path: one)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config
@@ -61,7 +62,9 @@ class TargetModel:
         fallback.tap_offset = probe(model, decoder, fallback.new_cache(), self._scaled_head)
         self.engine: Engine | None = None
         if engine is not False:
-            ops = "auto" if engine in (None, True) else engine
+            ops = engine if isinstance(engine, str) else "auto"
+            if engine is True and model.get_output_embeddings().weight.device.type != "cpu":
+                ops = "torch"
             self.engine = engine_for(model, slots=slots) if engine is None else Engine(model, slots=slots, ops=ops)
         self.path: Engine | TransformersPath = self.engine or fallback
         self.greedy_head = self._screened_head_if_faster() if self.engine is None else None
