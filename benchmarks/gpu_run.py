@@ -497,8 +497,8 @@ def drafter_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
     """The whole budget for drafters (issue 29): features for the committed answer store by batched
     prefill on the device, then one drafter per `--layers` entry at equal wall-clock (each grown from
     the shipped drafter, or fresh with --fresh), then each against the shipped one, offline on the
-    same blocks and live on the held-out prompts. The best of them by live chain tau comes back as
-    `OUT/<name>.tar.partNN` (`pack_back`); all of them stay under the cache folder."""
+    same blocks and live on the held-out prompts. After each run every new drafter so far comes back
+    as `OUT/drafters.tar.partNN` (`pack_back`); all of them stay under the cache folder."""
     sizes, layers = setup.sizes, [int(n) for n in args.layers.split(",")]
     features = args.feature_share * run.left() / 60
     each = max(0.2, (run.left() / 60 - sizes["eval_minutes"] - features) / len(layers))
