@@ -105,18 +105,39 @@ def test_pack_back_leaves_out_what_does_not_fit(tmp_path, monkeypatch):
     """Drafters beyond what the device machine returns stay behind, named, the deepest packed first."""
     for name, size in (("drafter-L1", 3000), ("drafter-L4", 9000), ("drafter-L2", 5000)):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "model.safetensors").write_bytes(b"x" * size)
-    monkeypatch.setattr(gpu_run, "PACK_BYTES", 16000)  # L4, then L1 fit; L4 and L2 would not
+        (tmp_path / name / "model.safetensors").write_bytes(os.urandom(size))  # as incompressible as it gets
+    monkeypatch.setattr(gpu_run, "PACK_BYTES", 13500)  # L4, then L1 fit; L4 and L2 would not
     monkeypatch.setattr(gpu_run, "PART_BYTES", 10000)
     out = tmp_path / "out"
     out.mkdir()
     packed = gpu_run.pack_back({n: tmp_path / f"drafter-{n}" for n in ("L1", "L2", "L4")}, out)
     assert packed["drafters"] == ["L4", "L1"] and packed["left_out"] == ["L2"]
-    assert packed["parts"] == [f"drafters.tar.part{i:02d}" for i in range(len(packed["parts"]))]
+    assert packed["parts"] == [f"drafters.tgz.part{i:02d}" for i in range(len(packed["parts"]))]
     assert all((out / p).stat().st_size <= 10000 for p in packed["parts"])
     with tarfile.open(fileobj=io.BytesIO(b"".join((out / p).read_bytes() for p in packed["parts"]))) as tar:
         names = sorted(tar.getnames())
     assert names == ["drafter-L1", "drafter-L1/model.safetensors", "drafter-L4", "drafter-L4/model.safetensors"]
+
+
+def test_drafters_of_one_two_and_four_layers_come_back_together(tmp_path):
+    """Their bf16 weights (10.4, 17.5 and 31.6 MB: the shipped drafter's bytes, as long as each)
+    are over what comes back as a plain tar; gzipped, all three fit, and come back whole."""
+    weights = (ROOT / "drafters" / "smollm2" / "model.safetensors").read_bytes()
+    folders = {}
+    for name, size in (("L1", 10_401_912), ("L2", 17_480_960), ("L4", 31_641_856)):
+        folders[name] = tmp_path / f"drafter-{name}"
+        folders[name].mkdir()
+        (folders[name] / "model.safetensors").write_bytes((weights * 4)[:size])
+    assert sum(gpu_run._folder_bytes(f) for f in folders.values()) > gpu_run.PACK_BYTES
+    out = tmp_path / "out"
+    out.mkdir()
+    packed = gpu_run.pack_back(folders, out)
+    assert packed["drafters"] == ["L4", "L2", "L1"] and not packed["left_out"]
+    with tarfile.open(fileobj=io.BytesIO(b"".join((out / p).read_bytes() for p in packed["parts"]))) as tar:
+        tar.extractall(tmp_path / "back", filter="data")
+    for folder in folders.values():
+        back = tmp_path / "back" / folder.name / "model.safetensors"
+        assert back.read_bytes() == (folder / "model.safetensors").read_bytes()
 
 
 def test_the_draft_daemon_goes_to_another_gpu_where_one_is_visible():
