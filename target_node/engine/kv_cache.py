@@ -74,13 +74,7 @@ class StaticKVCache:
         self.lengths[slot] = positions
 
     def bytes_per_position(self) -> int:
-        return (
-            2
-            * self.layers
-            * self.kv_heads
-            * self.head_dim
-            * torch.empty(0, dtype=self.dtype, device="meta").element_size()
-        )
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     def keep(self, slot: int, start: int, rows: list[int]) -> None:
         """After a forward from `start`: its rows `rows` (ascending offsets) move to start, start + 1, ..."""
