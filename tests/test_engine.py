@@ -226,13 +226,16 @@ def test_the_bf16_choice_is_measured_once_per_machine_and_then_read_back(tmp_pat
 def test_the_engine_declines_a_device_it_has_not_run_on():
     """Its scratch buffers and row tables live on the CPU: on another device ("auto" ops) it must
     decline at load, so the transformers path serves, rather than fail at the first forward."""
-    from target_node.engine.engine import Engine
+    from target_node.engine.engine import Engine, ops_for
     from target_node.engine.weights import EngineUnsupported
 
     target = tiny_target(layers=2, engine=False)
     model = target.model.to("meta")
     with pytest.raises(EngineUnsupported, match="on CPU only"):
         Engine(model)
+    # Asked for by name, the engine runs the device's ops there: torch's on a GPU, the kernels on a CPU.
+    assert [ops_for(torch.device(d), "device") for d in ("cuda", "meta", "cpu")] == ["torch", "torch", "kernels"]
+    assert ops_for(torch.device("cpu"), "auto") == "kernels" and ops_for(torch.device("cpu"), "torch") == "torch"
 
 
 def test_every_tensor_the_engine_makes_is_placed_where_it_belongs():

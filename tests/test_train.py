@@ -22,7 +22,7 @@ from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer
 from training.answer_store import Answer, AnswerStore
 from training.average import average_drafters
-from training.estimate import estimate
+from training.estimate import by_kind, estimate, kind_table
 from training.features import FeatureCache, feature_folder
 from training.generate import GenerateOptions, RefillGenerator
 from training.generate import generate as generate_answers
@@ -36,6 +36,7 @@ from training.trainer import (
     make_batch,
     train,
 )
+from training.variety import answer_kind
 
 
 class _TokenTarget:
@@ -684,6 +685,24 @@ def test_a_grown_drafter_drafts_the_same_bits_at_the_deeper_drafters_cost(setup,
         main([*grow[:3], str(tmp_path / "g"), *grow[4:], "--layers", "2", "--out", str(tmp_path / "h")])
 
 
+def test_an_estimate_by_kind_adds_each_kinds_blocks_and_tables_them():
+    answers = [
+        Answer("a", "3-17-ask", "answer", [], [], 0),
+        Answer("b", "3-17-ask", "questions", [], [], 0),
+        Answer("c", "starter-0a1b2c3d", "answer", [], [], 0),
+        Answer("d", "4-2-ask", "answer", [], [], 0),
+    ]
+    assert [answer_kind(a) for a in answers] == ["ask", "ask/questions", "starter", "ask"]
+    records = [Sample([1, 2, 3], 1, 0, key) for key in ("a", "b", "d")]  # "c" had no features
+    by = by_kind(answers, records, [[3, 4], [14, 2], [1, 6]])
+    assert by == {
+        "ask": {"answers": 2, "blocks": 10, "tau": 1.4},
+        "ask/questions": {"answers": 1, "blocks": 2, "tau": 8.0},
+    }
+    rows = kind_table({"old": by, "new": {"ask": {"answers": 2, "blocks": 10, "tau": 1.55}}})
+    assert rows[2:] == ["| ask | 2 | 10 | 1.400 | 1.550 |", "| ask/questions | 1 | 2 | 8.000 | - |"]
+
+
 def test_the_offline_estimate_scores_every_drafter_on_the_same_blocks(setup, tmp_path):
     target, cfg, store, features = setup
     train(target, cfg, store.answers, features, opts(out=tmp_path / "out"), tmp_path / "s.pt", log=lambda m: None)
@@ -693,6 +712,11 @@ def test_the_offline_estimate_scores_every_drafter_on_the_same_blocks(setup, tmp
     other = estimate(target, untrained, store.answers, features, anchors=8)
     assert sum(first["histogram"]) == sum(other["histogram"]) > 100  # the same blocks, every answer's
     assert first["tau"] > other["tau"] + 0.3
+    # Split by answer kind, the same blocks and the same drafts accepted, kind by kind.
+    kinds = first["by_kind"].values()
+    assert sum(k["blocks"] for k in kinds) == sum(first["histogram"])
+    accepted = sum(i * n for i, n in enumerate(first["histogram"]))
+    assert sum(round((k["tau"] - 1) * k["blocks"]) for k in kinds) == accepted > 0
     # Through the drafter's own vocabulary: proposing only a token no answer has accepts nothing.
     said = {t for a in store.answers for t in a.tokens}
     trained.draft_vocab = [next(t for t in range(target.model.config.vocab_size) if t not in said)]

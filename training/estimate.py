@@ -7,11 +7,14 @@ both, and the imports run one way.
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from draft_node.model import DFlashDrafter
 from training.answer_store import Answer
 from training.features import FeatureCache
 from training.selector import chain_tau
-from training.trainer import Trainer, TrainOptions, samples
+from training.trainer import Sample, Trainer, TrainOptions, samples
+from training.variety import answer_kind
 
 
 def estimate(
@@ -33,6 +36,35 @@ def estimate(
     trainer.init_from(drafter)
     records = samples(answers, features)
     result = trainer.evaluate(records, anchors=anchors)
+    if result:
+        result["by_kind"] = by_kind(answers, records, result.pop("per_record"))
     if result and drafter.config.dflash2:  # and the selector's walk, on the same blocks
         result["selector_tau"] = chain_tau(trainer, trainer.drafter, records, anchors)["selector"]
     return result
+
+
+def by_kind(answers: list[Answer], records: list[Sample], per_record: list[list[int]]) -> dict[str, dict]:
+    """tau per answer kind (`answer_kind`), from one pass's per-answer counts: the kinds' blocks
+    are the whole estimate's, so drafters scored on one list compare kind by kind too."""
+    kind_of = {a.key: answer_kind(a) for a in answers}
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # answers, drafts accepted, blocks
+    for record, (accepted, blocks) in zip(records, per_record, strict=True):
+        t = totals[kind_of[record.key]]
+        t[0], t[1], t[2] = t[0] + 1, t[1] + accepted, t[2] + blocks
+    return {
+        kind: {"answers": n, "blocks": blocks, "tau": round(1.0 + accepted / blocks, 4) if blocks else 1.0}
+        for kind, (n, accepted, blocks) in sorted(totals.items(), key=lambda kv: -kv[1][2])
+    }
+
+
+def kind_table(kinds: dict[str, dict]) -> list[str]:
+    """Markdown rows: one per answer kind (most blocks first), one column per drafter."""
+    names = list(kinds)
+    first = next(iter(kinds.values()), {})
+    order = sorted({k for by in kinds.values() for k in by}, key=lambda k: -first.get(k, {}).get("blocks", 0))
+    rows = ["| kind | answers | blocks | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]
+    for kind in order:
+        some = next(by[kind] for by in kinds.values() if kind in by)
+        taus = [f"{kinds[n][kind]['tau']:.3f}" if kind in kinds[n] else "-" for n in names]
+        rows.append(f"| {kind} | {some['answers']} | {some['blocks']} | " + " | ".join(taus) + " |")
+    return rows

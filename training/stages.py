@@ -25,7 +25,7 @@ from target_node.model.target import TargetModel
 from training.answer_store import Answer, AnswerStore
 from training.average import average_drafters
 from training.distributed import Ranks
-from training.estimate import estimate
+from training.estimate import estimate, kind_table
 from training.features import FeatureCache, feature_folder
 from training.generate import GenerateOptions, generate
 from training.prompts import Ask, HeldOut, jobs, read_prompts
@@ -252,6 +252,7 @@ def estimate_stage(args: argparse.Namespace, target: TargetModel, store: AnswerS
     generate(target, answers, asks, opts, log=log)
     held_out = [a for a in store.answers if a.held_out]
     rows = ["| drafter | held-out prompts' answers | store held-out answers |", "|---|---|---|"]
+    kinds: dict[str, dict] = {}  # drafter -> the store's held-out answers' tau by kind
     for path in args.drafters.split(","):
         drafter = load_drafter(path)
         taps, width = "-".join(map(str, drafter.config.target_layer_ids)), drafter.config.feature_width
@@ -265,8 +266,10 @@ def estimate_stage(args: argparse.Namespace, target: TargetModel, store: AnswerS
             result = estimate(target, drafter, group, features)
             walk = f", walk {result['selector_tau']:.3f}" if "selector_tau" in result else ""
             scores.append(f"{result['tau']:.3f}{walk} ({sum(result['histogram'])} blocks)" if result else "-")
+        kinds[path] = result.get("by_kind", {}) if result else {}
         rows.append(f"| {path} | {scores[0]} | {scores[1]} |")
     log("chain tau, estimated offline:\n" + "\n".join(rows))
+    log("the store's held-out answers by kind:\n" + "\n".join(kind_table(kinds)))
 
 
 def selector_stage(args: argparse.Namespace, target: TargetModel, answers: list[Answer], cache: Path, log: Log) -> None:

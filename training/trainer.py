@@ -89,6 +89,7 @@ class Sample:
     tokens: list[int]  # prompt + answer, cut to the rows the cache holds + 1
     prompt_len: int
     offset: int  # first feature row; the sample has len(tokens) - 1 rows
+    key: str = ""  # the answer's, so a score can be told back to the answer it came from
 
 
 def samples(answers: list[Answer], features: FeatureCache) -> list[Sample]:
@@ -100,7 +101,7 @@ def samples(answers: list[Answer], features: FeatureCache) -> list[Sample]:
         offset, rows = features.index[a.key]
         tokens = a.tokens[: rows + 1]
         if len(tokens) - a.prompt_len >= 2:
-            out.append(Sample(tokens, a.prompt_len, offset))
+            out.append(Sample(tokens, a.prompt_len, offset, a.key))
     return out
 
 
@@ -481,6 +482,7 @@ class Trainer:
             return {}
         per_seq = anchors or max(1, self.opts.val_anchors // len(records))
         accepted, losses, hist = [], [], torch.zeros(self.cfg.block_size, dtype=torch.long)
+        sums, counts = [], []  # per record: drafts accepted, blocks scored
         for start in range(0, len(records), self.opts.batch):
             chunk = records[start : start + self.opts.batch]
             gen = torch.Generator().manual_seed(12345 + start)
@@ -492,14 +494,18 @@ class Trainer:
             guess[labelled] = self.vocab[logits.argmax(-1)]  # a token outside the draft vocab is a miss
             guess, labels = guess[..., 1:], labels[..., 1:]
             full = (labels >= 0).all(-1)
-            lead = (guess == labels).long().cumprod(-1).sum(-1)[full]
+            leads = (guess == labels).long().cumprod(-1).sum(-1) * full
+            lead = leads[full]
             accepted.append(lead)
             hist += torch.bincount(lead, minlength=self.cfg.block_size).cpu()
+            sums += leads.sum(-1).tolist()
+            counts += full.sum(-1).tolist()
         acc = torch.cat(accepted).float()
         return {
             "loss": sum(losses) / len(losses),
             "tau": 1.0 + float(acc.mean()) if len(acc) else 1.0,
             "histogram": hist.tolist(),
+            "per_record": [[k, n] for k, n in zip(sums, counts, strict=True)],
         }
 
     def state(self) -> dict:

@@ -50,6 +50,14 @@ def job_kind(job: str) -> str:
     return "starter" if job.startswith("starter-") else job.rsplit("-", 1)[-1]
 
 
+def answer_kind(answer: Answer) -> str:
+    """The job's kind, and the turn's stage where it is not the job's plain answer ("ask/questions"):
+    kinds differ far more than their mix suggests (a list of questions is easy to draft, a chat
+    answer hard), so a score over a whole store says little about any one of them."""
+    kind = job_kind(answer.job)
+    return kind if answer.stage == "answer" else f"{kind}/{answer.stage}"
+
+
 def report(answers: list[Answer], held_out: HeldOut | None = None, sample: int = 2000, seed: int = 0) -> dict:
     held_out = held_out if held_out is not None else HeldOut.load()
     prompts = [a.messages[-1][1] for a in answers]

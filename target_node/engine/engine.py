@@ -37,13 +37,12 @@ class Engine:
     tree = True  # any rows can be kept: a tree's accepted path is gathered into place
 
     def __init__(self, model: nn.Module, slots: int = 1, max_positions: int | None = None, ops="auto") -> None:
-        """`ops`: "kernels" (the CPU kernels), "torch" (torch_ops.py, the GPU's), "auto" (by device), or
-        an object with the same operations, `prepare` and `block` (benchmarks measure alternatives)."""
+        """`ops`: "kernels" (the CPU kernels), "torch" (torch_ops.py, the GPU's), "device" (the one
+        the model's device runs), "auto" (the same, but declining a GPU until the engine's bitwise
+        tests have passed there: docs/engine.md), or an object with the same operations, `prepare`
+        and `block` (benchmarks measure alternatives)."""
         device = model.get_output_embeddings().weight.device
-        if ops == "auto":
-            if device.type != "cpu":  # until its bitwise tests have passed there (docs/engine.md)
-                raise EngineUnsupported(f"the engine has run on CPU only, not yet on {device.type}")
-            ops = "kernels"
+        ops = ops_for(device, ops) if isinstance(ops, str) else ops
         if ops == "kernels":
             if device.type != "cpu":
                 raise EngineUnsupported(f"the CPU kernels do not run on {device.type}")
@@ -233,6 +232,15 @@ class _Work:
         self.attended = torch.empty(m, w.heads * w.head_dim, device=device)
         self.gate_up = torch.empty(m, 2 * inter, device=device)
         self.act = torch.empty(m, inter, device=device)
+
+
+def ops_for(device: torch.device, ops: str) -> str:
+    """The ops an `Engine` runs on `device` when asked for `ops` by name (see `Engine`)."""
+    if ops == "auto" and device.type != "cpu":
+        raise EngineUnsupported(f"the engine has run on CPU only, not yet on {device.type}")
+    if ops in ("auto", "device"):
+        return "kernels" if device.type == "cpu" else "torch"
+    return ops
 
 
 def engine_for(model: nn.Module, **kwargs) -> Engine | None:

@@ -47,8 +47,8 @@ class TargetModel:
     ) -> None:
         """`model`: a transformers causal LM; `cache_policy`: how recurrent layers roll back
         (`replay`, the default, or `capture`: see recurrent.py); `engine`: None runs the engine
-        where it serves the model, False never, True (or its ops by name: "kernels", "torch") or
-        refuse (True on a GPU: torch's ops, where None declines until its tests have run there);
+        where it serves the model, False never, True or its ops by name (`Engine`'s `ops`) always
+        or refuse (True: the ops of the model's device, a GPU's too, where None declines one);
         `slots`: sequences the engine's cache holds at once (the transformers path: one)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -62,9 +62,7 @@ class TargetModel:
         fallback.tap_offset = probe(model, decoder, fallback.new_cache(), self._scaled_head)
         self.engine: Engine | None = None
         if engine is not False:
-            ops = engine if isinstance(engine, str) else "auto"
-            if engine is True and model.get_output_embeddings().weight.device.type != "cpu":
-                ops = "torch"
+            ops = engine if isinstance(engine, str) else "device"
             self.engine = engine_for(model, slots=slots) if engine is None else Engine(model, slots=slots, ops=ops)
         self.path: Engine | TransformersPath = self.engine or fallback
         self.greedy_head = self._screened_head_if_faster() if self.engine is None else None
