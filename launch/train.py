@@ -142,6 +142,12 @@ def _schedule_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-len", type=int, default=320, help="longest sequence used (tokens)")
     ap.add_argument("--gamma", type=float, default=4.0)
     ap.add_argument(
+        "--mix",
+        choices=["answers", "jobs"],
+        default="answers",
+        help="draw answers uniformly, or each job kind at its share of the generator's job mix",
+    )
+    ap.add_argument(
         "--known",
         type=float,
         default=0.0,

@@ -26,7 +26,7 @@ from training.estimate import by_kind, estimate, kind_table
 from training.features import FeatureCache, feature_folder
 from training.generate import GenerateOptions, RefillGenerator
 from training.generate import generate as generate_answers
-from training.prompts import Ask, HeldOut
+from training.prompts import JOB_WEIGHTS, Ask, HeldOut
 from training.trainer import (
     Sample,
     Trainer,
@@ -36,7 +36,7 @@ from training.trainer import (
     make_batch,
     train,
 )
-from training.variety import answer_kind
+from training.variety import answer_kind, mix_weights
 
 
 class _TokenTarget:
@@ -683,6 +683,28 @@ def test_a_grown_drafter_drafts_the_same_bits_at_the_deeper_drafters_cost(setup,
     assert torch.equal(drafted[0], drafted[1])
     with pytest.raises(SystemExit, match="cannot grow a 3-layer drafter to 2 layers"):
         main([*grow[:3], str(tmp_path / "g"), *grow[4:], "--layers", "2", "--out", str(tmp_path / "h")])
+
+
+def test_a_job_mix_draws_each_kind_at_its_share(setup, monkeypatch):
+    kinds = ["ask"] * 90 + ["code"] * 10 + ["starter"] * 20
+    weights = mix_weights(kinds, {"ask": 0.5, "code": 0.5, "math": 0.2})  # no math answers: its share goes
+    share = {k: float(sum(w for w, kind in zip(weights, kinds, strict=True) if kind == k)) for k in set(kinds)}
+    assert share["starter"] == pytest.approx(20 / 120)  # not in the mix: its share of the records
+    assert share["ask"] == pytest.approx(share["code"]) == pytest.approx((1 - 20 / 120) / 2)
+    # The trainer's stream draws by them: 1 answer in 8 is code, and code is half of what it draws.
+    target, cfg, store, features = setup
+    answers = [replace(a, job=f"0-{i}-{'code' if i % 8 == 0 else 'ask'}") for i, a in enumerate(store.answers)]
+    drawn = []
+    monkeypatch.setattr("training.trainer.make_batch", lambda chosen, *a, **k: drawn.extend(chosen))
+    for mix, code_share in (
+        ("answers", 1 / 8),
+        ("jobs", JOB_WEIGHTS["code"] / (JOB_WEIGHTS["code"] + JOB_WEIGHTS["ask"])),
+    ):
+        trainer, drawn[:] = Trainer(target, cfg, answers, features, opts(mix=mix)), []
+        for step in range(300):
+            trainer.batch(step)
+        coded = {r.key for r in trainer.train_records if r.key in {a.key for a in answers if a.job.endswith("code")}}
+        assert sum(r.key in coded for r in drawn) / len(drawn) == pytest.approx(code_share, abs=0.04), mix
 
 
 def test_an_estimate_by_kind_adds_each_kinds_blocks_and_tables_them():

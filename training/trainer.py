@@ -33,6 +33,8 @@ from training.answer_store import Answer
 from training.distributed import ONE, Ranks
 from training.features import FeatureCache
 from training.loader import BatchStream
+from training.prompts import JOB_WEIGHTS
+from training.variety import job_kind, mix_weights
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,10 @@ class TrainOptions:
     # Threads building the next batches while a step runs (training.loader); 0: each step builds its own.
     loader_threads: int = 0
     draft_vocab: int = 8192  # most frequent answer tokens the drafter proposes from; 0 = all
+    # What a step draws its answers from: "answers", uniformly; "jobs", each job kind its share of
+    # `prompts.JOB_WEIGHTS` (one ask job's questions are answered one by one: ask is 69% of the
+    # store's answers where its jobs are 36%).
+    mix: str = "answers"
     out: Path | None = None  # the public checkpoint `train` writes with each save; None: its state alone
     resume: bool = False  # `train` continues from its saved state, where there is one
     init: str | Path | None = None  # else starts from this checkpoint, or `target:L1,...` (TARGET_INIT)
@@ -338,6 +344,7 @@ class Trainer:
         self.features = features.array()
         self.train_records = samples([a for a in answers if not a.held_out], features)
         self.val_records = samples([a for a in answers if a.held_out], features)[: opts.val_answers]
+        self.draw = self._draw_weights(answers)
         model = target.model
         self.embed = model.get_input_embeddings().weight.detach().to(self.dev, torch.float32)
         self.full_head = model.get_output_embeddings().weight.detach()
@@ -355,6 +362,15 @@ class Trainer:
         self.history: list[float] = []
         self.time_spent = 0.0  # the share of opts.minutes gone (rank 0's clock): the schedule ends with it
         self.positions = 0  # labelled slots trained on, all ranks (this rank's share times their number)
+
+    def _draw_weights(self, answers: list[Answer]) -> torch.Tensor | None:
+        """The training records' draw weights for `opts.mix` (None: a uniform draw)."""
+        if self.opts.mix == "answers":
+            return None
+        if self.opts.mix != "jobs":
+            raise ValueError(f"mix {self.opts.mix!r} is not one of answers, jobs")
+        kind_of = {a.key: job_kind(a.job) for a in answers}
+        return mix_weights([kind_of[r.key] for r in self.train_records], JOB_WEIGHTS)
 
     def _param_groups(self) -> list[dict]:
         """The backbone learns here; a DFlash2 selector learns on its outputs afterwards
@@ -401,7 +417,11 @@ class Trainer:
         """The batch for a step depends only on (seed, step): resuming replays the same stream."""
         gen = torch.Generator().manual_seed(self.opts.seed * 1_000_003 + step)
         pool = records if records is not None else self.train_records
-        idx = torch.randint(len(pool), (count or self.opts.batch,), generator=gen).tolist()
+        size = count or self.opts.batch
+        if records is None and self.draw is not None:
+            idx = torch.multinomial(self.draw, size, replacement=True, generator=gen).tolist()
+        else:
+            idx = torch.randint(len(pool), (size,), generator=gen).tolist()
         part = self.ranks.share(len(idx)) if records is None else slice(None)
         chosen, opts = [pool[i] for i in idx], self.opts
         batch = make_batch(chosen, self.features, self.cfg, opts.anchors, opts.max_len, gen, part, opts.known)
