@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="dflash-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    for add in (_run_flags, _data_flags, _shape_flags, _schedule_flags, _stage_flags, _dflash2_flags, _output_flags):
+    groups = (_run_flags, _data_flags, _shape_flags, _objective_flags, _schedule_flags, _stage_flags)
+    for add in (*groups, _dflash2_flags, _output_flags):
         add(ap)
     args = ap.parse_args(argv)
     if args.stage == "selector" and not args.init:
@@ -125,6 +126,23 @@ def _shape_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mask-token-id", type=int, default=0)
 
 
+def _objective_flags(ap: argparse.ArgumentParser) -> None:
+    """What a step learns from: the slots' loss weights, the blocks' form, the answers drawn."""
+    ap.add_argument("--gamma", type=float, default=4.0)
+    ap.add_argument(
+        "--mix",
+        choices=["answers", "jobs"],
+        default="answers",
+        help="draw answers uniformly, or each job kind at its share of the generator's job mix",
+    )
+    ap.add_argument(
+        "--known",
+        type=float,
+        default=0.0,
+        help="share of blocks given 1..B-2 of the tokens after their anchor (a pre-draft's form); no loss there",
+    )
+
+
 def _schedule_flags(ap: argparse.ArgumentParser) -> None:
     """Optimization: the schedule, the batches, evaluation and saving, and where training starts."""
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -140,19 +158,6 @@ def _schedule_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=24, help="anchors (blocks) per sequence")
     ap.add_argument("--max-len", type=int, default=320, help="longest sequence used (tokens)")
-    ap.add_argument("--gamma", type=float, default=4.0)
-    ap.add_argument(
-        "--mix",
-        choices=["answers", "jobs"],
-        default="answers",
-        help="draw answers uniformly, or each job kind at its share of the generator's job mix",
-    )
-    ap.add_argument(
-        "--known",
-        type=float,
-        default=0.0,
-        help="share of blocks given 1..B-2 of the tokens after their anchor (a pre-draft's form); no loss there",
-    )
     ap.add_argument(
         "--conv-lr-scale", type=float, default=1.0, help="DFlash2: the convolutions' learning rate relative to --lr"
     )
