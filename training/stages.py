@@ -262,7 +262,8 @@ def estimate_stage(args: argparse.Namespace, target: TargetModel, store: AnswerS
         )
         scores = []
         for group, features in groups:
-            features.fill(group, target, drafter.config.target_layer_ids, log=None)
+            # The first run on a store may fill features for hundreds of held-out answers: it says so.
+            features.fill(group, target, drafter.config.target_layer_ids, log=log)
             result = estimate(target, drafter, group, features)
             walk = f", walk {result['selector_tau']:.3f}" if "selector_tau" in result else ""
             scores.append(f"{result['tau']:.3f}{walk} ({sum(result['histogram'])} blocks)" if result else "-")
