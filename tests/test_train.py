@@ -34,9 +34,10 @@ from training.trainer import (
     draft_vocabulary,
     export_drafter,
     make_batch,
+    mix_weights,
     train,
 )
-from training.variety import answer_kind, mix_weights
+from training.variety import answer_kind
 
 
 class _TokenTarget:

@@ -267,7 +267,7 @@ def estimate_stage(args: argparse.Namespace, target: TargetModel, store: AnswerS
             result = estimate(target, drafter, group, features)
             walk = f", walk {result['selector_tau']:.3f}" if "selector_tau" in result else ""
             scores.append(f"{result['tau']:.3f}{walk} ({sum(result['histogram'])} blocks)" if result else "-")
-        kinds[path] = result.get("by_kind", {}) if result else {}
+        kinds[path] = result.get("by_kind", {}) if result else {}  # the store's: the last group scored
         rows.append(f"| {path} | {scores[0]} | {scores[1]} |")
     log("chain tau, estimated offline:\n" + "\n".join(rows))
     log("the store's held-out answers by kind:\n" + "\n".join(kind_table(kinds)))

@@ -34,7 +34,7 @@ from training.distributed import ONE, Ranks
 from training.features import FeatureCache
 from training.loader import BatchStream
 from training.prompts import JOB_WEIGHTS
-from training.variety import job_kind, mix_weights
+from training.variety import job_kind
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,17 @@ class Sample:
     prompt_len: int
     offset: int  # first feature row; the sample has len(tokens) - 1 rows
     key: str = ""  # the answer's, so a score can be told back to the answer it came from
+
+
+def mix_weights(kinds: list[str], shares: dict[str, float]) -> torch.Tensor:
+    """Per-record draw weights that give each kind in `shares` that share of the draws (scaled to
+    what the other kinds leave); a kind not in `shares` keeps its share of the records, what a
+    uniform draw gives it."""
+    counts, n = Counter(kinds), len(kinds)
+    present = {k: s for k, s in shares.items() if counts[k] and s > 0}
+    rest = sum(c for k, c in counts.items() if k not in present) / n
+    scale = (1.0 - rest) / sum(present.values()) if present else 0.0
+    return torch.tensor([present[k] * scale / counts[k] if k in present else 1.0 / n for k in kinds])
 
 
 def samples(answers: list[Answer], features: FeatureCache) -> list[Sample]:

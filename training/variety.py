@@ -12,8 +12,6 @@ import random
 import statistics
 from collections import Counter, defaultdict
 
-import torch
-
 from training.answer_store import Answer
 from training.prompts import HeldOut, shingles, similarity, words
 
@@ -58,17 +56,6 @@ def answer_kind(answer: Answer) -> str:
     answer hard), so a score over a whole store says little about any one of them."""
     kind = job_kind(answer.job)
     return kind if answer.stage == "answer" else f"{kind}/{answer.stage}"
-
-
-def mix_weights(kinds: list[str], shares: dict[str, float]) -> torch.Tensor:
-    """Per-record draw weights that give each kind in `shares` that share of the draws (scaled to
-    what the other kinds leave); a kind not in `shares` keeps its share of the records, what a
-    uniform draw gives it."""
-    counts, n = Counter(kinds), len(kinds)
-    present = {k: s for k, s in shares.items() if counts[k] and s > 0}
-    rest = sum(c for k, c in counts.items() if k not in present) / n
-    scale = (1.0 - rest) / sum(present.values()) if present else 0.0
-    return torch.tensor([present[k] * scale / counts[k] if k in present else 1.0 / n for k in kinds])
 
 
 def report(answers: list[Answer], held_out: HeldOut | None = None, sample: int = 2000, seed: int = 0) -> dict:
