@@ -184,13 +184,28 @@ def test_a_feature_fill_stops_before_the_disk_is_full(setup, tmp_path, monkeypat
     target, cfg, store, _ = setup
     some = store.answers[:12]
     monkeypatch.setattr(features_module, "WINDOW", 4)
-    free = iter([10**12])  # room for one batch, then the disk is nearly full
+    free = iter([10**12, 10**12])  # room at the start and for one batch, then the disk is nearly full
     monkeypatch.setattr(features_module.shutil, "disk_usage", lambda _: shutil_usage(next(free, 10)))
     said = []
     part = FeatureCache(tmp_path / "part", cfg.feature_width)
     added = part.fill(some, target, cfg.target_layer_ids, batch_tokens=10**6, keep_free=1000, log=said.append)
     assert added == len(part) == 4 and {a.key for a in some[:4]} == set(part.index)
     assert said[-1] == "features: the disk is nearly full with 8 of 12 answers left"
+
+
+def test_a_disk_that_starts_with_less_than_keep_free_still_takes_a_fill_that_fits(setup, tmp_path, monkeypatch):
+    """A small or busy disk (CI's has had under 4 GiB free) keeps half of what was free at the start,
+    not a fixed 4 GiB it never had: the fill runs until half the room is gone."""
+    target, cfg, store, _ = setup
+    some = store.answers[:12]
+    monkeypatch.setattr(features_module, "WINDOW", 4)
+    free = iter([3 * 2**30, 3 * 2**30, 2 * 2**30])  # start, two batches, then below half the start
+    monkeypatch.setattr(features_module.shutil, "disk_usage", lambda _: shutil_usage(next(free, 2**30)))
+    said = []
+    part = FeatureCache(tmp_path / "part", cfg.feature_width)
+    added = part.fill(some, target, cfg.target_layer_ids, batch_tokens=10**6, log=said.append)
+    assert added == len(part) == 8 and {a.key for a in some[:8]} == set(part.index)
+    assert said[-1] == "features: the disk is nearly full with 4 of 12 answers left"
 
 
 def shutil_usage(free: int):

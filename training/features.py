@@ -135,18 +135,21 @@ class FeatureCache:
         a GPU today, one right-padded forward). Answers go in
         windows of `WINDOW` in the store's order, each sorted by length (similar lengths share a
         forward), so a run stopped at `deadline` (a `time.time()`) has filled a fair sample of the
-        store, not only its shortest answers.
+        store, not only its shortest answers. It stops early too while `keep_free` bytes are left on
+        the disk, or half of what was free when it began where that is less: a fast device outruns
+        the disk, and a disk that starts nearly full still takes a fill that fits.
         """
         waiting = [a for a in answers if a.key not in self.index]
         windows = (waiting[w : w + WINDOW] for w in range(0, len(waiting), WINDOW))
         todo = [a for window in windows for a in sorted(window, key=lambda a: len(a.tokens))]
         began, done_rows, added = time.time(), 0, 0
+        reserve = min(keep_free, shutil.disk_usage(self.folder).free // 2)
 
         def rows(answer: Answer) -> int:  # positions whose features training reads: all but the last
             return min(len(answer.tokens) - 1, max_rows)
 
         def disk_full() -> bool:
-            return shutil.disk_usage(self.folder).free < keep_free
+            return shutil.disk_usage(self.folder).free < reserve
 
         i = 0
         while i < len(todo) and (deadline is None or time.time() < deadline) and not disk_full():
