@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 import torch
 
-from dflash_kernels.build import KernelsUnavailable, load, locked, native_bf16
+from dflash_kernels import build
+from dflash_kernels.build import KernelsUnavailable, locked, native_bf16
 
-__all__ = ["KernelsUnavailable", "Packed", "bf16_faster", "linear", "load", "native_bf16", "pack"]
+__all__ = ["KernelsUnavailable", "Packed", "bf16_faster", "bf16_matmul", "linear", "load", "native_bf16", "pack"]
 
 log = logging.getLogger(__name__)
 
@@ -63,32 +67,81 @@ def linear(
     return out
 
 
+BF16_PATHS = {"avx512": 0, "amx": 1}  # cpu.cpp's linear_path: VDPBF16PS (or its fallback), AMX tiles
+BF16_MATMUL_ENV = "DFLASH_BF16_MATMUL"  # forces a path for a measurement; never set it beside a serving daemon
+
+
+@cache
+def load() -> Path:
+    """Build (if needed) and load the kernels, then fix this process's bf16 matmul path for good
+    (`bf16_matmul`) before any matmul runs; returns the kernels' folder."""
+    folder = build.load()
+    torch.ops.dflash.linear_path(BF16_PATHS[bf16_matmul(folder)])
+    return folder
+
+
+def bf16_matmul(folder: Path) -> str:
+    """Which instructions compute every bf16 matmul of this process: "amx" where the CPU has AMX-BF16,
+    the OS grants it, and a one-row plus a nine-row matmul (a plain step and a chain verify of 8)
+    measured faster on it than on AVX-512 BF16; else "avx512". The two round differently, so the
+    choice is measured once per machine and read back by every process after it: a target daemon
+    and the process that computed its training features, or two daemons, then share their bits.
+    `DFLASH_BF16_MATMUL=amx|avx512` forces a path (for measuring one against the other)."""
+    forced = os.environ.get(BF16_MATMUL_ENV, "")
+    if forced:
+        if forced not in BF16_PATHS:
+            raise ValueError(f"{BF16_MATMUL_ENV}={forced!r}: use one of {sorted(BF16_PATHS)}")
+        return forced if torch.ops.dflash.linear_path(BF16_PATHS[forced]) == BF16_PATHS[forced] else "avx512"
+    if torch.ops.dflash.linear_path(BF16_PATHS["amx"]) != BF16_PATHS["amx"]:
+        return "avx512"  # no AMX here, or not granted: nothing to measure
+    seconds = measured_once(folder, "bf16_matmul-576x3072", _path_seconds)
+    return min(seconds, key=lambda path: seconds[path])
+
+
+def measured_once(folder: Path, name: str, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """Timings kept beside the kernels (`name`.json): a choice remeasured by every process flips with
+    the load of the moment (on a busy 2-core machine 1 in 8 did), and two daemons that chose
+    differently give different outputs. A damaged record is measured again; delete it to remeasure."""
+    record = folder / f"{name}.json"
+    with locked(folder):
+        try:
+            return {str(k): float(v) for k, v in json.loads(record.read_text())["seconds"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        seconds = measure()
+        record.write_text(json.dumps({"seconds": seconds}))
+    log.info("measured once for this machine (%s): %s", name, seconds)
+    return seconds
+
+
+def _path_seconds(hidden: int = 576, outputs: int = 3072) -> dict[str, float]:
+    """A one-row and a nine-row matmul on each bf16 path, best of many, the paths in turns."""
+    weights = [pack(torch.randn(outputs, hidden).to(torch.bfloat16)) for _ in range(8)]  # past the L2 cache
+    rows = [(torch.randn(m, hidden), torch.empty(m, outputs)) for m in (1, 9)]
+    best = dict.fromkeys(BF16_PATHS, float("inf"))
+    for turn in range(11):
+        for path, number in BF16_PATHS.items():
+            torch.ops.dflash.linear_path(number)
+            began = time.perf_counter()
+            for x, out in rows:
+                for w in weights:  # the op itself: `linear` would load (and choose) first
+                    torch.ops.dflash.linear(x, w.data, w.n, None, None, out)
+            if turn:  # the first turn warms the caches and the thread pool
+                best[path] = min(best[path], time.perf_counter() - began)
+    return best
+
+
 @cache
 def bf16_faster(hidden: int = 1024, outputs: int = 4096) -> bool:
     """Whether a one-row engine matmul runs faster in bf16 than in fp32 on this machine (False where
-    the kernels cannot be built). Measured once per machine, at the first load, and kept beside the
-    kernels: a choice remeasured by every process flips with the load of the moment (on a busy
-    2-core machine 1 in 8 did), and two daemons in different dtypes give different outputs. Delete
-    the file to measure again."""
+    the kernels cannot be built); measured once per machine (`measured_once`): two daemons in
+    different dtypes give different outputs."""
     try:
         folder = load()
     except KernelsUnavailable:
         return False
-    record = folder / f"bf16_faster-{hidden}x{outputs}.json"
-    with locked(folder):
-        try:
-            return bool(json.loads(record.read_text())["bf16_faster"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        seconds = _one_row_seconds(hidden, outputs)
-        faster = seconds["bfloat16"] < seconds["float32"]
-        record.write_text(json.dumps({"bf16_faster": faster, "seconds": seconds}))
-    log.info(
-        "measured once for this machine: a one-row matmul takes %s s; bf16 is %s",
-        seconds,
-        "faster" if faster else "not faster",
-    )
-    return faster
+    seconds = measured_once(folder, f"bf16_faster-{hidden}x{outputs}", lambda: _one_row_seconds(hidden, outputs))
+    return seconds["bfloat16"] < seconds["float32"]
 
 
 def _one_row_seconds(hidden: int, outputs: int) -> dict[str, float]:

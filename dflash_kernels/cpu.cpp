@@ -36,6 +36,11 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define DFLASH_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -384,6 +389,89 @@ inline void round_row_bf16(const float* x, int64_t K, bf16* out) {
 #endif
 }
 
+// --- the same bf16 sums on AMX tiles ----------------------------------------------------------------
+//
+// On a CPU with AMX-BF16 one TDPBF16PS multiplies up to 16 rows by a block of 16 pairs of k x 16
+// outputs, the work of 256 VDPBF16PS, in about the time one row's share of them takes: a verify of 9
+// or 16 rows then streams the weights once for about the price of one row. The packed bf16 panel is
+// already the layout a B tile reads (pairs of k side by side), and the activation pairs are an A
+// tile's rows. Each output element is computed from its own row and column alone, 16 pairs of k per
+// instruction in order of k, so a row's bits do not depend on the other rows of its tile or on how
+// many there are (tests/test_engine.py: widths 1 to 37). The instruction rounds in its own way (its
+// results differ from VDPBF16PS's in the last bits), so every bf16 matmul of a process takes one
+// path or the other, chosen once (`linear_path`, measured per machine by the Python side): a verify
+// row and a plain step's row are then the same bits on either path.
+
+#if defined(DFLASH_AMX)
+constexpr int TILE_ROWS = 16;  // rows of an A or C tile
+constexpr int TILE_PAIRS = 16;  // pairs of k per A tile row and per B tile
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3 accumulate the panel's four groups of 16 outputs for `rows` rows, tile 4 holds those rows'
+// activations, tiles 5-7 take turns holding weights.
+inline void configure_tiles(int rows) {
+  TileConfig c;
+  for (int t = 0; t < 8; t++) {
+    c.colsb[t] = 64;
+    c.rows[t] = static_cast<uint8_t>(t < 5 ? rows : TILE_PAIRS);
+  }
+  _tile_loadconfig(&c);
+}
+
+// Rows xpairs[0..rows) (as configured) against one bf16 panel [K2][64][2]; sums into acc (rows x 64).
+inline void panel_amx(const uint32_t* xpairs, int64_t ldx, const bf16* w, int64_t K2, float* acc, const char* ahead,
+                      const char* end) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  constexpr int64_t pair_row = PANEL * 2 * sizeof(bf16);  // bytes from one pair of k to the next
+  for (int64_t k = 0; k < K2; k += TILE_PAIRS) {
+    const bf16* wk = w + k * PANEL * 2;
+    if (ahead) {  // the next weights, a chunk (16 pairs of k: 4 KB) at a time
+      const char* p = ahead + k * PANEL * 2 * sizeof(bf16);
+      for (int line = 0; line < TILE_PAIRS * PANEL * 2 * 2 && p + line < end; line += 64) prefetch(p + line);
+    }
+    _tile_loadd(4, xpairs + k, ldx * sizeof(uint32_t));
+    _tile_loadd(5, wk, pair_row);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, wk + 32, pair_row);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, wk + 64, pair_row);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, wk + 96, pair_row);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  constexpr int64_t acc_row = PANEL * sizeof(float);
+  _tile_stored(0, acc, acc_row);
+  _tile_stored(1, acc + 16, acc_row);
+  _tile_stored(2, acc + 32, acc_row);
+  _tile_stored(3, acc + 48, acc_row);
+}
+
+// Linux hands out AMX state only to a process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+#else
+bool amx_granted() { return false; }
+#endif
+
+// 0: AVX-512 (or its fallback) for every bf16 matmul; 1: AMX tiles where the reduction is whole tiles.
+int bf16_path = -1;  // not chosen yet
+
+int64_t linear_path(int64_t want) {
+  if (want >= 0) bf16_path = want == 1 && amx_granted() ? 1 : 0;
+  if (bf16_path < 0) bf16_path = amx_granted() ? 1 : 0;
+  return bf16_path;
+}
+
 template <typename Block>
 void dispatch_rows(int rows, Block&& block) {
   switch (rows) {
@@ -397,6 +485,19 @@ void dispatch_rows(int rows, Block&& block) {
 }
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "dflash kernels: ", what); }
+
+// Sums of one row block (acc, rows x PANEL) plus bias, then plus residual, into out's rows m.. and
+// columns n0..n0 + cols: the same two additions after either path's sums.
+inline void finish_rows(const float* acc, int rows, int64_t cols, const float* b, const float* res, int64_t ldr,
+                        float* o, int64_t ldo, int64_t m, int64_t n0) {
+  for (int r = 0; r < rows; r++)
+    for (int64_t c = 0; c < cols; c++) {
+      float s = acc[r * PANEL + c];
+      if (b) s = s + b[n0 + c];
+      if (res) s = res[(m + r) * ldr + n0 + c] + s;
+      o[(m + r) * ldo + n0 + c] = s;
+    }
+}
 
 // x [M, K] fp32; w packed (see above) for N outputs; out [M, N] fp32 (may be `residual`).
 void linear(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::optional<at::Tensor>& bias,
@@ -428,6 +529,28 @@ void linear(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::opti
   }
   const int64_t panel_bytes = PANEL * kw * (half ? 2 : 4);
   const char* wbase = reinterpret_cast<const char*>(w.data_ptr());
+#if defined(DFLASH_AMX)
+  if (half && k2 % TILE_PAIRS == 0 && linear_path(-1) == 1) {
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      const char* end = wbase + p1 * panel_bytes;
+      alignas(64) float acc[TILE_ROWS * PANEL];
+      int configured = 0;
+      for (int64_t p = p0; p < p1; p++) {
+        const bf16* panel = reinterpret_cast<const bf16*>(wbase + p * panel_bytes);
+        const int64_t n0 = p * PANEL, cols = std::min<int64_t>(PANEL, N - n0);
+        for (int64_t m = 0; m < M; m += TILE_ROWS) {
+          const int rows = static_cast<int>(std::min<int64_t>(TILE_ROWS, M - m));
+          if (rows != configured) configure_tiles(rows), configured = rows;
+          const char* ahead = m == 0 ? reinterpret_cast<const char*>(panel) + PREFETCH_BYTES : nullptr;
+          panel_amx(xpairs.data() + m * k2, k2, panel, k2, acc, ahead, end);
+          finish_rows(acc, rows, cols, b, res, ldr, o, ldo, m, n0);
+        }
+      }
+      _tile_release();
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     const char* end = wbase + p1 * panel_bytes;
     alignas(64) float acc[MB * PANEL];
@@ -444,13 +567,7 @@ void linear(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::opti
           else
             panel_f32<R.value>(xs + m * ldx, ldx, reinterpret_cast<const float*>(panel), K, acc, ahead, end);
         });
-        for (int r = 0; r < rows; r++)
-          for (int64_t c = 0; c < cols; c++) {
-            float s = acc[r * PANEL + c];
-            if (b) s = s + b[n0 + c];
-            if (res) s = res[(m + r) * ldr + n0 + c] + s;
-            o[(m + r) * ldo + n0 + c] = s;
-          }
+        finish_rows(acc, rows, cols, b, res, ldr, o, ldo, m, n0);
       }
     }
   });
@@ -775,6 +892,7 @@ void attention(const at::Tensor& qkv, const at::Tensor& kc, const at::Tensor& vc
 
 TORCH_LIBRARY(dflash, m) {
   m.def("linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual, Tensor(a!) out) -> ()");
+  m.def("linear_path(int want) -> int", &linear_path);
   m.def("rmsnorm(Tensor x, Tensor weight, float eps, bool plus_one, Tensor(a!) out) -> ()");
   m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()");
   m.def(

@@ -223,6 +223,93 @@ def test_the_bf16_choice_is_measured_once_per_machine_and_then_read_back(tmp_pat
     assert measure() is False and measure() is False
 
 
+# --- the bf16 matmul's path: AVX-512 BF16 or AMX tiles, one per machine --------------------------------
+
+
+def bf16_paths() -> list[str]:
+    """The bf16 paths this machine has (AMX only where the CPU has it and the OS grants it)."""
+    import dflash_kernels
+
+    dflash_kernels.load()
+    chosen = torch.ops.dflash.linear_path(-1)
+    try:
+        return [p for p, n in dflash_kernels.BF16_PATHS.items() if torch.ops.dflash.linear_path(n) == n]
+    finally:
+        torch.ops.dflash.linear_path(chosen)
+
+
+@pytest.mark.parametrize("path", ["avx512", "amx"])
+def test_on_either_bf16_path_a_row_is_the_same_bits_in_any_batch(path, one_thread):
+    """AMX computes 16 rows per instruction: a row among 16 (or 17, across two row tiles) must be the
+    bits it is alone, for reductions of whole tiles (576) and of a tail the AVX-512 path takes (100)."""
+    import dflash_kernels
+
+    if path not in bf16_paths():
+        pytest.skip(f"this CPU (or its OS) offers no {path}")
+    chosen = torch.ops.dflash.linear_path(-1)
+    torch.ops.dflash.linear_path(dflash_kernels.BF16_PATHS[path])
+    try:
+        gen = torch.Generator().manual_seed(3)
+        for n, k in [(200, 576), (70, 100)]:
+            w = dflash_kernels.pack((torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16))
+            x, bias = torch.randn(37, k, generator=gen), torch.randn(n, generator=gen)
+            alone = torch.cat([dflash_kernels.linear(x[i : i + 1], w, bias) for i in range(37)])
+            for width in (2, 9, 16, 17, 37):
+                batched = torch.cat([dflash_kernels.linear(x[i : i + width], w, bias) for i in range(0, 37, width)])
+                assert torch.equal(batched, alone), (path, n, k, width)
+            want = x.to(torch.bfloat16).float() @ w_dense(w, k).T + bias
+            torch.testing.assert_close(alone, want, rtol=1e-4, atol=1e-4)  # and they are the matmul
+    finally:
+        torch.ops.dflash.linear_path(chosen)
+
+
+def w_dense(packed, k: int) -> torch.Tensor:
+    """The [N, K] fp32 matrix a packed bf16 one holds."""
+    panels, pairs = packed.data.shape[:2]
+    return packed.data.permute(0, 2, 1, 3).reshape(panels * 64, pairs * 2)[: packed.n, :k].float()
+
+
+def test_the_bf16_path_is_measured_once_per_machine_and_can_be_forced(tmp_path, monkeypatch):
+    """The paths round differently: the first measurement is kept, so every process on the machine
+    computes the same bits; the environment forces one only for measuring them against each other."""
+    import dflash_kernels
+
+    if "amx" not in bf16_paths():
+        pytest.skip("no AMX here: avx512 is the only path, nothing is measured")
+    chosen = torch.ops.dflash.linear_path(-1)
+    try:
+        timings = iter([{"avx512": 2.0, "amx": 1.0}, {"avx512": 1.0, "amx": 2.0}])
+        monkeypatch.setattr(dflash_kernels, "_path_seconds", lambda: next(timings))
+        monkeypatch.delenv(dflash_kernels.BF16_MATMUL_ENV, raising=False)
+        assert dflash_kernels.bf16_matmul(tmp_path) == "amx"
+        assert dflash_kernels.bf16_matmul(tmp_path) == "amx"  # read back: the slower timing is not taken
+        assert next(timings) == {"avx512": 1.0, "amx": 2.0}
+        monkeypatch.setenv(dflash_kernels.BF16_MATMUL_ENV, "avx512")
+        assert dflash_kernels.bf16_matmul(tmp_path) == "avx512"
+        monkeypatch.setenv(dflash_kernels.BF16_MATMUL_ENV, "tiles")
+        with pytest.raises(ValueError, match="use one of"):
+            dflash_kernels.bf16_matmul(tmp_path)
+    finally:
+        torch.ops.dflash.linear_path(chosen)
+
+
+def test_bench_paths_times_each_path_this_machine_has_in_turns(tmp_path, one_thread):
+    """`benchmarks.bench_paths` on a saved tiny target: a row per path here, every width timed, and
+    the process's own path left as it was chosen."""
+    import json
+
+    from benchmarks import bench_paths
+
+    tiny_target(layers=2, engine=False).model.save_pretrained(tmp_path / "model")
+    chosen = torch.ops.dflash.linear_path(-1)
+    out = tmp_path / "paths.json"
+    bench_paths.main(["--model", str(tmp_path / "model"), "--widths", "1,3", "--rounds", "1", "--json", str(out)])
+    table = json.loads(out.read_text())["ms"]
+    assert set(table) == set(bf16_paths()) and all(set(row) == {"1", "3"} for row in table.values())
+    assert all(ms > 0 for row in table.values() for ms in row.values())
+    assert torch.ops.dflash.linear_path(-1) == chosen
+
+
 def test_the_engine_declines_a_device_it_has_not_run_on():
     """Its scratch buffers and row tables live on the CPU: on another device ("auto" ops) it must
     decline at load, so the transformers path serves, rather than fail at the first forward."""

@@ -1,0 +1,75 @@
+"""What AMX tiles buy: the target's step by width on each bf16 matmul path, in turns in one process.
+
+    python -m benchmarks.bench_paths --json docs/bench_amx.json
+
+A process serves on one path only (`dflash_kernels.bf16_matmul`, measured once per machine); here
+both run the same steps, the paths taking turns so a burst of load hits both alike, after a
+128-token context as the governor's cost table measures them. Prints the best time per width and
+each as a multiple of AVX-512's one-row step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import dflash_kernels
+from target_node.model.default_model import DEFAULT_MODEL_DIR
+from target_node.model.target import TargetModel
+
+
+def step_seconds(target: TargetModel, widths: list[int], rounds: int, paths: list[str]) -> dict[str, dict[int, float]]:
+    """The best of `rounds` x 3 steps per width and path, paths in turns."""
+    best = {path: dict.fromkeys(widths, float("inf")) for path in paths}
+    context = [3 + i % 97 for i in range(128)]
+    for _ in range(rounds):
+        for path in paths:
+            torch.ops.dflash.linear_path(dflash_kernels.BF16_PATHS[path])
+            target.reset()
+            target.forward(context)
+            for width in widths:
+                for _ in range(3):
+                    began = time.perf_counter()
+                    target.greedy(target.forward([5] * width)[0])
+                    best[path][width] = min(best[path][width], time.perf_counter() - began)
+                    target.rollback(len(context))
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="bench_paths", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    ap.add_argument("--widths", default="1,2,3,5,9,13,17")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", help="write the table here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target = TargetModel.load(args.model, dtype="bfloat16")
+    if target.engine is None:
+        raise SystemExit("the engine does not serve this model here: nothing to compare")
+    chosen = torch.ops.dflash.linear_path(-1)
+    paths = [p for p, n in dflash_kernels.BF16_PATHS.items() if torch.ops.dflash.linear_path(n) == n]
+    widths = [int(w) for w in args.widths.split(",")]
+    best = step_seconds(target, widths, args.rounds, paths)
+    torch.ops.dflash.linear_path(chosen)
+    base = best["avx512"][1]
+    print(f"step ms by width (bf16, {args.threads} thread(s)); in parentheses: x AVX-512's one-row step")
+    for path in paths:
+        print(f"{path:7s}", "  ".join(f"{w}: {1e3 * s:.2f} ({s / base:.2f})" for w, s in best[path].items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"threads": args.threads, "ms": {p: {w: 1e3 * s for w, s in b.items()} for p, b in best.items()}},
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
