@@ -412,15 +412,26 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3 accumulate the panel's four groups of 16 outputs for `rows` rows, tile 4 holds those rows'
-// activations, tiles 5-7 take turns holding weights.
+// Up to 16 rows: tiles 0-3 accumulate the panel's four groups of 16 outputs, tile 4 holds the rows'
+// activations, tiles 5-7 take turns holding weights (`panel_amx`). 17 to 32 rows: tiles 0-1 and
+// 2-3 accumulate two groups of outputs for the first 16 rows and for the rest, tiles 4-5 hold those
+// two row tiles, 6-7 the weights (`panel_amx2`), so the weights stream once for all of them.
 inline void configure_tiles(int rows) {
   TileConfig c;
+  const int first = std::min(rows, TILE_ROWS), rest = rows - first;
   for (int t = 0; t < 8; t++) {
     c.colsb[t] = 64;
-    c.rows[t] = static_cast<uint8_t>(t < 5 ? rows : TILE_PAIRS);
+    if (rows <= TILE_ROWS)
+      c.rows[t] = static_cast<uint8_t>(t < 5 ? rows : TILE_PAIRS);
+    else
+      c.rows[t] = static_cast<uint8_t>(t == 0 || t == 1 || t == 4 ? first : t < 6 ? rest : TILE_PAIRS);
   }
   _tile_loadconfig(&c);
+}
+
+inline void prefetch_chunk(const char* ahead, int64_t k, const char* end) {
+  const char* p = ahead + k * PANEL * 2 * sizeof(bf16);  // the weights of 16 pairs of k: 4 KB
+  for (int line = 0; line < TILE_PAIRS * PANEL * 2 * 2 && p + line < end; line += 64) prefetch(p + line);
 }
 
 // Rows xpairs[0..rows) (as configured) against one bf16 panel [K2][64][2]; sums into acc (rows x 64).
@@ -433,10 +444,7 @@ inline void panel_amx(const uint32_t* xpairs, int64_t ldx, const bf16* w, int64_
   constexpr int64_t pair_row = PANEL * 2 * sizeof(bf16);  // bytes from one pair of k to the next
   for (int64_t k = 0; k < K2; k += TILE_PAIRS) {
     const bf16* wk = w + k * PANEL * 2;
-    if (ahead) {  // the next weights, a chunk (16 pairs of k: 4 KB) at a time
-      const char* p = ahead + k * PANEL * 2 * sizeof(bf16);
-      for (int line = 0; line < TILE_PAIRS * PANEL * 2 * 2 && p + line < end; line += 64) prefetch(p + line);
-    }
+    if (ahead) prefetch_chunk(ahead, k, end);
     _tile_loadd(4, xpairs + k, ldx * sizeof(uint32_t));
     _tile_loadd(5, wk, pair_row);
     _tile_dpbf16ps(0, 4, 5);
@@ -452,6 +460,38 @@ inline void panel_amx(const uint32_t* xpairs, int64_t ldx, const bf16* w, int64_
   _tile_stored(1, acc + 16, acc_row);
   _tile_stored(2, acc + 32, acc_row);
   _tile_stored(3, acc + 48, acc_row);
+}
+
+// Rows xpairs[0..rows), 17 to 32 (as configured), against one bf16 panel; sums into acc (rows x 64).
+// Half the panel's outputs at a time, each weight tile used by both row tiles.
+inline void panel_amx2(const uint32_t* xpairs, int64_t ldx, const bf16* w, int64_t K2, float* acc, const char* ahead,
+                       const char* end) {
+  constexpr int64_t pair_row = PANEL * 2 * sizeof(bf16);
+  const int64_t lda = ldx * sizeof(uint32_t);
+  for (int half = 0; half < 2; half++) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K2; k += TILE_PAIRS) {
+      const bf16* wk = w + k * PANEL * 2 + half * 64;
+      if (ahead && half == 0) prefetch_chunk(ahead, k, end);
+      _tile_loadd(4, xpairs + k, lda);
+      _tile_loadd(5, xpairs + TILE_ROWS * ldx + k, lda);
+      _tile_loadd(6, wk, pair_row);
+      _tile_loadd(7, wk + 32, pair_row);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    constexpr int64_t acc_row = PANEL * sizeof(float);
+    float* out = acc + half * 32;
+    _tile_stored(0, out, acc_row);
+    _tile_stored(1, out + 16, acc_row);
+    _tile_stored(2, out + TILE_ROWS * PANEL, acc_row);
+    _tile_stored(3, out + TILE_ROWS * PANEL + 16, acc_row);
+  }
 }
 
 // Linux hands out AMX state only to a process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM).
@@ -533,16 +573,19 @@ void linear(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::opti
   if (half && k2 % TILE_PAIRS == 0 && linear_path(-1) == 1) {
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       const char* end = wbase + p1 * panel_bytes;
-      alignas(64) float acc[TILE_ROWS * PANEL];
+      alignas(64) float acc[2 * TILE_ROWS * PANEL];
       int configured = 0;
       for (int64_t p = p0; p < p1; p++) {
         const bf16* panel = reinterpret_cast<const bf16*>(wbase + p * panel_bytes);
         const int64_t n0 = p * PANEL, cols = std::min<int64_t>(PANEL, N - n0);
-        for (int64_t m = 0; m < M; m += TILE_ROWS) {
-          const int rows = static_cast<int>(std::min<int64_t>(TILE_ROWS, M - m));
+        for (int64_t m = 0; m < M; m += 2 * TILE_ROWS) {
+          const int rows = static_cast<int>(std::min<int64_t>(2 * TILE_ROWS, M - m));
           if (rows != configured) configure_tiles(rows), configured = rows;
           const char* ahead = m == 0 ? reinterpret_cast<const char*>(panel) + PREFETCH_BYTES : nullptr;
-          panel_amx(xpairs.data() + m * k2, k2, panel, k2, acc, ahead, end);
+          if (rows <= TILE_ROWS)
+            panel_amx(xpairs.data() + m * k2, k2, panel, k2, acc, ahead, end);
+          else
+            panel_amx2(xpairs.data() + m * k2, k2, panel, k2, acc, ahead, end);
           finish_rows(acc, rows, cols, b, res, ldr, o, ldo, m, n0);
         }
       }
