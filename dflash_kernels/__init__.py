@@ -91,7 +91,10 @@ def bf16_matmul(folder: Path) -> str:
     if forced:
         if forced not in BF16_PATHS:
             raise ValueError(f"{BF16_MATMUL_ENV}={forced!r}: use one of {sorted(BF16_PATHS)}")
-        return forced if torch.ops.dflash.linear_path(BF16_PATHS[forced]) == BF16_PATHS[forced] else "avx512"
+        if torch.ops.dflash.linear_path(BF16_PATHS[forced]) == BF16_PATHS[forced]:
+            return forced
+        log.warning("%s=%s: this CPU (or its OS) offers no AMX; the AVX-512 path serves", BF16_MATMUL_ENV, forced)
+        return "avx512"
     if torch.ops.dflash.linear_path(BF16_PATHS["amx"]) != BF16_PATHS["amx"]:
         return "avx512"  # no AMX here, or not granted: nothing to measure
     seconds = measured_once(folder, "bf16_matmul-576x3072", _path_seconds)
