@@ -293,6 +293,33 @@ def test_the_bf16_path_is_measured_once_per_machine_and_can_be_forced(tmp_path, 
         torch.ops.dflash.linear_path(chosen)
 
 
+def test_the_prefetch_level_is_measured_once_and_changes_no_bit(tmp_path, monkeypatch, one_thread):
+    """Where fetched-ahead weights land (L1 or L2) is a speed choice, measured once per machine like
+    the others; a matmul gives the same bits at either level, on every path the machine has."""
+    import dflash_kernels
+
+    timings = iter([{"L1": 2.0, "L2": 1.0}, {"L1": 1.0, "L2": 2.0}])
+    first = dflash_kernels.measured_once(tmp_path, "prefetch-576x3072", lambda: next(timings))
+    assert min(first, key=first.get) == "L2"
+    assert dflash_kernels.measured_once(tmp_path, "prefetch-576x3072", lambda: next(timings)) == first
+    chosen, level = torch.ops.dflash.linear_path(-1), torch.ops.dflash.prefetch_level(-1)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 576, generator=gen)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            w = dflash_kernels.pack(torch.randn(300, 576, generator=gen).to(dtype))
+            for path in bf16_paths():
+                torch.ops.dflash.linear_path(dflash_kernels.BF16_PATHS[path])
+                outs = []
+                for number in dflash_kernels.PREFETCH_LEVELS.values():
+                    torch.ops.dflash.prefetch_level(number)
+                    outs.append(dflash_kernels.linear(x, w))
+                assert all(torch.equal(outs[0], out) for out in outs), (dtype, path)
+    finally:
+        torch.ops.dflash.linear_path(chosen)
+        torch.ops.dflash.prefetch_level(level)
+
+
 def test_bench_paths_times_each_path_this_machine_has_in_turns(tmp_path, one_thread):
     """`benchmarks.bench_paths` on a saved tiny target: a row per path here, every width timed, and
     the process's own path left as it was chosen."""
