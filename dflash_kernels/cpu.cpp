@@ -303,7 +303,10 @@ inline void prefetch(const T* p) {
   else
     _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 #else
-  __builtin_prefetch(p, 0, prefetch_to ? 2 : 3);
+  if (prefetch_to)
+    __builtin_prefetch(p, 0, 2);
+  else
+    __builtin_prefetch(p, 0, 3);
 #endif
 }
 
