@@ -3,39 +3,36 @@
     python -m benchmarks.bench_paths --json docs/bench_amx.json
 
 A process serves on one path only (`dflash_kernels.bf16_matmul`, measured once per machine); here
-both run the same steps, the paths taking turns so a burst of load hits both alike, after a
-128-token context as the governor's cost table measures them. Prints the best time per width and
-each as a multiple of AVX-512's step at the narrowest width (one row by default).
+both run the same steps, the paths taking turns so a burst of load hits both alike, measured as
+the governor's cost table measures them (`VerifyCosts.measure`: after a 128-token context).
+Prints the best time per width and each as a multiple of AVX-512's step at the narrowest width
+(one row by default).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 import dflash_kernels
+from target_node.decoding.governor import VerifyCosts
 from target_node.model.default_model import DEFAULT_MODEL_DIR
 from target_node.model.target import TargetModel
 
 
 def step_seconds(target: TargetModel, widths: list[int], rounds: int, paths: list[str]) -> dict[str, dict[int, float]]:
-    """The best of `rounds` x 3 steps per width and path, paths in turns."""
+    """Per path and width, the best over `rounds` of the governor's own cost measurement (the
+    median of 3 steps), the paths in turns."""
     best = {path: dict.fromkeys(widths, float("inf")) for path in paths}
-    context = [3 + i % 97 for i in range(128)]
     for _ in range(rounds):
         for path in paths:
             torch.ops.dflash.linear_path(dflash_kernels.BF16_PATHS[path])
-            target.reset()
-            target.forward(context)
+            costs = VerifyCosts()
+            costs.measure(target, widths)
             for width in widths:
-                for _ in range(3):
-                    began = time.perf_counter()
-                    target.greedy(target.forward([5] * width)[0])
-                    best[path][width] = min(best[path][width], time.perf_counter() - began)
-                    target.rollback(len(context))
+                best[path][width] = min(best[path][width], costs.seconds[width])
     return best
 
 

@@ -121,40 +121,51 @@ def measured_once(folder: Path, name: str, measure: Callable[[], dict[str, float
 
 
 def _path_seconds() -> dict[str, float]:
-    """A one-row and a nine-row bf16 matmul on each path, best of many, the paths in turns."""
-    return _best_of_turns(BF16_PATHS, torch.ops.dflash.linear_path, torch.bfloat16, widths=(1, 9))
-
-
-def _best_of_turns(
-    settings: dict[str, int], choose: Callable[[int], int], dtype: torch.dtype, widths: tuple[int, ...]
-) -> dict[str, float]:
-    """Per kernel setting, the best time of matmuls of `widths` rows over weights streamed from
-    memory as a model's are (32 of 576 x 3072: 113 MB in bf16; with 8, held in a large L3, the
-    prefetch levels measured alike while a step differed by 13%), the settings in turns so a burst
-    of load hits them alike; the setting the process had is put back. The op itself is called:
-    `linear` would load (and choose) first."""
-    hidden, outputs = 576, 3072
-    weights = [pack(torch.randn(outputs, hidden).to(dtype)) for _ in range(32)]
-    rows = [(torch.randn(m, hidden), torch.empty(m, outputs)) for m in widths]
-    best, had = dict.fromkeys(settings, float("inf")), choose(-1)
-    for turn in range(11):
-        for name, number in settings.items():
-            choose(number)
-            began = time.perf_counter()
-            for x, out in rows:
-                for w in weights:
-                    torch.ops.dflash.linear(x, w.data, w.n, None, None, out)
-            if turn:  # the first turn warms the caches and the thread pool
-                best[name] = min(best[name], time.perf_counter() - began)
-    choose(had)
-    return best
+    """A one-row and a nine-row bf16 matmul on each path, the paths in turns."""
+    return _setting_seconds(BF16_PATHS, torch.ops.dflash.linear_path, torch.bfloat16, widths=(1, 9))
 
 
 def _prefetch_seconds() -> dict[str, float]:
     """A one-row matmul streaming weights with each prefetch level, on the path this process took
-    (bf16 where the CPU computes it natively, else fp32), best of many, the levels in turns."""
+    (bf16 where the CPU computes it natively, else fp32), the levels in turns."""
     dtype = torch.bfloat16 if native_bf16() else torch.float32
-    return _best_of_turns(PREFETCH_LEVELS, torch.ops.dflash.prefetch_level, dtype, widths=(1,))
+    return _setting_seconds(PREFETCH_LEVELS, torch.ops.dflash.prefetch_level, dtype, widths=(1,))
+
+
+def _setting_seconds(
+    settings: dict[str, int], choose: Callable[[int], int], dtype: torch.dtype, widths: tuple[int, ...]
+) -> dict[str, float]:
+    """Per kernel setting, matmuls of `widths` rows over weights streamed from memory as a model's
+    are (32 of 576 x 3072: 113 MB in bf16; with 8, held in a large L3, the prefetch levels measured
+    alike while a step differed by 13%); the setting the process had is put back. The op itself is
+    called: `linear` would load (and choose) first."""
+    hidden, outputs = 576, 3072
+    weights = [pack(torch.randn(outputs, hidden).to(dtype)) for _ in range(32)]
+    rows = [(torch.randn(m, hidden), torch.empty(m, outputs)) for m in widths]
+
+    def run(number: int) -> None:
+        choose(number)
+        for x, out in rows:
+            for w in weights:
+                torch.ops.dflash.linear(x, w.data, w.n, None, None, out)
+
+    had = choose(-1)
+    seconds = _best_of_turns({name: lambda n=number: run(n) for name, number in settings.items()}, turns=11)
+    choose(had)
+    return seconds
+
+
+def _best_of_turns(runs: dict[str, Callable[[], None]], turns: int) -> dict[str, float]:
+    """The best time of each run, the runs taking turns so a burst of load hits them alike; the
+    first turn warms the caches and the thread pool and is not counted."""
+    best = dict.fromkeys(runs, float("inf"))
+    for turn in range(turns):
+        for name, run in runs.items():
+            began = time.perf_counter()
+            run()
+            if turn:
+                best[name] = min(best[name], time.perf_counter() - began)
+    return best
 
 
 @cache
@@ -171,16 +182,13 @@ def bf16_faster(hidden: int = 1024, outputs: int = 4096) -> bool:
 
 
 def _one_row_seconds(hidden: int, outputs: int) -> dict[str, float]:
-    """The best of many timings per dtype, taken in turns so a burst of load hits both alike."""
+    """Four one-row matmuls per dtype, best of many, the dtypes in turns."""
     weight = torch.randn(outputs, hidden, generator=torch.Generator().manual_seed(0))
     x, out = torch.randn(1, hidden), torch.empty(1, outputs)
     packed = {str(dtype).removeprefix("torch."): pack(weight.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
-    best = dict.fromkeys(packed, float("inf"))
-    for turn in range(21):
-        for name, weights in packed.items():
-            began = time.perf_counter()
-            for _ in range(4):
-                linear(x, weights, out=out)
-            if turn:  # the first turn warms the caches and the thread pool
-                best[name] = min(best[name], time.perf_counter() - began)
-    return best
+
+    def run(weights: Packed) -> None:
+        for _ in range(4):
+            linear(x, weights, out=out)
+
+    return _best_of_turns({name: lambda w=weights: run(w) for name, weights in packed.items()}, turns=21)
