@@ -667,6 +667,58 @@ void rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, bool plu
   });
 }
 
+// --- argmax per row: torch.argmax's answer, the first maximum (the first NaN where a row has one) ---
+
+// Two passes over a row that stays in L1/L2: the maximum (and whether any lane is NaN), then the
+// first position equal to it. -0.0 == 0.0, so the first of either wins, as in torch.
+inline int64_t argmax_row(const float* x, int64_t n) {
+  int64_t k = 0;
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+#if defined(__AVX512F__)
+  __m512 best = _mm512_set1_ps(m);
+  __mmask16 unordered = 0;
+  for (; k + W <= n; k += W) {
+    const __m512 v = _mm512_loadu_ps(x + k);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, v);
+  }
+  m = _mm512_reduce_max_ps(best);
+  nan = unordered != 0;
+#endif
+  for (; k < n; k++) {
+    if (std::isnan(x[k])) nan = true;
+    else if (x[k] > m) m = x[k];
+  }
+  k = 0;
+  if (nan) {
+    for (; k < n; k++)
+      if (std::isnan(x[k])) return k;
+  }
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(m);
+  for (; k + W <= n; k += W) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + k), target, _CMP_EQ_OQ);
+    if (eq) return k + __builtin_ctz(eq);
+  }
+#endif
+  for (; k < n; k++)
+    if (x[k] == m) return k;
+  return 0;  // only a row of NaN-free values below -inf could get here: there are none
+}
+
+void argmax(const at::Tensor& x, at::Tensor& out) {
+  check(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "argmax: fp32 rows");
+  check(x.size(1) > 0, "argmax: empty rows");
+  check(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == x.size(0), "argmax: int64 out");
+  const float* xs = x.data_ptr<float>();
+  const int64_t ld = x.stride(0), n = x.size(1);
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, x.size(0), 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) o[r] = argmax_row(xs + r * ld, n);
+  });
+}
+
 // --- SwiGLU: out[m, i] = silu(gu[m, i]) * gu[m, I + i] ----------------------------------------------
 
 void silu_mul(const at::Tensor& gu, at::Tensor& out) {
@@ -955,6 +1007,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def("prefetch_level(int want) -> int", &prefetch_level);
   m.def("rmsnorm(Tensor x, Tensor weight, float eps, bool plus_one, Tensor(a!) out) -> ()");
   m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()");
+  m.def("argmax(Tensor x, Tensor(a!) out) -> ()");
   m.def(
       "rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kc, Tensor(c!) vc, Tensor slot, Tensor index, "
       "int hq, int hkv, Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
@@ -967,6 +1020,7 @@ TORCH_LIBRARY_IMPL(dflash, CPU, m) {
   m.impl("linear", &linear);
   m.impl("rmsnorm", &rmsnorm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("argmax", &argmax);
   m.impl("rope_store", &rope_store);
   m.impl("attention", &attention);
 }

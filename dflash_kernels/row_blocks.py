@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +32,7 @@ class Linear(nn.Linear):
     _packed_from: tuple[int, int] = (-1, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.device.type != "cpu" or not available():
+        if torch.is_grad_enabled() or x.device.type != "cpu" or not dflash_kernels.available():
             return in_row_blocks(lambda rows: F.linear(rows, self.weight, self.bias), x)
         weight = self.weight
         if self._packed_from != (weight.data_ptr(), weight._version):
@@ -43,22 +42,13 @@ class Linear(nn.Linear):
         return dflash_kernels.linear(rows, self._packed, bias).view(*x.shape[:-1], -1).to(x.dtype)
 
 
-@cache
-def available() -> bool:
-    try:
-        dflash_kernels.load()
-    except dflash_kernels.KernelsUnavailable:
-        return False
-    return True
-
-
 def row_independence(device: torch.device) -> AbstractContextManager:
     """What inference runs inside so that every row is computed by the same operations whatever
     rows run beside it (a draft daemon's pass of many sessions). On the CPU kernels, nothing: their
     linear is row-independent by construction, and the rest is element-wise, row-wise or per
     sequence. Elsewhere torch picks a matmul's or a norm's kernel by the row count, so they run on
     blocks of exactly BLOCK rows, the last padded: one shape, whatever the pass holds."""
-    if device.type == "cpu" and available():
+    if device.type == "cpu" and dflash_kernels.available():
         return nullcontext()
     return _fixed_row_blocks()
 

@@ -28,7 +28,7 @@ class DraftKVCache:
         # [layer, kv_head, slot, head_dim]: per layer, one contiguous run attention can read
         # directly; block_size spare slots past the ring hold the block's own keys/values.
         shape = (len(drafter.layers), cfg.num_key_value_heads, capacity + cfg.block_size, cfg.head_dim)
-        self.keys = torch.zeros(shape, dtype=drafter.dtype, device=drafter.device)
+        self.keys = torch.zeros(shape, dtype=drafter.inference_dtype, device=drafter.device)
         self.values = torch.zeros_like(self.keys)
         # positions[slot] is the position a slot holds, -1 when empty or stale.
         self.positions = torch.full((capacity,), -1, dtype=torch.long, device=drafter.device)

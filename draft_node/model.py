@@ -21,18 +21,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dflash_kernels
 from dflash_kernels.row_blocks import Linear, in_row_blocks
 from draft_node.config import SLIDING, DFlashConfig, drafter_info
 
 
 class RMSNorm(nn.Module):
+    _weight32: torch.Tensor | None = None
+    _weight32_from: tuple[int, int] = (-1, -1)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and not torch.is_grad_enabled() and on_kernels(x.device):
+            return self._on_kernels(x)
         return in_row_blocks(self._normalize, x)
+
+    def _on_kernels(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 rows through the kernels' norm: one op where torch's takes eight."""
+        weight, version = self.weight, (self.weight.data_ptr(), self.weight._version)
+        if self._weight32_from != version:  # a load or an optimizer changed it
+            self._weight32, self._weight32_from = weight.detach().float().contiguous(), version
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        torch.ops.dflash.rmsnorm(x, self._weight32, self.eps, False, out)
+        return out
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32 like the Qwen3 reference, so bf16 drafters match trained numerics.
@@ -43,11 +59,12 @@ class RMSNorm(nn.Module):
 
 class Rotary:
     """The drafter's rotary frequencies: plain RoPE from theta, or a scaled variant (linear, YaRN,
-    Llama 3) whose frequencies and attention factor transformers' own RoPE functions compute."""
+    Llama 3) whose frequencies and attention factor transformers' own RoPE functions compute.
+    Computed once: a draft step rotates a handful of rows, where building them cost more."""
 
     def __init__(self, cfg: DFlashConfig) -> None:
-        self.theta, self.scale = cfg.rope_theta, 1.0
-        self.scaled_inv_freq: torch.Tensor | None = None
+        with torch.device("cpu"):  # real numbers even while a checkpoint's skeleton is built on meta
+            self.inv_freq, self.scale = inverse_frequencies(cfg.head_dim, cfg.rope_theta), 1.0
         if cfg.rope_scaling is not None:
             from transformers import Qwen3Config
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -61,12 +78,20 @@ class Rotary:
             )
             with torch.device("cpu"):  # real numbers even while a checkpoint's skeleton is built on meta
                 inv_freq, scale = ROPE_INIT_FUNCTIONS[cfg.rope_scaling["rope_type"]](config, torch.device("cpu"))
-            self.scaled_inv_freq, self.scale = inv_freq.float(), float(scale)
+            self.inv_freq, self.scale = inv_freq.float(), float(scale)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.scaled_inv_freq is None:
-            return rope(x, positions, self.theta)
-        return rotate(x, positions, self.scaled_inv_freq.to(x.device), self.scale)
+        return self.apply(x, self.cos_sin(positions))
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [rows, 1, head_dim] at `positions` [rows], for every tensor rotated there."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        return cos_sin(positions, self.inv_freq, self.scale)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return rotate_by(x, *cos_sin)
 
 
 def _scaled_length(scaling: dict) -> int:
@@ -74,21 +99,25 @@ def _scaled_length(scaling: dict) -> int:
     return int(scaling.get("original_max_position_embeddings", 32768) * scaling["factor"])
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """NeoX rotate-half rotary embedding of x [..., rows, heads, head_dim] at absolute positions."""
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (torch.arange(0, half, device=x.device, dtype=torch.float32) / half))
-    return rotate(x, positions, inv_freq)
+def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """Plain RoPE's frequencies [head_dim / 2]."""
+    half = head_dim // 2
+    return 1.0 / (theta ** (torch.arange(0, half, dtype=torch.float32) / half))
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """x rotated by `inv_freq` [head_dim / 2] at `positions`; cos and sin scaled by `scale` (YaRN)."""
-    half = x.shape[-1] // 2
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX rotate-half cos and sin [rows, 1, head_dim] at `positions` [rows], scaled by `scale` (YaRN)."""
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :]
-    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
+    cos, sin = angles.cos(), angles.sin()
+    cos, sin = torch.cat([cos, cos], -1)[:, None, :], torch.cat([sin, sin], -1)[:, None, :]
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
+    return cos, sin
+
+
+def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, head_dim] rotated by `cos_sin`'s angles, computed in fp32."""
+    half = x.shape[-1] // 2
     x32 = x.float()
     rotated = torch.cat([-x32[..., half:], x32[..., :half]], -1)
     return (x32 * cos + rotated * sin).to(x.dtype)
@@ -197,6 +226,11 @@ class Context:
 LayerContext = tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]  # one layer's keys, values, C, mask
 
 
+def on_kernels(device: torch.device) -> bool:
+    """Whether inference here runs on the CPU kernels."""
+    return device.type == "cpu" and dflash_kernels.available()
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention without copying K/V per query head.
 
@@ -223,11 +257,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated keys and values [rows, kv_heads, head_dim] for rows x [rows, hidden] at their positions."""
+    def keys_values(
+        self, x: torch.Tensor, positions: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values [rows, kv_heads, head_dim] for rows x [rows, hidden] at their
+        positions (`angles`: their `Rotary.cos_sin`, where the caller has them)."""
         k = self.k_norm(self.k_proj(x).view(-1, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim)
-        return self.rotary(k, positions), v
+        return self.rotary.apply(k, angles or self.rotary.cos_sin(positions)), v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, contexts: list[LayerContext]) -> torch.Tensor:
         """Block rows x [S, R, hidden] at positions [S, R] attend over their context and block rows.
@@ -240,8 +277,9 @@ class Attention(nn.Module):
         """
         s, rows, _ = x.shape
         flat, where = x.reshape(s * rows, -1), positions.reshape(-1)
-        q = self.rotary(self.q_norm(self.q_proj(flat).view(-1, self.heads, self.head_dim)), where)
-        k, v = self.keys_values(flat, where)
+        angles = self.rotary.cos_sin(where)
+        q = self.rotary.apply(self.q_norm(self.q_proj(flat).view(-1, self.heads, self.head_dim)), angles)
+        k, v = self.keys_values(flat, where, angles)
         q = q.view(s, rows, self.heads, -1)
         k, v = k.view(s, rows, self.kv_heads, -1), v.view(s, rows, self.kv_heads, -1)
         out, first = [], 0
@@ -299,6 +337,18 @@ class DFlashDrafter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
+    @property
+    def inference_dtype(self) -> torch.dtype:
+        """What inference computes in (and a context ring holds): fp32 on the CPU kernels, whose
+        linear takes and gives fp32 (rounding a bf16 drafter's activations to bf16 itself) and whose
+        norm reads fp32, so bf16 activations there only added a conversion around each operation, a
+        third of a draft step; elsewhere the weights' dtype. Block hidden states leave in the
+        weights' dtype either way."""
+        return torch.float32 if on_kernels(self.device) else self.dtype
+
+    def activation_dtype(self) -> torch.dtype:
+        return self.dtype if torch.is_grad_enabled() else self.inference_dtype
+
     def describe(self, ring_capacity: int) -> dict:
         """What a target needs to know of this drafter (the wire's DRAFTER_INFO)."""
         return drafter_info(self.config, self.draft_vocab, ring_capacity, self.codebook_checksum())
@@ -333,7 +383,7 @@ class DFlashDrafter(nn.Module):
         that is how the public checkpoints were trained. `scale` (training only) multiplies
         the features before fc; exporting folds it into fc.weight.
         """
-        features = features.to(self.dtype)
+        features = features.to(self.activation_dtype())
         ctx = self.hidden_norm(self.fc(features if scale is None else features * scale))
         return [layer.self_attn.keys_values(ctx, positions) for layer in self.layers]
 
@@ -351,7 +401,7 @@ class DFlashDrafter(nn.Module):
         sessions, each in its own ring). Every row-wise operation runs over all S at once.
         """
         cfg = self.config
-        x = noise.to(self.dtype)
+        x = noise.to(self.activation_dtype())
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
         per_layer: list[list[LayerContext]] = [[] for _ in self.layers]
@@ -376,7 +426,8 @@ class DFlashDrafter(nn.Module):
             first = run.stop
         for layer, layer_contexts in zip(self.layers, per_layer, strict=True):
             x = layer(x, row_positions, layer_contexts)
-        return self.norm(x)
+        hidden = self.norm(x)
+        return hidden if torch.is_grad_enabled() else hidden.to(self.dtype)
 
     def forward_block(
         self,

@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import drafter_config
 
+import dflash_kernels
 from dflash_kernels import row_blocks
 from draft_node import daemon as draft_daemon
 from draft_node.checkpoint import load_drafter, random_drafter
@@ -42,8 +43,8 @@ def test_sessions_drafted_together_get_the_bits_of_each_alone(kind, dtype, path,
     """path "torch": torch's matmul and norms in fixed row blocks, as on a GPU or a CPU without
     a compiler (torch's fp32 matmul over the pass's rows at once fails this test here)."""
     if path == "torch":
-        monkeypatch.setattr(row_blocks, "available", lambda: False)
-    elif not row_blocks.available():
+        monkeypatch.setattr(dflash_kernels, "available", lambda: False)
+    elif not dflash_kernels.available():
         pytest.skip("no CPU kernels on this machine (no compiler)")
     drafter = _drafter(kind, dtype)
     assert drafts_alone_in_one_pass(drafter)  # the daemon's load check agrees
@@ -241,7 +242,7 @@ def test_a_targets_local_slots_draft_one_pass_per_step_and_decode_as_alone(dflas
         assert got.tokens == want.tokens and got.stats.histogram == want.stats.histogram
     proposals = sum(seq.proposer.backend.counters["proposals"] for seq in sequences)
     assert sent and len(built) == proposals
-    if row_blocks.available():
+    if dflash_kernels.available():
         assert together.together and together.counters["batched"] > together.counters["passes"]
 
 

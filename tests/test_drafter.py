@@ -158,6 +158,32 @@ def test_cached_drafter_equals_recompute(block_size):
     assert steps > 20
 
 
+def test_a_bf16_drafter_infers_in_fp32_on_the_kernels_and_hands_back_bf16(monkeypatch):
+    """On the CPU kernels a bf16 drafter's activations (and its context ring) are fp32, which only
+    saves conversions: its block hidden states leave in bf16 and are those of torch's bf16 path
+    (norms in torch, activations rounded after every op) up to that path's rounding; training
+    (grad enabled) keeps the weights' dtype."""
+    import dflash_kernels
+
+    if not dflash_kernels.available():
+        pytest.skip("no CPU kernels here: nothing differs")
+    cfg = drafter_config(block_size=8, layer_types=(FULL, SLIDING), sliding_window=6)
+    drafter = random_drafter(cfg, seed=4, std=0.3).to(torch.bfloat16)
+    features, positions, noise, n = inputs(cfg, context=20, seed=6)
+    cache = DraftKVCache(drafter, 64)
+    cache.append(0, features)
+    fast, _ = cache.draft_rows(noise.to(torch.bfloat16), n, cfg.block_size - 1)
+    assert cache.keys.dtype == torch.float32 and fast.dtype == torch.bfloat16
+    monkeypatch.setattr(dflash_kernels, "available", lambda: False)  # torch's path, bf16 throughout
+    slow = drafter(features, positions, noise.to(torch.bfloat16), n)[1:]
+    assert slow.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.float(), slow.float(), rtol=0.1, atol=0.1)  # a few bf16 roundings apart
+    assert (fast.float() - slow.float()).abs().mean() < 0.03 * slow.float().abs().mean()  # here: 1.1%
+    monkeypatch.undo()
+    with torch.enable_grad():
+        assert drafter.activation_dtype() == torch.bfloat16
+
+
 def test_cache_refuses_gaps_and_can_restart_later():
     cfg = drafter_config()
     cache = DraftKVCache(random_drafter(cfg), 16)

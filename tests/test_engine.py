@@ -320,6 +320,37 @@ def test_the_prefetch_level_is_measured_once_and_changes_no_bit(tmp_path, monkey
         torch.ops.dflash.prefetch_level(level)
 
 
+def test_the_kernels_argmax_is_torchs_argmax_ties_infinities_and_nans_included():
+    """The greedy choice of every verify comes from the kernels' argmax: the same index as torch's,
+    the first maximum, for rows of any length (whole vectors, tails, shorter than one), with ties,
+    signed zeros, infinities and NaN (torch takes the first NaN), and strided rows."""
+    import dflash_kernels
+
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randn(n, generator=gen) for n in (1, 5, 16, 17, 33, 12488, 49152)]
+    rows += [torch.randint(-3, 3, (n,), generator=gen).float() for n in (7, 40, 100)]  # many ties
+    special = torch.zeros(9, 40)
+    special[0, [5, 30]] = 1.0  # a tie: the first
+    special[1] = -0.0
+    special[1, 3] = 0.0  # -0.0 == 0.0: the first of either
+    special[2] = float("-inf")
+    special[3, [7, 20]] = torch.tensor([float("nan"), float("inf")])
+    special[4, [35, 36]] = float("nan")
+    special[5, 39] = float("inf")  # in a tail
+    special[6, 17] = float("nan")  # a NaN after the maximum
+    special[6, 2] = 5.0
+    special[7] = torch.finfo(torch.float32).min
+    special[8, 0] = float("inf")
+    rows += list(special)
+    for row in rows:
+        want = row[None].argmax(-1)
+        assert torch.equal(dflash_kernels.argmax(row[None]), want), row
+    batch = torch.randn(8, 3000, generator=gen)
+    assert torch.equal(dflash_kernels.argmax(batch), batch.argmax(-1))
+    assert torch.equal(dflash_kernels.argmax(batch[:, ::2]), batch[:, ::2].argmax(-1))  # strided rows
+    assert torch.equal(dflash_kernels.argmax(batch.double()), batch.double().argmax(-1))  # not fp32: torch's
+
+
 def test_bench_paths_times_each_path_this_machine_has_in_turns(tmp_path, one_thread):
     """`benchmarks.bench_paths` on a saved tiny target: a row per path here, every width timed, and
     the process's own path left as it was chosen."""

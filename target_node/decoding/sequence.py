@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+import dflash_kernels
 from target_node.decoding.governor import Governor
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.output import OnCommit, Output
@@ -240,7 +241,7 @@ def step(
     sampled = any(seq.sampler is not None for seq in sequences)
     logits = target.logits(rows) if sampled and rows is not None and rows.shape[0] else None
     if logits is not None:
-        choices = logits.argmax(-1).tolist()
+        choices = dflash_kernels.argmax(logits).tolist()
     else:
         choices = target.greedy(rows) if rows is not None and rows.shape[0] else []
     forward_s = time.perf_counter() - began

@@ -51,7 +51,9 @@ class DraftTree:
         if budget <= 0 or max_depth <= 0:
             return cls([], [], [], [])
         k = min(branching, budget, logprobs.shape[1])
-        top = logprobs[:max_depth].float().topk(k, dim=-1)
+        # k = 1 (a chain): max, which reads the row once where topk(1) took 150 us a step.
+        top = logprobs[:max_depth].float()
+        top = top.max(-1, keepdim=True) if k == 1 else top.topk(k, dim=-1)
         top_lp, top_ids = top.values.tolist(), (top.indices if columns is None else columns[top.indices]).tolist()
         tree = cls([], [], [], [])
         # Candidates: (-path logprob, parent node, depth, rank among that depth's top-k).

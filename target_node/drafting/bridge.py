@@ -64,7 +64,7 @@ class DrafterBridge:
         first choices (selector.rerank), with its lattice (sampled steps walk it by drawing)."""
         if self.selector is None or gate is None:
             logits, columns = self.head.compact(hidden), self.head.columns
-            best = logits.argmax(-1)
+            best = dflash_kernels.argmax(logits)
             return Proposal((best if columns is None else columns[best]).tolist(), logits, columns=columns)
         logits = self.project(hidden)
         lattice = self.selector.lattice(logits, gate, anchor, self.head.vocab)
