@@ -28,7 +28,7 @@ class DraftKVCache:
         # [layer, kv_head, slot, head_dim]: per layer, one contiguous run attention can read
         # directly; block_size spare slots past the ring hold the block's own keys/values.
         shape = (len(drafter.layers), cfg.num_key_value_heads, capacity + cfg.block_size, cfg.head_dim)
-        self.keys = torch.zeros(shape, dtype=drafter.inference_dtype, device=drafter.device)
+        self.keys = torch.zeros(shape, dtype=drafter.dtype, device=drafter.device)
         self.values = torch.zeros_like(self.keys)
         # positions[slot] is the position a slot holds, -1 when empty or stale.
         self.positions = torch.full((capacity,), -1, dtype=torch.long, device=drafter.device)
@@ -86,9 +86,9 @@ class DraftKVCache:
         if positions.numel() == 0:
             return
         slots = positions % self.capacity
-        for i, (k, v) in enumerate(kv):
-            self.keys[i][:, slots] = k.transpose(0, 1)
-            self.values[i][:, slots] = v.transpose(0, 1)
+        for i, (k, v) in enumerate(kv):  # computed in the activations' dtype, kept in the ring's
+            self.keys[i][:, slots] = k.transpose(0, 1).to(self.keys.dtype)
+            self.values[i][:, slots] = v.transpose(0, 1).to(self.values.dtype)
         self.positions[slots] = positions
         self.length = int(positions[-1]) + 1
 

@@ -235,14 +235,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Grouped-query attention without copying K/V per query head.
 
     q [S, R, heads, d], k/v [S, kv_heads, L, d], mask [S, R, L] additive -> [S, R, heads * d].
-    Each kv head serves its group's rows in one call, so K/V are read where they lie.
+    Each kv head serves its group's rows in one call, so K/V are read where they lie. Queries meet
+    keys in the keys' dtype (a bf16 context ring under fp32 activations); the rows leave in q's.
     """
     s, rows, heads, d = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
     q = q.view(s, rows, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(s, kv_heads, group * rows, d)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, group, 1)[:, None])
-    return out.view(s, kv_heads, group, rows, d).permute(0, 3, 1, 2, 4).reshape(s, rows, heads * d)
+    out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask.to(k.dtype).repeat(1, group, 1)[:, None])
+    return out.view(s, kv_heads, group, rows, d).permute(0, 3, 1, 2, 4).reshape(s, rows, heads * d).to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -339,10 +340,10 @@ class DFlashDrafter(nn.Module):
 
     @property
     def inference_dtype(self) -> torch.dtype:
-        """What inference computes in (and a context ring holds): fp32 on the CPU kernels, whose
-        linear takes and gives fp32 (rounding a bf16 drafter's activations to bf16 itself) and whose
-        norm reads fp32, so bf16 activations there only added a conversion around each operation, a
-        third of a draft step; elsewhere the weights' dtype. Block hidden states leave in the
+        """What inference computes in: fp32 on the CPU kernels, whose linear takes and gives fp32
+        (rounding a bf16 drafter's activations to bf16 itself) and whose norm reads fp32, so bf16
+        activations there only added a conversion around each operation, a third of a draft step;
+        elsewhere the weights' dtype. A context ring and the block hidden states stay in the
         weights' dtype either way."""
         return torch.float32 if on_kernels(self.device) else self.dtype
 
@@ -410,7 +411,7 @@ class DFlashDrafter(nn.Module):
             run = slice(first, first + context.sequences)
             # Additive float masks: SDPA converts a bool mask on every call otherwise.
             masks = {
-                t: torch.zeros((), dtype=x.dtype, device=x.device)
+                t: torch.zeros((), dtype=context.buffers[0][0].dtype, device=x.device)
                 .masked_fill(
                     ~attention_mask(
                         t, cfg.sliding_window, context.positions, row_positions[run], row_anchors[run], cfg.causal(t)

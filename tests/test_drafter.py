@@ -159,8 +159,8 @@ def test_cached_drafter_equals_recompute(block_size):
 
 
 def test_a_bf16_drafter_infers_in_fp32_on_the_kernels_and_hands_back_bf16(monkeypatch):
-    """On the CPU kernels a bf16 drafter's activations (and its context ring) are fp32, which only
-    saves conversions: its block hidden states leave in bf16 and are those of torch's bf16 path
+    """On the CPU kernels a bf16 drafter's activations are fp32, which only saves conversions: its
+    context ring stays bf16 and its block hidden states leave in bf16 and are those of torch's bf16 path
     (norms in torch, activations rounded after every op) up to that path's rounding; training
     (grad enabled) keeps the weights' dtype."""
     import dflash_kernels
@@ -173,7 +173,7 @@ def test_a_bf16_drafter_infers_in_fp32_on_the_kernels_and_hands_back_bf16(monkey
     cache = DraftKVCache(drafter, 64)
     cache.append(0, features)
     fast, _ = cache.draft_rows(noise.to(torch.bfloat16), n, cfg.block_size - 1)
-    assert cache.keys.dtype == torch.float32 and fast.dtype == torch.bfloat16
+    assert cache.keys.dtype == torch.bfloat16 and fast.dtype == torch.bfloat16
     monkeypatch.setattr(dflash_kernels, "available", lambda: False)  # torch's path, bf16 throughout
     slow = drafter(features, positions, noise.to(torch.bfloat16), n)[1:]
     assert slow.dtype == torch.bfloat16
