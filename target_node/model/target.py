@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import dflash_kernels
-from dflash_kernels import bf16_faster, native_bf16
+from dflash_kernels import argmax, bf16_faster, native_bf16
 from target_node.engine.engine import Engine, engine_for
 from target_node.model.default_model import model_folder
 from target_node.model.greedy_head import ScreenedArgmaxHead
@@ -283,7 +282,7 @@ class TargetModel:
         """The target's greedy choice after each row: the argmax of its fp32 logits."""
         if self.greedy_head is not None:
             return self.greedy_head(hidden)
-        return dflash_kernels.argmax(self.logits(hidden)).tolist()
+        return argmax(self.logits(hidden)).tolist()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
