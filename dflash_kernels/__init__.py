@@ -33,6 +33,7 @@ __all__ = [
     "load",
     "native_bf16",
     "pack",
+    "runs_on",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)` of fp32 rows [M, N] on the CPU, the same indices (the first maximum; the first
     NaN where a row has one), in two vectorised passes: torch's CPU argmax reads about a value a
     nanosecond, so a chain verify's 8 x 49K logits cost 1 ms of a 31 ms step. Anything else: torch's."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and available():
+    if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and runs_on(x.device):
         out = torch.empty(x.shape[0], dtype=torch.long)
         torch.ops.dflash.argmax(x if x.stride(1) == 1 else x.contiguous(), out)
         return out
@@ -97,6 +98,11 @@ def available() -> bool:
     except KernelsUnavailable:
         return False
     return True
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels compute for tensors on `device`: the CPU, where they build and load."""
+    return device.type == "cpu" and available()
 
 
 BF16_PATHS = {"avx512": 0, "amx": 1}  # cpu.cpp's linear_path: VDPBF16PS (or its fallback), AMX tiles
@@ -205,11 +211,9 @@ def bf16_faster(hidden: int = 1024, outputs: int = 4096) -> bool:
     """Whether a one-row engine matmul runs faster in bf16 than in fp32 on this machine (False where
     the kernels cannot be built); measured once per machine (`measured_once`): two daemons in
     different dtypes give different outputs."""
-    try:
-        folder = load()
-    except KernelsUnavailable:
+    if not available():
         return False
-    seconds = measured_once(folder, f"bf16_faster-{hidden}x{outputs}", lambda: _one_row_seconds(hidden, outputs))
+    seconds = measured_once(load(), f"bf16_faster-{hidden}x{outputs}", lambda: _one_row_seconds(hidden, outputs))
     return seconds["bfloat16"] < seconds["float32"]
 
 

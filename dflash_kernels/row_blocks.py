@@ -32,7 +32,7 @@ class Linear(nn.Linear):
     _packed_from: tuple[int, int] = (-1, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.device.type != "cpu" or not dflash_kernels.available():
+        if torch.is_grad_enabled() or not dflash_kernels.runs_on(x.device):
             return in_row_blocks(lambda rows: F.linear(rows, self.weight, self.bias), x)
         weight = self.weight
         if self._packed_from != (weight.data_ptr(), weight._version):
@@ -48,7 +48,7 @@ def row_independence(device: torch.device) -> AbstractContextManager:
     linear is row-independent by construction, and the rest is element-wise, row-wise or per
     sequence. Elsewhere torch picks a matmul's or a norm's kernel by the row count, so they run on
     blocks of exactly BLOCK rows, the last padded: one shape, whatever the pass holds."""
-    if device.type == "cpu" and dflash_kernels.available():
+    if dflash_kernels.runs_on(device):
         return nullcontext()
     return _fixed_row_blocks()
 

@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and not torch.is_grad_enabled() and on_kernels(x.device):
+        if x.dtype == torch.float32 and not torch.is_grad_enabled() and dflash_kernels.runs_on(x.device):
             return self._on_kernels(x)
         return in_row_blocks(self._normalize, x)
 
@@ -226,11 +226,6 @@ class Context:
 LayerContext = tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]  # one layer's keys, values, C, mask
 
 
-def on_kernels(device: torch.device) -> bool:
-    """Whether inference here runs on the CPU kernels."""
-    return device.type == "cpu" and dflash_kernels.available()
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention without copying K/V per query head.
 
@@ -345,7 +340,7 @@ class DFlashDrafter(nn.Module):
         activations there only added a conversion around each operation, a third of a draft step;
         elsewhere the weights' dtype. A context ring and the block hidden states stay in the
         weights' dtype either way."""
-        return torch.float32 if on_kernels(self.device) else self.dtype
+        return torch.float32 if dflash_kernels.runs_on(self.device) else self.dtype
 
     def activation_dtype(self) -> torch.dtype:
         return self.dtype if torch.is_grad_enabled() else self.inference_dtype
