@@ -34,12 +34,16 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or not dflash_kernels.runs_on(x.device):
             return in_row_blocks(lambda rows: F.linear(rows, self.weight, self.bias), x)
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        bias = None if self.bias is None else self.bias.detach().float()
+        return dflash_kernels.linear(rows, self.packed(), bias).view(*x.shape[:-1], -1).to(x.dtype)
+
+    def packed(self) -> dflash_kernels.Packed:
+        """The weight in the kernels' layout, packed again after a load or an optimizer changed it."""
         weight = self.weight
         if self._packed_from != (weight.data_ptr(), weight._version):
             self._packed, self._packed_from = dflash_kernels.pack(weight.detach()), (weight.data_ptr(), weight._version)
-        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-        bias = None if self.bias is None else self.bias.detach().float()
-        return dflash_kernels.linear(rows, self._packed, bias).view(*x.shape[:-1], -1).to(x.dtype)
+        return self._packed
 
 
 def row_independence(device: torch.device) -> AbstractContextManager:

@@ -23,6 +23,7 @@ from torch import nn
 
 import dflash_kernels
 from dflash_kernels.row_blocks import Linear, in_row_blocks
+from draft_node import kernel_path
 from draft_node.config import SLIDING, DFlashConfig, drafter_info
 
 
@@ -42,13 +43,17 @@ class RMSNorm(nn.Module):
 
     def _on_kernels(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 rows through the kernels' norm: one op where torch's takes eight."""
-        weight, version = self.weight, (self.weight.data_ptr(), self.weight._version)
-        if self._weight32_from != version:  # a load or an optimizer changed it
-            self._weight32, self._weight32_from = weight.detach().float().contiguous(), version
         x = x.contiguous()
         out = torch.empty_like(x)
-        torch.ops.dflash.rmsnorm(x, self._weight32, self.eps, False, out)
+        torch.ops.dflash.rmsnorm(x, self.weight32(), self.eps, False, out)
         return out
+
+    def weight32(self) -> torch.Tensor:
+        """The weight in fp32, as the kernels read it, copied again after a load or an optimizer changed it."""
+        weight, version = self.weight, (self.weight.data_ptr(), self.weight._version)
+        if self._weight32_from != version:
+            self._weight32, self._weight32_from = weight.detach().float().contiguous(), version
+        return self._weight32
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32 like the Qwen3 reference, so bf16 drafters match trained numerics.
@@ -379,6 +384,8 @@ class DFlashDrafter(nn.Module):
         that is how the public checkpoints were trained. `scale` (training only) multiplies
         the features before fc; exporting folds it into fc.weight.
         """
+        if scale is None and kernel_path.serves(self):
+            return kernel_path.context_kv(self, features, positions)
         features = features.to(self.activation_dtype())
         ctx = self.hidden_norm(self.fc(features if scale is None else features * scale))
         return [layer.self_attn.keys_values(ctx, positions) for layer in self.layers]
@@ -396,6 +403,10 @@ class DFlashDrafter(nn.Module):
         that share a context layout each (training's batch), or one per sequence (a draft daemon's
         sessions, each in its own ring). Every row-wise operation runs over all S at once.
         """
+        if kernel_path.serves(self):
+            hidden = kernel_path.run_blocks(self, noise, row_positions, row_anchors, contexts)
+            if hidden is not None:
+                return hidden.to(self.dtype)
         cfg = self.config
         x = noise.to(self.activation_dtype())
         if cfg.input_embedding_scale != 1.0:

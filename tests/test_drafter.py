@@ -184,6 +184,55 @@ def test_a_bf16_drafter_infers_in_fp32_on_the_kernels_and_hands_back_bf16(monkey
         assert drafter.activation_dtype() == torch.bfloat16
 
 
+def test_on_the_kernels_a_draft_is_torchs_through_wraps_rollbacks_and_passes_of_many(monkeypatch):
+    """Full-attention drafters infer on the CPU kernels (draft_node/kernel_path.py): a draft equals
+    torch's path up to fp32 rounding through a ring that wraps and rolls back (its holes listed as
+    keys), and sessions drafted in one pass get the bits each gets alone."""
+    import dflash_kernels
+    from draft_node import kernel_path
+    from draft_node.kv_cache import DraftStep, drafts_alone_in_one_pass, propose
+
+    if not dflash_kernels.available():
+        pytest.skip("no CPU kernels here: torch's path is the only one")
+    cfg = drafter_config(block_size=8)
+    drafter = random_drafter(cfg, seed=3, std=0.3)
+    with torch.inference_mode():
+        assert kernel_path.serves(drafter)
+    assert not kernel_path.serves(drafter)  # training (grad on): torch's path
+    passes = []
+    monkeypatch.setattr(kernel_path, "run_blocks", lambda *a, f=kernel_path.run_blocks: passes.append(1) or f(*a))
+    g = torch.Generator().manual_seed(8)
+    rows = torch.randn(120, cfg.feature_width, generator=g)
+    fast, slow = DraftKVCache(drafter, 32), DraftKVCache(drafter, 32)
+    n, synced, worst, holes = 6, 0, 0.0, 0
+    for step in range(30):
+        noise = torch.randn(cfg.block_size, cfg.hidden_size, generator=g)
+        fast.append(synced, rows[synced:n])
+        holes += bool((fast.positions[: min(fast.length, fast.capacity)] < 0).any())
+        got, _ = fast.draft_rows(noise, n, cfg.block_size - 1)
+        with monkeypatch.context() as torch_only:
+            torch_only.setattr(kernel_path, "serves", lambda drafter: False)
+            slow.append(synced, rows[synced:n])
+            want, _ = slow.draft_rows(noise, n, cfg.block_size - 1)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        worst = max(worst, float((got - want).abs().max()))
+        synced = n
+        if step % 5 == 4:  # the target rolled back: after the wrap, slots in the ring are left empty
+            n, synced = n - 3, n - 5
+        n += 1 + step % 4
+    assert len(passes) == 30 and fast.length > fast.capacity and worst > 0  # the kernels' path, its own bits
+    assert holes > 0  # drafts whose visible keys were listed, not a range
+    assert drafts_alone_in_one_pass(drafter)
+    steps = [
+        DraftStep(DraftKVCache(drafter, 32), 0, rows[:k], torch.randn(8, cfg.hidden_size, generator=g), 7)
+        for k in (3, 40)
+    ]
+    together = propose(steps)
+    for step, (hidden, _) in zip(steps, together, strict=True):
+        step.cache.reset(0)
+        assert torch.equal(propose([step])[0][0], hidden)
+
+
 def test_cache_refuses_gaps_and_can_restart_later():
     cfg = drafter_config()
     cache = DraftKVCache(random_drafter(cfg), 16)

@@ -14,6 +14,7 @@ import torch
 from helpers import greedy, tiny_target
 
 import training.features as features_module
+from draft_node import kernel_path
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_draft_vocab, save_drafter
 from draft_node.config import FULL, SLIDING
 from target_node.decoding.options import DecodeOptions
@@ -761,7 +762,7 @@ def test_the_offline_estimate_scores_every_drafter_on_the_same_blocks(setup, tmp
     assert estimate(target, trained, store.answers, features, anchors=8)["tau"] == 1.0
 
 
-def test_a_selector_trained_on_a_backbone_chains_its_drafts_better(setup, tmp_path):
+def test_a_selector_trained_on_a_backbone_chains_its_drafts_better(setup, tmp_path, monkeypatch):
     """DFlash2 from a trained DFlash drafter: identity convolutions draft exactly as the backbone,
     and the selector, trained on the backbone's rows alone, raises the walk's chain tau over the
     first choices' on the blocks it learned from; the export loads and stays lossless."""
@@ -776,7 +777,11 @@ def test_a_selector_trained_on_a_backbone_chains_its_drafts_better(setup, tmp_pa
     features_in = torch.randn(9, cfg.feature_width)
     noise = torch.randn(cfg.block_size, cfg.hidden_size)
     same = drafter(features_in, torch.arange(9), noise, 9)
-    assert torch.equal(same, backbone(features_in, torch.arange(9), noise, 9))
+    fast = backbone(features_in, torch.arange(9), noise, 9)  # on the CPU kernels, where DFlash2 has torch's path
+    with monkeypatch.context() as torch_only:
+        torch_only.setattr(kernel_path, "serves", lambda drafter: False)
+        assert torch.equal(same, backbone(features_in, torch.arange(9), noise, 9))  # the same operations: the same bits
+    torch.testing.assert_close(same, fast, rtol=1e-4, atol=1e-4)
 
     trainer = Trainer(target, drafter.config, store.answers, features, opts(draft_vocab=0))
     trainer.init_from(drafter)
