@@ -9,9 +9,11 @@ so drift in machine load spreads over all of them. Modes:
 
 - `chain`: draft every step, verify the drafter's top choice at every position (the block);
 - `tree:N`: draft every step, verify a tree of N nodes built from the drafter's distributions;
+  `tree:N+lookup`: with the continuation looked up in the context (prompt lookup) as one more branch;
 - `adaptive`: the default configuration: the governor decides whether to draft and how many
-  tree nodes (up to --tree-nodes) to verify, from verify costs measured here at start;
-- `adaptive-chain`: the same, verifying chains only.
+  tree nodes (up to --tree-nodes) to verify, from verify costs measured here at start, and every
+  step may verify the looked-up branch; `adaptive-drafter`: the same without the lookup;
+- `adaptive-chain`: the governor over chains only.
 
 With `--baseline` (or `--baseline-address`) a second drafter runs every mode too, in the same
 turns (rows `MODE@baseline`): two drafters compared under the same load, against one reference.
@@ -67,7 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: as the daemons resolve it")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--modes", default="chain", help="comma-separated: chain, tree:N, adaptive, adaptive-chain")
+    ap.add_argument(
+        "--modes",
+        default="chain",
+        help="comma-separated: chain, tree:N (the drafter alone), tree:N+lookup (with the looked-up branch), "
+        "adaptive (the daemon's default: governed trees with the looked-up branch), adaptive-drafter (the same "
+        "without it), adaptive-chain",
+    )
     ap.add_argument("--tree-nodes", type=int, default=16, help="the widest tree the adaptive mode may verify")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, checked token for token")
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -99,17 +107,24 @@ def backend_for(args: argparse.Namespace, target, folder: str | None, address: s
 
 
 def mode_options(mode: str, tree_nodes: int, costs) -> tuple[dict, object]:  # costs: a measured VerifyCosts, shared
-    """A mode name's DecodeOptions fields, and its governor (None where it drafts every step)."""
+    """A mode name's DecodeOptions fields, and its governor (None where it drafts every step).
+    `adaptive` is the daemon's default (trees, the looked-up branch); `adaptive-drafter` the same
+    without the lookup; chain and tree:N measure the drafter alone, tree:N+lookup with the lookup."""
     from target_node.decoding.governor import Governor
 
-    if mode == "chain":
-        return {"adaptive": False, "tree_nodes": 0}, None
-    if mode.startswith("tree:"):
-        return {"adaptive": False, "tree_nodes": int(mode.split(":", 1)[1])}, None
-    if mode in ("adaptive", "adaptive-chain"):
+    lookup = mode.endswith("+lookup")
+    base = mode.removesuffix("+lookup")
+    if base == "chain" and not lookup:
+        return {"adaptive": False, "tree_nodes": 0, "lookup": False}, None
+    if base.startswith("tree:"):
+        return {"adaptive": False, "tree_nodes": int(base.split(":", 1)[1]), "lookup": lookup}, None
+    if base in ("adaptive", "adaptive-drafter", "adaptive-chain") and not lookup:
         governor = Governor(max_nodes=tree_nodes, costs=costs)
-        return {"adaptive": True, "tree_nodes": tree_nodes if mode == "adaptive" else 0}, governor
-    raise SystemExit(f"unknown mode {mode!r}: use chain, tree:N, adaptive or adaptive-chain")
+        nodes = 0 if base == "adaptive-chain" else tree_nodes
+        return {"adaptive": True, "tree_nodes": nodes, "lookup": base == "adaptive"}, governor
+    raise SystemExit(
+        f"unknown mode {mode!r}: use chain, tree:N, tree:N+lookup, adaptive, adaptive-drafter or adaptive-chain"
+    )
 
 
 @dataclass
@@ -194,6 +209,8 @@ def mode_table(runs: Runs) -> dict:
             # Who drafted each drafting step ("predraft": a pre-draft's hit), and what those steps accepted.
             "drafted_steps": dict(s.sources),
             "accepted_per_step": {k: round(s.accepted_by_source[k] / n, 3) for k, n in s.sources.items() if n},
+            # Accepted drafts by who proposed them ("lookup": nodes only the looked-up continuation held).
+            "accepted_by_source": dict(s.accepted_by_source),
             "propose_ms_per_step": round(1000 * s.propose_s / s.steps, 2) if s.steps else 0.0,
             # What drafting took the target on a drafting step, by who drafted (a hit: no draft to wait for).
             "propose_ms_by_source": {

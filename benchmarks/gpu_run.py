@@ -148,7 +148,7 @@ def exactness(model: Path, drafter: Path, device: str, prompts: int, max_new: in
             proposer = DFlashProposer(LocalDraftBackend(load_drafter(drafter, device, torch.bfloat16)))
             modes = {
                 "chain": dict(adaptive=False),
-                "tree:8": dict(adaptive=False, tree_nodes=8),
+                "tree:8": dict(adaptive=False, tree_nodes=8, lookup=False),
                 "default": dict(tree_nodes=16),
             }
             row = {"differs": dict.fromkeys(modes, 0), "tok_s": dict.fromkeys(["plain", *modes], 0.0)}
@@ -270,7 +270,10 @@ def batching(model: Path, drafter: Path, device: str, prompts: int, max_new: int
     options = dict(stop_on_eos=False, tree_nodes=8)
     alone = {
         (kind, i): generate(
-            target, asks[i % len(asks)], make(), DecodeOptions(max_new, sampling=sampling[i], **options)
+            target,
+            asks[i % len(asks)],
+            make(),
+            DecodeOptions(max_new, sampling=sampling[i], lookup=kind != "plain", **options),
         ).tokens
         for kind, make in kinds.items()
         for i in range(widest)
@@ -284,7 +287,7 @@ def batching(model: Path, drafter: Path, device: str, prompts: int, max_new: int
                     target,
                     asks[i % len(asks)],
                     make(),
-                    DecodeOptions(max_new, sampling=sampling[i], **options),
+                    DecodeOptions(max_new, sampling=sampling[i], lookup=kind != "plain", **options),
                     slot=i,
                     governor=governor,
                 )

@@ -96,7 +96,9 @@ class Governor:
     max_nodes: int = 16  # the widest tree it considers verifying (verify width - 1)
     costs: VerifyCosts = field(default_factory=VerifyCosts)
     spec: deque = field(default_factory=deque)  # (tokens, seconds) of recent speculative steps
-    plain: deque = field(default_factory=deque)  # seconds of recent plain steps
+    # (tokens, seconds) of recent steps the drafter sat out: one token each, or more where a
+    # looked-up continuation was verified (what drafting must beat is then plain steps with lookup)
+    plain: deque = field(default_factory=deque)
     drafting: bool = True
     plain_streak: int = 0
     backoff: int = 0
@@ -112,6 +114,9 @@ class Governor:
     # depth k-1 accepted, and of those, how many accepted depth k. Starts at an even 1 in 2.
     depth_tries: list[float] = field(default_factory=lambda: [2.0] * 32)
     depth_hits: list[float] = field(default_factory=lambda: [1.0] * 32)
+    # The same for looked-up continuations (prompt lookup): how deep they were right lately.
+    lookup_tries: list[float] = field(default_factory=lambda: [2.0] * 32)
+    lookup_hits: list[float] = field(default_factory=lambda: [1.0] * 32)
     decay: float = 0.97
 
     # --- whether to draft ---------------------------------------------------
@@ -152,7 +157,7 @@ class Governor:
                 self.spec.popleft()
             self.plain_streak = 0
         else:
-            self.plain.append(seconds)
+            self.plain.append((tokens, seconds))
             while len(self.plain) > self.window:
                 self.plain.popleft()
             self.plain_streak += 1
@@ -218,11 +223,35 @@ class Governor:
             out.append(out[-1] + reach)
         return out
 
-    def nodes(self, tree: DraftTree, probabilities: bool) -> int:
-        """How many of the tree's first nodes to verify: the most expected tokens per second."""
+    def nodes(self, tree: DraftTree, probabilities: bool, drafted: bool = True) -> int:
+        """How many of the tree's first nodes to verify: the most expected tokens per second
+        (`drafted`: the step paid for a draft; a looked-up continuation alone costs none)."""
         gains = self.expected_accepted(tree, probabilities)[: self.max_nodes + 1]
-        rates = [(1 + g) / (self.draft_s + self.costs(n + 1)) for n, g in enumerate(gains)]
+        draft_s = self.draft_s if drafted else 0.0
+        rates = [(1 + g) / (draft_s + self.costs(n + 1)) for n, g in enumerate(gains)]
         return max(range(len(rates)), key=rates.__getitem__)
+
+    def lookup_reach(self, depth: int) -> list[float]:
+        """How often a looked-up continuation was right to depths 1..`depth`, lately: the path
+        probabilities its nodes enter a tree with (DraftTree.graft)."""
+        out, reach = [], 1.0
+        for k in range(1, depth + 1):
+            k = min(k, len(self.lookup_tries) - 1)
+            reach *= self.lookup_hits[k] / self.lookup_tries[k]
+            out.append(reach)
+        return out
+
+    def learn_lookup(self, lookup: list[int], committed: list[int]) -> None:
+        """A step's looked-up continuation against what the target committed after last_tok:
+        depth k counts where depth k - 1 was right and the target's token there is known, whether
+        or not the step verified the continuation's node."""
+        for k in range(1, min(len(lookup), len(committed)) + 1):
+            d = min(k, len(self.lookup_tries) - 1)
+            right = lookup[k - 1] == committed[k - 1]
+            self.lookup_tries[d] = self.decay * self.lookup_tries[d] + 1
+            self.lookup_hits[d] = self.decay * self.lookup_hits[d] + right
+            if not right:
+                break
 
     # --- reporting -----------------------------------------------------------
 
@@ -235,8 +264,8 @@ class Governor:
         return tokens / seconds if seconds > 0 else 0.0
 
     def plain_rate(self) -> float:
-        seconds = sum(self.plain)
-        return len(self.plain) / seconds if seconds > 0 else 0.0
+        seconds = sum(s for _, s in self.plain)
+        return sum(t for t, _ in self.plain) / seconds if seconds > 0 else 0.0
 
     def to_dict(self) -> dict:
         return {

@@ -13,8 +13,9 @@ class DecodeOptions:
     """`sampling` None or temperature 0 is exact greedy decoding. `adaptive` lets a Governor switch
     to plain steps while drafting does not pay and choose how many drafts to verify; not for seeded
     sampling, which must reproduce exactly. `tree_nodes` > 0 verifies greedy drafts as a tree of up
-    to that many nodes; `prefill_chunk` > 0 runs the prompt that many tokens per forward. `hint_tokens`
-    are a known continuation (verified like drafts, never trusted)."""
+    to that many nodes; `lookup` adds to those trees the continuation of the context's tail found
+    earlier in the context (prompt lookup), every step; `prefill_chunk` > 0 runs the prompt that many
+    tokens per forward. `hint_tokens` are a known continuation (verified like drafts, never trusted)."""
 
     max_new_tokens: int
     stop_strings: tuple[str, ...] = ()
@@ -23,6 +24,7 @@ class DecodeOptions:
     sampling: SamplingParams | None = None
     adaptive: bool = True
     tree_nodes: int = 0
+    lookup: bool = True
     prefill_chunk: int = 0
 
     def __post_init__(self) -> None:

@@ -23,7 +23,7 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.output import OnCommit, Output
 from target_node.decoding.pace import PrefillPace
 from target_node.decoding.sampling import Sampler
-from target_node.decoding.speculative import ForwardOut, Plan, Step, finish_step, plan_step
+from target_node.decoding.speculative import ForwardOut, Plan, Room, Step, finish_step, plan_step
 from target_node.decoding.stats import Stats
 from target_node.drafting.proposal import EMPTY
 from target_node.drafting.proposers import Proposer
@@ -80,7 +80,8 @@ class Sequence:
         self.stats = Stats(prompt_tokens=len(self.prompt), requests=1)
         self.prefilled = 0  # prompt positions run so far
         self.plan: Plan | None = None
-        self.limit, self.hints = 0, []  # the next step's draft depth and known continuation (prepare)
+        self.lookup = options.lookup
+        self.room = Room()  # what the next step may verify (prepare)
         self.cancelled = False
         self.began = time.perf_counter()
         target.reset(slot, expect=len(self.prompt) + 1)
@@ -126,17 +127,19 @@ class Sequence:
         """Decide the next step before any sequence of the batch plans its own: whether to draft
         (the governor, at `batch` sequences) and how deep, and start the drafts, so a remote
         drafter works on this request's while the others' requests are on their way."""
-        self.limit, self.hints = 0, []
+        self.room = Room()
         if self.prefilling:
             return
         budget = self.output.budget - 1  # the target's own next token always comes on top
-        self.hints = self.output.hinted(budget)
-        # Known continuations cost no drafting: they are verified whatever the governor thinks of the drafter.
+        hints = self.output.hinted(budget)
+        # Known continuations cost no drafting: they are verified whatever the governor thinks of the drafter;
+        # neither does a lookup, so every step may verify one.
         governor = self.governor
-        drafting = governor is None or bool(self.hints) or (governor.pays_at(batch) and governor.should_draft())
-        self.limit = budget if drafting else 0
-        if self.limit > 0:
-            self.proposer.prefetch(self.prompt + self.output.tokens, self.limit)
+        drafting = governor is None or bool(hints) or (governor.pays_at(batch) and governor.should_draft())
+        limit = budget if drafting else 0
+        self.room = Room(limit, tuple(hints), self.tree_nodes, budget if self.lookup else 0)
+        if limit > 0:
+            self.proposer.prefetch(self.prompt + self.output.tokens, limit)
 
     def part(self) -> Part:
         """This sequence's rows for the next forward (after `prepare`)."""
@@ -148,10 +151,8 @@ class Sequence:
             self.target,
             self.proposer,
             self.prompt + self.output.tokens,
-            self.limit,
+            self.room,
             self.sampler,
-            self.hints,
-            self.tree_nodes,
             self.governor,
         )
         return Part(self.plan.tokens, self.plan.parents, len(self.plan.tokens))
@@ -171,6 +172,8 @@ class Sequence:
         step = finish_step(self.target, self.proposer, self.plan, out, self.sampler, self.slot)
         self._count(step)
         if self.governor is not None:
+            if self.plan.lookup:
+                self.governor.learn_lookup(self.plan.lookup, step.committed)
             self.governor.record(
                 step.drafted,
                 len(step.committed),
@@ -193,7 +196,9 @@ class Sequence:
         if step.drafts:
             stats.histogram[step.accepted] += 1
             stats.sources[step.source] += 1
-            stats.accepted_by_source[step.source] += step.accepted
+            stats.accepted_by_source[step.source] += step.accepted - step.looked_up
+            if step.looked_up:
+                stats.accepted_by_source["lookup"] += step.looked_up
             stats.propose_s_by_source[step.source] += step.propose_s
 
     def result(self) -> Result:

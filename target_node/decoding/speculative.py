@@ -17,7 +17,7 @@ many sequences' rows at once (sequence.py drives both, for one request or a batc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,8 +25,11 @@ from target_node.decoding.governor import Governor
 from target_node.decoding.sampling import Sampler
 from target_node.decoding.tree import DraftTree
 from target_node.drafting.proposal import EMPTY, Proposal
-from target_node.drafting.proposers import Proposer
+from target_node.drafting.proposers import Proposer, prompt_lookup
 from target_node.model.target import TargetModel
+
+MAX_LOOKUP = 8  # the deepest looked-up continuation verified (as NGramProposer's drafts)
+PRIOR = Governor()  # what a step without a governor assumes of looked-up continuations (never updated)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Step:
     verify_s: float
     chain: bool = True  # one guess per position (else a tree)
     predicted: float | None = None  # accepted drafts the drafter's probabilities predicted
+    looked_up: int = 0  # accepted drafts only the looked-up continuation proposed
 
     @property
     def accepted(self) -> int:
@@ -56,13 +60,21 @@ def accept_length(drafts: list[int], target_argmax: list[int]) -> int:
 
 
 def draft_tree(
-    proposal: Proposal, limit: int, hints: list[int], tree_nodes: int, governor: Governor | None
+    proposal: Proposal,
+    limit: int,
+    hints: list[int],
+    tree_nodes: int,
+    governor: Governor | None,
+    lookup: list[int] | None = None,
 ) -> tuple[DraftTree, bool]:
-    """The drafts to verify for a greedy step, and whether their probabilities are the drafter's.
+    """The drafts to verify for a greedy step, and whether their path probabilities are known
+    (the drafter's, and estimates for looked-up nodes).
 
     Hinted tokens (known continuations) stand in for guesses where given, as a chain. A
     proposal with a distribution per position becomes a tree of up to `tree_nodes` nodes
-    (a chain when 0); the governor, if any, keeps the first nodes that pay.
+    (a chain when 0); a `lookup` continuation (prompt lookup, where trees are verified) joins it
+    as one more branch, or is the tree where nothing was drafted; the governor, if any, keeps the
+    first nodes that pay.
     """
     if hints:
         guesses = proposal.tokens
@@ -75,8 +87,10 @@ def draft_tree(
         probabilities = True
     else:
         tree, probabilities = DraftTree.chain(proposal.tokens[:limit]), False
+    if lookup and (probabilities or not len(tree)):
+        tree, probabilities = tree.graft(lookup, (governor or PRIOR).lookup_reach(len(lookup))), True
     if governor is not None:
-        tree = tree.prefix(governor.nodes(tree, probabilities))
+        tree = tree.prefix(governor.nodes(tree, probabilities, drafted=bool(proposal.tokens)))
     return tree, probabilities
 
 
@@ -93,31 +107,46 @@ class Plan:
     hinted: int  # drafts forced by hints (sampled: their q is one-hot)
     predicted: float | None  # accepted drafts the drafter's probabilities predict
     propose_s: float
+    lookup: list[int] = field(default_factory=list)  # the continuation looked up for this step ([]: none)
+
+
+@dataclass(frozen=True)
+class Room:
+    """What a step may verify, decided before it drafts (Sequence.prepare): drafts up to `limit`
+    deep (0: the drafter sits this step out), a known continuation `hints`, trees of up to
+    `tree_nodes` nodes, and a looked-up continuation up to `lookup` deep (0: none)."""
+
+    limit: int = 0
+    hints: tuple[int, ...] = ()
+    tree_nodes: int = 0
+    lookup: int = 0
 
 
 def plan_step(
     target: TargetModel,
     proposer: Proposer,
     tokens: list[int],
-    limit: int,
+    room: Room,
     sampler: Sampler | None = None,
-    hints: list[int] | None = None,
-    tree_nodes: int = 0,
     governor: Governor | None = None,
 ) -> Plan:
     """Draft from committed `tokens` (the target holds all but the last, last_tok, in its cache).
 
-    Drafts at most `limit` deep are verified: greedy steps as a tree of up to `tree_nodes`
+    Drafts at most `room.limit` deep are verified: greedy steps as a tree of up to `room.tree_nodes`
     nodes when the proposer gives distributions and the target's cache can keep any rows
-    (else a chain), sampled steps as a chain.
+    (else a chain), sampled steps as a chain. Where greedy steps verify trees, the continuation
+    of the context's tail looked up in the context (`prompt_lookup`, up to `room.lookup` deep,
+    whether or not the drafter drafts this step) is one more branch.
     """
+    limit, hints = room.limit, list(room.hints)
     began = time.perf_counter()
     proposal = proposer.propose(tokens, limit) if limit > 0 else EMPTY
-    hints = hints or []
-    q = None
+    q, lookup = None, []
     if sampler is None:
-        trees = tree_nodes if target.policy.tree else 0
-        tree, probabilities = draft_tree(proposal, limit, hints, trees, governor)
+        trees = room.tree_nodes if target.policy.tree else 0
+        if trees and not hints:
+            lookup = prompt_lookup(tokens, min(room.lookup, MAX_LOOKUP))
+        tree, probabilities = draft_tree(proposal, limit, hints, trees, governor, lookup)
         predicted = tree.expected()[-1] if probabilities else None
     else:
         drafts, q = sampler.draft(proposal.tokens, proposal.full_logits(target.vocab_size), proposal.walk)
@@ -139,6 +168,7 @@ def plan_step(
         len(hints),
         predicted,
         time.perf_counter() - began,
+        lookup,
     )
 
 
@@ -178,9 +208,10 @@ def finish_step(
         committed,
         len(tree),
         bool(plan.proposal.tokens),
-        plan.proposal.source or "hint",
+        plan.proposal.source or ("lookup" if plan.lookup else "hint"),
         plan.propose_s,
         out.forward_s + time.perf_counter() - began,
         tree.is_chain,
         plan.predicted,
+        sum(node in tree.looked_up for node in path),
     )

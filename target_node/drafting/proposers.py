@@ -85,6 +85,34 @@ class NoProposer:
         pass
 
 
+def prompt_lookup(tokens: list[int], limit: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Up to `limit` tokens that followed the latest earlier occurrence of the longest tail of
+    `tokens` (max_ngram tokens down to min_ngram) that occurred before; [] where none did.
+
+    One backward pass: each earlier position holding the last token is the end of a match as long
+    as the tokens before it agree with the tail's; the latest match of the longest length wins
+    (recent text predicts the next tokens best)."""
+    end = len(tokens) - 1
+    if limit <= 0 or end < 1:
+        return []
+    last, longest = tokens[-1], min(max_ngram, end)
+    found = dict.fromkeys(range(min_ngram, longest + 1), -1)  # match length -> its latest end
+    for i in range(end - 1, -1, -1):
+        if tokens[i] != last:
+            continue
+        n = 1
+        while n < longest and i - n >= 0 and tokens[i - n] == tokens[end - n]:
+            n += 1
+        if n >= min_ngram and found[n] < 0:
+            found[n] = i
+            if n == longest:
+                break
+    for n in range(longest, min_ngram - 1, -1):
+        if found[n] >= 0:
+            return tokens[found[n] + 1 : found[n] + 1 + limit]
+    return []
+
+
 class NGramProposer(NoProposer):
     """Prompt lookup: continue the most recent earlier occurrence of the last n tokens."""
 
@@ -94,18 +122,8 @@ class NGramProposer(NoProposer):
         self.max_ngram, self.min_ngram, self.max_draft = max_ngram, min_ngram, max_draft
 
     def propose(self, tokens: list[int], max_tokens: int) -> Proposal:
-        limit = min(self.max_draft, max_tokens)
-        if limit <= 0:
-            return EMPTY
-        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            suffix = tokens[-n:]
-            # Latest match first: recent text predicts the next tokens best.
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start : start + n] == suffix:
-                    follow = tokens[start + n : start + n + limit]
-                    if follow:
-                        return Proposal(follow, source=self.name)
-        return EMPTY
+        follow = prompt_lookup(tokens, min(self.max_draft, max_tokens), self.max_ngram, self.min_ngram)
+        return Proposal(follow, source=self.name) if follow else EMPTY
 
 
 class DraftBackend(Protocol):

@@ -35,7 +35,7 @@ from target_node.decoding.governor import Governor
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.pace import PrefillPace
 from target_node.decoding.sequence import Result, Sequence, step
-from target_node.drafting.proposers import Proposer
+from target_node.drafting.proposers import NoProposer, Proposer
 from target_node.model.target import ContextLengthError, TargetModel
 from target_node.serving.metrics import RequestClock, ServedMetrics, drafter_state
 from target_node.serving.prefix_cache import PrefixCache
@@ -381,6 +381,7 @@ class TargetService:
             sampling=sampling,
             adaptive=self.adaptive,
             tree_nodes=self.settings.tree_nodes,
+            lookup=not self.settings.no_lookup and self.proposer.name != NoProposer.name,
             prefill_chunk=self.settings.prefill_chunk,
         )
 

@@ -32,6 +32,12 @@ class ServiceSettings:
         "how many pay, from verify costs it measures at start",
         limit=False,
     )
+    no_lookup: bool = setting(
+        False,
+        "do not add to each greedy tree the continuation of the context's tail found earlier in the context (prompt "
+        "lookup: free to find, verified like drafts; off with --proposer none, which decodes plainly)",
+        limit=False,
+    )
     always_draft: bool = setting(
         False, "draft every step, even while measured speculation is slower than plain decoding", limit=False
     )
