@@ -307,3 +307,19 @@ def test_the_daemon_keeps_its_drafter_sessions_alive_busy_or_idle(tmp_path):
         serving.join(10)
     assert all(n >= 3 for n in idle), idle
     assert all(p.backend.calls >= idle[i] + 40 for i, p in enumerate(slots)), [p.backend.calls for p in slots]
+
+
+def test_the_looked_up_branch_follows_the_proposer_and_the_flag():
+    """Every greedy tree verifies the looked-up continuation, except where the daemon decodes plainly
+    (`--proposer none`) or `--no-lookup` says so."""
+    from protocol.sampling import SamplingParams
+    from target_node.drafting.proposers import NGramProposer, NoProposer
+    from target_node.serving.daemon import TargetService
+    from target_node.serving.settings import ServiceSettings
+
+    target = TargetModel(tiny_target("llama", seed=5).model, slots=1)
+    msg = {"max_new_tokens": 8, "stop": [], "hints": [], "sampling": SamplingParams().to_dict()}
+    cases = [(NoProposer(), ServiceSettings(), False), (NGramProposer(), ServiceSettings(), True)]
+    cases.append((NGramProposer(), ServiceSettings(no_lookup=True), False))
+    for proposer, settings, lookup in cases:
+        assert TargetService(target, [proposer], settings).decode_options(msg).lookup is lookup
