@@ -234,7 +234,7 @@ LayerContext = tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]  # one layer
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention without copying K/V per query head.
 
-    q [S, R, heads, d], k/v [S, kv_heads, L, d], mask [S, R, L] additive -> [S, R, heads * d].
+    q [S, R, heads, d], k/v [S, kv_heads, L, d], mask [S, R, L] additive in k's dtype -> [S, R, heads * d].
     Each kv head serves its group's rows in one call, so K/V are read where they lie. Queries meet
     keys in the keys' dtype (a bf16 context ring under fp32 activations); the rows leave in q's.
     """
@@ -242,7 +242,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     kv_heads = k.shape[1]
     group = heads // kv_heads
     q = q.view(s, rows, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(s, kv_heads, group * rows, d)
-    out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask.to(k.dtype).repeat(1, group, 1)[:, None])
+    out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask.repeat(1, group, 1)[:, None])
     return out.view(s, kv_heads, group, rows, d).permute(0, 3, 1, 2, 4).reshape(s, rows, heads * d).to(q.dtype)
 
 
