@@ -371,6 +371,7 @@ class TrainPhase:
     # of docs/deployment.md used 3e-4; launch.train's 1e-3 took the shipped drafter from an offline
     # tau of 1.66 to 1.50 in 31 steps on 25 answers, in a CPU dry run of this plan).
     lr: float = 6e-4
+    distill: float = 0.0  # launch.train --distill: the loss's share that is KL from the target's distribution
 
 
 def train_drafter(common: list[str], phase: TrainPhase, stores: list[Path]) -> dict:
@@ -387,6 +388,7 @@ def train_drafter(common: list[str], phase: TrainPhase, stores: list[Path]) -> d
     flags += ["--lr", str(phase.lr if phase.init is None else phase.lr / 2)]
     flags += ["--layers", str(phase.layers)] if phase.layers else []
     flags += ["--selector-steps", str(phase.selector_steps)] if phase.selector_steps else []
+    flags += ["--distill", str(phase.distill)] if phase.distill else []
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     subprocess.run([*torchrun, "-m", "launch.train", *common, *flags], cwd=ROOT, env=env, check=True)
@@ -518,6 +520,7 @@ def drafter_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
             steps=sizes["steps"],
             batch=sizes["train_batch"],
             anchors=sizes["train_anchors"],
+            distill=args.distill,
         )
         run.phase(f"train-L{n}", train_drafter, setup.common, phase, [sizes["store"]])
         drafters[f"L{n}"] = phase.out
@@ -598,6 +601,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--layers", default="4", help="--plan drafter: one drafter per entry, e.g. 1,2,4 (equal time)")
     ap.add_argument("--fresh", action="store_true", help="--plan drafter: start from random weights, not the shipped")
+    ap.add_argument(
+        "--distill",
+        type=float,
+        default=0.0,
+        help="--plan drafter: launch.train --distill (the loss's share that is KL from the target's distribution)",
+    )
     ap.add_argument(
         "--feature-share",
         type=float,

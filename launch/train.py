@@ -141,6 +141,13 @@ def _objective_flags(ap: argparse.ArgumentParser) -> None:
         default=0.0,
         help="share of blocks given 1..B-2 of the tokens after their anchor (a pre-draft's form); no loss there",
     )
+    ap.add_argument(
+        "--distill",
+        type=float,
+        default=0.0,
+        help="share of the loss that is the KL divergence from the target's distribution (0: its greedy "
+        "token alone); features then cache the target's last layer too, in a folder of their own",
+    )
 
 
 def _schedule_flags(ap: argparse.ArgumentParser) -> None:

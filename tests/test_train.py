@@ -17,6 +17,7 @@ import training.features as features_module
 from draft_node import kernel_path
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_draft_vocab, save_drafter
 from draft_node.config import FULL, SLIDING
+from launch.common import named_dtype
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.local_backend import LocalDraftBackend
@@ -532,6 +533,12 @@ def test_launch_train_runs_each_stage_on_a_saved_target(setup, tmp_path):
     save_drafter(drafter, tmp_path / "copy")  # the written checkpoint is the public format
     assert Path(tmp_path / "copy" / "model.safetensors").is_file()
     assert load_drafter(tmp_path / "copy").draft_vocab == drafter.draft_vocab  # and keeps the vocabulary
+    # Distillation fills a cache of its own, with the target's last layer after the drafter's taps.
+    main([*common, "--stage", "train", "--steps", "3", "--distill", "0.5", "--cache", str(tmp_path / "cache")])
+    taps = (*drafter.config.target_layer_ids, target.config.num_hidden_layers - 1)
+    folder = feature_folder(tmp_path / "cache", model_dir, taps, named_dtype("auto", "cpu"))
+    wide = FeatureCache(folder, len(taps) * target.config.hidden_size)
+    assert len(wide) == len(store) and wide.array().shape[0] == wide.rows
 
 
 def test_recorded_traffic_becomes_training_data(setup, tmp_path):
@@ -975,3 +982,65 @@ def test_a_run_with_a_time_budget_ends_its_schedule_with_the_budget(setup):
     assert trainer._lr_factor(trainer.step) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway down the cosine
     trainer.time_spent = 1.0
     assert trainer._lr_factor(trainer.step) == pytest.approx(0.1)
+
+
+@pytest.fixture(scope="module")
+def wide_features(setup, tmp_path_factory):
+    """The setup's answers with the target's last layer cached after the drafter's taps."""
+    target, cfg, store, _ = setup
+    taps = (*cfg.target_layer_ids, target.config.num_hidden_layers - 1)
+    cache = FeatureCache(tmp_path_factory.mktemp("wide"), len(taps) * target.config.hidden_size)
+    cache.fill(store.answers, target, taps, log=None)
+    return cache
+
+
+def test_distillation_targets_the_targets_own_distribution_at_each_slot(setup, wide_features):
+    """The teacher of slot k is the target's distribution after position a+k-1: its own logits
+    there, whose argmax is the label the target chose (greedy answers)."""
+    target, cfg, store, features = setup
+    trainer = Trainer(target, cfg, store.answers, wide_features, opts(distill=1.0, draft_vocab=0))
+    records = trainer.train_records[:6]
+    batch = make_batch(records, trainer.features, cfg, 5, 320, torch.Generator().manual_seed(0))
+    logits, slots, labelled = trainer.logits(batch)
+    teacher = trainer.teacher_logprobs(batch, labelled)
+    assert teacher.shape == logits.shape
+    agree = (teacher.argmax(-1) == slots).float().mean()
+    assert agree > 0.95, agree  # a row off by one would agree by chance only
+    expected = torch.zeros(batch.labels.shape + (teacher.shape[1],))
+    with torch.no_grad():
+        for i, r in enumerate(records):
+            out = target.model(torch.tensor([r.tokens]), output_hidden_states=True)
+            pos = (batch.anchors[i, :, None] + torch.arange(cfg.block_size) - 1).clamp(0, len(r.tokens) - 2)
+            expected[i] = out.logits[0].float().log_softmax(-1)[pos]
+            # The row is the final norm's output (what the head reads), not the last layer's input to it.
+            torch.testing.assert_close(batch.teacher[i].float(), out.hidden_states[-1][0][pos], atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(teacher, expected[labelled], atol=0.02, rtol=0)  # the cache's rows are fp16
+    # The context rows of a wide cache are the narrow cache's, bit for bit, and so is the scale.
+    plain = Trainer(target, cfg, store.answers, features, opts())
+    same = plain.train_records[:6]
+    assert [r.key for r in same] == [r.key for r in records]
+    narrow = make_batch(same, plain.features, cfg, 5, 320, torch.Generator().manual_seed(0))
+    assert torch.equal(narrow.features, batch.features) and narrow.teacher is None
+    torch.testing.assert_close(trainer.scale, plain.scale)
+
+
+def test_distillation_alone_teaches_the_drafter_the_targets_tokens(setup, wide_features, tmp_path):
+    """With the whole loss the KL from the target's distribution (no cross-entropy on its tokens),
+    the drafter still learns to draft what the target chooses. The tiny random target's
+    distributions are flat (entropy 4.5 nats of 5.8, top token 0.10), so its argmax is a faint
+    signal in them and the gain is smaller than cross-entropy's."""
+    target, cfg, store, _ = setup
+    run = opts(distill=1.0, steps=300, out=tmp_path / "out")
+    trainer = train(target, cfg, store.answers, wide_features, run, tmp_path / "state.pt", log=lambda m: None)
+    first, last = sum(trainer.history[:20]) / 20, sum(trainer.history[-20:]) / 20
+    assert last < first * 0.9, (first, last)
+    trained = trainer.evaluate(trainer.train_records, anchors=8)
+    trainer.drafter.load_state_dict(random_drafter(cfg, seed=3).state_dict())
+    baseline = trainer.evaluate(trainer.train_records, anchors=8)
+    assert trained["tau"] > baseline["tau"] + 0.04, (trained["tau"], baseline["tau"])
+
+
+def test_distillation_refuses_a_cache_without_the_targets_last_layer(setup):
+    target, cfg, store, features = setup
+    with pytest.raises(ValueError, match="last layer"):
+        Trainer(target, cfg, store.answers, features, opts(distill=0.5))

@@ -93,12 +93,14 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
     # and head (in fp32 from here on: the values serving projects through).
     target = TargetModel.load(args.model, args.device, args.feature_dtype, slots=args.gen_batch)
     cfg = drafter_config(args, target)
-    where = feature_folder(cache, args.model, cfg.target_layer_ids, target.model.dtype)
-    features = FeatureCache(where, cfg.feature_width)
+    # Distillation reads the target's last layer too, cached beside the drafter's taps.
+    taps = tuple(cfg.target_layer_ids) + ((target.config.num_hidden_layers - 1,) if args.distill else ())
+    width = len(taps) * target.config.hidden_size
+    features = FeatureCache(feature_folder(cache, args.model, taps, target.model.dtype), width)
     if args.stage in ("gen", "all"):
         same = args.gen_dtype == target.model.dtype  # then its answers' features come for free
         writer = target if same else TargetModel.load(args.model, args.device, args.gen_dtype, slots=args.gen_batch)
-        generate_stage(args, writer, cfg, store, features if same else None, log, ranks)
+        generate_stage(args, writer, taps, store, features if same else None, log, ranks)
     answers = list(store.answers)
     for folder in args.data:
         answers += [a for a in AnswerStore(folder).answers if a.key not in store.keys]
@@ -106,9 +108,9 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
         deadline = time.time() + args.feature_minutes * 60 if args.feature_minutes else None
         mine = answers[ranks.rank :: ranks.world]
         rows = 65536 if args.device.startswith("cuda") else 4096  # a forward's rows: a GPU wants many
-        added = features.fill(mine, target, cfg.target_layer_ids, batch_tokens=rows, deadline=deadline, log=log)
+        added = features.fill(mine, target, taps, batch_tokens=rows, deadline=deadline, log=log)
         ranks.barrier()  # every rank's rows are in before any trains on them
-        features = FeatureCache(features.folder, cfg.feature_width)
+        features = FeatureCache(features.folder, width)
         log(f"features: {added} answers filled by prefill; {len(features)} cached")
     if args.stage == "estimate":
         estimate_stage(args, target, store, cache, log)
@@ -146,7 +148,7 @@ def drafter_config(args: argparse.Namespace, target: TargetModel) -> DFlashConfi
 def generate_stage(
     args: argparse.Namespace,
     target: TargetModel,
-    cfg: DFlashConfig,
+    taps: tuple[int, ...],
     store: AnswerStore,
     features: FeatureCache | None,
     log: Log,
@@ -158,12 +160,12 @@ def generate_stage(
     starter = read_prompts(args.starter) if args.starter and Path(args.starter).is_file() else []
     log(
         f"gen: {target.model.dtype}, batch {args.gen_batch}, max_new {args.max_new}, {args.threads} threads, "
-        f"taps {list(cfg.target_layer_ids)}, until {time.strftime('%H:%M:%S', time.localtime(deadline))}"
+        f"taps {list(taps)}, until {time.strftime('%H:%M:%S', time.localtime(deadline))}"
     )
     seed = args.gen_seed + ranks.rank
     opts = GenerateOptions(seed=seed, batch=args.gen_batch, max_new=args.max_new, deadline=deadline)
     openings = jobs(seed, starter=starter if ranks.main else [])
-    generate(target, store, openings, opts, features=features, layer_ids=cfg.target_layer_ids, log=log)
+    generate(target, store, openings, opts, features=features, layer_ids=taps, log=log)
 
 
 def train_stage(

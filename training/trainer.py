@@ -49,6 +49,10 @@ class TrainOptions:
     anchors: int = 24
     max_len: int = 320
     gamma: float = 4.0
+    # Share of the loss that is the KL divergence from the target's own distribution over the draft
+    # vocabulary (ModelOpt's distillation), the rest cross-entropy on its greedy token. Needs a
+    # feature cache that also holds the target's last layer, normed (`launch.train --distill ...`).
+    distill: float = 0.0
     # Share of training blocks given 1..B-2 of the tokens after their anchor, as a pre-draft's
     # block [last_tok, d_1..d_j, b, MASK...] has them (issue 31); given slots carry no loss.
     known: float = 0.0
@@ -86,6 +90,10 @@ class Batch:
     anchors: torch.Tensor  # [S, N] anchor positions (0 for padding anchors)
     block_tokens: torch.Tensor  # [S, N, B] tok[a], then mask ids
     labels: torch.Tensor  # [S, N, B] tok[a+k], -100 where no loss
+    # [S, N, B, hidden] the target's last tap (its final norm's output) at position a+k-1, fp16 as
+    # cached: what its LM head turns into its own prediction of tok[a+k]; None where the cache
+    # holds the drafter's taps alone.
+    teacher: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -281,7 +289,8 @@ def make_batch(
     """Random anchors in each answer; a slot's label is the target's own token there. Anchors are
     drawn for all `records` and the batch is built of `records[part]` only: a rank's share of the
     batch one process would draw (training.distributed). A `known` share of the blocks get the
-    target's tokens in their first slots after the anchor instead of masks (no loss there)."""
+    target's tokens in their first slots after the anchor instead of masks (no loss there). Rows
+    wider than the drafter's taps carry the target's last layer after them: the batch's `teacher`."""
     block, mask_id = cfg.block_size, cfg.mask_token_id
     chosen = []
     for r in records:
@@ -300,7 +309,7 @@ def make_batch(
     seq = torch.full((count, width), -100, dtype=torch.long)  # each answer's tokens, -100 past its end
     for i, (r, pick) in enumerate(zip(records, chosen, strict=True)):
         rows = min(span, len(r.tokens) - 1)
-        rows_of[i, :rows] = features[r.offset : r.offset + rows]  # fp16 as cached: the device widens them
+        rows_of[i, :rows] = features[r.offset : r.offset + rows, : cfg.feature_width]  # fp16: the device widens them
         n = min(len(r.tokens), max_len)
         seq[i, :n] = torch.tensor(r.tokens[:n])
         anc[i, : len(pick)] = pick
@@ -319,7 +328,23 @@ def make_batch(
         slot = torch.arange(block)
         shown = drawn[..., None] & (slot >= 1) & (slot <= given[..., None])
         toks[shown], labels[shown] = window[shown], -100
-    return Batch(feats, anc, toks, labels)
+    return Batch(feats, anc, toks, labels, teacher_rows(records, features, cfg, anc))
+
+
+def teacher_rows(
+    records: list[Sample], features: np.ndarray, cfg: DFlashConfig, anc: torch.Tensor
+) -> torch.Tensor | None:
+    """The cached columns past the drafter's taps (the target's last layer) at position a+k-1 of
+    every block slot k: [S, N, B, extra] fp16, or None where the cache has no such columns. Slots
+    past an answer's end repeat its last row; they carry no label."""
+    extra = features.shape[1] - cfg.feature_width
+    if not extra or not records:
+        return None
+    last = torch.tensor([len(r.tokens) - 2 for r in records])[:, None, None]  # each answer's last row
+    pos = (anc[:, :, None] + torch.arange(cfg.block_size) - 1).clamp(min=0).minimum(last)
+    rows = (torch.tensor([r.offset for r in records])[:, None, None] + pos).reshape(-1).numpy()
+    picked = np.asarray(features[rows, cfg.feature_width :], dtype=np.float16)
+    return torch.from_numpy(picked).view(pos.shape + (extra,))
 
 
 TARGET_INIT = "target:"  # `--init target:26,27,...`: the drafter's layers start as these target layers
@@ -359,9 +384,14 @@ class Trainer:
         model = target.model
         self.embed = model.get_input_embeddings().weight.detach().to(self.dev, torch.float32)
         self.full_head = model.get_output_embeddings().weight.detach()
+        if opts.distill and features.width == cfg.feature_width:
+            raise ValueError(
+                "distillation needs the target's last layer beside the drafter's taps in the feature cache "
+                "(launch.train --distill fills such a cache)"
+            )
         self.use_vocabulary(draft_vocabulary(self.train_records, opts.draft_vocab) if opts.draft_vocab else [])
         self.drafter = init_drafter(cfg, opts.seed, opts.out_scale).to(self.dev)
-        self.scale = feature_scale(self.features, seed=opts.seed).to(self.dev)
+        self.scale = feature_scale(self.features[:, : cfg.feature_width], seed=opts.seed).to(self.dev)
         self.forward = self.drafter.forward_anchors
         if ranks.many:  # DFlash2's selector learns later (training.selector): unused in these steps
             self.forward = DistributedDataParallel(_Anchored(self.drafter), find_unused_parameters=cfg.dflash2)
@@ -438,6 +468,7 @@ class Trainer:
         batch = make_batch(chosen, self.features, self.cfg, opts.anchors, opts.max_len, gen, part, opts.known)
         if self.dev.type == "cuda" and opts.loader_threads:  # built ahead, page-locked: copied in while it computes
             batch.features = batch.features.pin_memory()
+            batch.teacher = batch.teacher.pin_memory() if batch.teacher is not None else None
         return batch
 
     def logits(self, batch: Batch, forward=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -463,16 +494,28 @@ class Trainer:
         """Draft logits [rows, draft vocab] of hidden rows, through the target's frozen head."""
         return (hidden.to(self.head.dtype) @ self.head.T).float()
 
-    def _weighted_ce(self, logits: torch.Tensor, slots: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
-        return torch.div(*self._weighted_ce_parts(logits, slots, labelled))
+    @torch.no_grad()
+    def teacher_logprobs(self, batch: Batch, labelled: torch.Tensor) -> torch.Tensor:
+        """The target's log-probabilities [rows, draft vocab] for the labelled slots' tokens: its last
+        tap (the final norm's output, as the last of transformers' hidden states is) through its LM
+        head, renormalised over the draft vocabulary."""
+        last = batch.teacher[labelled.cpu()].to(self.dev)
+        return (last.to(self.head.dtype) @ self.head.T).float().log_softmax(-1)
 
-    def _weighted_ce_parts(
-        self, logits: torch.Tensor, slots: torch.Tensor, labelled: torch.Tensor
+    def _weighted_ce(self, logits: torch.Tensor, slots: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+        return torch.div(*self._weighted_loss_parts(logits, slots, labelled))
+
+    def _weighted_loss_parts(
+        self, logits: torch.Tensor, slots: torch.Tensor, labelled: torch.Tensor, teacher: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weighted cross-entropy's sum and its weight (clamped above 0)."""
+        """The weighted loss's sum and its weight (clamped above 0): cross-entropy on the labels, mixed
+        with the KL divergence from `teacher` (log-probabilities) by opts.distill where given."""
         weight = self.slot_weight.expand_as(labelled)[labelled] * (slots >= 0)
-        ce = F.cross_entropy(logits, slots, reduction="none", ignore_index=-100)
-        return (ce * weight).sum(), weight.sum().clamp_min(1e-6)
+        loss = F.cross_entropy(logits, slots, reduction="none", ignore_index=-100)
+        if teacher is not None:
+            kl = (teacher.exp() * (teacher - logits.log_softmax(-1))).sum(-1)
+            loss = (1 - self.opts.distill) * loss + self.opts.distill * kl
+        return (loss * weight).sum(), weight.sum().clamp_min(1e-6)
 
     def loss(self, batch: Batch) -> torch.Tensor:
         return self._weighted_ce(*self.logits(batch))
@@ -484,7 +527,8 @@ class Trainer:
         batch = batch if batch is not None else self.batch(self.step)
         with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.opts.autocast):
             logits, slots, labelled = self.logits(batch, self.forward)
-        total, weight = self._weighted_ce_parts(logits.float(), slots, labelled)
+        teacher = self.teacher_logprobs(batch, labelled) if self.opts.distill else None
+        total, weight = self._weighted_loss_parts(logits.float(), slots, labelled, teacher)
         # Normalised by the whole batch's weight, times the ranks DDP averages over: the gradient
         # of the loss one process computes on the whole batch.
         weight = self.ranks.total(weight.detach())
