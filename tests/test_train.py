@@ -538,7 +538,7 @@ def test_launch_train_runs_each_stage_on_a_saved_target(setup, tmp_path):
     taps = (*drafter.config.target_layer_ids, target.config.num_hidden_layers - 1)
     folder = feature_folder(tmp_path / "cache", model_dir, taps, named_dtype("auto", "cpu"))
     wide = FeatureCache(folder, len(taps) * target.config.hidden_size)
-    assert len(wide) == len(store) and wide.array().shape[0] == wide.rows
+    assert len(wide) == len(AnswerStore(store.folder)) and wide.array().shape[0] == wide.rows  # every answer
 
 
 def test_recorded_traffic_becomes_training_data(setup, tmp_path):
