@@ -9,10 +9,12 @@ so drift in machine load spreads over all of them. Modes:
 
 - `chain`: draft every step, verify the drafter's top choice at every position (the block);
 - `tree:N`: draft every step, verify a tree of N nodes built from the drafter's distributions;
-  `tree:N+lookup`: with the continuation looked up in the context (prompt lookup) as one more branch;
+  `tree:N+lookup`: with the continuation looked up in the context (prompt lookup) as one more branch,
+  `+store` with the one looked up in the target's earlier answers (`--datastore`), or both;
 - `adaptive`: the default configuration: the governor decides whether to draft and how many
   tree nodes (up to --tree-nodes) to verify, from verify costs measured here at start, and every
-  step may verify the looked-up branch; `adaptive-drafter`: the same without the lookup;
+  step may verify both looked-up branches; `adaptive-lookup`: the same without the datastore's;
+  `adaptive-drafter`: with neither;
 - `adaptive-chain`: the governor over chains only.
 
 With `--baseline` (or `--baseline-address`) a second drafter runs every mode too, in the same
@@ -72,9 +74,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--modes",
         default="chain",
-        help="comma-separated: chain, tree:N (the drafter alone), tree:N+lookup (with the looked-up branch), "
-        "adaptive (the daemon's default: governed trees with the looked-up branch), adaptive-drafter (the same "
-        "without it), adaptive-chain",
+        help="comma-separated: chain, tree:N (the drafter alone), tree:N+lookup, tree:N+store, tree:N+lookup+store "
+        "(with the branches looked up in the context, in the datastore), adaptive (the daemon's default: governed "
+        "trees with both branches), adaptive-lookup (without the datastore's), adaptive-drafter (with neither), "
+        "adaptive-chain",
+    )
+    ap.add_argument(
+        "--datastore",
+        default="auto",
+        help="the target's earlier answers the datastore branch looks up in, as the daemon's --datastore: an "
+        "answer store's folder, auto (the committed data/answers) or none",
     )
     ap.add_argument("--tree-nodes", type=int, default=16, help="the widest tree the adaptive mode may verify")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, checked token for token")
@@ -106,25 +115,39 @@ def backend_for(args: argparse.Namespace, target, folder: str | None, address: s
     return LocalDraftBackend(load_drafter(folder, device=args.device, dtype=dtype_of(args)))
 
 
-def mode_options(mode: str, tree_nodes: int, costs) -> tuple[dict, object]:  # costs: a measured VerifyCosts, shared
+def mode_options(mode: str, tree_nodes: int, costs, datastore) -> tuple[dict, object]:  # a VerifyCosts, shared
     """A mode name's DecodeOptions fields, and its governor (None where it drafts every step).
-    `adaptive` is the daemon's default (trees, the looked-up branch); `adaptive-drafter` the same
-    without the lookup; chain and tree:N measure the drafter alone, tree:N+lookup with the lookup."""
+    `adaptive` is the daemon's default (trees, the looked-up branches: the context's, and the
+    datastore's where there is one); `adaptive-lookup` without the datastore; `adaptive-drafter`
+    with neither; chain and tree:N measure the drafter alone, `+lookup` and `+store` add the branches."""
     from target_node.decoding.governor import Governor
 
-    lookup = mode.endswith("+lookup")
-    base = mode.removesuffix("+lookup")
-    if base == "chain" and not lookup:
+    lookup, store = "+lookup" in mode, "+store" in mode
+    base = mode.replace("+lookup", "").replace("+store", "")
+    if base == "chain" and not (lookup or store):
         return {"adaptive": False, "tree_nodes": 0, "lookup": False}, None
     if base.startswith("tree:"):
-        return {"adaptive": False, "tree_nodes": int(base.split(":", 1)[1]), "lookup": lookup}, None
-    if base in ("adaptive", "adaptive-drafter", "adaptive-chain") and not lookup:
+        nodes = int(base.split(":", 1)[1])
+        return {
+            "adaptive": False,
+            "tree_nodes": nodes,
+            "lookup": lookup,
+            "datastore": datastore if store else None,
+        }, None
+    if base in ADAPTIVE and not (lookup or store):
         governor = Governor(max_nodes=tree_nodes, costs=costs)
         nodes = 0 if base == "adaptive-chain" else tree_nodes
-        return {"adaptive": True, "tree_nodes": nodes, "lookup": base == "adaptive"}, governor
-    raise SystemExit(
-        f"unknown mode {mode!r}: use chain, tree:N, tree:N+lookup, adaptive, adaptive-drafter or adaptive-chain"
-    )
+        context = base in ("adaptive", "adaptive-lookup")
+        return {
+            "adaptive": True,
+            "tree_nodes": nodes,
+            "lookup": context,
+            "datastore": datastore if base == "adaptive" else None,
+        }, governor
+    raise SystemExit(f"unknown mode {mode!r}: use chain, tree:N (+lookup, +store), {', '.join(ADAPTIVE)}")
+
+
+ADAPTIVE = ("adaptive", "adaptive-lookup", "adaptive-drafter", "adaptive-chain")
 
 
 @dataclass
@@ -146,6 +169,7 @@ def prepare_runs(args: argparse.Namespace, target: TargetModel) -> Runs:
     from target_node.decoding.governor import VerifyCosts
     from target_node.decoding.stats import Stats
     from target_node.drafting.proposers import DFlashProposer
+    from training.answer_index import datastore_for
 
     proposers = {"": DFlashProposer(backend_for(args, target, args.drafter, args.drafter_address))}
     if args.baseline or args.baseline_address:
@@ -156,11 +180,12 @@ def prepare_runs(args: argparse.Namespace, target: TargetModel) -> Runs:
         proposers["@predraft"] = DFlashProposer(backend, predraft=args.predraft)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    datastore = datastore_for(args.datastore, Path(str(target.config.name_or_path)).name)
     costs = VerifyCosts()
     if any(m.startswith("adaptive") for m in names):
         costs.measure(target, range(1, args.tree_nodes + 2))
     modes = {
-        name + tag: (proposer, mode_options(name, args.tree_nodes, costs))
+        name + tag: (proposer, mode_options(name, args.tree_nodes, costs, datastore))
         for tag, proposer in proposers.items()
         for name in names
     }

@@ -137,9 +137,11 @@ def exactness(model: Path, drafter: Path, device: str, prompts: int, max_new: in
     from target_node.drafting.local_backend import LocalDraftBackend
     from target_node.drafting.proposers import DFlashProposer, NoProposer
     from target_node.model.target import TargetModel
+    from training.answer_index import datastore_for
     from training.prompts import read_prompts
 
     texts = read_prompts(ROOT / "data" / "eval_prompts.jsonl")[:prompts]
+    datastore = datastore_for("auto", model.name)
     results = {}
     for dtype in ("bfloat16", "float32"):
         for engine in (True, False):
@@ -149,7 +151,7 @@ def exactness(model: Path, drafter: Path, device: str, prompts: int, max_new: in
             modes = {
                 "chain": dict(adaptive=False),
                 "tree:8": dict(adaptive=False, tree_nodes=8, lookup=False),
-                "default": dict(tree_nodes=16),
+                "default": dict(tree_nodes=16, datastore=datastore),  # both looked-up branches
             }
             row = {"differs": dict.fromkeys(modes, 0), "tok_s": dict.fromkeys(["plain", *modes], 0.0)}
             for text in texts:

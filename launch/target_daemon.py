@@ -30,6 +30,7 @@ from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES
 from target_node.model.target import TargetModel
 from target_node.serving.daemon import TargetService
 from target_node.serving.settings import ServiceSettings
+from training.answer_index import datastore_for
 from training.traffic import traffic_recorder
 
 
@@ -134,9 +135,10 @@ def main(argv: list[str] | None = None) -> None:
         target = TargetModel.load(
             resolve_model(args.model), args.device, args.dtype, args.cache_policy, slots=args.max_batch
         )
-        recorder = traffic_recorder(args.record, Path(str(target.config.name_or_path)).name) if args.record else None
+        name = Path(str(target.config.name_or_path)).name
+        recorder = traffic_recorder(args.record, name) if args.record else None
         proposers = build_proposers(proposer_settings(args), target, target.slots, drafter_keys)
-        service = TargetService(target, proposers, settings, on_finished=recorder)
+        service = TargetService(target, proposers, settings, recorder, datastore_for(settings.datastore, name))
         service.serve(args.bind, stop, curve, args.insecure_plaintext)
 
 

@@ -52,14 +52,18 @@ def test_a_grafted_path_shares_what_the_tree_holds_and_the_likeliest_come_first(
     assert grafted.parents == [0, 1, 1, 2, 3]
     assert grafted.depths == [1, 2, 2, 3, 3]
     assert grafted.path_probs == [0.6, 0.4, 0.3, 0.2, 0.1]
-    assert grafted.looked_up == {2, 4}
+    assert grafted.looked_up == {2: "lookup", 4: "lookup"}
     assert grafted.path(4) == [11, 14, 15] and grafted.path(5) == [11, 12, 13]
     # The target takes 11, then 14, then 15: only the looked-up branch holds it.
     assert grafted.accept([11, 14, 15, 99, 99, 99]) == [1, 2, 4]  # choices[node]: the token after it
-    assert grafted.prefix(3).looked_up == {2} and grafted.prefix(1).looked_up == frozenset()
-    assert tree.graft([11, 12], [0.9, 0.8]).looked_up == frozenset()  # nothing new: the same chain
+    assert grafted.prefix(3).looked_up == {2: "lookup"} and grafted.prefix(1).looked_up == {}
+    assert tree.graft([11, 12], [0.9, 0.8]).looked_up == {}  # nothing new: the same chain
     lookup_only = DraftTree([], [], [], []).graft([5, 6, 7], [0.5, 0.25, 0.125])
-    assert lookup_only.is_chain and lookup_only.tokens == [5, 6, 7] and lookup_only.looked_up == {1, 2, 3}
+    assert lookup_only.is_chain and lookup_only.tokens == [5, 6, 7] and set(lookup_only.looked_up) == {1, 2, 3}
+    # A second lookup's branch: its new nodes are its own; the ones it shares stay the first's.
+    both = grafted.graft([11, 14, 16], [0.7, 0.5, 0.45], "datastore")
+    assert both.path_probs[:3] == [0.7, 0.5, 0.45] and both.tokens[:3] == [11, 14, 16]
+    assert both.looked_up == {2: "lookup", 3: "datastore", 5: "lookup"}
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -125,7 +129,10 @@ def test_the_governor_learns_how_deep_lookups_are_right_and_rates_plain_steps_by
     assert reach[0] > 0.9 and reach[1] > 0.85 and reach[2] < 0.1
     for _ in range(40):
         governor.learn_lookup([7, 8], [1])  # wrong at once; depth 2 is not even tried
-    assert governor.lookup_reach(1)[0] < 0.4 and governor.lookup_tries[2] < governor.lookup_tries[1]
+    tries = governor.lookup_tries["lookup"]
+    assert governor.lookup_reach(1)[0] < 0.4 and tries[2] < tries[1]
+    # Each lookup learns on its own: the datastore's reach is still the prior.
+    assert governor.lookup_reach(3, "datastore") == pytest.approx([0.5, 0.25, 0.125])
     # Steps the drafter sat out commit what their lookup won: the rate drafting must beat.
     governor.record(False, 3, 0.03)
     governor.record(False, 1, 0.01)

@@ -310,9 +310,10 @@ def test_the_daemon_keeps_its_drafter_sessions_alive_busy_or_idle(tmp_path):
 
 
 def test_the_looked_up_branch_follows_the_proposer_and_the_flag():
-    """Every greedy tree verifies the looked-up continuation, except where the daemon decodes plainly
-    (`--proposer none`) or `--no-lookup` says so."""
+    """Every greedy tree verifies the looked-up continuations (the context's, the datastore's), except
+    where the daemon decodes plainly (`--proposer none`) or `--no-lookup` says so."""
     from protocol.sampling import SamplingParams
+    from target_node.drafting.datastore import Datastore
     from target_node.drafting.proposers import NGramProposer, NoProposer
     from target_node.serving.daemon import TargetService
     from target_node.serving.settings import ServiceSettings
@@ -321,5 +322,7 @@ def test_the_looked_up_branch_follows_the_proposer_and_the_flag():
     msg = {"max_new_tokens": 8, "stop": [], "hints": [], "sampling": SamplingParams().to_dict()}
     cases = [(NoProposer(), ServiceSettings(), False), (NGramProposer(), ServiceSettings(), True)]
     cases.append((NGramProposer(), ServiceSettings(no_lookup=True), False))
+    store = Datastore.build([[5, 6, 7]])
     for proposer, settings, lookup in cases:
-        assert TargetService(target, [proposer], settings).decode_options(msg).lookup is lookup
+        options = TargetService(target, [proposer], settings, datastore=store).decode_options(msg)
+        assert options.lookup is lookup and options.datastore is (store if lookup else None)

@@ -114,9 +114,10 @@ class Governor:
     # depth k-1 accepted, and of those, how many accepted depth k. Starts at an even 1 in 2.
     depth_tries: list[float] = field(default_factory=lambda: [2.0] * 32)
     depth_hits: list[float] = field(default_factory=lambda: [1.0] * 32)
-    # The same for looked-up continuations (prompt lookup): how deep they were right lately.
-    lookup_tries: list[float] = field(default_factory=lambda: [2.0] * 32)
-    lookup_hits: list[float] = field(default_factory=lambda: [1.0] * 32)
+    # The same for looked-up continuations, per lookup (prompt lookup, the datastore): how deep
+    # they were right lately.
+    lookup_tries: dict[str, list[float]] = field(default_factory=dict)
+    lookup_hits: dict[str, list[float]] = field(default_factory=dict)
     decay: float = 0.97
 
     # --- whether to draft ---------------------------------------------------
@@ -231,25 +232,33 @@ class Governor:
         rates = [(1 + g) / (draft_s + self.costs(n + 1)) for n, g in enumerate(gains)]
         return max(range(len(rates)), key=rates.__getitem__)
 
-    def lookup_reach(self, depth: int) -> list[float]:
-        """How often a looked-up continuation was right to depths 1..`depth`, lately: the path
-        probabilities its nodes enter a tree with (DraftTree.graft)."""
+    def _lookup_counts(self, source: str) -> tuple[list[float], list[float]]:
+        """A lookup's decayed tries and hits per depth; it starts at an even 1 in 2."""
+        if source not in self.lookup_tries:
+            self.lookup_tries[source], self.lookup_hits[source] = [2.0] * 32, [1.0] * 32
+        return self.lookup_tries[source], self.lookup_hits[source]
+
+    def lookup_reach(self, depth: int, source: str = "lookup") -> list[float]:
+        """How often `source`'s looked-up continuations were right to depths 1..`depth`, lately: the
+        path probabilities its nodes enter a tree with (DraftTree.graft)."""
+        tries, hits = self._lookup_counts(source)
         out, reach = [], 1.0
         for k in range(1, depth + 1):
-            k = min(k, len(self.lookup_tries) - 1)
-            reach *= self.lookup_hits[k] / self.lookup_tries[k]
+            k = min(k, len(tries) - 1)
+            reach *= hits[k] / tries[k]
             out.append(reach)
         return out
 
-    def learn_lookup(self, lookup: list[int], committed: list[int]) -> None:
-        """A step's looked-up continuation against what the target committed after last_tok:
-        depth k counts where depth k - 1 was right and the target's token there is known, whether
-        or not the step verified the continuation's node."""
+    def learn_lookup(self, lookup: list[int], committed: list[int], source: str = "lookup") -> None:
+        """A step's continuation looked up by `source` against what the target committed after
+        last_tok: depth k counts where depth k - 1 was right and the target's token there is known,
+        whether or not the step verified the continuation's node."""
+        tries, hits = self._lookup_counts(source)
         for k in range(1, min(len(lookup), len(committed)) + 1):
-            d = min(k, len(self.lookup_tries) - 1)
+            d = min(k, len(tries) - 1)
             right = lookup[k - 1] == committed[k - 1]
-            self.lookup_tries[d] = self.decay * self.lookup_tries[d] + 1
-            self.lookup_hits[d] = self.decay * self.lookup_hits[d] + right
+            tries[d] = self.decay * tries[d] + 1
+            hits[d] = self.decay * hits[d] + right
             if not right:
                 break
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.sampling import SamplingParams
+from target_node.drafting.datastore import Datastore
 
 
 @dataclass(frozen=True)
@@ -14,8 +15,10 @@ class DecodeOptions:
     to plain steps while drafting does not pay and choose how many drafts to verify; not for seeded
     sampling, which must reproduce exactly. `tree_nodes` > 0 verifies greedy drafts as a tree of up
     to that many nodes; `lookup` adds to those trees the continuation of the context's tail found
-    earlier in the context (prompt lookup), every step; `prefill_chunk` > 0 runs the prompt that many
-    tokens per forward. `hint_tokens` are a known continuation (verified like drafts, never trusted)."""
+    earlier in the context (prompt lookup), every step, and a `datastore`, where given, the
+    continuation it finds in the target's earlier answers; `prefill_chunk` > 0 runs the prompt that
+    many tokens per forward. `hint_tokens` are a known continuation (verified like drafts, never
+    trusted)."""
 
     max_new_tokens: int
     stop_strings: tuple[str, ...] = ()
@@ -25,6 +28,7 @@ class DecodeOptions:
     adaptive: bool = True
     tree_nodes: int = 0
     lookup: bool = True
+    datastore: Datastore | None = None
     prefill_chunk: int = 0
 
     def __post_init__(self) -> None:

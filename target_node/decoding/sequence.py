@@ -26,7 +26,7 @@ from target_node.decoding.sampling import Sampler
 from target_node.decoding.speculative import ForwardOut, Plan, Room, Step, finish_step, plan_step
 from target_node.decoding.stats import Stats
 from target_node.drafting.proposal import EMPTY
-from target_node.drafting.proposers import Proposer
+from target_node.drafting.proposers import PROMPT_LOOKUP, Proposer
 from target_node.model.target import TargetModel
 
 
@@ -80,7 +80,9 @@ class Sequence:
         self.stats = Stats(prompt_tokens=len(self.prompt), requests=1)
         self.prefilled = 0  # prompt positions run so far
         self.plan: Plan | None = None
-        self.lookup = options.lookup
+        # Lookups find continuations at no drafting cost: the context's own, the target's earlier answers.
+        context = (PROMPT_LOOKUP,) if options.lookup else ()
+        self.lookups = (*context, options.datastore) if options.datastore is not None else context
         self.room = Room()  # what the next step may verify (prepare)
         self.cancelled = False
         self.began = time.perf_counter()
@@ -137,7 +139,7 @@ class Sequence:
         governor = self.governor
         drafting = governor is None or bool(hints) or (governor.pays_at(batch) and governor.should_draft())
         limit = budget if drafting else 0
-        self.room = Room(limit, tuple(hints), self.tree_nodes, budget if self.lookup else 0)
+        self.room = Room(limit, tuple(hints), self.tree_nodes, budget if self.lookups else 0, self.lookups)
         if limit > 0:
             self.proposer.prefetch(self.prompt + self.output.tokens, limit)
 
@@ -172,8 +174,8 @@ class Sequence:
         step = finish_step(self.target, self.proposer, self.plan, out, self.sampler, self.slot)
         self._count(step)
         if self.governor is not None:
-            if self.plan.lookup:
-                self.governor.learn_lookup(self.plan.lookup, step.committed)
+            for source, found in self.plan.lookups.items():
+                self.governor.learn_lookup(found.tokens, step.committed, source)
             self.governor.record(
                 step.drafted,
                 len(step.committed),
@@ -196,9 +198,9 @@ class Sequence:
         if step.drafts:
             stats.histogram[step.accepted] += 1
             stats.sources[step.source] += 1
-            stats.accepted_by_source[step.source] += step.accepted - step.looked_up
-            if step.looked_up:
-                stats.accepted_by_source["lookup"] += step.looked_up
+            stats.accepted_by_source[step.source] += step.accepted - sum(step.looked_up.values())
+            for source, accepted in step.looked_up.items():
+                stats.accepted_by_source[source] += accepted
             stats.propose_s_by_source[step.source] += step.propose_s
 
     def result(self) -> Result:

@@ -17,6 +17,7 @@ many sequences' rows at once (sequence.py drives both, for one request or a batc
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -24,12 +25,12 @@ import torch
 from target_node.decoding.governor import Governor
 from target_node.decoding.sampling import Sampler
 from target_node.decoding.tree import DraftTree
-from target_node.drafting.proposal import EMPTY, Proposal
-from target_node.drafting.proposers import Proposer, prompt_lookup
+from target_node.drafting.proposal import EMPTY, Continuation, Proposal
+from target_node.drafting.proposers import Lookup, Proposer
 from target_node.model.target import TargetModel
 
 MAX_LOOKUP = 8  # the deepest looked-up continuation verified (as NGramProposer's drafts)
-PRIOR = Governor()  # what a step without a governor assumes of looked-up continuations (never updated)
+PRIOR = Governor()  # what a step without a governor assumes of looked-up continuations (never taught)
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Step:
     verify_s: float
     chain: bool = True  # one guess per position (else a tree)
     predicted: float | None = None  # accepted drafts the drafter's probabilities predicted
-    looked_up: int = 0  # accepted drafts only the looked-up continuation proposed
+    looked_up: dict[str, int] = field(default_factory=dict)  # accepted drafts only a lookup proposed, by lookup
 
     @property
     def accepted(self) -> int:
@@ -65,16 +66,16 @@ def draft_tree(
     hints: list[int],
     tree_nodes: int,
     governor: Governor | None,
-    lookup: list[int] | None = None,
+    lookups: dict[str, Continuation] | None = None,
 ) -> tuple[DraftTree, bool]:
     """The drafts to verify for a greedy step, and whether their path probabilities are known
     (the drafter's, and estimates for looked-up nodes).
 
     Hinted tokens (known continuations) stand in for guesses where given, as a chain. A
     proposal with a distribution per position becomes a tree of up to `tree_nodes` nodes
-    (a chain when 0); a `lookup` continuation (prompt lookup, where trees are verified) joins it
-    as one more branch, or is the tree where nothing was drafted; the governor, if any, keeps the
-    first nodes that pay.
+    (a chain when 0); each of `lookups`' continuations (by lookup, where trees are verified) joins
+    it as one more branch, or they are the tree where nothing was drafted; the governor, if any,
+    keeps the first nodes that pay.
     """
     if hints:
         guesses = proposal.tokens
@@ -87,11 +88,25 @@ def draft_tree(
         probabilities = True
     else:
         tree, probabilities = DraftTree.chain(proposal.tokens[:limit]), False
-    if lookup and (probabilities or not len(tree)):
-        tree, probabilities = tree.graft(lookup, (governor or PRIOR).lookup_reach(len(lookup))), True
+    if lookups and (probabilities or not len(tree)):
+        for source, found in lookups.items():
+            tree = tree.graft(found.tokens, reach(found, source, governor or PRIOR), source)
+        probabilities = True
     if governor is not None:
         tree = tree.prefix(governor.nodes(tree, probabilities, drafted=bool(proposal.tokens)))
     return tree, probabilities
+
+
+def reach(found: Continuation, source: str, governor: Governor) -> list[float]:
+    """How likely each looked-up token's path is right: from the lookup's own chances where it gives
+    them, else from how deep its continuations were right lately (the governor's record)."""
+    if found.chances is None:
+        return governor.lookup_reach(len(found.tokens), source)
+    out, path = [], 1.0
+    for chance in found.chances:
+        path *= chance
+        out.append(path)
+    return out
 
 
 @dataclass
@@ -107,19 +122,20 @@ class Plan:
     hinted: int  # drafts forced by hints (sampled: their q is one-hot)
     predicted: float | None  # accepted drafts the drafter's probabilities predict
     propose_s: float
-    lookup: list[int] = field(default_factory=list)  # the continuation looked up for this step ([]: none)
+    lookups: dict[str, Continuation] = field(default_factory=dict)  # the continuations looked up, by lookup
 
 
 @dataclass(frozen=True)
 class Room:
     """What a step may verify, decided before it drafts (Sequence.prepare): drafts up to `limit`
     deep (0: the drafter sits this step out), a known continuation `hints`, trees of up to
-    `tree_nodes` nodes, and a looked-up continuation up to `lookup` deep (0: none)."""
+    `tree_nodes` nodes, and the continuations `lookups` find, up to `lookup_depth` deep (0: none)."""
 
     limit: int = 0
     hints: tuple[int, ...] = ()
     tree_nodes: int = 0
-    lookup: int = 0
+    lookup_depth: int = 0
+    lookups: tuple[Lookup, ...] = ()
 
 
 def plan_step(
@@ -134,19 +150,20 @@ def plan_step(
 
     Drafts at most `room.limit` deep are verified: greedy steps as a tree of up to `room.tree_nodes`
     nodes when the proposer gives distributions and the target's cache can keep any rows
-    (else a chain), sampled steps as a chain. Where greedy steps verify trees, the continuation
-    of the context's tail looked up in the context (`prompt_lookup`, up to `room.lookup` deep,
-    whether or not the drafter drafts this step) is one more branch.
+    (else a chain), sampled steps as a chain. Where greedy steps verify trees, the continuations
+    of the context's tail that `room.lookups` find (in the context, in the target's earlier answers;
+    up to `room.lookup_depth` deep, whether or not the drafter drafts this step) are more branches.
     """
     limit, hints = room.limit, list(room.hints)
     began = time.perf_counter()
     proposal = proposer.propose(tokens, limit) if limit > 0 else EMPTY
-    q, lookup = None, []
+    q, lookups = None, {}
     if sampler is None:
         trees = room.tree_nodes if target.policy.tree else 0
         if trees and not hints:
-            lookup = prompt_lookup(tokens, min(room.lookup, MAX_LOOKUP))
-        tree, probabilities = draft_tree(proposal, limit, hints, trees, governor, lookup)
+            found = {lookup.name: lookup(tokens, min(room.lookup_depth, MAX_LOOKUP)) for lookup in room.lookups}
+            lookups = {name: continuation for name, continuation in found.items() if continuation.tokens}
+        tree, probabilities = draft_tree(proposal, limit, hints, trees, governor, lookups)
         predicted = tree.expected()[-1] if probabilities else None
     else:
         drafts, q = sampler.draft(proposal.tokens, proposal.full_logits(target.vocab_size), proposal.walk)
@@ -168,7 +185,7 @@ def plan_step(
         len(hints),
         predicted,
         time.perf_counter() - began,
-        lookup,
+        lookups,
     )
 
 
@@ -208,10 +225,10 @@ def finish_step(
         committed,
         len(tree),
         bool(plan.proposal.tokens),
-        plan.proposal.source or ("lookup" if plan.lookup else "hint"),
+        plan.proposal.source or ("lookup" if plan.lookups else "hint"),
         plan.propose_s,
         out.forward_s + time.perf_counter() - began,
         tree.is_chain,
         plan.predicted,
-        sum(node in tree.looked_up for node in path),
+        Counter(tree.looked_up[node] for node in path if node in tree.looked_up),
     )

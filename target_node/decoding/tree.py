@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,8 +27,9 @@ class DraftTree:
     parents: list[int]  # of nodes 1..n: the node index of each parent (0 = the root)
     depths: list[int]  # of nodes 1..n: 1 for children of the root
     path_probs: list[float]  # of nodes 1..n: the drafter's probability of the whole path; 1.0 where unknown
-    # Nodes (1-based) only a looked-up continuation proposed (`graft`); their path_probs are estimates.
-    looked_up: frozenset[int] = frozenset()
+    # Nodes (1-based) only a looked-up continuation proposed (`graft`), and the lookup that did (its
+    # name); their path_probs are estimates.
+    looked_up: dict[int, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -79,18 +80,18 @@ class DraftTree:
 
     def prefix(self, n: int) -> DraftTree:
         """The first n nodes: itself a tree (parents come first)."""
-        kept = frozenset(node for node in self.looked_up if node <= n)
+        kept = {node: source for node, source in self.looked_up.items() if node <= n}
         return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.path_probs[:n], kept)
 
-    def graft(self, tokens: list[int], reach: list[float]) -> DraftTree:
-        """This tree with one more path from the root, `tokens` (a continuation looked up in the
-        context), merged where the tree already holds its prefix. `reach[d - 1]` estimates how often
+    def graft(self, tokens: list[int], reach: list[float], source: str = "lookup") -> DraftTree:
+        """This tree with one more path from the root, `tokens` (a continuation `source` looked up),
+        merged where the tree already holds its prefix. `reach[d - 1]` estimates how often
         such a path is accepted to depth d (non-increasing): a new node's path probability, and a
         shared node's where that is likelier. The nodes are then ordered by path probability, so
         that a prefix (what the governor verifies) keeps the likeliest wherever they came from; no
         child is likelier than its parent, so parents still come first."""
         tokens_, parents, depths, probs = [*self.tokens], [*self.parents], [*self.depths], [*self.path_probs]
-        looked_up = set(self.looked_up)
+        looked_up = dict(self.looked_up)
         pairs = zip(parents, tokens_, strict=True)
         child = {(parent, token): node for node, (parent, token) in enumerate(pairs, start=1)}
         node = 0
@@ -99,7 +100,7 @@ class DraftTree:
             if found is None:
                 tokens_.append(token), parents.append(node), depths.append(depth), probs.append(p)
                 found = child[(node, token)] = len(tokens_)
-                looked_up.add(found)
+                looked_up[found] = source
             else:
                 probs[found - 1] = max(probs[found - 1], p)
             node = found
@@ -110,7 +111,7 @@ class DraftTree:
             [index[parents[n - 1]] for n in order],
             [depths[n - 1] for n in order],
             [probs[n - 1] for n in order],
-            frozenset(index[n] for n in looked_up),
+            {index[n]: source for n, source in looked_up.items()},
         )
 
     def path(self, node: int) -> list[int]:

@@ -33,3 +33,13 @@ class Proposal:
 
 
 EMPTY = Proposal([])
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What a lookup found (no model drafted it): tokens, and where the lookup can tell, each one's
+    chance of being right where the ones before it were (None: the governor's record of the lookup
+    stands in)."""
+
+    tokens: list[int]
+    chances: list[float] | None = None

@@ -16,7 +16,7 @@ import torch
 from target_node.decoding.tree import DraftTree
 from target_node.drafting.bridge import DrafterBridge
 from target_node.drafting.outcomes import likeliest_outcomes
-from target_node.drafting.proposal import EMPTY, Proposal
+from target_node.drafting.proposal import EMPTY, Continuation, Proposal
 from target_node.model.target import TargetModel
 
 
@@ -111,6 +111,28 @@ def prompt_lookup(tokens: list[int], limit: int, max_ngram: int = 3, min_ngram: 
         if found[n] >= 0:
             return tokens[found[n] + 1 : found[n] + 1 + limit]
     return []
+
+
+class Lookup(Protocol):
+    """A source of continuations found, not drafted (no model runs): each greedy tree verifies
+    what it finds as one more branch."""
+
+    name: str
+
+    def __call__(self, tokens: list[int], limit: int) -> Continuation:
+        """Up to `limit` tokens it expects after `tokens` (none: nothing found)."""
+
+
+class PromptLookup:
+    """The context's own earlier continuation of its tail (`prompt_lookup`)."""
+
+    name = "lookup"
+
+    def __call__(self, tokens: list[int], limit: int) -> Continuation:
+        return Continuation(prompt_lookup(tokens, limit))
+
+
+PROMPT_LOOKUP = PromptLookup()
 
 
 class NGramProposer(NoProposer):

@@ -35,6 +35,7 @@ from target_node.decoding.governor import Governor
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.pace import PrefillPace
 from target_node.decoding.sequence import Result, Sequence, step
+from target_node.drafting.datastore import Datastore
 from target_node.drafting.proposers import NoProposer, Proposer
 from target_node.model.target import ContextLengthError, TargetModel
 from target_node.serving.metrics import RequestClock, ServedMetrics, drafter_state
@@ -89,13 +90,16 @@ class TargetService:
         proposers: Proposer | list[Proposer],
         settings: ServiceSettings | None = None,
         on_finished: Callable[[Message, list[int], Result], None] | None = None,
+        datastore: Datastore | None = None,
     ) -> None:
         """`proposers`: one per slot (requests run side by side, up to as many as the target has
         slots); one proposer serves one request at a time. `settings`: the limits and pacing (see
         settings.py). `on_finished(request, prompt ids, result)` sees every request served to its
-        end (e.g. a recorder)."""
+        end (e.g. a recorder). `datastore`: the target's earlier answers, whose continuations every
+        greedy tree verifies too (settings.datastore says where the launcher finds them)."""
         self.settings = settings = settings or ServiceSettings()
         self.on_finished = on_finished
+        self.datastore = datastore
         self.target = target
         self.adaptive = not settings.always_draft
         # One governor for all: it learns across requests, from verify costs measured here.
@@ -374,6 +378,7 @@ class TargetService:
             sampling = SamplingParams.from_dict(msg["sampling"])
         except (TypeError, ValueError) as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"sampling: {exc}") from exc
+        lookup = not self.settings.no_lookup and self.proposer.name != NoProposer.name
         return DecodeOptions(
             msg["max_new_tokens"],
             stop_strings=tuple(msg["stop"]),
@@ -381,7 +386,8 @@ class TargetService:
             sampling=sampling,
             adaptive=self.adaptive,
             tree_nodes=self.settings.tree_nodes,
-            lookup=not self.settings.no_lookup and self.proposer.name != NoProposer.name,
+            lookup=lookup,
+            datastore=self.datastore if lookup else None,
             prefill_chunk=self.settings.prefill_chunk,
         )
 

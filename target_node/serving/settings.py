@@ -34,8 +34,16 @@ class ServiceSettings:
     )
     no_lookup: bool = setting(
         False,
-        "do not add to each greedy tree the continuation of the context's tail found earlier in the context (prompt "
-        "lookup: free to find, verified like drafts; off with --proposer none, which decodes plainly)",
+        "do not add to each greedy tree the continuations of the context's tail found earlier in the context (prompt "
+        "lookup) and in the --datastore: free to find, verified like drafts; off with --proposer none, which "
+        "decodes plainly",
+        limit=False,
+    )
+    datastore: str = setting(
+        "auto",
+        "add to each greedy tree the continuation the target wrote after the context's tail in its earlier answers: "
+        "an answer store's folder (recorded traffic, say), auto (the committed data/answers, where it exists), or "
+        "none. Only the served model's answers count",
         limit=False,
     )
     always_draft: bool = setting(

@@ -1,0 +1,116 @@
+"""The datastore branch: continuations the target wrote before, found by the context's tail and
+verified as one more branch of every greedy tree; it changes speed, never output."""
+
+import gzip
+import json
+import random
+
+import numpy as np
+import pytest
+from helpers import assert_lossless, greedy, tiny_target
+
+from target_node.decoding.options import DecodeOptions
+from target_node.decoding.sequence import generate
+from target_node.drafting.datastore import Datastore
+from target_node.drafting.proposers import NoProposer
+from training.answer_index import datastore_for
+
+
+def reference(sequences, tail, limit, context):
+    """The definition, spelled out: the longest tail (up to `context` tokens) that occurs, then the
+    commonest next token among its occurrences, the commonest after it among those that agreed..."""
+    for k in range(min(context, len(tail)), 0, -1):
+        rows = [s[i : i + limit] for s in sequences for i in range(k, len(s)) if s[i - k : i] == tail[-k:]]
+        if not rows:
+            continue
+        out = []
+        for d in range(limit):
+            column = [r[d] for r in rows if len(r) > d]
+            if not column:
+                break
+            best = min(set(column), key=lambda t: (-column.count(t), t))  # ties: the smallest token
+            out.append(best)
+            rows = [r for r in rows if len(r) > d and r[d] == best]
+        return out
+    return []
+
+
+def test_a_continuation_is_the_vote_of_the_longest_matching_context():
+    store = Datastore.build([[1, 2, 3, 4], [9, 2, 3, 5, 6], [7, 2, 3, 5, 8], [1, 2]])
+    found = store([0, 2, 3], 3)
+    assert found.tokens == [5, 6]  # "2 3" twice before 5, once before 4; then 6 and 8 tie: the smaller
+    assert found.chances == pytest.approx([2 / 4, 1 / 3])  # 2 of 3 occurrences agree, then 1 of 2
+    assert store([1, 2, 3], 3).tokens == [4]  # "1 2 3" occurred: its follow, though "2 3" votes 5
+    for tail, limit in (([4], 3), ([42], 3), ([], 3), ([1, 2], 0), ([6], 2)):  # 6 ended its answer: no follow
+        assert store(tail, limit).tokens == []
+    rng = random.Random(0)
+    for _ in range(300):
+        alphabet = rng.choice([3, 5, 20])
+        seqs = [[rng.randrange(alphabet) for _ in range(rng.randint(0, 12))] for _ in range(rng.randint(1, 8))]
+        store = Datastore.build(seqs)
+        for _ in range(10):
+            tail, limit = [rng.randrange(alphabet + 1) for _ in range(rng.randint(1, 6))], rng.randint(1, 6)
+            kept = [s for s in seqs if len(s) >= 2]
+            assert store(tail, limit).tokens == reference(kept, tail, limit, store.context), (seqs, tail, limit)
+
+
+def test_a_saved_datastore_maps_back_the_same_and_wide_vocabularies_keep_fewer_tokens_of_context(tmp_path):
+    rng = random.Random(1)
+    seqs = [[rng.randrange(200_000) for _ in range(30)] for _ in range(20)]
+    seqs.append(seqs[3][5:20])  # a phrase said twice
+    store = Datastore.build(seqs)
+    assert store.bits == 18 and store.context == 3 and store.tokens.dtype == np.uint32
+    loaded = Datastore.load(store.save(tmp_path / "ds"))
+    assert isinstance(loaded.keys, np.memmap) and len(loaded) == len(store)
+    for s in seqs:
+        for i in range(1, len(s)):
+            assert loaded(s[:i], 4) == store(s[:i], 4) and store(s[:i], 4).tokens == reference(seqs, s[:i], 4, 3)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", seed=3)
+
+
+PROMPTS = [[(s * 37 + i * 11) % 300 + 1 for i in range(6)] for s in range(4)]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_the_datastore_branch_changes_speed_never_output(target, adaptive):
+    """Built from the target's own answers it is right where they repeat; built from noise it is
+    wrong everywhere: the output is the target's own either way."""
+    answers = {tuple(p): greedy(target, p, 40) for p in PROMPTS}
+    rng = random.Random(2)
+    stores = {
+        "answers": Datastore.build(list(answers.values())),
+        "noise": Datastore.build([[rng.randrange(1, 300) for _ in range(50)] for _ in range(50)]),
+    }
+    for name, store in stores.items():
+        for prompt, want in answers.items():
+            options = DecodeOptions(40, tree_nodes=6, adaptive=adaptive, lookup=False, datastore=store)
+            result = generate(target, list(prompt), NoProposer(), options)
+            assert_lossless(target, list(prompt), result.tokens, want)
+            if name == "answers" and not adaptive:  # its own answer, verified every step: taken whole
+                assert result.stats.accepted_by_source["datastore"] >= 30, result.stats.accepted_by_source
+
+
+def write_store(folder, model, answers):
+    folder.mkdir(parents=True, exist_ok=True)
+    with gzip.open(folder / "20261205-000000-abcd.jsonl.gz", "wt") as fh:
+        for i, tokens in enumerate(answers):
+            fh.write(json.dumps({"key": f"k{i}", "job": f"j{i}", "stage": "answer", "messages": [],
+                                 "tokens": [1, *tokens], "prompt_len": 1, "model": model}) + "\n")  # fmt: skip
+
+
+def test_the_daemons_datastore_is_the_served_models_answers_indexed_once(tmp_path):
+    write_store(tmp_path / "store", "tiny", [[5, 6, 7, 8], [5, 6, 9]])
+    cache = tmp_path / "cache"
+    store = datastore_for(str(tmp_path / "store"), "tiny", cache)
+    assert store([4, 5, 6], 2).tokens == [7, 8] and store([1], 3).tokens == []  # the prompts are not indexed
+    (built,) = (cache / "datastore").iterdir()
+    again = datastore_for(str(tmp_path / "store"), "tiny", cache)  # mapped from the cache, not rebuilt
+    assert isinstance(again.keys, np.memmap) and list((cache / "datastore").iterdir()) == [built]
+    assert datastore_for(str(tmp_path / "store"), "another-model", cache) is None
+    assert datastore_for("none", "tiny", cache) is None
+    with pytest.raises(FileNotFoundError, match="no such answer store"):
+        datastore_for(str(tmp_path / "missing"), "tiny", cache)

@@ -1,0 +1,54 @@
+"""The target daemon's datastore (target_node.drafting.datastore), indexed from an answer store:
+every stored answer of the served model, built once and kept under the cache by the shards'
+fingerprint, so a restart maps it from disk in a moment where reading the store takes seconds."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from target_node import CACHE_ROOT
+from target_node.drafting.datastore import Datastore, fingerprint
+from training.answer_store import STORE, read_shard
+
+log = logging.getLogger("datastore")
+
+
+def datastore_for(choice: str, model_name: str, cache: Path = CACHE_ROOT) -> Datastore | None:
+    """`choice`: `none`; `auto`, the committed answer store (data/answers), where it exists; or an
+    answer store's folder (a deployment's recorded traffic, say). Only answers `model_name` wrote
+    are indexed (token ids mean nothing to another model); None where there are none."""
+    if choice == "none":
+        return None
+    folder = STORE if choice == "auto" else Path(choice)
+    if choice != "auto" and not folder.is_dir():
+        raise FileNotFoundError(f"--datastore {choice}: no such answer store folder")
+    shards = [shard for shard in sorted(folder.glob("*.jsonl.gz")) if first_model(shard) == model_name]
+    if not shards:
+        log.info("datastore: no answers of %s in %s", model_name, folder)
+        return None
+    where = cache / "datastore" / f"{model_name}-{fingerprint(shards, model_name)}"
+    if not (where / "bits").is_file():
+        answers = [a for shard in shards for a in read_shard(shard) if a.model == model_name]
+        built = Datastore.build(a.tokens[a.prompt_len :] for a in answers)
+        # Written aside and renamed whole: two daemons starting at once each build, one keeps its copy.
+        aside = built.save(where.with_name(f"{where.name}.{os.getpid()}.tmp"))
+        try:
+            aside.rename(where)
+        except OSError:
+            shutil.rmtree(aside, ignore_errors=True)
+        log.info("datastore: %d answers of %s indexed into %s", len(answers), model_name, where)
+    store = Datastore.load(where)
+    log.info("datastore: %d positions of %s's earlier answers, mapped from %s", len(store), model_name, where)
+    return store
+
+
+def first_model(shard: Path) -> str:
+    """The model that wrote a shard's first answer (a shard is one run's: one model's)."""
+    with gzip.open(shard, "rt") as fh:
+        line = fh.readline()
+    return json.loads(line).get("model", "") if line.strip() else ""
