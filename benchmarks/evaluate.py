@@ -180,7 +180,7 @@ def prepare_runs(args: argparse.Namespace, target: TargetModel) -> Runs:
         proposers["@predraft"] = DFlashProposer(backend, predraft=args.predraft)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
-    datastore = datastore_for(args.datastore, Path(str(target.config.name_or_path)).name)
+    datastore = datastore_for(args.datastore, target.name)
     costs = VerifyCosts()
     if any(m.startswith("adaptive") for m in names):
         costs.measure(target, range(1, args.tree_nodes + 2))

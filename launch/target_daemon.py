@@ -135,10 +135,9 @@ def main(argv: list[str] | None = None) -> None:
         target = TargetModel.load(
             resolve_model(args.model), args.device, args.dtype, args.cache_policy, slots=args.max_batch
         )
-        name = Path(str(target.config.name_or_path)).name
-        recorder = traffic_recorder(args.record, name) if args.record else None
+        recorder = traffic_recorder(args.record, target.name) if args.record else None
         proposers = build_proposers(proposer_settings(args), target, target.slots, drafter_keys)
-        service = TargetService(target, proposers, settings, recorder, datastore_for(settings.datastore, name))
+        service = TargetService(target, proposers, settings, recorder, datastore_for(settings.datastore, target.name))
         service.serve(args.bind, stop, curve, args.insecure_plaintext)
 
 

@@ -17,7 +17,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -141,8 +140,7 @@ class Turns:
     def answered(self, ask: Ask, tokens: list[int], prompt_len: int, finish: str) -> Answer | None:
         """Store an answer and queue what follows it; None if it was already stored."""
         messages = [list(m) for m in ask.messages]
-        model = Path(self.target.config.name_or_path).name
-        answer = Answer(ask.key, ask.job, ask.stage, messages, tokens, prompt_len, finish, ask.then, model)
+        answer = Answer(ask.key, ask.job, ask.stage, messages, tokens, prompt_len, finish, ask.then, self.target.name)
         if not self.store.add(answer):
             return None
         self.follow.extend(self._next(ask, tokens[prompt_len:]))

@@ -68,6 +68,11 @@ class TargetModel:
         self.greedy_head = self._screened_head_if_faster() if self.engine is None else None
 
     @property
+    def name(self) -> str:
+        """The model's folder name: what the answer store, the stats reply and the datastore call it."""
+        return Path(str(self.config.name_or_path)).name
+
+    @property
     def policy(self):
         """How the cache gives back what a verify ran: the engine's static cache, or the transformers
         path's policy for its cache layers (`name`, and `tree`: whether any rows can be kept)."""

@@ -23,7 +23,6 @@ from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from protocol import ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
@@ -221,7 +220,7 @@ class TargetService:
     def report(self) -> dict:
         """The `stats` reply: what was served since start, the queue now, and the drafter's state."""
         return ServedStats(
-            model=Path(self.target.config.name_or_path).name,  # the folder it was loaded from
+            model=self.target.name,  # the folder it was loaded from
             served=self.served,
             queued=self.pending(),
             running=len(self.active),
