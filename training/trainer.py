@@ -378,6 +378,8 @@ class Trainer:
         self.cfg, self.opts, self.ranks = cfg, opts, ranks
         self.dev = torch.device(opts.device)
         self.features = features.array()
+        if not opts.distill:  # a wider cache's teacher columns are read only to distill
+            self.features = self.features[:, : cfg.feature_width]
         self.train_records = samples([a for a in answers if not a.held_out], features)
         self.val_records = samples([a for a in answers if a.held_out], features)[: opts.val_answers]
         self.draw = self._draw_weights(answers)
