@@ -231,9 +231,10 @@ def mode_table(runs: Runs) -> dict:
             "nodes_per_step": round(s.proposed / s.steps, 2) if s.steps else 0.0,
             "mismatches": runs.mismatches.get(mode, 0),
             "histogram": {str(k): v for k, v in sorted(s.histogram.items())},
-            # Who drafted each drafting step ("predraft": a pre-draft's hit), and what those steps accepted.
+            # Who drafted each drafting step ("predraft": a pre-draft's hit), and what those steps accepted
+            # (every node of them, looked-up branches included).
             "drafted_steps": dict(s.sources),
-            "accepted_per_step": {k: round(s.accepted_by_source[k] / n, 3) for k, n in s.sources.items() if n},
+            "accepted_per_step": {k: round(s.accepted_on_steps[k] / n, 3) for k, n in s.sources.items() if n},
             # Accepted drafts by who proposed them ("lookup": nodes only the looked-up continuation held).
             "accepted_by_source": dict(s.accepted_by_source),
             "propose_ms_per_step": round(1000 * s.propose_s / s.steps, 2) if s.steps else 0.0,

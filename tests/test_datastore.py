@@ -90,6 +90,9 @@ def test_the_datastore_branch_changes_speed_never_output(target, adaptive):
             options = DecodeOptions(40, tree_nodes=6, adaptive=adaptive, lookup=False, datastore=store)
             result = generate(target, list(prompt), NoProposer(), options)
             assert_lossless(target, list(prompt), result.tokens, want)
+            stats = result.stats  # every accepted draft counted once by its node's source, once by its step's
+            assert sum(stats.accepted_on_steps.values()) == stats.accepted == sum(stats.accepted_by_source.values())
+            assert all(stats.accepted_on_steps[k] <= 6 * n for k, n in stats.sources.items())
             if name == "answers" and not adaptive:  # its own answer, verified every step: taken whole
                 assert result.stats.accepted_by_source["datastore"] >= 30, result.stats.accepted_by_source
 

@@ -198,6 +198,7 @@ class Sequence:
         if step.drafts:
             stats.histogram[step.accepted] += 1
             stats.sources[step.source] += 1
+            stats.accepted_on_steps[step.source] += step.accepted
             stats.accepted_by_source[step.source] += step.accepted - sum(step.looked_up.values())
             for source, accepted in step.looked_up.items():
                 stats.accepted_by_source[source] += accepted

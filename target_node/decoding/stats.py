@@ -22,7 +22,8 @@ class Stats:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     sources: Counter = field(default_factory=Counter)  # who drafted -> steps
-    accepted_by_source: Counter = field(default_factory=Counter)  # who drafted -> drafts accepted
+    accepted_by_source: Counter = field(default_factory=Counter)  # who proposed the node -> drafts accepted
+    accepted_on_steps: Counter = field(default_factory=Counter)  # who drafted the step -> drafts its steps accepted
     propose_s_by_source: Counter = field(default_factory=Counter)  # who drafted -> seconds drafting took
     propose_s: float = 0.0  # drafting: features + noise out, draft, projection back
     verify_s: float = 0.0  # target forward over [last_tok, drafts] and the rollback
