@@ -836,6 +836,26 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, a
 
 constexpr int HB = 4;  // query heads of one group computed together
 
+#if defined(__AVX512F__)
+// Sixteen horizontal sums at once, each by hsum's own additions (lanes l + 8, then + 4, + 2, + 1,
+// the same operands in the same order), so each sum has the bits hsum gives it alone; the shuffles
+// only move lanes. Sum i lands in lane 4 * (i % 4) + i / 4.
+inline __m512 hsum16(const __m512* x) {
+  __m512 y[8], z[4], w[2];
+  for (int i = 0; i < 8; i++)  // a[l] + a[l + 8]: two sums a vector
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; i++)  // + 4: four sums a vector, one a 128-bit lane
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; i++)  // + 2
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),  // + 1
+                       _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
 template <typename T, int DV, int NH>
 void head_block(const float* const* q, const T* kb, const T* vb, const int64_t* keys, int64_t L, float sc,
                 float* const* p, float* const* out) {
@@ -845,7 +865,33 @@ void head_block(const float* const* q, const T* kb, const T* vb, const int64_t* 
     for (int c = 0; c < DV; c++) qv[h][c] = vload(q[h] + c * W);
   float best[NH];
   for (int h = 0; h < NH; h++) best[h] = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < L; j++) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  // Four keys at a time: their dot products with up to four heads summed together (hsum16), each
+  // score the bits of the one-key loop below.
+  for (; j + 4 <= L; j += 4) {
+    __m512 dots[16];
+    for (int u = 0; u < 4; u++) {
+      const T* kr = kb + keys[j + u] * D;
+      V a[NH];
+      for (int h = 0; h < NH; h++) a[h] = vzero();
+      for (int c = 0; c < DV; c++) {
+        const V kv = vload(kr + c * W);
+        for (int h = 0; h < NH; h++) a[h] = vfma(qv[h][c], kv, a[h]);
+      }
+      for (int h = 0; h < 4; h++) dots[4 * u + h] = h < NH ? a[h].v : _mm512_setzero_ps();
+    }
+    alignas(64) float sums[W];
+    _mm512_store_ps(sums, hsum16(dots));
+    for (int u = 0; u < 4; u++)
+      for (int h = 0; h < NH; h++) {
+        const float s = sums[4 * h + u] * sc;  // sum 4u + h
+        p[h][j + u] = s;
+        best[h] = s > best[h] ? s : best[h];
+      }
+  }
+#endif
+  for (; j < L; j++) {
     const T* kr = kb + keys[j] * D;
     V a[NH];
     for (int h = 0; h < NH; h++) a[h] = vzero();
