@@ -618,7 +618,10 @@ void linear(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::opti
     return;
   }
 #endif
-  const int lines = static_cast<int>((4 + (M + MB - 1) / MB - 1) / ((M + MB - 1) / MB));  // 4 lines over the blocks
+  // Each block fetches ceil(4 / blocks) lines a step of k: one panel ahead in all for 1, 2 or 4 blocks, somewhat
+  // more for others (a prefill's many blocks run further ahead, harmlessly). No rows: one block, nothing fetched.
+  const int64_t blocks = std::max<int64_t>(1, (M + MB - 1) / MB);
+  const int lines = static_cast<int>((4 + blocks - 1) / blocks);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     const char* end = wbase + p1 * panel_bytes;
     alignas(64) float acc[MB * PANEL];
@@ -627,7 +630,7 @@ void linear(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::opti
       const int64_t n0 = p * PANEL, cols = std::min<int64_t>(PANEL, N - n0);
       for (int64_t m = 0; m < M; m += MB) {
         const int rows = static_cast<int>(std::min<int64_t>(MB, M - m));
-        // Block m / MB fetches its share of the stream ahead (one panel's bytes in all, 4 lines a step of k).
+        // Block m / MB fetches its share of the stream ahead, after the shares of the blocks before it.
         const int64_t block = m / MB;
         const Ahead ahead{panel + PREFETCH_BYTES + block * (half ? k2 : K) * lines * 64, lines, end};
         dispatch_rows(rows, [&](auto R) {

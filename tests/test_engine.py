@@ -263,6 +263,19 @@ def test_on_either_bf16_path_a_row_is_the_same_bits_in_any_batch(path, one_threa
         torch.ops.dflash.linear_path(chosen)
 
 
+def test_a_matmul_of_no_rows_is_an_empty_result_in_either_dtype():
+    """A call with no rows (an empty batch) returns nothing and does not fault: the row blocks
+    that share the prefetching are counted from the rows, and zero rows are one empty block."""
+    import dflash_kernels
+
+    for dtype in (torch.float32, torch.bfloat16):
+        w = dflash_kernels.pack(torch.randn(130, 96).to(dtype))
+        out = dflash_kernels.linear(torch.empty(0, 96), w)
+        assert out.shape == (0, 130)
+        seven, one = dflash_kernels.linear(torch.ones(7, 96), w), dflash_kernels.linear(torch.ones(1, 96), w)
+        assert torch.equal(seven[3], one[0])
+
+
 def w_dense(packed, k: int) -> torch.Tensor:
     """The [N, K] fp32 matrix a packed bf16 one holds."""
     panels, pairs = packed.data.shape[:2]
