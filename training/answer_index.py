@@ -5,14 +5,16 @@ fingerprint, so a restart maps it from disk in a moment where reading the store 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 from target_node import CACHE_ROOT
-from target_node.drafting.datastore import Datastore, fingerprint
+from target_node.drafting.datastore import Datastore
 from training.answer_store import STORE, read_shard
 
 log = logging.getLogger("datastore")
@@ -52,3 +54,14 @@ def first_model(shard: Path) -> str:
     with gzip.open(shard, "rt") as fh:
         line = fh.readline()
     return json.loads(line).get("model", "") if line.strip() else ""
+
+
+def fingerprint(files: Iterable[Path], *extra: str) -> str:
+    """A name for the datastore built from these files (by name, size and time) and `extra`."""
+    h = hashlib.sha1()
+    for f in sorted(files):
+        stat = f.stat()
+        h.update(f"{f.name}:{stat.st_size}:{int(stat.st_mtime)}".encode())
+    for e in extra:
+        h.update(e.encode())
+    return h.hexdigest()[:16]

@@ -17,7 +17,6 @@ Verification keeps the output the target's own whatever the continuation says.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -118,14 +117,3 @@ class Datastore:
             chances.append(float(counts.max()) / (len(column) + 1))
             follow = follow[follow[:, d] == best]
         return Continuation(out, chances)
-
-
-def fingerprint(files: Iterable[Path], *extra: str) -> str:
-    """A name for the datastore built from these files (by name, size and time) and `extra`."""
-    h = hashlib.sha1()
-    for f in sorted(files):
-        stat = f.stat()
-        h.update(f"{f.name}:{stat.st_size}:{int(stat.st_mtime)}".encode())
-    for e in extra:
-        h.update(e.encode())
-    return h.hexdigest()[:16]
