@@ -25,15 +25,21 @@ from dflash_kernels.build import KernelsUnavailable, locked, native_bf16
 __all__ = [
     "KernelsUnavailable",
     "Packed",
+    "Screen",
     "argmax",
     "available",
     "bf16_faster",
+    "best_of_turns",
     "bf16_matmul",
     "linear",
     "load",
+    "measured_once",
     "native_bf16",
     "pack",
+    "pack_screen",
     "runs_on",
+    "screen_argmax",
+    "screen_available",
 ]
 
 log = logging.getLogger(__name__)
@@ -88,6 +94,67 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         torch.ops.dflash.argmax(x if x.stride(1) == 1 else x.contiguous(), out)
         return out
     return x.argmax(-1)
+
+
+@dataclass
+class Screen:
+    """An LM head [N, K] once more as int8 panels [N/64, K/4, 64, 4], a scale per token, with the
+    factors of each token's error bound (`pack_screen`), for `screen_argmax`."""
+
+    data: torch.Tensor  # int8
+    coef: torch.Tensor  # fp32 [3, N padded to 64]: scale s, bound factors a and b
+    colsum: torch.Tensor  # int32 [N padded]: each token's sum of its int8 weights
+    n: int
+
+
+def pack_screen(weight: torch.Tensor, chunk: int = 8192) -> Screen:
+    """The screen of an LM head whose exact logits `linear` computes from `weight` ([N, K], fp32 or
+    bf16). Why a screened token's logit v is within a*|h| + b*|d| of the exact one, for a row h (as the
+    matmul rounds it) whose two int8 parts leave d: with w = s*q + e per token (q the int8 weights),
+    h.w - v = e.h + s*q.d, so |h.w - v| <= |e| |h| + s |q| |d| (Cauchy-Schwarz); and `linear`'s sum of
+    K products (exact in bf16, one rounding each in fp32) is within K 2^-24 sum|w_i h_i| <= K 2^-24 |w|
+    |h| of h.w, taken twice here for any order of sums (AMX's too). The kernel adds the rounding of its
+    own few float operations."""
+    w = weight.detach()
+    n, k = w.shape
+    k4, np_ = -(-k // 4), -(-n // PANEL) * PANEL
+    q = torch.zeros(np_, k4 * 4, dtype=torch.int8)
+    coef = torch.zeros(3, np_)
+    gamma = (k + 4) * 2.0**-23
+    for start in range(0, n, chunk):
+        rows = w[start : start + chunk].double()
+        scale = (rows.abs().amax(1) / 127).float()  # the kernel's scale, as it will read it
+        s = scale.double()
+        qi = torch.where(s[:, None] > 0, torch.round(rows / s.clamp_min(1e-300)[:, None]), 0.0).clamp(-127, 127)
+        err = rows - s[:, None] * qi
+        end = start + rows.shape[0]
+        q[start:end, :k] = qi.to(torch.int8)
+        grow = 1 + 2.0**-20  # rounded up, as floats
+        coef[0, start:end] = scale
+        coef[1, start:end] = ((err.norm(dim=1) + gamma * rows.norm(dim=1)) * grow).float()
+        coef[2, start:end] = ((s * qi.norm(dim=1)) * grow).float()
+    colsum = q.sum(1, dtype=torch.int32)
+    data = q.view(np_ // PANEL, PANEL, k4, 4).permute(0, 2, 1, 3).contiguous()
+    return Screen(data, coef.contiguous(), colsum.contiguous(), n)
+
+
+def screen_argmax(
+    x: torch.Tensor, head: Packed, rows: torch.Tensor, screen: Screen, limit: int = 4096
+) -> tuple[list[int], list[int]] | None:
+    """Each row's argmax of `linear(x, head)` (head's rows [N, K] as `rows`, in its dtype), the first of
+    ties, computed over only the tokens `screen` keeps for it (a row keeping more than `limit`: over all);
+    and how many it kept per row. None where a row is not finite: compute the whole head then."""
+    out, kept = torch.empty(x.shape[0], dtype=torch.long), torch.empty(x.shape[0], dtype=torch.long)
+    done = torch.ops.dflash.screen_argmax(
+        x.contiguous(), head.data, head.n, rows, screen.data, screen.coef, screen.colsum, limit, out, kept
+    )
+    return (out.tolist(), kept.tolist()) if done else None
+
+
+@cache
+def screen_available() -> bool:
+    """Whether this CPU runs the int8 screen (AVX512-VNNI, as the kernels were built)."""
+    return available() and bool(torch.ops.dflash.screen_available())
 
 
 @cache
@@ -188,12 +255,12 @@ def _setting_seconds(
                 torch.ops.dflash.linear(x, w.data, w.n, None, None, out)
 
     had = choose(-1)
-    seconds = _best_of_turns({name: lambda n=number: run(n) for name, number in settings.items()}, turns=11)
+    seconds = best_of_turns({name: lambda n=number: run(n) for name, number in settings.items()}, turns=11)
     choose(had)
     return seconds
 
 
-def _best_of_turns(runs: dict[str, Callable[[], None]], turns: int) -> dict[str, float]:
+def best_of_turns(runs: dict[str, Callable[[], None]], turns: int) -> dict[str, float]:
     """The best time of each run, the runs taking turns so a burst of load hits them alike; the
     first turn warms the caches and the thread pool and is not counted."""
     best = dict.fromkeys(runs, float("inf"))
@@ -227,4 +294,4 @@ def _one_row_seconds(hidden: int, outputs: int) -> dict[str, float]:
         for _ in range(4):
             linear(x, weights, out=out)
 
-    return _best_of_turns({name: lambda w=weights: run(w) for name, weights in packed.items()}, turns=21)
+    return best_of_turns({name: lambda w=weights: run(w) for name, weights in packed.items()}, turns=21)

@@ -24,6 +24,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -732,6 +734,256 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
+// --- the LM head's greedy screen ----------------------------------------------------------------------
+//
+// Greedy decoding needs each row's argmax alone, and the LM head is a fifth of a plain step's weight
+// stream (SmolLM2: 57 of 270 MB in bf16). The screen reads the head once more as int8, a scale per
+// token (half the bytes of bf16, a quarter of fp32), against the row as two int8 parts. VNNI's
+// integer dot products are exact, so every token's logit is known to within a bound the caller proves
+// (dflash_kernels.pack_screen says how). A token can hold the row's largest logit only if its upper
+// bound reaches the row's best lower bound; only those tokens' logits are then computed, by `linear`
+// over their own columns, each by the same operations as in the whole head: the argmax is the whole
+// head's, bit for bit, ties to the first as there.
+//
+// Int8 weights are packed [N/64][K/4][64][4] (four k side by side, the layout VPDPBUSD reads); a row
+// goes in as unsigned bytes q + 128, undone by each token's sum of its q (`colsum`).
+
+#if defined(__AVX512VNNI__)
+// One register block: quantized rows xq[0..R) (as quads) against one int8 panel; exact int32 sums.
+template <int R>
+void panel_i8(const uint32_t* xq, int64_t ldx, const int8_t* w, int64_t K4, int32_t* acc, const Ahead& ahead) {
+  __m512i a[R][PV];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < PV; v++) a[r][v] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K4; k++) {
+    const int8_t* wk = w + k * PANEL * 4;
+    ahead.fetch(k);
+    __m512i wv[PV];
+    for (int v = 0; v < PV; v++) wv[v] = _mm512_loadu_si512(wk + v * 4 * W);
+    for (int r = 0; r < R; r++) {
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(xq[r * ldx + k]));
+      for (int v = 0; v < PV; v++) a[r][v] = _mm512_dpbusd_epi32(a[r][v], xv, wv[v]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < PV; v++) _mm512_storeu_si512(acc + r * PANEL + v * W, a[r][v]);
+}
+#endif
+
+bool screen_available() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Rounded up a little, so a float made from a double never falls below it.
+inline float above(double x) { return static_cast<float>(x * (1.0 + 0x1p-20)); }
+
+// A row as the matmul sees it (rounded to bf16 where the weights are bf16) as two int8 parts: the row at
+// scale t1, then what that leaves at scale t2 (one part leaves an error set by the row's largest entry,
+// and final hidden states have a few channels far larger than the rest). Quads of bytes q + 128, zero
+// (128) past K; the norms the bound needs: of the row, and of what the two parts leave. False where
+// the row is not finite or so large its logits could overflow.
+struct RowParts {
+  float t1 = 0, t2 = 0, norm = 0, rest = 0;
+};
+
+bool split_row(const float* x, int64_t K, bool round_bf16, int64_t K4, uint8_t* q1, uint8_t* q2, RowParts& out) {
+  std::vector<double> h(K);
+  if (round_bf16) {
+    std::vector<bf16> b(K);
+    round_row_bf16(x, K, b.data());
+    for (int64_t k = 0; k < K; k++) h[k] = bf16_to_float(b[k]);
+  } else {
+    for (int64_t k = 0; k < K; k++) h[k] = x[k];
+  }
+  double norm2 = 0;
+  for (int64_t k = 0; k < K; k++) {
+    if (!std::isfinite(h[k])) return false;
+    norm2 += h[k] * h[k];
+  }
+  if (!(norm2 < 1e30)) return false;
+  // Part by part: the scale from what is left, any integer in [-127, 127] (what it leaves is computed
+  // from the one chosen, exactly in double: a float times a small integer, then a close difference).
+  auto part = [&](uint8_t* q) {
+    double top = 0;
+    for (int64_t k = 0; k < K; k++) top = std::max(top, std::fabs(h[k]));
+    const float t = static_cast<float>(top / 127.0);
+    const double inv = t > 0 ? 1.0 / t : 0.0;
+    std::memset(q, 128, K4 * 4);
+    for (int64_t k = 0; k < K; k++) {
+      const int v = static_cast<int>(std::clamp(std::nearbyint(h[k] * inv), -127.0, 127.0));
+      q[k] = static_cast<uint8_t>(v + 128);
+      h[k] -= static_cast<double>(t) * v;
+    }
+    return t;
+  };
+  const float t1 = part(q1), t2 = part(q2);
+  double rest2 = 0;
+  for (int64_t k = 0; k < K; k++) rest2 += h[k] * h[k];
+  out = {t1, t2, above(std::sqrt(norm2)), above(std::sqrt(rest2))};
+  return true;
+}
+
+// Bounds of every token's logit for rows x [M, K]: hi [M, Np] (upper bounds) and each row's best lower
+// bound (floor [M]). w8 the int8 panels for N tokens; coef [3, Np]: each token's scale s and its
+// bound's factors a (of the row's norm) and b (of what the row's int8 form leaves); colsum [Np].
+bool screen_bounds(const at::Tensor& x, bool round_bf16, const at::Tensor& w8, int64_t N, const at::Tensor& coef,
+                   const at::Tensor& colsum, std::vector<float>& hi, std::vector<float>& floor) {
+#if !defined(__AVX512VNNI__)
+  check(false, "the screen needs AVX512-VNNI (screen_available)");
+  return false;
+#else
+  const int64_t M = x.size(0), K = x.size(1), K4 = (K + 3) / 4;
+  const int64_t panels = (N + PANEL - 1) / PANEL, Np = panels * PANEL;
+  check(w8.scalar_type() == at::kChar && w8.is_contiguous(), "screen: int8 panels");
+  check(w8.numel() == panels * PANEL * K4 * 4, "screen: packed weights of another shape");
+  check(coef.scalar_type() == at::kFloat && coef.is_contiguous() && coef.numel() == 3 * Np, "screen: coef");
+  check(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.numel() == Np, "screen: colsum");
+  // Two quantized rows per row: its first part at row 2m, the second at 2m + 1.
+  const int64_t Q = 2 * M;
+  std::vector<uint32_t> xq(Q * K4);
+  std::vector<RowParts> parts(M);
+  for (int64_t m = 0; m < M; m++) {
+    auto* q1 = reinterpret_cast<uint8_t*>(&xq[2 * m * K4]);
+    if (!split_row(x.data_ptr<float>() + m * x.stride(0), K, round_bf16, K4, q1, q1 + K4 * 4, parts[m])) return false;
+  }
+  const float *s = coef.data_ptr<float>(), *a = s + Np, *b = a + Np;
+  const int32_t* cs = colsum.data_ptr<int32_t>();
+  hi.assign(M * Np, 0.0f);
+  std::vector<float> best(M * panels);
+  const int64_t blocks = std::max<int64_t>(1, (Q + MB - 1) / MB);
+  const int lines = static_cast<int>((4 + blocks - 1) / blocks);
+  const int64_t panel_bytes = PANEL * K4 * 4;
+  const char* wbase = reinterpret_cast<const char*>(w8.data_ptr());
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    const char* end = wbase + p1 * panel_bytes;
+    alignas(64) int32_t acc[MB * PANEL];
+    for (int64_t p = p0; p < p1; p++) {
+      const char* panel = wbase + p * panel_bytes;
+      const int64_t n0 = p * PANEL, cols = std::min<int64_t>(PANEL, N - n0);
+      for (int64_t m = 0; m < Q; m += MB) {  // MB is even: a block holds both parts of its rows
+        const int rows = static_cast<int>(std::min<int64_t>(MB, Q - m));
+        const Ahead ahead{panel + PREFETCH_BYTES + (m / MB) * K4 * lines * 64, lines, end};
+        dispatch_rows(rows, [&](auto R) {
+          panel_i8<R.value>(xq.data() + m * K4, K4, reinterpret_cast<const int8_t*>(panel), K4, acc, ahead);
+        });
+        for (int r = 0; r < rows; r += 2) {
+          const int64_t row = (m + r) / 2;
+          const RowParts& pr = parts[row];
+          __m512 low = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          for (int v = 0; v < PV && v * W < cols; v++) {
+            const int64_t j = n0 + v * W;
+            const __mmask16 real = (__mmask16)(cols - v * W >= W ? 0xffffu : (1u << (cols - v * W)) - 1u);
+            // Exact int32 sums (K 255 127 fits for any K below 66,000); `round` covers their conversion.
+            const __m512i undo = _mm512_slli_epi32(_mm512_loadu_si512(cs + j), 7);
+            const __m512i d1 = _mm512_sub_epi32(_mm512_loadu_si512(acc + r * PANEL + v * W), undo);
+            const __m512i d2 = _mm512_sub_epi32(_mm512_loadu_si512(acc + (r + 1) * PANEL + v * W), undo);
+            const __m512 p1 = _mm512_mul_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(pr.t1));
+            const __m512 p2 = _mm512_mul_ps(_mm512_cvtepi32_ps(d2), _mm512_set1_ps(pr.t2));
+            const __m512 sj = _mm512_loadu_ps(s + j);
+            const __m512 val = _mm512_mul_ps(_mm512_add_ps(p1, p2), sj);
+            // The bound, then the rounding of the conversions, the products and the sum, and of val +- bound.
+            const __m512 mag = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(_mm512_abs_ps(p1), _mm512_abs_ps(p2)), sj),
+                                             _mm512_abs_ps(val));
+            __m512 bound = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(a + j), _mm512_set1_ps(pr.norm)),
+                                         _mm512_mul_ps(_mm512_loadu_ps(b + j), _mm512_set1_ps(pr.rest)));
+            bound = _mm512_add_ps(bound, _mm512_mul_ps(mag, _mm512_set1_ps(0x1p-19f)));
+            bound = _mm512_add_ps(_mm512_mul_ps(bound, _mm512_set1_ps(1.0f + 0x1p-20f)), _mm512_set1_ps(1e-30f));
+            _mm512_storeu_ps(hi.data() + row * Np + j, _mm512_add_ps(val, bound));
+            low = _mm512_mask_max_ps(low, real, low, _mm512_sub_ps(val, bound));
+          }
+          best[row * panels + p] = _mm512_reduce_max_ps(low);
+        }
+      }
+    }
+  });
+  floor.assign(M, -std::numeric_limits<float>::infinity());
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t p = 0; p < panels; p++) floor[m] = std::max(floor[m], best[m * panels + p]);
+  return true;
+#endif
+}
+
+// The tokens of `rows` ([N, K], the head's weights as `linear`'s packed copy holds them) packed as
+// weights of their own, pack.py's layout: a `linear` over them gives each the bits the whole head does.
+at::Tensor pack_tokens(const at::Tensor& rows, const std::vector<int64_t>& tokens) {
+  const int64_t K = rows.size(1), n = static_cast<int64_t>(tokens.size());
+  const int64_t panels = (n + PANEL - 1) / PANEL;
+  if (rows.scalar_type() == at::kBFloat16) {
+    const int64_t K2 = (K + 1) / 2;
+    at::Tensor out = at::zeros({panels, K2, PANEL, 2}, rows.options());
+    const bf16* src = reinterpret_cast<const bf16*>(rows.data_ptr());
+    bf16* dst = reinterpret_cast<bf16*>(out.data_ptr());
+    for (int64_t i = 0; i < n; i++) {
+      bf16* to = dst + (i / PANEL) * K2 * PANEL * 2 + (i % PANEL) * 2;
+      const bf16* from = src + tokens[i] * K;
+      for (int64_t k = 0; k < K; k++) to[(k / 2) * PANEL * 2 + k % 2] = from[k];
+    }
+    return out;
+  }
+  at::Tensor out = at::zeros({panels, K, PANEL}, rows.options());
+  const float* src = rows.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; i++) {
+    float* to = dst + (i / PANEL) * K * PANEL + i % PANEL;
+    const float* from = src + tokens[i] * K;
+    for (int64_t k = 0; k < K; k++) to[k * PANEL] = from[k];
+  }
+  return out;
+}
+
+// Greedy choices for rows x [M, K] under the head `head` (packed, N tokens) whose rows are `rows`
+// [N, K] and whose screen is (w8, coef, colsum): out [M] the argmax of each row's fp32 logits, kept [M]
+// how many tokens the screen kept for it. A row that keeps more than `limit` computes the whole head.
+// False (nothing written) where a row is not finite: the caller computes the whole head.
+bool screen_argmax(const at::Tensor& x, const at::Tensor& head, int64_t N, const at::Tensor& rows,
+                   const at::Tensor& w8, const at::Tensor& coef, const at::Tensor& colsum, int64_t limit,
+                   at::Tensor& out, at::Tensor& kept) {
+  check(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "screen_argmax: fp32 rows");
+  check(rows.dim() == 2 && rows.is_contiguous() && rows.size(0) == N && rows.size(1) == x.size(1) &&
+            rows.scalar_type() == head.scalar_type(),
+        "screen_argmax: the head's rows");
+  check(out.scalar_type() == at::kLong && kept.scalar_type() == at::kLong && out.numel() == x.size(0) &&
+            kept.numel() == x.size(0),
+        "screen_argmax: int64 out and kept");
+#if !defined(__AVX512VNNI__)
+  check(false, "the screen needs AVX512-VNNI (screen_available)");
+  return false;
+#else
+  const int64_t M = x.size(0), Np = (N + PANEL - 1) / PANEL * PANEL;
+  std::vector<float> hi, floor;
+  if (!screen_bounds(x, rows.scalar_type() == at::kBFloat16, w8, N, coef, colsum, hi, floor)) return false;
+  int64_t* o = out.data_ptr<int64_t>();
+  int64_t* counts = kept.data_ptr<int64_t>();
+  std::vector<int64_t> tokens;
+  for (int64_t m = 0; m < M; m++) {
+    tokens.clear();
+    const float* h = hi.data() + m * Np;
+    const __m512 f = _mm512_set1_ps(floor[m]);
+    for (int64_t j = 0; j < N; j += W) {
+      const __mmask16 any = (__mmask16)(N - j >= W ? 0xffffu : (1u << (N - j)) - 1u);
+      for (unsigned bits = _mm512_mask_cmp_ps_mask(any, _mm512_loadu_ps(h + j), f, _CMP_GE_OQ); bits; bits &= bits - 1)
+        tokens.push_back(j + __builtin_ctz(bits));
+    }
+    counts[m] = static_cast<int64_t>(tokens.size());
+    const at::Tensor row = x.narrow(0, m, 1);
+    if (counts[m] > limit) {  // a flat row: the whole head
+      at::Tensor logits = at::empty({1, N}, x.options());
+      linear(row, head, N, c10::nullopt, c10::nullopt, logits);
+      o[m] = argmax_row(logits.data_ptr<float>(), N);
+      continue;
+    }
+    at::Tensor logits = at::empty({1, counts[m]}, x.options());
+    linear(row, pack_tokens(rows, tokens), counts[m], c10::nullopt, c10::nullopt, logits);
+    o[m] = tokens[argmax_row(logits.data_ptr<float>(), counts[m])];  // ascending: the first of ties
+  }
+  return true;
+#endif
+}
+
 // --- SwiGLU: out[m, i] = silu(gu[m, i]) * gu[m, I + i] ----------------------------------------------
 
 void silu_mul(const at::Tensor& gu, at::Tensor& out) {
@@ -1067,6 +1319,10 @@ TORCH_LIBRARY(dflash, m) {
   m.def("rmsnorm(Tensor x, Tensor weight, float eps, bool plus_one, Tensor(a!) out) -> ()");
   m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()");
   m.def("argmax(Tensor x, Tensor(a!) out) -> ()");
+  m.def("screen_available() -> bool", &screen_available);
+  m.def(
+      "screen_argmax(Tensor x, Tensor head, int n, Tensor rows, Tensor w8, Tensor coef, Tensor colsum, int limit, "
+      "Tensor(a!) out, Tensor(b!) kept) -> bool");
   m.def(
       "rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kc, Tensor(c!) vc, Tensor slot, Tensor index, "
       "int hq, int hkv, Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
@@ -1080,6 +1336,7 @@ TORCH_LIBRARY_IMPL(dflash, CPU, m) {
   m.impl("rmsnorm", &rmsnorm);
   m.impl("silu_mul", &silu_mul);
   m.impl("argmax", &argmax);
+  m.impl("screen_argmax", &screen_argmax);
   m.impl("rope_store", &rope_store);
   m.impl("attention", &attention);
 }

@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import assert_lossless, greedy
 
+import dflash_kernels
 from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
@@ -87,6 +88,16 @@ def test_the_shipped_drafter_gives_plain_output_bit_for_bit_in_every_mode(prompt
         for mode, options in modes.items():
             result = generate(target, prompt, proposer, DecodeOptions(MAX_NEW, **options))
             assert result.tokens == want, (dtype, mode)
+        engine = target.engine
+        if engine.screened is not None:  # the int8 screen at every width, against the whole head
+            target.reset()
+            hidden, _ = target.forward(prompt + want)
+            engine.screen_rows, measured = 17, engine.screen_rows
+            for width in range(1, 18):
+                for start in range(0, len(hidden) - width, 3):
+                    x = hidden[start : start + width]
+                    assert engine.greedy(x) == dflash_kernels.argmax(engine.head(x)).tolist(), (dtype, width)
+            engine.screen_rows = measured
 
 
 def test_remote_drafter_equals_local_and_greedy(smollm, prompts, references, tmp_path):

@@ -36,6 +36,9 @@ class Engine:
     name = "static"
     tree = True  # any rows can be kept: a tree's accepted path is gathered into place
 
+    screened: dflash_kernels.Screen | None = None  # the head's int8 screen, on CPUs with VNNI
+    screen_rows = 0  # the most rows `greedy` screens (measured: where the screen is the faster)
+
     def __init__(self, model: nn.Module, slots: int = 1, max_positions: int | None = None, ops="auto") -> None:
         """`ops`: "kernels" (the CPU kernels), "torch" (torch_ops.py, the GPU's), "device" (the one
         the model's device runs), "auto" (the same, but declining a GPU until the engine's bitwise
@@ -48,6 +51,9 @@ class Engine:
                 raise EngineUnsupported(f"the CPU kernels do not run on {device.type}")
             dflash_kernels.load()
             self.ops, prepare, self.block = torch.ops.dflash, dflash_kernels.pack, None
+            if dflash_kernels.screen_available():  # greedy steps screen the head in int8 (`greedy`)
+                self._head_rows = model.get_output_embeddings().weight.detach().contiguous()
+                self.screened = dflash_kernels.pack_screen(self._head_rows)
         elif ops == "torch":
             self.ops, prepare, self.block = TorchOps(), torch_ops.prepare, torch_ops.BLOCK
         else:
@@ -70,6 +76,8 @@ class Engine:
         )
         self._cos = self._sin = torch.empty(0, self.w.head_dim, device=device)
         check_against(self, model)
+        if self.screened is not None:
+            self.screen_rows = self._screen_rows()
 
     # --- rows of one sequence (the adapter's calls) ---------------------------------------------
 
@@ -219,6 +227,49 @@ class Engine:
             rows = slice(start, start + size)
             self.ops.linear(padded[rows], self.w.head.data, self.w.head.n, None, None, out[rows])
         return out[:m]
+
+    @torch.inference_mode()
+    def greedy(self, hidden: torch.Tensor) -> list[int] | None:
+        """Each row's argmax of the head's fp32 logits, for about half the head's bytes: the int8
+        screen keeps the few tokens that may be the row's largest (tens, typically), and only their
+        logits are computed, each the same bits as in the whole head, so the argmax is the whole
+        head's (ties to the first, as there). None where the screen does not serve: none here, more
+        rows than it is faster for, or a row not finite (the caller computes the whole head)."""
+        if not 0 < hidden.shape[0] <= self.screen_rows:
+            return None
+        chosen = dflash_kernels.screen_argmax(hidden.float(), self.w.head, self._head_rows, self.screened)
+        return None if chosen is None else chosen[0]
+
+    def _screen_rows(self, widest: int = 17) -> int:
+        """Up to how many rows the screen beats the whole head here. It reads half the bytes, but its
+        two int8 parts cost about one bf16 row's compute each: a gain while the head streams from
+        memory (a plain step, a narrow verify), none once the head computes. Measured once per
+        machine and head, the two in turns, on rows shaped like final hidden states."""
+        n, k = self.w.head.n, self.w.norm.numel()
+
+        def measure() -> dict[str, float]:
+            # A final hidden state points at its token's head row, give or take: the screen keeps as
+            # many tokens for these as for real ones (random rows, far flatter, keep ten times more).
+            generator = torch.Generator().manual_seed(0)
+            picked = self._head_rows[torch.randint(0, n, (widest,), generator=generator)].float()
+            noise = 0.05 * picked.norm(dim=1).mean() * torch.randn(widest, k, generator=generator)
+            rows = self.final_norm((picked + noise.to(picked.device)).contiguous())
+            had, self.screen_rows = self.screen_rows, widest
+            runs = {}
+            for m in range(1, widest + 1):
+                x = rows[:m].contiguous()
+                runs[f"head-{m}"] = lambda x=x: dflash_kernels.argmax(self.head(x))
+                runs[f"screen-{m}"] = lambda x=x: self.greedy(x)
+            try:
+                return dflash_kernels.best_of_turns(runs, turns=6)
+            finally:
+                self.screen_rows = had
+
+        seconds = dflash_kernels.measured_once(dflash_kernels.load(), f"screen-{n}x{k}-{self.dtype}", measure)
+        faster = 0
+        while faster < widest and seconds.get(f"screen-{faster + 1}", 1.0) < seconds.get(f"head-{faster + 1}", 0.0):
+            faster += 1
+        return faster
 
 
 class _Work:

@@ -287,6 +287,10 @@ class TargetModel:
         """The target's greedy choice after each row: the argmax of its fp32 logits."""
         if self.greedy_head is not None:
             return self.greedy_head(hidden)
+        if self.engine is not None and not self._logits_transformed:
+            chosen = self.engine.greedy(hidden)
+            if chosen is not None:
+                return chosen
         return argmax(self.logits(hidden)).tolist()
 
     @torch.inference_mode()
@@ -300,6 +304,13 @@ class TargetModel:
     def _scaled_head(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.head.weight
         return self.scale_logits(self.head(hidden.to(device=weight.device, dtype=weight.dtype)).float())
+
+    @property
+    def _logits_transformed(self) -> bool:
+        """Whether `scale_logits` changes the head's logits: rounding after a scale or a cap may tie
+        logits that differ, and the first of them is the argmax, which only the whole head finds."""
+        names = ("logit_scale", "logits_scaling", "lm_head_multiplier", "final_logit_softcapping")
+        return any(getattr(self.config, name, None) for name in names)
 
     def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """What some families apply after the LM head; none of it moves the argmax."""
