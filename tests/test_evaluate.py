@@ -32,17 +32,17 @@ def test_results_go_under_the_cache_never_into_the_checkpoint_folder(tmp_path):
     assert evaluate.default_results_path(None).name == "remote.json"
 
 
-def test_the_head_benchmark_runs_both_heads_in_turns_against_plain(chat_model_dir, tmp_path):
-    from benchmarks import bench_head
+def test_the_ab_benchmark_runs_both_sides_in_turns_against_plain(chat_model_dir, tmp_path):
+    from benchmarks import bench_ab
 
     cfg = config_for_target(TargetModel.load(chat_model_dir).config, block_size=4, taps=2)
     drafter = save_drafter(random_drafter(cfg, seed=1), tmp_path / "new")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Say hi.", "Count to three.")))
-    out = tmp_path / "head.json"
-    argv = ["--model", str(chat_model_dir), "--drafter", str(drafter), "--prompts", str(prompts)]
+    out = tmp_path / "ab.json"
+    argv = ["--compare", "head", "--model", str(chat_model_dir), "--drafter", str(drafter), "--prompts", str(prompts)]
     argv += ["--modes", "chain,adaptive", "--max-new-tokens", "10", "--datastore", "none", "--out", str(out)]
-    assert bench_head.main(argv) == 0
+    assert bench_ab.main(argv) == 0
     result = json.loads(out.read_text())
-    assert set(result["modes"]) == {"screened", "whole"} and result["mismatches"] == 0
-    assert set(result["screened_vs_whole"]) == {"plain", "chain", "adaptive"}
+    assert set(result["modes"]) == {"new", "old"} and result["mismatches"] == 0
+    assert set(result["new_vs_old"]) == {"plain", "chain", "adaptive"}

@@ -1,0 +1,99 @@
+"""One setting of the target's side, two ways: every mode of `benchmarks.evaluate`, prompt by prompt in
+turns, in one process, so load drifts over both alike.
+
+    python -m benchmarks.bench_ab --compare head --threads 1 --dtype bfloat16        # screened head vs whole
+
+- `head`: greedy steps through the int8 screen (the widths this machine measured it faster for) against
+  the whole head every step. Where the CPU has no AVX512-VNNI the two are the same code.
+
+A setting is a class whose `apply(side)` is called before each side's runs are prepared and before
+each of its prompts. Each side has its own runs (governors, their verify costs
+measured with its own setting, its own datastore); both must give the plain greedy output token for
+token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.evaluate import mode_table, parse_args, prepare_runs, run_prompt
+from launch.common import resolve_model
+
+
+class Head:
+    """The int8-screened greedy head (side "new") against the whole head ("old")."""
+
+    def __init__(self, target) -> None:
+        self.engine = target.engine
+        self.rows = {"new": self.engine.screen_rows if self.engine else 0, "old": 0}
+
+    def apply(self, side: str) -> None:
+        if self.engine is not None:
+            self.engine.screen_rows = self.rows[side]
+
+
+SETTINGS = {"head": Head}
+
+
+def bench(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="bench_ab", description=__doc__)
+    ap.add_argument("--compare", choices=sorted(SETTINGS), required=True)
+    ap.add_argument("--out", default="", help="where to write the JSON (default: print only)")
+    own, rest = ap.parse_known_args(argv)
+    args = parse_args(["--drafter", "drafters/smollm2", "--modes", "adaptive", "--max-new-tokens", "96", *rest])
+    from target_node.model.target import TargetModel
+    from training.prompts import read_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = TargetModel.load(resolve_model(args.model), device=args.device, dtype=args.dtype)
+    setting = SETTINGS[own.compare](target)
+    runs = {}
+    for side in ("new", "old"):
+        setting.apply(side)
+        runs[side] = prepare_runs(args, target)
+    prompts = read_prompts(args.prompts)[: args.limit or None]
+    for i, text in enumerate(prompts):
+        for side in list(runs)[:: 1 if i % 2 == 0 else -1]:
+            setting.apply(side)
+            run_prompt(runs[side], text)
+    setting.apply("new")
+    tables = {side: mode_table(side_runs) for side, side_runs in runs.items()}
+    result = {
+        "compare": own.compare,
+        "dtype": str(target.head.weight.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "prompts": len(prompts),
+        "modes": tables,
+        "new_vs_old": {
+            mode: round(tables["new"][mode]["tok_s"] / tables["old"][mode]["tok_s"], 3)
+            for mode in tables["old"]
+            if tables["old"][mode]["tok_s"]
+        },
+        "mismatches": sum(t[m]["mismatches"] for t in tables.values() for m in t),
+    }
+    if own.out:
+        Path(own.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    result = bench(argv)
+    print(f"{result['compare']}: {result['dtype']}, {result['threads']} threads, {result['prompts']} prompts")
+    for mode, ratio in result["new_vs_old"].items():
+        old, new = result["modes"]["old"][mode], result["modes"]["new"][mode]
+        print(
+            f"{mode:>12}: old {old['tok_s']:7.2f} tok/s (tau {old['tau']:.3f}) -> new {new['tok_s']:7.2f} "
+            f"(tau {new['tau']:.3f}): {ratio:.3f}x"
+        )
+    print(f"outputs differing from plain: {result['mismatches']}")
+    return 0 if result["mismatches"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
