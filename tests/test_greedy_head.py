@@ -145,3 +145,11 @@ def test_the_screen_serves_the_widths_it_was_measured_faster_for(tiny_engine, tm
     seconds |= {"head-4": 2.0, "screen-4": 1.0}
     record.write_text(json.dumps({"seconds": seconds}))
     assert engine._screen_rows() == 2
+
+
+def test_a_family_that_scales_or_caps_its_logits_keeps_the_whole_head(tiny_engine, monkeypatch):
+    """After a cap, logits that differ may round to a tie whose first token only the whole head knows."""
+    hidden, _ = tiny_engine.forward([5, 6, 7])
+    monkeypatch.setattr(tiny_engine.engine, "greedy", lambda h: pytest.fail("the screen served a capped head"))
+    monkeypatch.setattr(tiny_engine.config, "final_logit_softcapping", 0.5, raising=False)
+    assert tiny_engine.greedy(hidden) == dflash_kernels.argmax(tiny_engine.logits(hidden)).tolist()

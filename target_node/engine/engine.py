@@ -52,6 +52,7 @@ class Engine:
             dflash_kernels.load()
             self.ops, prepare, self.block = torch.ops.dflash, dflash_kernels.pack, None
             if dflash_kernels.screen_available():  # greedy steps screen the head in int8 (`greedy`)
+                # The head's rows as loaded, as the packed copy holds them: a served model's weights stay put.
                 self._head_rows = model.get_output_embeddings().weight.detach().contiguous()
                 self.screened = dflash_kernels.pack_screen(self._head_rows)
         elif ops == "torch":
@@ -231,7 +232,7 @@ class Engine:
     @torch.inference_mode()
     def greedy(self, hidden: torch.Tensor) -> list[int] | None:
         """Each row's argmax of the head's fp32 logits, for about half the head's bytes: the int8
-        screen keeps the few tokens that may be the row's largest (tens, typically), and only their
+        screen keeps the few tokens that may be the row's largest (1-25 on real rows), and only their
         logits are computed, each the same bits as in the whole head, so the argmax is the whole
         head's (ties to the first, as there). None where the screen does not serve: none here, more
         rows than it is faster for, or a row not finite (the caller computes the whole head)."""

@@ -305,15 +305,17 @@ class TargetModel:
         weight = self.head.weight
         return self.scale_logits(self.head(hidden.to(device=weight.device, dtype=weight.dtype)).float())
 
+    # The config fields `scale_logits` applies, whichever a family sets.
+    LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "final_logit_softcapping")
+
     @property
     def _logits_transformed(self) -> bool:
         """Whether `scale_logits` changes the head's logits: rounding after a scale or a cap may tie
         logits that differ, and the first of them is the argmax, which only the whole head finds."""
-        names = ("logit_scale", "logits_scaling", "lm_head_multiplier", "final_logit_softcapping")
-        return any(getattr(self.config, name, None) for name in names)
+        return any(getattr(self.config, name, None) for name in self.LOGIT_TRANSFORMS)
 
     def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """What some families apply after the LM head; none of it moves the argmax."""
+        """What some families apply after the LM head (`LOGIT_TRANSFORMS`); none of it moves the argmax."""
         scale = getattr(self.config, "logit_scale", None)  # Cohere-style
         if scale:
             logits = logits * scale
