@@ -122,11 +122,12 @@ def pack_screen(weight: torch.Tensor, chunk: int = 8192) -> Screen:
     coef = torch.zeros(3, np_)
     gamma = (k + 4) * 2.0**-23
     for start in range(0, n, chunk):
-        rows = w[start : start + chunk].double()
-        scale = (rows.abs().amax(1) / 127).float()  # the kernel's scale, as it will read it
-        s = scale.double()
-        qi = torch.where(s[:, None] > 0, torch.round(rows / s.clamp_min(1e-300)[:, None]), 0.0).clamp(-127, 127)
-        err = rows - s[:, None] * qi
+        rows32 = w[start : start + chunk].float()
+        scale = rows32.abs().amax(1) / 127  # the kernel's scale, as it will read it
+        # Any integer in [-127, 127] will do: the error is computed from the one chosen, in double.
+        qi = torch.round(rows32 / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp_(-127, 127)
+        rows, s = rows32.double(), scale.double()
+        err = torch.addcmul(rows, s[:, None], qi.double(), value=-1)
         end = start + rows.shape[0]
         q[start:end, :k] = qi.to(torch.int8)
         grow = 1 + 2.0**-20  # rounded up, as floats
