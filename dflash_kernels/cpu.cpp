@@ -749,6 +749,9 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
 // goes in as unsigned bytes q + 128, undone by each token's sum of its q (`colsum`).
 
 #if defined(__AVX512VNNI__)
+// The lanes of a vector that hold the first n of what is left (all 16 where n >= 16).
+inline __mmask16 first_lanes(int64_t n) { return (__mmask16)(n >= W ? 0xffffu : (1u << n) - 1u); }
+
 // One register block: quantized rows xq[0..R) (as quads) against one int8 panel; exact int32 sums.
 template <int R>
 void panel_i8(const uint32_t* xq, int64_t ldx, const int8_t* w, int64_t K4, int32_t* acc, const Ahead& ahead) {
@@ -876,7 +879,7 @@ bool screen_bounds(const at::Tensor& x, bool round_bf16, const at::Tensor& w8, i
           __m512 low = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
           for (int v = 0; v < PV && v * W < cols; v++) {
             const int64_t j = n0 + v * W;
-            const __mmask16 real = (__mmask16)(cols - v * W >= W ? 0xffffu : (1u << (cols - v * W)) - 1u);
+            const __mmask16 real = first_lanes(cols - v * W);
             // Exact int32 sums (K 255 127 fits for any K below 66,000); `round` covers their conversion.
             const __m512i undo = _mm512_slli_epi32(_mm512_loadu_si512(cs + j), 7);
             const __m512i d1 = _mm512_sub_epi32(_mm512_loadu_si512(acc + r * PANEL + v * W), undo);
@@ -964,7 +967,7 @@ bool screen_argmax(const at::Tensor& x, const at::Tensor& head, int64_t N, const
     const float* h = hi.data() + m * Np;
     const __m512 f = _mm512_set1_ps(floor[m]);
     for (int64_t j = 0; j < N; j += W) {
-      const __mmask16 any = (__mmask16)(N - j >= W ? 0xffffu : (1u << (N - j)) - 1u);
+      const __mmask16 any = first_lanes(N - j);
       for (unsigned bits = _mm512_mask_cmp_ps_mask(any, _mm512_loadu_ps(h + j), f, _CMP_GE_OQ); bits; bits &= bits - 1)
         tokens.push_back(j + __builtin_ctz(bits));
     }

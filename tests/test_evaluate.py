@@ -7,12 +7,18 @@ from draft_node.checkpoint import config_for_target, random_drafter, save_drafte
 from target_node.model.target import TargetModel
 
 
-def test_a_drafter_and_a_baseline_run_every_mode_against_one_reference(chat_model_dir, tmp_path):
+def drafter_and_prompts(chat_model_dir, tmp_path):
+    """A random drafter for the tiny chat target, saved, and a file of two prompts."""
     cfg = config_for_target(TargetModel.load(chat_model_dir).config, block_size=4, taps=2)
     drafter = save_drafter(random_drafter(cfg, seed=1), tmp_path / "new")
-    baseline = save_drafter(random_drafter(cfg, seed=2), tmp_path / "old")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Say hi.", "Count to three.")))
+    return cfg, drafter, prompts
+
+
+def test_a_drafter_and_a_baseline_run_every_mode_against_one_reference(chat_model_dir, tmp_path):
+    cfg, drafter, prompts = drafter_and_prompts(chat_model_dir, tmp_path)
+    baseline = save_drafter(random_drafter(cfg, seed=2), tmp_path / "old")
     out = tmp_path / "eval.json"
     argv = ["--model", str(chat_model_dir), "--drafter", str(drafter), "--baseline", str(baseline)]
     argv += ["--prompts", str(prompts), "--modes", "chain,tree:4", "--max-new-tokens", "12", "--json", str(out)]
@@ -35,10 +41,7 @@ def test_results_go_under_the_cache_never_into_the_checkpoint_folder(tmp_path):
 def test_the_ab_benchmark_runs_both_sides_in_turns_against_plain(chat_model_dir, tmp_path):
     from benchmarks import bench_ab
 
-    cfg = config_for_target(TargetModel.load(chat_model_dir).config, block_size=4, taps=2)
-    drafter = save_drafter(random_drafter(cfg, seed=1), tmp_path / "new")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Say hi.", "Count to three.")))
+    _, drafter, prompts = drafter_and_prompts(chat_model_dir, tmp_path)
     out = tmp_path / "ab.json"
     argv = ["--compare", "head", "--model", str(chat_model_dir), "--drafter", str(drafter), "--prompts", str(prompts)]
     argv += ["--modes", "chain,adaptive", "--max-new-tokens", "10", "--datastore", "none", "--out", str(out)]
