@@ -7,7 +7,9 @@ the step is the whole of it: the batch built from the cache, the forward, the he
 backward and AdamW. The first step of each setting warms up and is not counted.
 
 Features come from the cache `--stage features` fills (the same folder); answers that lack them
-get them first by prefill, up to `--answers` of them.
+get them first by prefill, up to `--answers` of them. `--features cache,live` also times steps whose
+features the target computes for each batch (`launch.train --features live`), the prefill inside
+the step.
 
     python -m benchmarks.bench_train --layers 1,4 --autocast off,on --batch 8 --rounds 3 --steps 4
 
@@ -35,7 +37,7 @@ from launch.common import resolve_model
 from target_node import CACHE_ROOT
 from target_node.model.target import TargetModel
 from training.answer_store import STORE, AnswerStore
-from training.features import FeatureCache, feature_folder
+from training.features import FeatureCache, LiveFeatures, feature_folder
 from training.loader import BatchStream
 from training.trainer import Trainer, TrainOptions
 
@@ -46,10 +48,11 @@ class Setting:
     autocast: bool
     trainer: Trainer
     rates: list[float]
+    features: str = "cache"
 
     @property
     def name(self) -> str:
-        return f"{self.layers} layer(s), autocast {'on' if self.autocast else 'off'}"
+        return f"{self.layers} layer(s), autocast {'on' if self.autocast else 'off'}, {self.features}"
 
 
 def labelled(trainer: Trainer) -> int:
@@ -101,6 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--layers", default="1,4", help="comma-separated drafter depths")
     ap.add_argument("--autocast", default="off,on", help="comma-separated: off, on (bf16 autocast of the forward)")
+    ap.add_argument(
+        "--features", default="cache", help="comma-separated: cache, live (the target's prefill in the step)"
+    )
     ap.add_argument("--batch", type=int, default=8, help="answers per step")
     ap.add_argument("--anchors", type=int, default=24, help="blocks per answer")
     ap.add_argument("--answers", type=int, default=300, help="answers to train on (features filled where missing)")
@@ -138,13 +144,16 @@ def main(argv: list[str] | None = None) -> None:
                 json.dumps({"batch": args.batch, "anchors": args.anchors, "loader": rows}) + "\n"
             )
         return
+    sources = {"cache": features, "live": LiveFeatures(target, base.target_layer_ids)}
     settings = []
     for n in depths:
         for cast in autocasts:
-            opts = TrainOptions(
-                batch=args.batch, anchors=args.anchors, autocast=cast, device=args.device, val_answers=0
-            )
-            settings.append(Setting(n, cast, Trainer(target, cfgs[n], answers, features, opts), []))
+            for source in args.features.split(","):
+                opts = TrainOptions(
+                    batch=args.batch, anchors=args.anchors, autocast=cast, device=args.device, val_answers=0
+                )
+                trainer = Trainer(target, cfgs[n], answers, sources[source.strip()], opts)
+                settings.append(Setting(n, cast, trainer, [], source.strip()))
     for setting in settings:
         setting.trainer.train_step()  # warm-up
     for r in range(args.rounds):
@@ -156,15 +165,16 @@ def main(argv: list[str] | None = None) -> None:
         {
             "layers": s.layers,
             "autocast": s.autocast,
+            "features": s.features,
             "positions_s": round(statistics.median(s.rates), 1),
             "vs_first": round(statistics.median(s.rates) / first, 2),
             "rounds": [round(x, 1) for x in s.rates],
         }
         for s in settings
     ]
-    print(f"\n{'setting':>28} {'positions/s':>12} {'vs first':>9}")
+    print(f"\n{'setting':>35} {'positions/s':>12} {'vs first':>9}")
     for s, row in zip(settings, rows, strict=True):
-        print(f"{s.name:>28} {row['positions_s']:>12} {row['vs_first']:>8}x")
+        print(f"{s.name:>35} {row['positions_s']:>12} {row['vs_first']:>8}x")
     if args.json:
         result = {"threads": args.threads, "batch": args.batch, "anchors": args.anchors, "native_bf16": native_bf16()}
         Path(args.json).write_text(json.dumps(result | {"settings": rows}, indent=1) + "\n")

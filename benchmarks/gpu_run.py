@@ -32,7 +32,8 @@ runs as one command, each phase time-boxed, every result written as it comes int
 10. `eval`: the new drafter against the shipped one on the held-out prompts (drafting every step).
 
 `--plan drafter` spends the whole budget on drafters instead (issue 29), the committed answer store
-its data: features by batched prefill on the device (`--feature-share` of the budget), then one drafter per
+its data: features computed by the target on each batch as it trains (`--features cache`: by batched
+prefill on the device first, `--feature-share` of the budget), then one drafter per
 `--layers` entry (`1,2,4`: a scaling table's rows at equal wall-clock), each grown from the shipped
 drafter (or `--fresh`), each followed by a `pack` (every new drafter so far that fits, deepest
 first, as `OUT/drafters.tgz.partNN`, parts small enough to come back from the device machine); then
@@ -374,6 +375,7 @@ class TrainPhase:
     # tau of 1.66 to 1.50 in 31 steps on 25 answers, in a CPU dry run of this plan).
     lr: float = 6e-4
     distill: float = 0.0  # launch.train --distill: the loss's share that is KL from the target's distribution
+    features: str = "auto"  # launch.train --features: cache, live (the target's forward on each batch), auto
 
 
 def train_drafter(common: list[str], phase: TrainPhase, stores: list[Path]) -> dict:
@@ -384,7 +386,9 @@ def train_drafter(common: list[str], phase: TrainPhase, stores: list[Path]) -> d
     device = common[common.index("--device") + 1]
     ranks = max(torch.cuda.device_count(), 1) if device.startswith("cuda") else 1
     flags = ["--stage", "train", *data, "--minutes", str(phase.minutes), "--steps", str(phase.steps)]
-    flags += ["--feature-minutes", str(phase.feature_minutes)] if phase.feature_minutes > 0 else ["--cached-only"]
+    flags += ["--features", phase.features]
+    if phase.features != "live":
+        flags += ["--feature-minutes", str(phase.feature_minutes)] if phase.feature_minutes > 0 else ["--cached-only"]
     flags += ["--name", phase.name, "--out", str(phase.out)]
     flags += ["--batch", str(phase.batch), "--anchors", str(phase.anchors), "--format", phase.fmt]
     flags += ["--lr", str(phase.lr if phase.init is None else phase.lr / 2)]
@@ -507,7 +511,7 @@ def drafter_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
     same blocks and live on the held-out prompts. After each run every new drafter so far comes back
     as `OUT/drafters.tgz.partNN` (`pack_back`); all of them stay under the cache folder."""
     sizes, layers = setup.sizes, [int(n) for n in args.layers.split(",")]
-    features = args.feature_share * run.left() / 60
+    features = args.feature_share * run.left() / 60 if args.features == "cache" else 0.0
     each = max(0.2, (run.left() / 60 - sizes["eval_minutes"] - features) / len(layers))
     drafters = {"shipped": setup.shipped}
     for i, n in enumerate(layers):
@@ -523,6 +527,7 @@ def drafter_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
             batch=sizes["train_batch"],
             anchors=sizes["train_anchors"],
             distill=args.distill,
+            features=args.features,
         )
         run.phase(f"train-L{n}", train_drafter, setup.common, phase, [sizes["store"]])
         drafters[f"L{n}"] = phase.out
@@ -610,10 +615,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="--plan drafter: launch.train --distill (the loss's share that is KL from the target's distribution)",
     )
     ap.add_argument(
+        "--features",
+        choices=["live", "cache"],
+        default="live",
+        help="--plan drafter: live, each batch's features from the target's forward as it trains (every stored "
+        "answer, no fill phase, no disk); cache, filled first by prefill (--feature-share of the budget)",
+    )
+    ap.add_argument(
         "--feature-share",
         type=float,
         default=0.25,
-        help="--plan drafter: the budget's share for features (an H200 filled ~290 answers a second, "
+        help="--plan drafter --features cache: the budget's share for features (an H200 filled ~290 answers a second, "
         "from the disk's point of view; the first lease's 1-layer run made 8 passes over what 15%% filled)",
     )
     ap.add_argument("--store", default=str(ROOT / "data" / "answers"), help="the answer store drafters train on")

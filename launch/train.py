@@ -173,6 +173,14 @@ def _schedule_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument(
+        "--features",
+        choices=("auto", "cache", "live"),
+        default="auto",
+        help="where training's feature rows come from: the cache (filled by prefill first), or the target's "
+        "forward on each batch as it trains, stored nowhere (no fill, no disk, the whole store); auto: live on "
+        "a GPU, where that forward is cheap against a step, the cache on a CPU, where it is not",
+    )
+    ap.add_argument(
         "--cached-only",
         action="store_true",
         help="train on the answers whose features are cached, without first computing the rest (--stage features)",

@@ -25,7 +25,7 @@ from target_node.drafting.proposers import DFlashProposer
 from training.answer_store import Answer, AnswerStore
 from training.average import average_drafters
 from training.estimate import by_kind, estimate, kind_table
-from training.features import FeatureCache, feature_folder
+from training.features import FeatureCache, LiveFeatures, feature_folder
 from training.generate import GenerateOptions, RefillGenerator
 from training.generate import generate as generate_answers
 from training.prompts import JOB_WEIGHTS, Ask, HeldOut
@@ -539,6 +539,13 @@ def test_launch_train_runs_each_stage_on_a_saved_target(setup, tmp_path):
     folder = feature_folder(tmp_path / "cache", model_dir, taps, named_dtype("auto", "cpu"))
     wide = FeatureCache(folder, len(taps) * target.config.hidden_size)
     assert len(wide) == len(AnswerStore(store.folder)) and wide.array().shape[0] == wide.rows  # every answer
+    # Live features train on every answer and store none: the same run with a cache folder of its own.
+    live_cache, live_out = tmp_path / "live-cache", tmp_path / "live-drafter"
+    live = [*common[:-4], "--out", str(live_out), "--threads", "1", "--stage", "train", "--steps", "3"]
+    main([*live, "--distill", "0.5", "--features", "live", "--cache", str(live_cache)])
+    assert load_drafter(live_out).config.block_size == 4
+    assert "features: live" in (live_cache / "train" / "tiny-test" / "train.log").read_text()
+    assert not FeatureCache(feature_folder(live_cache, model_dir, taps, named_dtype("auto", "cpu")), wide.width).rows
 
 
 def test_recorded_traffic_becomes_training_data(setup, tmp_path):
@@ -1044,3 +1051,53 @@ def test_distillation_refuses_a_cache_without_the_targets_last_layer(setup):
     target, cfg, store, features = setup
     with pytest.raises(ValueError, match="last layer"):
         Trainer(target, cfg, store.answers, features, opts(distill=0.5))
+
+
+def test_live_features_are_the_cached_rows_and_train_the_same_steps(setup, wide_features):
+    """Features computed by the target on each batch (--features live) are the rows the cache holds,
+    bit for bit, on the engine (one forward computes both), the teacher's rows too; so with one
+    scale and one start the two sources train the same steps."""
+    target, cfg, store, features = setup
+    cached = Trainer(target, cfg, store.answers, features, opts())
+    live = Trainer(target, cfg, store.answers, LiveFeatures(target, cfg.target_layer_ids), opts())
+    assert [r.key for r in live.train_records] == [r.key for r in cached.train_records]
+    batch = live.batch(0)
+    assert batch.features is None and batch.context is not None
+    live.block_rows(batch)
+    assert torch.equal(batch.features, cached.batch(0).features)
+    taps = (*cfg.target_layer_ids, target.config.num_hidden_layers - 1)
+    teach = Trainer(target, cfg, store.answers, LiveFeatures(target, taps), opts(distill=0.5))
+    wide = Trainer(target, cfg, store.answers, wide_features, opts(distill=0.5))
+    for step in (0, 3):
+        want, got = wide.batch(step), teach.batch(step)
+        teach.block_rows(got)
+        assert torch.equal(got.features, want.features) and torch.equal(got.teacher, want.teacher)
+    live.scale = cached.scale.clone()
+    for _ in range(4):
+        assert live.train_step() == cached.train_step()
+    for a, b in zip(live.drafter.parameters(), cached.drafter.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_live_features_in_forwards_of_bounded_rows_are_each_sequence_alone(setup, monkeypatch):
+    """A flood of sequences, short, empty and longer than a forward's rows, each gets its own rows
+    (as prefill of it alone computes them), in forwards within the row bound and the engine's slots."""
+    target, cfg, store, _ = setup
+    source = LiveFeatures(target, cfg.target_layer_ids, batch_tokens=64)
+    calls = []
+    real = target.prefill_features
+
+    def counted(token_lists, taps):
+        calls.append([len(t) for t in token_lists])
+        return real(token_lists, taps)
+
+    sequences = [a.tokens[: (i * 7) % 90] for i, a in enumerate(itertools.islice(itertools.cycle(store.answers), 60))]
+    monkeypatch.setattr(target, "prefill_features", counted)
+    rows = source.rows(sequences)
+    monkeypatch.undo()
+    assert all(len(c) <= target.prefill_slots and (len(c) == 1 or len(c) * max(c) <= 64) for c in calls)
+    assert sum(len(c) for c in calls) == sum(1 for s in sequences if s)
+    for tokens, got in zip(sequences, rows, strict=True):
+        assert got.shape == (len(tokens), source.width) and got.dtype == torch.float16
+        if tokens:
+            assert torch.equal(got, target.prefill_features([tokens], cfg.target_layer_ids)[0].to(torch.float16))

@@ -32,6 +32,7 @@ from target_node.model.target import TargetModel
 from training.answer_store import Answer
 
 WINDOW = 512  # answers sorted by length together when filling (see FeatureCache.fill)
+MAX_ROWS = 1024  # an answer's rows a cache fill or a live forward computes: training reads no further
 
 
 def feature_folder(cache: str | Path, model: str | Path, layer_ids: tuple[int, ...], dtype: torch.dtype) -> Path:
@@ -121,7 +122,7 @@ class FeatureCache:
         target: TargetModel,
         layer_ids: tuple[int, ...],
         *,
-        max_rows: int = 1024,
+        max_rows: int = MAX_ROWS,
         batch_tokens: int = 4096,
         deadline: float | None = None,
         keep_free: int = 4 * 2**30,
@@ -170,6 +171,58 @@ class FeatureCache:
             why = "the disk is nearly full" if disk_full() else "time is up"
             log(f"features: {why} with {len(todo) - i} of {len(todo)} answers left")
         return added
+
+
+class LiveFeatures:
+    """Tap features computed by the target as each training batch needs them, never stored.
+
+    Where the target's forward is cheap against the drafter's step (a GPU: a prefill of a 135M
+    target runs at millions of rows a second) this beats a cache: no fill phase, no disk (the
+    store's rows would outgrow a device machine's disk), every stored answer trainable, and no
+    batch copy of 5.8 KB a row for loader threads to make. On a CPU the prefill costs more than the
+    step it feeds, so the cache stays the default there (`launch.train --features`). The rows are
+    rounded to fp16 as the cache stores them, so either source trains on the same bits where both
+    come from one forward (the engine's)."""
+
+    def __init__(self, target: TargetModel, taps: tuple[int, ...], batch_tokens: int = 4096) -> None:
+        self.target, self.taps, self.batch_tokens = target, tuple(taps), batch_tokens
+        self.width = len(self.taps) * target.config.hidden_size
+
+    @torch.inference_mode()
+    def rows(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """Each sequence's feature rows [len, width] fp16, on the target's device: in forwards of at
+        most `batch_tokens` rows (padding counted) and the engine's slots."""
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+        out: list[torch.Tensor | None] = [None] * len(sequences)
+        i = 0
+        while i < len(order):
+            group = [order[i]]
+            while (
+                i + len(group) < len(order)
+                and len(group) < self.target.prefill_slots
+                and (len(group) + 1) * len(sequences[order[i + len(group)]]) <= self.batch_tokens
+            ):
+                group.append(order[i + len(group)])
+            i += len(group)
+            running = [j for j in group if sequences[j]]
+            results = self.target.prefill_features([sequences[j] for j in running], self.taps) if running else []
+            for j, features in zip(running, results, strict=True):
+                out[j] = features.to(torch.float16)
+            for j in group:
+                if out[j] is None:
+                    out[j] = torch.empty(0, self.width, dtype=torch.float16)
+        return out  # type: ignore[return-value]
+
+    def sample(self, sequences: list[list[int]], rows: int) -> np.ndarray:
+        """About `rows` feature rows of the leading sequences, for the trainer's feature scale."""
+        taken, total = [], 0
+        for start in range(0, len(sequences), 16):
+            for features in self.rows(sequences[start : start + 16]):
+                taken.append(features.float().cpu().numpy().astype(np.float16))
+                total += len(features)
+            if total >= rows:
+                break
+        return np.concatenate(taken) if taken else np.zeros((0, self.width), dtype=np.float16)
 
 
 def _next_group(todo: list[Answer], i: int, slots: int, batch_tokens: int, rows: Callable[[Answer], int]) -> list:

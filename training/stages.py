@@ -26,7 +26,7 @@ from training.answer_store import Answer, AnswerStore
 from training.average import average_drafters
 from training.distributed import Ranks
 from training.estimate import estimate, kind_table
-from training.features import FeatureCache, feature_folder
+from training.features import FeatureCache, LiveFeatures, feature_folder
 from training.generate import GenerateOptions, generate
 from training.prompts import Ask, HeldOut, jobs, read_prompts
 from training.selector import train_selector
@@ -104,10 +104,11 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
     answers = list(store.answers)
     for folder in args.data:
         answers += [a for a in AnswerStore(folder).answers if a.key not in store.keys]
-    if args.stage == "features" or (args.stage in ("train", "all") and not args.cached_only):
+    live = args.stage in ("train", "all") and live_features(args.features, args.device)
+    if args.stage == "features" or (args.stage in ("train", "all") and not args.cached_only and not live):
         deadline = time.time() + args.feature_minutes * 60 if args.feature_minutes else None
         mine = answers[ranks.rank :: ranks.world]
-        rows = 65536 if args.device.startswith("cuda") else 4096  # a forward's rows: a GPU wants many
+        rows = rows_per_forward(args.device)
         added = features.fill(mine, target, taps, batch_tokens=rows, deadline=deadline, log=log)
         ranks.barrier()  # every rank's rows are in before any trains on them
         features = FeatureCache(features.folder, width)
@@ -122,7 +123,21 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
         ids = draft_vocabulary(samples([a for a in answers if not a.held_out], features), args.draft_vocab)
         log(f"draft vocabulary: {len(ids)} tokens -> {save_draft_vocab(args.out, ids)}")
     if args.stage in ("train", "all"):
-        train_stage(args, target, cfg, answers, features, work, log, ranks)
+        source = LiveFeatures(target, taps, batch_tokens=rows_per_forward(args.device)) if live else features
+        log(f"features: live, from the target's forward on each batch ({args.device})" if live else "features: cached")
+        train_stage(args, target, cfg, answers, source, work, log, ranks)
+
+
+def rows_per_forward(device: str) -> int:
+    """The rows of a feature prefill's forward (padding counted): a GPU wants many."""
+    return 65536 if device.startswith("cuda") else 4096
+
+
+def live_features(choice: str, device: str) -> bool:
+    """--features: `auto` computes them live on a GPU (a prefill there outruns the drafter's step, and
+    the cache would outgrow its disk), from the cache on a CPU (a prefill there costs more than the
+    step it feeds: docs/training.md)."""
+    return choice == "live" or (choice == "auto" and device.startswith("cuda"))
 
 
 def drafter_config(args: argparse.Namespace, target: TargetModel) -> DFlashConfig:
@@ -173,7 +188,7 @@ def train_stage(
     target: TargetModel,
     cfg: DFlashConfig,
     answers: list[Answer],
-    features: FeatureCache,
+    features: FeatureCache | LiveFeatures,
     work: Path,
     log: Log,
     ranks: Ranks,

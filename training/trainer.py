@@ -31,7 +31,7 @@ from draft_node.config import DFlashConfig, in_dflash2
 from draft_node.model import DFlashDrafter
 from training.answer_store import Answer
 from training.distributed import ONE, Ranks
-from training.features import FeatureCache
+from training.features import MAX_ROWS, FeatureCache, LiveFeatures
 from training.loader import BatchStream
 from training.prompts import JOB_WEIGHTS
 from training.variety import job_kind
@@ -86,7 +86,9 @@ class TrainOptions:
 
 @dataclass
 class Batch:
-    features: torch.Tensor  # [S, T, W] context feature rows, fp16 as cached (zero past each sequence's end)
+    # [S, T, W] context feature rows, fp16 as cached (zero past each sequence's end); None for live
+    # features until the trainer computes them on the device (`Trainer.block_rows`)
+    features: torch.Tensor | None
     anchors: torch.Tensor  # [S, N] anchor positions (0 for padding anchors)
     block_tokens: torch.Tensor  # [S, N, B] tok[a], then mask ids
     labels: torch.Tensor  # [S, N, B] tok[a+k], -100 where no loss
@@ -94,6 +96,9 @@ class Batch:
     # cached: what its LM head turns into its own prediction of tok[a+k]; None where the cache
     # holds the drafter's taps alone.
     teacher: torch.Tensor | None = None
+    # Live features only: each answer's tokens whose feature rows the batch reads (its context before
+    # the last anchor, and the teacher's rows after it)
+    context: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ class Sample:
 
     tokens: list[int]  # prompt + answer, cut to the rows the cache holds + 1
     prompt_len: int
-    offset: int  # first feature row; the sample has len(tokens) - 1 rows
+    offset: int  # first feature row in the cache (-1 for live features); the sample has len(tokens) - 1 rows
     key: str = ""  # the answer's, so a score can be told back to the answer it came from
 
 
@@ -117,13 +122,19 @@ def mix_weights(kinds: list[str], shares: dict[str, float]) -> torch.Tensor:
     return torch.tensor([present[k] * scale / counts[k] if k in present else 1.0 / n for k in kinds])
 
 
-def samples(answers: list[Answer], features: FeatureCache) -> list[Sample]:
-    """Answers with cached features and at least two answer tokens (one anchor, one label)."""
+def samples(answers: list[Answer], features: FeatureCache | LiveFeatures) -> list[Sample]:
+    """Answers with features (cached, or any for live ones) and at least two answer tokens (one
+    anchor, one label)."""
     out = []
     for a in answers:
-        if a.key not in features or a.answer_tokens < 2:
+        if a.answer_tokens < 2:
             continue
-        offset, rows = features.index[a.key]
+        if isinstance(features, LiveFeatures):
+            offset, rows = -1, min(len(a.tokens) - 1, MAX_ROWS)
+        elif a.key in features:
+            offset, rows = features.index[a.key]
+        else:
+            continue
         tokens = a.tokens[: rows + 1]
         if len(tokens) - a.prompt_len >= 2:
             out.append(Sample(tokens, a.prompt_len, offset, a.key))
@@ -278,7 +289,7 @@ def as_dflash2(drafter: DFlashDrafter, vocab_size: int, rank: int = 0, top_k: in
 
 def make_batch(
     records: list[Sample],
-    features: np.ndarray,
+    features: np.ndarray | None,
     cfg: DFlashConfig,
     anchors: int,
     max_len: int,
@@ -290,7 +301,9 @@ def make_batch(
     drawn for all `records` and the batch is built of `records[part]` only: a rank's share of the
     batch one process would draw (training.distributed). A `known` share of the blocks get the
     target's tokens in their first slots after the anchor instead of masks (no loss there). Rows
-    wider than the drafter's taps carry the target's last layer after them: the batch's `teacher`."""
+    wider than the drafter's taps carry the target's last layer after them: the batch's `teacher`.
+    `features` None (live features): the batch names each answer's tokens whose rows it reads
+    instead, up to the teacher's last, and `Trainer.block_rows` computes them."""
     block, mask_id = cfg.block_size, cfg.mask_token_id
     chosen = []
     for r in records:
@@ -304,12 +317,14 @@ def make_batch(
     records, chosen = records[part], chosen[part]
     span = max([int(c.max()) for c in chosen if len(c)] + [1])  # context rows needed: < largest anchor
     count, width = len(records), max([min(len(r.tokens), max_len) for r in records] + [0]) + block
-    feats = torch.zeros(count, span, cfg.feature_width, dtype=torch.float16)
-    rows_of, anc = feats.numpy(), torch.zeros(count, anchors, dtype=torch.long)
+    feats = torch.zeros(count, span, cfg.feature_width, dtype=torch.float16) if features is not None else None
+    rows_of, anc = feats.numpy() if feats is not None else None, torch.zeros(count, anchors, dtype=torch.long)
     seq = torch.full((count, width), -100, dtype=torch.long)  # each answer's tokens, -100 past its end
     for i, (r, pick) in enumerate(zip(records, chosen, strict=True)):
-        rows = min(span, len(r.tokens) - 1)
-        rows_of[i, :rows] = features[r.offset : r.offset + rows, : cfg.feature_width]  # fp16: the device widens them
+        if rows_of is not None:
+            rows = min(span, len(r.tokens) - 1)
+            # fp16 as cached: the device widens them
+            rows_of[i, :rows] = features[r.offset : r.offset + rows, : cfg.feature_width]
         n = min(len(r.tokens), max_len)
         seq[i, :n] = torch.tensor(r.tokens[:n])
         anc[i, : len(pick)] = pick
@@ -328,6 +343,9 @@ def make_batch(
         slot = torch.arange(block)
         shown = drawn[..., None] & (slot >= 1) & (slot <= given[..., None])
         toks[shown], labels[shown] = window[shown], -100
+    if features is None:  # every row a context or a teacher reads: those before a + B - 1
+        context = [r.tokens[: min(len(r.tokens) - 1, span + block - 1)] for r in records]
+        return Batch(None, anc, toks, labels, context=context)
     return Batch(feats, anc, toks, labels, teacher_rows(records, features, cfg, anc))
 
 
@@ -340,13 +358,19 @@ def teacher_rows(
     extra = features.shape[1] - cfg.feature_width
     if not extra or not records:
         return None
-    last = torch.tensor([len(r.tokens) - 2 for r in records])[:, None, None]  # each answer's last row
-    pos = (anc[:, :, None] + torch.arange(cfg.block_size) - 1).clamp(min=0).minimum(last)
+    pos = teacher_positions(anc, cfg.block_size, torch.tensor([len(r.tokens) - 2 for r in records]))
     rows = (torch.tensor([r.offset for r in records])[:, None, None] + pos).reshape(-1).numpy()
     picked = np.asarray(features[rows, cfg.feature_width :], dtype=np.float16)
     return torch.from_numpy(picked).view(pos.shape + (extra,))
 
 
+def teacher_positions(anc: torch.Tensor, block: int, last: torch.Tensor) -> torch.Tensor:
+    """[S, N, B] the row whose target output teaches slot k of each block: a + k - 1, within 0 and
+    each answer's last row `last` [S] (slots past it carry no label)."""
+    return (anc[:, :, None] + torch.arange(block, device=anc.device) - 1).clamp(min=0).minimum(last[:, None, None])
+
+
+LIVE_SCALE_ROWS = 4096  # live feature rows the feature scale is measured on
 TARGET_INIT = "target:"  # `--init target:26,27,...`: the drafter's layers start as these target layers
 
 
@@ -369,7 +393,7 @@ class Trainer:
         target,  # a TargetModel (its embedding table and LM head are used frozen)
         cfg: DFlashConfig,
         answers: list[Answer],
-        features: FeatureCache,
+        features: FeatureCache | LiveFeatures,
         opts: TrainOptions,
         ranks: Ranks = ONE,
     ) -> None:
@@ -377,8 +401,9 @@ class Trainer:
         takes its share of every batch and DDP sums the gradients."""
         self.cfg, self.opts, self.ranks = cfg, opts, ranks
         self.dev = torch.device(opts.device)
-        self.features = features.array()
-        if not opts.distill:  # a wider cache's teacher columns are read only to distill
+        self.live = features if isinstance(features, LiveFeatures) else None
+        self.features = None if self.live else features.array()
+        if self.features is not None and not opts.distill:  # a wider cache's teacher columns are read only to distill
             self.features = self.features[:, : cfg.feature_width]
         self.train_records = samples([a for a in answers if not a.held_out], features)
         self.val_records = samples([a for a in answers if a.held_out], features)[: opts.val_answers]
@@ -393,7 +418,7 @@ class Trainer:
             )
         self.use_vocabulary(draft_vocabulary(self.train_records, opts.draft_vocab) if opts.draft_vocab else [])
         self.drafter = init_drafter(cfg, opts.seed, opts.out_scale).to(self.dev)
-        self.scale = feature_scale(self.features[:, : cfg.feature_width], seed=opts.seed).to(self.dev)
+        self.scale = feature_scale(self._scale_rows()[:, : cfg.feature_width], seed=opts.seed).to(self.dev)
         self.forward = self.drafter.forward_anchors
         if ranks.many:  # DFlash2's selector learns later (training.selector): unused in these steps
             self.forward = DistributedDataParallel(_Anchored(self.drafter), find_unused_parameters=cfg.dflash2)
@@ -405,6 +430,14 @@ class Trainer:
         self.history: list[float] = []
         self.time_spent = 0.0  # the share of opts.minutes gone (rank 0's clock): the schedule ends with it
         self.positions = 0  # labelled slots trained on, all ranks (this rank's share times their number)
+
+    def _scale_rows(self) -> np.ndarray:
+        """The rows the feature scale is measured on: the whole cache (it samples them), or live rows
+        of a seeded sample of training answers (a few thousand rows: a CPU computes 600 a second)."""
+        if self.live is None:
+            return self.features
+        order = np.random.default_rng(self.opts.seed).permutation(len(self.train_records))[:64]
+        return self.live.sample([self.train_records[i].tokens[:-1] for i in order], LIVE_SCALE_ROWS)
 
     def _draw_weights(self, answers: list[Answer]) -> torch.Tensor | None:
         """The training records' draw weights for `opts.mix` (None: a uniform draw)."""
@@ -468,8 +501,8 @@ class Trainer:
         part = self.ranks.share(len(idx)) if records is None else slice(None)
         chosen, opts = [pool[i] for i in idx], self.opts
         batch = make_batch(chosen, self.features, self.cfg, opts.anchors, opts.max_len, gen, part, opts.known)
-        if self.dev.type == "cuda" and opts.loader_threads:  # built ahead, page-locked: copied in while it computes
-            batch.features = batch.features.pin_memory()
+        if self.dev.type == "cuda" and opts.loader_threads and batch.features is not None:
+            batch.features = batch.features.pin_memory()  # built ahead, page-locked: copied in while it computes
             batch.teacher = batch.teacher.pin_memory() if batch.teacher is not None else None
         return batch
 
@@ -485,12 +518,34 @@ class Trainer:
 
     def block_rows(self, batch: Batch, forward=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's block hidden states [S, N, B, hidden] and the labels [S, N, B], on the device;
-        `forward`: the training forward (DDP's, on many ranks), else the drafter's own."""
+        `forward`: the training forward (DDP's, on many ranks), else the drafter's own. Live features
+        are computed here, on the target's device, into the batch (its teacher too, to distill)."""
+        if batch.features is None:
+            self._live_rows(batch)
         noise = F.embedding(batch.block_tokens.to(self.dev), self.embed)
         features = batch.features.to(self.dev, non_blocking=True).float()
         anchors = batch.anchors.to(self.dev)
         hidden = (forward or self.drafter.forward_anchors)(features, anchors, noise, self.scale)
         return hidden, batch.labels.to(self.dev)
+
+    def _live_rows(self, batch: Batch) -> None:
+        """The batch's context rows [S, T, W] and, to distill, its teacher rows, from the target now:
+        laid out as `make_batch` lays out cached ones."""
+        rows = self.live.rows(batch.context)
+        span = max(int(batch.anchors.max()) if batch.anchors.numel() else 0, 1)
+        device = rows[0].device if rows else self.dev
+        full = torch.zeros(len(rows), max([len(r) for r in rows] + [span]), self.live.width, dtype=torch.float16)
+        full = full.to(device)
+        for i, r in enumerate(rows):
+            full[i, : len(r)] = r
+        width = self.cfg.feature_width
+        batch.features = full[:, :span, :width]
+        if self.opts.distill:
+            extra = full[..., width:]
+            last = torch.tensor([max(len(r) - 1, 0) for r in rows], device=device)
+            pos = teacher_positions(batch.anchors.to(device), self.cfg.block_size, last)
+            flat = pos.reshape(len(rows), -1, 1).expand(-1, -1, extra.shape[2])
+            batch.teacher = torch.gather(extra, 1, flat).view(pos.shape + (extra.shape[2],))
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits [rows, draft vocab] of hidden rows, through the target's frozen head."""
@@ -501,7 +556,7 @@ class Trainer:
         """The target's log-probabilities [rows, draft vocab] for the labelled slots' tokens: its last
         tap (the final norm's output, as the last of transformers' hidden states is) through its LM
         head, renormalised over the draft vocabulary."""
-        last = batch.teacher[labelled.cpu()].to(self.dev)
+        last = batch.teacher[labelled.to(batch.teacher.device)].to(self.dev)
         return (last.to(self.head.dtype) @ self.head.T).float().log_softmax(-1)
 
     def _weighted_ce(self, logits: torch.Tensor, slots: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
