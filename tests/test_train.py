@@ -1101,3 +1101,20 @@ def test_live_features_in_forwards_of_bounded_rows_are_each_sequence_alone(setup
         assert got.shape == (len(tokens), source.width) and got.dtype == torch.float16
         if tokens:
             assert torch.equal(got, target.prefill_features([tokens], cfg.target_layer_ids)[0].to(torch.float16))
+
+
+def test_off_the_engine_live_features_are_padded_forwards_that_train(setup):
+    """Off the engine (the GPU path today) a batch's live rows come from right-padded forwards: the
+    cached rows up to rounding, the teacher's too, and a run on them learns."""
+    _, cfg, store, features = setup
+    target = tiny_target(layers=4, engine=False)  # the setup's weights (seeded), on the transformers path
+    taps = (*cfg.target_layer_ids, target.config.num_hidden_layers - 1)
+    live = Trainer(target, cfg, store.answers, LiveFeatures(target, taps, batch_tokens=256), opts(distill=0.5))
+    cached = Trainer(target, cfg, store.answers, features, opts())
+    batch = live.batch(0)
+    live.block_rows(batch)
+    want = cached.batch(0).features
+    assert batch.features.shape == want.shape and batch.teacher.shape[:3] == batch.labels.shape
+    torch.testing.assert_close(batch.features.float(), want.float(), rtol=5e-3, atol=5e-3)
+    losses = [live.train_step() for _ in range(60)]
+    assert sum(losses[-10:]) < 0.95 * sum(losses[:10]), losses
