@@ -13,7 +13,7 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.datastore import Datastore
 from target_node.drafting.proposers import NoProposer
-from training.answer_index import datastore_for
+from training.answer_index import KEEP, datastore_for
 
 
 def reference(sequences, tail, limit, context):
@@ -117,3 +117,22 @@ def test_the_daemons_datastore_is_the_served_models_answers_indexed_once(tmp_pat
     assert datastore_for("none", "tiny", cache) is None
     with pytest.raises(FileNotFoundError, match="no such answer store"):
         datastore_for(str(tmp_path / "missing"), "tiny", cache)
+
+
+def test_a_store_that_grows_across_restarts_keeps_only_the_newest_indexes(tmp_path):
+    """Each restart after a new shard builds a new index; the older ones of that model go (all but
+    KEEP), another model's stay (one whose name starts with this one's too), and the newest serves."""
+    cache, store = tmp_path / "cache", tmp_path / "store"
+    write_store(tmp_path / "other", "tiny-2", [[5, 6, 7]])
+    assert datastore_for(str(tmp_path / "other"), "tiny-2", cache) is not None
+    built = []
+    for i in range(KEEP + 3):
+        write_store(tmp_path / "shard", "tiny", [[5, 6, 7 + i]])
+        store.mkdir(exist_ok=True)
+        (tmp_path / "shard" / "20261205-000000-abcd.jsonl.gz").rename(store / f"20261205-00000{i}-abcd.jsonl.gz")
+        served = datastore_for(str(store), "tiny", cache)
+        assert served([4, 5, 6], 1).tokens == [7]  # the vote among the shards so far: the first wins ties
+        built.append({d.name for d in (cache / "datastore").glob("tiny-*") if not d.name.startswith("tiny-2-")})
+    assert [len(names) for names in built] == [1, 2, 3] + [KEEP] * 3
+    assert all(len(built[i] - built[i - 1]) == 1 for i in range(1, len(built)))  # one new index a restart
+    assert len(list((cache / "datastore").glob("tiny-2-*"))) == 1

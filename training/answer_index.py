@@ -44,9 +44,32 @@ def datastore_for(choice: str, model_name: str, cache: Path = CACHE_ROOT) -> Dat
         except OSError:
             shutil.rmtree(aside, ignore_errors=True)
         log.info("datastore: %d answers of %s indexed into %s", len(answers), model_name, where)
+        prune(where.parent, model_name, keep=KEEP)
     store = Datastore.load(where)
     log.info("datastore: %d positions of %s's earlier answers, mapped from %s", len(store), model_name, where)
     return store
+
+
+KEEP = 3  # a model's indexes kept: a store that grows (recorded traffic) would leave one per restart
+
+
+def prune(folder: Path, model_name: str, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest whole indexes of `model_name` under `folder` (170 MB each for
+    the committed store): an index is built again whenever its store gains a shard. A daemon still
+    serving a deleted one keeps its memory map; one that picks it as it is deleted fails to start and
+    builds it again on the next try. Returns what it deleted."""
+    whole = [d for d in folder.glob(f"{model_name}-*") if _is_index(d, model_name)]
+    whole.sort(key=lambda d: (d / "bits").stat().st_mtime, reverse=True)
+    for stale in whole[keep:]:
+        shutil.rmtree(stale, ignore_errors=True)
+        log.info("datastore: removed the stale index %s", stale)
+    return whole[keep:]
+
+
+def _is_index(folder: Path, model_name: str) -> bool:
+    """Whether `folder` is a whole index of `model_name`'s (not of a model whose name merely starts so)."""
+    tail = folder.name[len(model_name) + 1 :]
+    return len(tail) == 16 and all(c in "0123456789abcdef" for c in tail) and (folder / "bits").is_file()
 
 
 def first_model(shard: Path) -> str:
