@@ -5,6 +5,8 @@ turns, in one process, so load drifts over both alike.
 
 - `head`: greedy steps through the int8 screen (the widths this machine measured it faster for) against
   the whole head every step. Where the CPU has no AVX512-VNNI the two are the same code.
+- `chances`: the datastore's vote shares as often as such shares came out right lately
+  (`Governor.chance_reach`) against the shares as given.
 
 A setting is a class whose `apply(side)` is called before each side's runs are prepared and before
 each of its prompts. Each side has its own runs (governors, their verify costs
@@ -37,7 +39,27 @@ class Head:
             self.engine.screen_rows = self.rows[side]
 
 
-SETTINGS = {"head": Head}
+class Chances:
+    """Looked-up chances calibrated by the governor (side "new") against as given ("old")."""
+
+    def __init__(self, target) -> None:
+        from target_node.decoding.governor import Governor
+
+        self.governor, self.calibrated = Governor, Governor.chance_reach
+
+    def apply(self, side: str) -> None:
+        self.governor.chance_reach = self.calibrated if side == "new" else _as_given
+
+
+def _as_given(governor, chances: list[float], source: str) -> list[float]:
+    out, path = [], 1.0
+    for chance in chances:
+        path *= chance
+        out.append(path)
+    return out
+
+
+SETTINGS = {"head": Head, "chances": Chances}
 
 
 def bench(argv: list[str] | None = None) -> dict:

@@ -119,6 +119,30 @@ def test_no_lookup_in_chains_sampled_steps_or_when_switched_off(target):
         assert stats.proposed == 0 and "lookup" not in stats.sources
 
 
+def test_the_governor_calibrates_a_lookups_own_chances_by_how_often_they_came_out_right():
+    """The datastore's vote shares run high: tokens it gives 0.6 that are right a third of the time
+    come to be priced near a third, while its other tenths keep what they learned or, untaught, their
+    own chance; paths multiply, and a token after a miss teaches nothing."""
+    governor = Governor()
+    assert governor.chance_reach([0.6, 0.5], "datastore") == pytest.approx([0.6, 0.3])  # untaught: as given
+    for i in range(90):
+        right = 5 if i % 3 == 0 else 6
+        governor.learn_lookup([5, 8], [right, 8], "datastore", chances=[0.62, 0.95])
+    first = governor.chance_reach([0.65], "datastore")[0]
+    assert 0.25 < first < 0.42, first
+    # 0.95 was tried only after a right first token (30 times), and was right each time.
+    assert governor.chance_reach([0.9], "datastore")[0] > 0.95
+    assert governor.chance_tries["datastore"][9] < governor.chance_tries["datastore"][6]
+    assert governor.chance_reach([0.65, 0.9], "datastore")[1] == pytest.approx(
+        first * governor.chance_reach([0.9], "datastore")[0]
+    )
+    assert governor.chance_reach([0.15], "datastore") == pytest.approx([0.15])
+    assert governor.chance_reach([0.6], "another") == pytest.approx([0.6])  # each lookup its own
+    # Without chances (the context's lookup) only the depth record learns.
+    governor.learn_lookup([1], [1], "lookup")
+    assert "lookup" not in governor.chance_tries
+
+
 def test_the_governor_learns_how_deep_lookups_are_right_and_rates_plain_steps_by_tokens():
     governor = Governor()
     prior = governor.lookup_reach(3)

@@ -82,6 +82,13 @@ class VerifyCosts:
         target.reset()
 
 
+CHANCE_PRIOR = 2.0  # tokens' worth of evidence a lookup's own chance counts for (Governor.chance_reach)
+
+
+def _tenth(chance: float) -> int:
+    return min(9, max(0, int(chance * 10)))
+
+
 @dataclass
 class Governor:
     window: int = 24  # speculative steps in the rolling estimate
@@ -118,6 +125,11 @@ class Governor:
     # they were right lately.
     lookup_tries: dict[str, list[float]] = field(default_factory=dict)
     lookup_hits: dict[str, list[float]] = field(default_factory=dict)
+    # A lookup's own chances (the datastore's vote shares) against how often they came out right, per
+    # tenth of a chance: decayed tokens given a chance there (its depth reached), and of them how many
+    # the target chose. The shares run high (0.54 on average where 38% were right, docs/trees.md).
+    chance_tries: dict[str, list[float]] = field(default_factory=dict)
+    chance_hits: dict[str, list[float]] = field(default_factory=dict)
     decay: float = 0.97
 
     # --- whether to draft ---------------------------------------------------
@@ -249,18 +261,44 @@ class Governor:
             out.append(reach)
         return out
 
-    def learn_lookup(self, lookup: list[int], committed: list[int], source: str = "lookup") -> None:
+    def learn_lookup(
+        self, lookup: list[int], committed: list[int], source: str = "lookup", chances: list[float] | None = None
+    ) -> None:
         """A step's continuation looked up by `source` against what the target committed after
         last_tok: depth k counts where depth k - 1 was right and the target's token there is known,
-        whether or not the step verified the continuation's node."""
+        whether or not the step verified the continuation's node; so does each token's own chance,
+        where the lookup gave them."""
         tries, hits = self._lookup_counts(source)
+        by_chance = self._chance_counts(source) if chances is not None else None
         for k in range(1, min(len(lookup), len(committed)) + 1):
             d = min(k, len(tries) - 1)
             right = lookup[k - 1] == committed[k - 1]
             tries[d] = self.decay * tries[d] + 1
             hits[d] = self.decay * hits[d] + right
+            if by_chance is not None and k <= len(chances):
+                b = _tenth(chances[k - 1])
+                by_chance[0][b] = self.decay * by_chance[0][b] + 1
+                by_chance[1][b] = self.decay * by_chance[1][b] + right
             if not right:
                 break
+
+    def _chance_counts(self, source: str) -> tuple[list[float], list[float]]:
+        if source not in self.chance_tries:
+            self.chance_tries[source], self.chance_hits[source] = [0.0] * 10, [0.0] * 10
+        return self.chance_tries[source], self.chance_hits[source]
+
+    def chance_reach(self, chances: list[float], source: str) -> list[float]:
+        """The path probabilities of a continuation whose lookup gave each token a chance: each chance
+        as often as tokens given one like it were right lately, the chance itself weighing as
+        CHANCE_PRIOR such tokens (so before any step, and for a governor never taught, the chances as
+        given)."""
+        tries, hits = self._chance_counts(source)
+        out, path = [], 1.0
+        for chance in chances:
+            b = _tenth(chance)
+            path *= (hits[b] + CHANCE_PRIOR * chance) / (tries[b] + CHANCE_PRIOR)
+            out.append(path)
+        return out
 
     # --- reporting -----------------------------------------------------------
 

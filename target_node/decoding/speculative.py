@@ -99,14 +99,11 @@ def draft_tree(
 
 def reach(found: Continuation, source: str, governor: Governor) -> list[float]:
     """How likely each looked-up token's path is right: from the lookup's own chances where it gives
-    them, else from how deep its continuations were right lately (the governor's record)."""
+    them, as often as such chances came out right lately, else from how deep its continuations were
+    right lately (the governor's record)."""
     if found.chances is None:
         return governor.lookup_reach(len(found.tokens), source)
-    out, path = [], 1.0
-    for chance in found.chances:
-        path *= chance
-        out.append(path)
-    return out
+    return governor.chance_reach(found.chances, source)
 
 
 @dataclass
