@@ -7,6 +7,8 @@ turns, in one process, so load drifts over both alike.
   the whole head every step. Where the CPU has no AVX512-VNNI the two are the same code.
 - `chances`: the datastore's vote shares as often as such shares came out right lately
   (`Governor.chance_reach`) against the shares as given.
+- `lookup-kinds`: the context's continuations priced by how far back their match reached (1, 2 or 3
+  tokens: `PromptLookup.by_length`) against all of them as one.
 
 A setting is a class whose `apply(side)` is called before each side's runs are prepared and before
 each of its prompts. Each side has its own runs (governors, their verify costs
@@ -51,7 +53,7 @@ class Chances:
         self.governor.chance_reach = self.calibrated if side == "new" else _as_given
 
 
-def _as_given(governor, chances: list[float], source: str) -> list[float]:
+def _as_given(governor, chances: list[float], source: str, kind: str = "") -> list[float]:
     out, path = [], 1.0
     for chance in chances:
         path *= chance
@@ -59,7 +61,20 @@ def _as_given(governor, chances: list[float], source: str) -> list[float]:
     return out
 
 
-SETTINGS = {"head": Head, "chances": Chances}
+class LookupKinds:
+    """The context's continuations priced by the length of the tail they matched (side "new") against
+    all as one ("old")."""
+
+    def __init__(self, target) -> None:
+        from target_node.drafting.proposers import PromptLookup
+
+        self.lookup = PromptLookup
+
+    def apply(self, side: str) -> None:
+        self.lookup.by_length = side == "new"
+
+
+SETTINGS = {"head": Head, "chances": Chances, "lookup-kinds": LookupKinds}
 
 
 def bench(argv: list[str] | None = None) -> dict:

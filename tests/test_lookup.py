@@ -13,7 +13,8 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.tree import DraftTree
 from target_node.drafting.local_backend import LocalDraftBackend
-from target_node.drafting.proposers import DFlashProposer, NoProposer, prompt_lookup
+from target_node.drafting.proposal import Continuation
+from target_node.drafting.proposers import PROMPT_LOOKUP, DFlashProposer, NoProposer, prompt_lookup
 
 MAX_NEW = 40
 # A prompt whose tail occurred before: lookup has a continuation from the first step.
@@ -36,6 +37,10 @@ def test_prompt_lookup_continues_the_latest_occurrence_of_the_longest_tail():
     assert prompt_lookup([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 3) == [9, 2, 3]
     assert prompt_lookup([5, 6, 5, 7, 5], 2) == [7, 5]  # "5": the latest earlier one (at 2)
     assert prompt_lookup([1, 2, 3], 4) == [] and prompt_lookup([4], 4) == [] and prompt_lookup([4, 4], 0) == []
+    # The context's lookup names its guess by the tail it matched; the governor prices each apart.
+    assert PROMPT_LOOKUP([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 3) == Continuation([9, 2, 3], kind="3-gram")
+    assert PROMPT_LOOKUP([5, 6, 5, 7, 5], 2) == Continuation([7, 5], kind="1-gram")
+    assert PROMPT_LOOKUP([1, 2, 3], 4) == Continuation([])
     rng = random.Random(0)
     for _ in range(3000):
         tokens = [rng.randrange(rng.choice([2, 3, 7, 50])) for _ in range(rng.randint(0, 30))]
@@ -138,6 +143,7 @@ def test_the_governor_calibrates_a_lookups_own_chances_by_how_often_they_came_ou
     )
     assert governor.chance_reach([0.15], "datastore") == pytest.approx([0.15])
     assert governor.chance_reach([0.6], "another") == pytest.approx([0.6])  # each lookup its own
+    assert governor.chance_reach([0.65], "datastore", "other") == pytest.approx([0.65])  # and each kind of guess
     # Without chances (the context's lookup) only the depth record learns.
     governor.learn_lookup([1], [1], "lookup")
     assert "lookup" not in governor.chance_tries
@@ -155,6 +161,11 @@ def test_the_governor_learns_how_deep_lookups_are_right_and_rates_plain_steps_by
         governor.learn_lookup([7, 8], [1])  # wrong at once; depth 2 is not even tried
     tries = governor.lookup_tries["lookup"]
     assert governor.lookup_reach(1)[0] < 0.4 and tries[2] < tries[1]
+    # Each kind of a lookup's guesses learns on its own.
+    assert governor.lookup_reach(1, "lookup", "3-gram") == pytest.approx([0.5])
+    for _ in range(40):
+        governor.learn_lookup([1], [1], "lookup", kind="3-gram")
+    assert governor.lookup_reach(1, "lookup", "3-gram")[0] > 0.9 and governor.lookup_reach(1)[0] < 0.4
     # Each lookup learns on its own: the datastore's reach is still the prior.
     assert governor.lookup_reach(3, "datastore") == pytest.approx([0.5, 0.25, 0.125])
     # Steps the drafter sat out commit what their lookup won: the rate drafting must beat.

@@ -244,16 +244,17 @@ class Governor:
         rates = [(1 + g) / (draft_s + self.costs(n + 1)) for n, g in enumerate(gains)]
         return max(range(len(rates)), key=rates.__getitem__)
 
-    def _lookup_counts(self, source: str) -> tuple[list[float], list[float]]:
-        """A lookup's decayed tries and hits per depth; it starts at an even 1 in 2."""
-        if source not in self.lookup_tries:
-            self.lookup_tries[source], self.lookup_hits[source] = [2.0] * 32, [1.0] * 32
-        return self.lookup_tries[source], self.lookup_hits[source]
+    def _lookup_counts(self, source: str, kind: str = "") -> tuple[list[float], list[float]]:
+        """A lookup's (a kind of its guesses') decayed tries and hits per depth; it starts at an even 1 in 2."""
+        key = f"{source}:{kind}" if kind else source
+        if key not in self.lookup_tries:
+            self.lookup_tries[key], self.lookup_hits[key] = [2.0] * 32, [1.0] * 32
+        return self.lookup_tries[key], self.lookup_hits[key]
 
-    def lookup_reach(self, depth: int, source: str = "lookup") -> list[float]:
-        """How often `source`'s looked-up continuations were right to depths 1..`depth`, lately: the
-        path probabilities its nodes enter a tree with (DraftTree.graft)."""
-        tries, hits = self._lookup_counts(source)
+    def lookup_reach(self, depth: int, source: str = "lookup", kind: str = "") -> list[float]:
+        """How often `source`'s looked-up continuations (of this `kind`) were right to depths
+        1..`depth`, lately: the path probabilities its nodes enter a tree with (DraftTree.graft)."""
+        tries, hits = self._lookup_counts(source, kind)
         out, reach = [], 1.0
         for k in range(1, depth + 1):
             k = min(k, len(tries) - 1)
@@ -262,14 +263,19 @@ class Governor:
         return out
 
     def learn_lookup(
-        self, lookup: list[int], committed: list[int], source: str = "lookup", chances: list[float] | None = None
+        self,
+        lookup: list[int],
+        committed: list[int],
+        source: str = "lookup",
+        chances: list[float] | None = None,
+        kind: str = "",
     ) -> None:
         """A step's continuation looked up by `source` against what the target committed after
         last_tok: depth k counts where depth k - 1 was right and the target's token there is known,
         whether or not the step verified the continuation's node; so does each token's own chance,
-        where the lookup gave them."""
-        tries, hits = self._lookup_counts(source)
-        by_chance = self._chance_counts(source) if chances is not None else None
+        where the lookup gave them; each `kind` of the lookup's guesses on its own."""
+        tries, hits = self._lookup_counts(source, kind)
+        by_chance = self._chance_counts(source, kind) if chances is not None else None
         for k in range(1, min(len(lookup), len(committed)) + 1):
             d = min(k, len(tries) - 1)
             right = lookup[k - 1] == committed[k - 1]
@@ -282,17 +288,18 @@ class Governor:
             if not right:
                 break
 
-    def _chance_counts(self, source: str) -> tuple[list[float], list[float]]:
-        if source not in self.chance_tries:
-            self.chance_tries[source], self.chance_hits[source] = [0.0] * 10, [0.0] * 10
-        return self.chance_tries[source], self.chance_hits[source]
+    def _chance_counts(self, source: str, kind: str = "") -> tuple[list[float], list[float]]:
+        key = f"{source}:{kind}" if kind else source
+        if key not in self.chance_tries:
+            self.chance_tries[key], self.chance_hits[key] = [0.0] * 10, [0.0] * 10
+        return self.chance_tries[key], self.chance_hits[key]
 
-    def chance_reach(self, chances: list[float], source: str) -> list[float]:
+    def chance_reach(self, chances: list[float], source: str, kind: str = "") -> list[float]:
         """The path probabilities of a continuation whose lookup gave each token a chance: each chance
         as often as tokens given one like it were right lately, the chance itself weighing as
         CHANCE_PRIOR such tokens (so before any step, and for a governor never taught, the chances as
-        given)."""
-        tries, hits = self._chance_counts(source)
+        given). Each `kind` of a lookup's guesses keeps its own record."""
+        tries, hits = self._chance_counts(source, kind)
         out, path = [], 1.0
         for chance in chances:
             b = _tenth(chance)

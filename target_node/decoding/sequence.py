@@ -175,7 +175,7 @@ class Sequence:
         self._count(step)
         if self.governor is not None:
             for source, found in self.plan.lookups.items():
-                self.governor.learn_lookup(found.tokens, step.committed, source, found.chances)
+                self.governor.learn_lookup(found.tokens, step.committed, source, found.chances, found.kind)
             self.governor.record(
                 step.drafted,
                 len(step.committed),

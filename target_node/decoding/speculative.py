@@ -102,8 +102,8 @@ def reach(found: Continuation, source: str, governor: Governor) -> list[float]:
     them, as often as such chances came out right lately, else from how deep its continuations were
     right lately (the governor's record)."""
     if found.chances is None:
-        return governor.lookup_reach(len(found.tokens), source)
-    return governor.chance_reach(found.chances, source)
+        return governor.lookup_reach(len(found.tokens), source, found.kind)
+    return governor.chance_reach(found.chances, source, found.kind)
 
 
 @dataclass

@@ -43,3 +43,6 @@ class Continuation:
 
     tokens: list[int]
     chances: list[float] | None = None
+    # Which of the lookup's kinds of guess this is (the context's: the length of the tail it matched):
+    # the governor keeps each kind's record on its own.
+    kind: str = ""

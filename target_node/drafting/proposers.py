@@ -87,14 +87,19 @@ class NoProposer:
 
 def prompt_lookup(tokens: list[int], limit: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Up to `limit` tokens that followed the latest earlier occurrence of the longest tail of
-    `tokens` (max_ngram tokens down to min_ngram) that occurred before; [] where none did.
+    `tokens` (max_ngram tokens down to min_ngram) that occurred before; [] where none did."""
+    return matched_lookup(tokens, limit, max_ngram, min_ngram)[0]
+
+
+def matched_lookup(tokens: list[int], limit: int, max_ngram: int = 3, min_ngram: int = 1) -> tuple[list[int], int]:
+    """`prompt_lookup`'s continuation, and the length of the tail it matched (0: none).
 
     One backward pass: each earlier position holding the last token is the end of a match as long
     as the tokens before it agree with the tail's; the latest match of the longest length wins
     (recent text predicts the next tokens best)."""
     end = len(tokens) - 1
     if limit <= 0 or end < 1:
-        return []
+        return [], 0
     last, longest = tokens[-1], min(max_ngram, end)
     found = dict.fromkeys(range(min_ngram, longest + 1), -1)  # match length -> its latest end
     for i in range(end - 1, -1, -1):
@@ -109,8 +114,8 @@ def prompt_lookup(tokens: list[int], limit: int, max_ngram: int = 3, min_ngram: 
                 break
     for n in range(longest, min_ngram - 1, -1):
         if found[n] >= 0:
-            return tokens[found[n] + 1 : found[n] + 1 + limit]
-    return []
+            return tokens[found[n] + 1 : found[n] + 1 + limit], n
+    return [], 0
 
 
 class Lookup(Protocol):
@@ -124,12 +129,16 @@ class Lookup(Protocol):
 
 
 class PromptLookup:
-    """The context's own earlier continuation of its tail (`prompt_lookup`)."""
+    """The context's own earlier continuation of its tail (`prompt_lookup`), named by the length of
+    the tail it matched: the governor learns how deep each length's continuations are right (a
+    3-token match is a better guess than a 1-token one)."""
 
     name = "lookup"
+    by_length = True  # else every continuation is one kind of guess (the benchmarks' A/B)
 
     def __call__(self, tokens: list[int], limit: int) -> Continuation:
-        return Continuation(prompt_lookup(tokens, limit))
+        found, matched = matched_lookup(tokens, limit)
+        return Continuation(found, kind=f"{matched}-gram" if self.by_length and found else "")
 
 
 PROMPT_LOOKUP = PromptLookup()
