@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -196,13 +197,7 @@ class LiveFeatures:
         out: list[torch.Tensor | None] = [None] * len(sequences)
         i = 0
         while i < len(order):
-            group = [order[i]]
-            while (
-                i + len(group) < len(order)
-                and len(group) < self.target.prefill_slots
-                and (len(group) + 1) * len(sequences[order[i + len(group)]]) <= self.batch_tokens
-            ):
-                group.append(order[i + len(group)])
+            group = _next_group(order, i, self.target.prefill_slots, self.batch_tokens, lambda j: len(sequences[j]))
             i += len(group)
             running = [j for j in group if sequences[j]]
             results = self.target.prefill_features([sequences[j] for j in running], self.taps) if running else []
@@ -225,7 +220,7 @@ class LiveFeatures:
         return np.concatenate(taken) if taken else np.zeros((0, self.width), dtype=np.float16)
 
 
-def _next_group(todo: list[Answer], i: int, slots: int, batch_tokens: int, rows: Callable[[Answer], int]) -> list:
+def _next_group(todo: list, i: int, slots: int, batch_tokens: int, rows: Callable[[Any], int]) -> list:
     """The answers from todo[i] on that share one forward: within one window (sorted by length, so
     the last one taken is the longest), at most `slots`, their count times the last one's rows
     within `batch_tokens`."""

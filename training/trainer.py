@@ -534,8 +534,8 @@ class Trainer:
         rows = self.live.rows(batch.context)
         span = max(int(batch.anchors.max()) if batch.anchors.numel() else 0, 1)
         device = rows[0].device if rows else self.dev
-        full = torch.zeros(len(rows), max([len(r) for r in rows] + [span]), self.live.width, dtype=torch.float16)
-        full = full.to(device)
+        length = max([len(r) for r in rows] + [span])
+        full = torch.zeros(len(rows), length, self.live.width, dtype=torch.float16, device=device)
         for i, r in enumerate(rows):
             full[i, : len(r)] = r
         width = self.cfg.feature_width

@@ -89,6 +89,11 @@ def _tenth(chance: float) -> int:
     return min(9, max(0, int(chance * 10)))
 
 
+def _record(source: str, kind: str) -> str:
+    """The key a lookup's record (of one kind of its guesses) is kept under."""
+    return f"{source}:{kind}" if kind else source
+
+
 @dataclass
 class Governor:
     window: int = 24  # speculative steps in the rolling estimate
@@ -246,7 +251,7 @@ class Governor:
 
     def _lookup_counts(self, source: str, kind: str = "") -> tuple[list[float], list[float]]:
         """A lookup's (a kind of its guesses') decayed tries and hits per depth; it starts at an even 1 in 2."""
-        key = f"{source}:{kind}" if kind else source
+        key = _record(source, kind)
         if key not in self.lookup_tries:
             self.lookup_tries[key], self.lookup_hits[key] = [2.0] * 32, [1.0] * 32
         return self.lookup_tries[key], self.lookup_hits[key]
@@ -289,7 +294,7 @@ class Governor:
                 break
 
     def _chance_counts(self, source: str, kind: str = "") -> tuple[list[float], list[float]]:
-        key = f"{source}:{kind}" if kind else source
+        key = _record(source, kind)
         if key not in self.chance_tries:
             self.chance_tries[key], self.chance_hits[key] = [0.0] * 10, [0.0] * 10
         return self.chance_tries[key], self.chance_hits[key]
