@@ -210,6 +210,32 @@ def test_a_disk_that_starts_with_less_than_keep_free_still_takes_a_fill_that_fit
     assert said[-1] == "features: the disk is nearly full with 4 of 12 answers left"
 
 
+def test_generation_stops_keeping_features_before_the_disk_is_full_and_goes_on_answering(setup, tmp_path, monkeypatch):
+    """A generator left running for hours wrote 5.8 KB of rows a token until the disk was full (and
+    the next CI run on that disk failed): past the cache's reserve it keeps answering, stores no
+    more rows, and says so once; the rows it kept are whole."""
+    target, cfg, _, _ = setup
+    free = iter([2 * 10**9, 10**9, 10**9])  # the reserve is 1e9 (half the start); two answers fit, then full
+    monkeypatch.setattr(features_module.shutil, "disk_usage", lambda _: shutil_usage(next(free, 10)))
+    store = AnswerStore(tmp_path / "answers")
+    features = FeatureCache(tmp_path / "features", cfg.feature_width)
+    said = []
+    quiet = dict(QUIET, log=said.append)
+    done = generate_answers(
+        _TokenTarget(target),
+        store,
+        iter(_openings(12, seed=5)),
+        features=features,
+        layer_ids=cfg.target_layer_ids,
+        **quiet,
+    )
+    assert done == len(store) == 12 and len(features) == 2
+    for key in features.index:
+        answer = next(a for a in store.answers if a.key == key)
+        assert features.get(key).shape == (len(answer.tokens) - 1, cfg.feature_width)
+    assert sum("the disk is nearly full" in line for line in said) == 1
+
+
 def shutil_usage(free: int):
     import shutil
 

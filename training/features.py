@@ -34,6 +34,21 @@ from training.answer_store import Answer
 
 WINDOW = 512  # answers sorted by length together when filling (see FeatureCache.fill)
 MAX_ROWS = 1024  # an answer's rows a cache fill or a live forward computes: training reads no further
+KEEP_FREE = 4 * 2**30  # bytes a cache leaves free on its disk (see DiskReserve)
+
+
+class DiskReserve:
+    """The room a feature cache leaves on its disk: `keep_free` bytes, or half of what was free
+    when it began where that is less. Rows cost 5.8 KB a token, so a fast device's fill, or a
+    generator left running for hours, outruns the disk; a disk that starts nearly full still
+    takes what fits."""
+
+    def __init__(self, folder: Path, keep_free: int = KEEP_FREE) -> None:
+        self.folder = folder
+        self.floor = min(keep_free, shutil.disk_usage(folder).free // 2)
+
+    def full(self) -> bool:
+        return shutil.disk_usage(self.folder).free < self.floor
 
 
 def feature_folder(cache: str | Path, model: str | Path, layer_ids: tuple[int, ...], dtype: torch.dtype) -> Path:
@@ -126,7 +141,7 @@ class FeatureCache:
         max_rows: int = MAX_ROWS,
         batch_tokens: int = 4096,
         deadline: float | None = None,
-        keep_free: int = 4 * 2**30,
+        keep_free: int = KEEP_FREE,
         log: Callable[[str], None] | None = print,
     ) -> int:
         """Compute features for answers that have none, by batched prefill; returns how many were added.
@@ -137,24 +152,20 @@ class FeatureCache:
         a GPU today, one right-padded forward). Answers go in
         windows of `WINDOW` in the store's order, each sorted by length (similar lengths share a
         forward), so a run stopped at `deadline` (a `time.time()`) has filled a fair sample of the
-        store, not only its shortest answers. It stops early too while `keep_free` bytes are left on
-        the disk, or half of what was free when it began where that is less: a fast device outruns
-        the disk, and a disk that starts nearly full still takes a fill that fits.
+        store, not only its shortest answers. It stops early too when the disk reaches its
+        `DiskReserve`.
         """
         waiting = [a for a in answers if a.key not in self.index]
         windows = (waiting[w : w + WINDOW] for w in range(0, len(waiting), WINDOW))
         todo = [a for window in windows for a in sorted(window, key=lambda a: len(a.tokens))]
         began, done_rows, added = time.time(), 0, 0
-        reserve = min(keep_free, shutil.disk_usage(self.folder).free // 2)
+        disk = DiskReserve(self.folder, keep_free)
 
         def rows(answer: Answer) -> int:  # positions whose features training reads: all but the last
             return min(len(answer.tokens) - 1, max_rows)
 
-        def disk_full() -> bool:
-            return shutil.disk_usage(self.folder).free < reserve
-
         i = 0
-        while i < len(todo) and (deadline is None or time.time() < deadline) and not disk_full():
+        while i < len(todo) and (deadline is None or time.time() < deadline) and not disk.full():
             group = _next_group(todo, i, target.prefill_slots, batch_tokens, rows)
             i += len(group)
             for answer in [a for a in group if rows(a) == 0]:  # nothing after its first token
@@ -169,7 +180,7 @@ class FeatureCache:
             if log and i % 200 < len(group):
                 log(f"features: {i}/{len(todo)} answers, {done_rows / max(time.time() - began, 1e-9):.0f} rows/s")
         if log and i < len(todo):
-            why = "the disk is nearly full" if disk_full() else "time is up"
+            why = "the disk is nearly full" if disk.full() else "time is up"
             log(f"features: {why} with {len(todo) - i} of {len(todo)} answers left")
         return added
 

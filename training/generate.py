@@ -25,7 +25,7 @@ from target_node.decoding.sequence import Sequence, step
 from target_node.drafting.proposers import NoProposer
 from target_node.model.target import TargetModel
 from training.answer_store import Answer, AnswerStore
-from training.features import FeatureCache
+from training.features import DiskReserve, FeatureCache
 from training.prompts import Ask, HeldOut, next_turns
 
 
@@ -173,20 +173,27 @@ def generate(
     """Answer turns until the deadline (or the openings run out); returns how many were answered.
 
     With a feature cache and the drafter's `layer_ids`, the features the target computes on
-    the way are kept too, so training needs no second pass over these answers.
+    the way are kept too, so training needs no second pass over these answers, until the disk
+    reaches the cache's `DiskReserve`: then answers go on without them (a fill adds them later).
     """
     held_out = opts.held_out if opts.held_out is not None else HeldOut.load()
     turns = Turns(target, store, openings, opts.seed, held_out, opts.max_prompt)
     log(f"generation: {len(store)} answers stored ({store.answer_tokens} answer tokens), {len(turns.follow)} pending")
     started, made = time.time(), 0
+    disk = DiskReserve(features.folder) if features is not None else None
+    disk_said = False
 
     def on_done(ask: Ask, tokens: list[int], prompt_len: int, finish: str, rows: torch.Tensor | None) -> None:
-        nonlocal made
+        nonlocal made, disk_said
         answer = turns.answered(ask, tokens, prompt_len, finish)
         if answer is None:
             return
-        if features is not None and rows is not None:
-            features.add(answer.key, rows[: opts.max_feature_rows])
+        if features is not None and rows is not None and disk is not None:
+            if not disk.full():
+                features.add(answer.key, rows[: opts.max_feature_rows])
+            elif not disk_said:
+                disk_said = True
+                log("generation: the disk is nearly full; answers go on without features (--stage features adds them)")
         made += answer.answer_tokens
         if len(store) % 100 == 0:
             rate = made / max(time.time() - started, 1e-9)
