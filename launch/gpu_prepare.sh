@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare here what the device machine lacks and cannot fetch (it reaches no network): the wheels
 # launch/gpu_run.sh installs (.whl/) and the SmolLM2 GGUF in parts (.gpu/), each small enough to
-# ride along with one call (a call carries at most 64 MiB, the ~31 MB working tree included).
+# ride along with one call (a call carries at most 64 MiB, the working tree included).
 # Both folders are git-ignored. How to carry them, call by call: docs/training.md, "On a GPU".
 # Usage: bash launch/gpu_prepare.sh [PART_MB]   (default: the largest part that fits beside the
 # working tree as it is now, tracked and untracked files and the wheels, with 1 MiB to spare)

@@ -57,7 +57,7 @@ def test_tiny_mode_runs_every_phase(tmp_path):
     rounds = phases["batching"]["rounds"]
     assert set(rounds) == {f"{k} x{b}" for k in ("plain", "dflash") for b in (1, 3)}
     assert all(r["differs"] == 0 for r in rounds.values()) and rounds["dflash x3"]["drafted_steps"] > 0
-    assert phases["gen"]["answers"] > 0 and list((out / "answers").glob("*.jsonl.gz"))
+    assert phases["gen"]["answers"] > 0 and list((out / "answers").glob("*.jsonl.xz"))
     assert (out / "drafter" / "model.safetensors").is_file()
     assert json.loads((out / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     compared = {k: v for k, v in phases["eval"].items() if k in ("shipped", "new")}
@@ -72,7 +72,7 @@ def test_tiny_drafter_plan_trains_one_drafter_per_depth_and_compares_them(tmp_pa
     offline and live against the shipped one."""
     store = tmp_path / "store"
     store.mkdir()
-    shutil.copy(ROOT / "data" / "answers" / "20261201-063342-f8af9b02.jsonl.gz", store)  # 35 answers
+    shutil.copy(ROOT / "data" / "answers" / "20261201-063342-f8af9b02.jsonl.xz", store)  # 35 answers
     flags = ["--minutes", "1.5", "--format", "dflash", "--plan", "drafter", "--layers", "1,2", "--store", str(store)]
     flags += ["--distill", "0.5"]
     out, results = run_tiny(tmp_path, *flags)

@@ -22,7 +22,7 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer
-from training.answer_store import Answer, AnswerStore
+from training.answer_store import Answer, AnswerStore, read_shard, shard_paths, write_shard
 from training.average import average_drafters
 from training.estimate import by_kind, estimate, kind_table
 from training.features import FeatureCache, LiveFeatures, feature_folder
@@ -106,11 +106,11 @@ def test_store_round_trips_resumes_and_keeps_its_split(setup, tmp_path):
     held = {a.key for a in again.answers if a.held_out}
     assert len(held) == 8
     # Append more: a new shard, the old answers untouched, nothing done twice.
-    shards = sorted(store.folder.glob("*.jsonl.gz"))
+    shards = sorted(store.folder.glob("*.jsonl.xz"))
     more = _openings(56, held=8) + _openings(30, seed=1)
     made = generate_answers(_TokenTarget(target), again, iter(more), **QUIET)
     assert made == 30 and len(again) == 86
-    assert sorted(store.folder.glob("*.jsonl.gz"))[: len(shards)] == shards
+    assert sorted(store.folder.glob("*.jsonl.xz"))[: len(shards)] == shards
     grown = AnswerStore(store.folder)
     assert len(grown) == 86
     assert held == {a.key for a in grown.answers[:56] if a.held_out}  # an answer never changes sides
@@ -135,9 +135,40 @@ def test_shards_started_in_one_second_read_back_in_the_order_written(tmp_path, m
         assert store.add(answer(i))
         store.flush()
         written.append(f"k{i}")
-    names = sorted(p.name for p in tmp_path.glob("*.jsonl.gz"))
-    assert len(names) == 3 and names[0] == "20261202-125618-ffffffff.jsonl.gz"
+    names = sorted(p.name for p in tmp_path.glob("*.jsonl.xz"))
+    assert len(names) == 3 and names[0] == "20261202-125618-ffffffff.jsonl.xz"
     assert [a.key for a in AnswerStore(tmp_path).answers] == written
+
+
+def test_a_store_of_gzip_shards_reads_on_and_grows_in_xz_and_xz_is_smaller(tmp_path):
+    """Shards written before 2026-12-05 (gzip), or by an older checkout elsewhere, stay readable in
+    their place in the order; new ones are xz, and the same answers take fewer bytes, since a
+    conversation's follow-up repeats its earlier turns beyond gzip's 32 KB window."""
+    import gzip
+    import json
+    import random
+    from dataclasses import asdict
+
+    def answer(i: int, turns: int) -> Answer:
+        said = random.Random(i)
+        ids = [said.randrange(49152) for _ in range(300 * turns)]  # a follow-up repeats the turns before
+        return Answer(f"k{i}-{turns}", f"j{i}", "text", [["user", str(i)]], tokens=[1, *ids], prompt_len=1)
+
+    old = [answer(i, t) for t in (1, 2, 3) for i in range(40)]  # turns far apart, as generation writes them
+    with gzip.open(tmp_path / "20261201-000000-abcd.jsonl.gz", "wt") as fh:
+        fh.writelines(json.dumps(asdict(a), separators=(",", ":")) + "\n" for a in old)
+    store = AnswerStore(tmp_path)
+    assert [a.key for a in store.answers] == [a.key for a in old]
+    assert store.add(answer(99, 1)) and not store.add(old[0])  # a key in the old shard is done
+    store.flush()
+    names = [p.name for p in shard_paths(tmp_path)]
+    assert names[0] == "20261201-000000-abcd.jsonl.gz" and names[1].endswith(".jsonl.xz") and len(names) == 2
+    assert [a.key for a in AnswerStore(tmp_path).answers] == [a.key for a in old] + ["k99-1"]
+    write_shard(tmp_path / "again.jsonl.xz", old)
+    assert read_shard(tmp_path / "again.jsonl.xz") == old
+    assert (tmp_path / "again.jsonl.xz").stat().st_size < 0.8 * (
+        tmp_path / "20261201-000000-abcd.jsonl.gz"
+    ).stat().st_size
 
 
 def test_a_crash_mid_conversation_resumes_with_its_next_turn(setup, tmp_path):
@@ -152,7 +183,7 @@ def test_a_crash_mid_conversation_resumes_with_its_next_turn(setup, tmp_path):
     assert all(len(a.messages) == 3 and a.messages[1][0] == "assistant" for a in followups)
     # Drop the follow-ups, as if generation died before they were answered: a resumed run
     # with no new openings answers exactly those.
-    for path in folder.glob("*.jsonl.gz"):
+    for path in folder.glob("*.jsonl.xz"):
         path.unlink()
     cut = AnswerStore(folder)
     for a in full.answers:

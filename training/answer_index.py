@@ -4,7 +4,6 @@ fingerprint, so a restart maps it from disk in a moment where reading the store 
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import logging
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from target_node import CACHE_ROOT
 from target_node.drafting.datastore import Datastore
-from training.answer_store import STORE, read_shard
+from training.answer_store import STORE, open_shard, read_shard, shard_paths
 
 log = logging.getLogger("datastore")
 
@@ -29,7 +28,7 @@ def datastore_for(choice: str, model_name: str, cache: Path = CACHE_ROOT) -> Dat
     folder = STORE if choice == "auto" else Path(choice)
     if choice != "auto" and not folder.is_dir():
         raise FileNotFoundError(f"--datastore {choice}: no such answer store folder")
-    shards = [shard for shard in sorted(folder.glob("*.jsonl.gz")) if first_model(shard) == model_name]
+    shards = [shard for shard in shard_paths(folder) if first_model(shard) == model_name]
     if not shards:
         log.info("datastore: no answers of %s in %s", model_name, folder)
         return None
@@ -74,7 +73,7 @@ def _is_index(folder: Path, model_name: str) -> bool:
 
 def first_model(shard: Path) -> str:
     """The model that wrote a shard's first answer (a shard is one run's: one model's)."""
-    with gzip.open(shard, "rt") as fh:
+    with open_shard(shard) as fh:
         line = fh.readline()
     return json.loads(line).get("model", "") if line.strip() else ""
 

@@ -4,11 +4,15 @@ Answers are what generation costs (the target decodes every token); features are
 here at all: they are recomputed from the ids by batched prefill (features.py), far cheaper.
 So the store is small enough to commit, and it grows across machines and sessions:
 
-- `data/answers/*.jsonl.gz`: shards of JSON lines, one answer each. A generation run writes
+- `data/answers/*.jsonl.xz`: shards of JSON lines, one answer each. A generation run writes
   its own shard, named by its start time and a random tag, rewriting it atomically as it goes (a crash
   loses at most the last few answers) and starting a new one past `shard_records`. A new shard's
   name sorts after every shard already in the folder (two started in one second included), so a
   reopened store reads its answers in the order they were written.
+- xz with its whole shard in one window, not gzip's 32 KB: a follow-up turn's ids repeat its
+  conversation's earlier turns, and xz stores them once (0.69x gzip's bytes). The store is most of
+  what a device machine's 64 MiB per call carries. Shards written as `.jsonl.gz` before
+  2026-12-05, or by another machine since, are read as well.
 - Every answer has a `key` (a hash of the conversation it answers), so resuming skips what
   is done, and two machines' shards merge by keeping the first copy of a key.
 - The held-out split is a function of the job an answer belongs to, so an answer never
@@ -19,15 +23,19 @@ from __future__ import annotations
 
 import gzip
 import json
+import lzma
 import time
 import uuid
 import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import IO
 
 STORE = Path(__file__).resolve().parent.parent / "data" / "answers"
 HELD_OUT_BUCKETS = 32  # one job in 32 is held out
+SUFFIX = ".jsonl.xz"  # what the store writes
+OLD_SUFFIX = ".jsonl.gz"  # what it wrote before 2026-12-05: still read
 
 
 @dataclass
@@ -64,8 +72,8 @@ class AnswerStore:
         self._shard_answers: list[Answer] = []
         self._flushed_at = time.monotonic()
         self._last_name = ""
-        for path in sorted(self.folder.glob("*.jsonl.gz")):
-            self._last_name = path.name
+        for path in shard_paths(self.folder):
+            self._last_name = shard_stem(path)
             for answer in read_shard(path):
                 self._keep(answer)
 
@@ -103,14 +111,14 @@ class AnswerStore:
 
     def _next_name(self) -> str:
         """Start time and tag. Within the start's second a random tag may sort first, so a name
-        that would not sort last extends the last one's stem with "_" and the tag ("_" sorts after
-        the "." that ends the stem, so the longer name sorts right after the last)."""
+        that would not sort last extends the last one's stem with "_" and the tag (a longer stem
+        sorts right after the one it extends)."""
         tag = uuid.uuid4().hex[:8]
-        name = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{tag}.jsonl.gz"
-        if name <= self._last_name:
-            name = f"{self._last_name.removesuffix('.jsonl.gz')}_{tag}.jsonl.gz"
-        self._last_name = name
-        return name
+        stem = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{tag}"
+        if stem <= self._last_name:
+            stem = f"{self._last_name}_{tag}"
+        self._last_name = stem
+        return stem + SUFFIX
 
     def flush(self) -> None:
         """Rewrite the current shard atomically."""
@@ -120,11 +128,26 @@ class AnswerStore:
         write_shard(self._shard, self._shard_answers)
 
 
+def shard_stem(path: Path) -> str:
+    return path.name.removesuffix(SUFFIX).removesuffix(OLD_SUFFIX)
+
+
+def shard_paths(folder: Path) -> list[Path]:
+    """A store's shards in the order they were written: their stems sort so, whatever compressed them."""
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in folder.iterdir() if p.name.endswith((SUFFIX, OLD_SUFFIX))), key=shard_stem)
+
+
+def open_shard(path: Path) -> IO[str]:
+    return gzip.open(path, "rt") if path.name.endswith(OLD_SUFFIX) else lzma.open(path, "rt")
+
+
 def write_shard(path: Path, answers: Iterable[Answer]) -> None:
+    """Atomically, as xz (the same answers always make the same bytes: xz keeps no time)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    # mtime=0: the same answers always make the same bytes.
-    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as fh:
+    with lzma.open(tmp, "wb", preset=9 | lzma.PRESET_EXTREME) as fh:
         for answer in answers:
             fh.write((json.dumps(asdict(answer), separators=(",", ":")) + "\n").encode())
     tmp.replace(path)
@@ -132,7 +155,7 @@ def write_shard(path: Path, answers: Iterable[Answer]) -> None:
 
 def read_shard(path: Path) -> list[Answer]:
     out = []
-    with gzip.open(path, "rt") as fh:
+    with open_shard(path) as fh:
         for line in fh:
             if line.strip():
                 out.append(Answer(**json.loads(line)))
