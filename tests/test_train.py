@@ -25,7 +25,7 @@ from target_node.drafting.proposers import DFlashProposer
 from training.answer_store import Answer, AnswerStore, read_shard, shard_paths, write_shard
 from training.average import average_drafters
 from training.estimate import by_kind, estimate, kind_table
-from training.features import FeatureCache, LiveFeatures, feature_folder
+from training.features import DiskReserve, FeatureCache, LiveFeatures, feature_folder
 from training.generate import GenerateOptions, RefillGenerator
 from training.generate import generate as generate_answers
 from training.prompts import JOB_WEIGHTS, Ask, HeldOut
@@ -239,6 +239,15 @@ def test_a_disk_that_starts_with_less_than_keep_free_still_takes_a_fill_that_fit
     added = part.fill(some, target, cfg.target_layer_ids, batch_tokens=10**6, log=said.append)
     assert added == len(part) == 8 and {a.key for a in some[:8]} == set(part.index)
     assert said[-1] == "features: the disk is nearly full with 4 of 12 answers left"
+
+
+def test_a_caches_disk_reserve_is_a_tenth_of_the_disk_or_4_gib_or_half_the_room_there_is(tmp_path, monkeypatch):
+    gb = 10**9
+    for total, free, floor in [(1000 * gb, 400 * gb, 100 * gb), (10 * gb, 9 * gb, 4 * 2**30), (10 * gb, 2 * gb, gb)]:
+        usage = shutil_usage(free)._replace(total=total)
+        monkeypatch.setattr(features_module.shutil, "disk_usage", lambda _, usage=usage: usage)
+        assert DiskReserve(tmp_path).floor == floor
+    assert DiskReserve(tmp_path, keep_free=1000).floor == 1000
 
 
 def test_generation_stops_keeping_features_before_the_disk_is_full_and_goes_on_answering(setup, tmp_path, monkeypatch):

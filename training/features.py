@@ -34,18 +34,23 @@ from training.answer_store import Answer
 
 WINDOW = 512  # answers sorted by length together when filling (see FeatureCache.fill)
 MAX_ROWS = 1024  # an answer's rows a cache fill or a live forward computes: training reads no further
-KEEP_FREE = 4 * 2**30  # bytes a cache leaves free on its disk (see DiskReserve)
+KEEP_FREE = 4 * 2**30  # bytes a cache leaves free on its disk at least (see DiskReserve)
+KEEP_FREE_SHARE = 0.10  # and this share of the disk, where that is more
 
 
 class DiskReserve:
-    """The room a feature cache leaves on its disk: `keep_free` bytes, or half of what was free
-    when it began where that is less. Rows cost 5.8 KB a token, so a fast device's fill, or a
-    generator left running for hours, outruns the disk; a disk that starts nearly full still
-    takes what fits."""
+    """The room a feature cache leaves on its disk: `keep_free` bytes (by default 4 GiB or a tenth
+    of the disk, whichever is more), or half of what was free when it began where that is less.
+    Rows cost 5.8 KB a token, so a fast device's fill, or a generator left running for hours,
+    outruns the disk (this machine's once had 0.7 GB left, cached rows the most of what filled it,
+    and the next CI run on it could not install torch); a disk that starts nearly full still takes
+    what fits."""
 
-    def __init__(self, folder: Path, keep_free: int = KEEP_FREE) -> None:
+    def __init__(self, folder: Path, keep_free: int | None = None) -> None:
         self.folder = folder
-        self.floor = min(keep_free, shutil.disk_usage(folder).free // 2)
+        usage = shutil.disk_usage(folder)
+        wanted = max(KEEP_FREE, int(KEEP_FREE_SHARE * usage.total)) if keep_free is None else keep_free
+        self.floor = min(wanted, usage.free // 2)
 
     def full(self) -> bool:
         return shutil.disk_usage(self.folder).free < self.floor
@@ -141,7 +146,7 @@ class FeatureCache:
         max_rows: int = MAX_ROWS,
         batch_tokens: int = 4096,
         deadline: float | None = None,
-        keep_free: int = KEEP_FREE,
+        keep_free: int | None = None,
         log: Callable[[str], None] | None = print,
     ) -> int:
         """Compute features for answers that have none, by batched prefill; returns how many were added.
