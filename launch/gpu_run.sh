@@ -8,6 +8,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:?usage: gpu_run.sh OUT_DIR [flags]}"; shift
 mkdir -p "$out"
 cd "$root"
+# The answer store is xz (data/answers/*.jsonl.xz): a python built without lzma would fail minutes in.
+"$py" -c "import lzma" || { echo "gpu_run.sh: $py has no lzma module, which the answer store needs" >&2; exit 1; }
 # The wheels go in where something is missing or its transformers is not the one carried.
 want=$(compgen -G ".whl/transformers-*.whl" | sed -E 's/.*transformers-([^-]+)-.*/\1/' || true)
 check="import sys, zmq, gguf, transformers; sys.exit(bool('$want') and transformers.__version__ != '$want')"
