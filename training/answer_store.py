@@ -10,7 +10,7 @@ So the store is small enough to commit, and it grows across machines and session
   name sorts after every shard already in the folder (two started in one second included), so a
   reopened store reads its answers in the order they were written.
 - xz with its whole shard in one window, not gzip's 32 KB: a follow-up turn's ids repeat its
-  conversation's earlier turns, and xz stores them once (0.69x gzip's bytes). The store is most of
+  conversation's earlier turns, and xz stores them once (the store: 0.59x gzip's bytes). It is most of
   what a device machine's 64 MiB per call carries. Shards written as `.jsonl.gz` before
   2026-12-05, or by another machine since, are read as well.
 - Every answer has a `key` (a hash of the conversation it answers), so resuming skips what
