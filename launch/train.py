@@ -128,7 +128,14 @@ def _shape_flags(ap: argparse.ArgumentParser) -> None:
 
 def _objective_flags(ap: argparse.ArgumentParser) -> None:
     """What a step learns from: the slots' loss weights, the blocks' form, the answers drawn."""
-    ap.add_argument("--gamma", type=float, default=4.0)
+    ap.add_argument(
+        "--slot-weights",
+        choices=["decay", "acceptance"],
+        default="decay",
+        help="decay: slot k weighs exp(-(k-1)/gamma); acceptance: as much as the expected accepted length "
+        "grows with its log-probability (D-PACE), recomputed every step",
+    )
+    ap.add_argument("--gamma", type=float, default=4.0, help="--slot-weights decay: the decay's length")
     ap.add_argument(
         "--mix",
         choices=["answers", "jobs"],

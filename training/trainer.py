@@ -49,6 +49,10 @@ class TrainOptions:
     anchors: int = 24
     max_len: int = 320
     gamma: float = 4.0
+    # How a block's slots are weighted: "decay", exp(-(k-1)/gamma) (DFlash's published schedule);
+    # "acceptance", by how much the expected accepted length grows with each slot's log-probability
+    # (D-PACE, arXiv 2605.18810), which moves as the drafter learns.
+    slot_weights: str = "decay"
     # Share of the loss that is the KL divergence from the target's own distribution over the draft
     # vocabulary (ModelOpt's distillation), the rest cross-entropy on its greedy token. Needs a
     # feature cache that also holds the target's last layer, normed (`launch.train --distill ...`).
@@ -109,6 +113,26 @@ class Sample:
     prompt_len: int
     offset: int  # first feature row in the cache (-1 for live features); the sample has len(tokens) - 1 rows
     key: str = ""  # the answer's, so a score can be told back to the answer it came from
+
+
+def acceptance_weights(ce: torch.Tensor, slots: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+    """D-PACE's slot weights (arXiv 2605.18810) for the labelled slots. A block's expected accepted
+    length is E = sum_k prod_{j<=k} p_j over its slots 1..B-1 (p: the label's probability now), and
+    d E / d log p_i = sum_{k>=i} prod_{j<=k} p_j: how much of the acceptance slot i carries. Its
+    mean over the batch's blocks weighs slot i in every block, so the schedule follows the slots
+    that limit acceptance as the drafter learns (the decay's exp(-(k-1)/gamma) never moves), and a
+    block the drafter gets wrong early still teaches its first slots (a weight per block would mute
+    it). `ce`: each labelled slot's cross-entropy (detached); a label outside the draft vocabulary
+    (-100), or none, is a sure miss; the anchor's slot, 0, weighs nothing."""
+    p = torch.zeros(labelled.shape, dtype=ce.dtype, device=ce.device)
+    p[labelled] = torch.exp(-ce) * (slots >= 0)
+    p[..., 0] = 1.0
+    reach = p.cumprod(-1)
+    carried = reach.flip(-1).cumsum(-1).flip(-1)
+    blocks = labelled[..., 1:].any(-1)  # blocks with a label to learn
+    per_slot = carried[blocks].mean(0) if bool(blocks.any()) else carried.new_zeros(labelled.shape[-1])
+    per_slot[0] = 0.0
+    return per_slot.expand_as(labelled)[labelled] * (slots >= 0)
 
 
 def mix_weights(kinds: list[str], shares: dict[str, float]) -> torch.Tensor:
@@ -424,6 +448,8 @@ class Trainer:
             self.forward = DistributedDataParallel(_Anchored(self.drafter), find_unused_parameters=cfg.dflash2)
         self.optimizer = torch.optim.AdamW(self._param_groups(), lr=opts.lr, betas=(0.9, 0.95))
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        if opts.slot_weights not in ("decay", "acceptance"):
+            raise ValueError(f"slot_weights must be decay or acceptance, not {opts.slot_weights!r}")
         k = torch.arange(cfg.block_size, dtype=torch.float32)
         self.slot_weight = torch.where(k >= 1, torch.exp(-(k - 1) / opts.gamma), torch.zeros(())).to(self.dev)
         self.step = 0
@@ -567,8 +593,11 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The weighted loss's sum and its weight (clamped above 0): cross-entropy on the labels, mixed
         with the KL divergence from `teacher` (log-probabilities) by opts.distill where given."""
-        weight = self.slot_weight.expand_as(labelled)[labelled] * (slots >= 0)
         loss = F.cross_entropy(logits, slots, reduction="none", ignore_index=-100)
+        if self.opts.slot_weights == "acceptance":
+            weight = acceptance_weights(loss.detach(), slots, labelled)
+        else:
+            weight = self.slot_weight.expand_as(labelled)[labelled] * (slots >= 0)
         if teacher is not None:
             kl = (teacher.exp() * (teacher - logits.log_softmax(-1))).sum(-1)
             loss = (1 - self.opts.distill) * loss + self.opts.distill * kl
