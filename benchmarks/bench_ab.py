@@ -5,6 +5,8 @@ turns, in one process, so load drifts over both alike.
 
 - `head`: greedy steps through the int8 screen (the widths this machine measured it faster for) against
   the whole head every step. Where the CPU has no AVX512-VNNI the two are the same code.
+- `screen-path`: the int8 screen's sums on AMX's int8 tiles against VNNI, each path serving the widths
+  this machine measured it faster than the whole head for (a CPU without AMX: nothing to compare).
 - `chances`: the datastore's vote shares as often as such shares came out right lately
   (`Governor.chance_reach`) against the shares as given.
 - `lookup-kinds`: the context's continuations priced by how far back their match reached (1, 2 or 3
@@ -41,6 +43,20 @@ class Head:
             self.engine.screen_rows = self.rows[side]
 
 
+class ScreenPath:
+    """The screen on AMX's int8 tiles (side "new") against VNNI ("old"), each at its own measured widths."""
+
+    def __init__(self, target) -> None:
+        self.engine = target.engine
+        if self.engine is None or "amx" not in self.engine.screen_rows_by_path:
+            raise SystemExit("screen-path: this CPU has no AMX int8 tiles (or no screen): nothing to compare")
+        self.paths = {"new": "amx", "old": "vnni"}
+
+    def apply(self, side: str) -> None:
+        path = self.paths[side]
+        self.engine.screen_path, self.engine.screen_rows = path, self.engine.screen_rows_by_path[path]
+
+
 class Chances:
     """Looked-up chances calibrated by the governor (side "new") against as given ("old")."""
 
@@ -74,7 +90,7 @@ class LookupKinds:
         self.lookup.by_length = side == "new"
 
 
-SETTINGS = {"head": Head, "chances": Chances, "lookup-kinds": LookupKinds}
+SETTINGS = {"head": Head, "screen-path": ScreenPath, "chances": Chances, "lookup-kinds": LookupKinds}
 
 
 def bench(argv: list[str] | None = None) -> dict:

@@ -40,6 +40,8 @@ __all__ = [
     "runs_on",
     "screen_argmax",
     "screen_available",
+    "screen_paths",
+    "use_screen_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -156,6 +158,28 @@ def screen_argmax(
 def screen_available() -> bool:
     """Whether this CPU runs the int8 screen (AVX512-VNNI, as the kernels were built)."""
     return available() and bool(torch.ops.dflash.screen_available())
+
+
+SCREEN_PATHS = {"vnni": 0, "amx": 1}  # cpu.cpp's screen_path: VPDPBUSD, or AMX tiles (TDPBUSD)
+SCREEN_PATH_ENV = "DFLASH_SCREEN"  # forces a path (for measuring one against the other)
+
+
+def screen_paths() -> list[str]:
+    """The paths the screen's int8 sums can take here: VNNI, and AMX's int8 tiles where the CPU has them
+    and the OS grants them. Both give the same exact int32 sums, so the choice is speed alone
+    (`Engine._screen_rows` measures it). `DFLASH_SCREEN=vnni|amx` keeps one."""
+    forced = os.environ.get(SCREEN_PATH_ENV, "")
+    if forced and forced not in SCREEN_PATHS:
+        raise ValueError(f"{SCREEN_PATH_ENV}={forced!r}: use one of {sorted(SCREEN_PATHS)}")
+    here = [name for name in SCREEN_PATHS if use_screen_path(name)]
+    if forced and forced not in here:
+        log.warning("%s=%s: this CPU (or its OS) offers no AMX; the screen takes VNNI", SCREEN_PATH_ENV, forced)
+    return [forced] if forced in here else here
+
+
+def use_screen_path(name: str) -> bool:
+    """Take path `name` for this process's screens from now on; False (and VNNI) where it is not here."""
+    return torch.ops.dflash.screen_path(SCREEN_PATHS[name]) == SCREEN_PATHS[name]
 
 
 @cache

@@ -38,7 +38,8 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+// Every CPU with AMX-BF16 has AMX-INT8 too (the screen's tiles); the path asks for both.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__linux__)
 #define DFLASH_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -460,63 +461,76 @@ inline void prefetch_chunk(const char* ahead, int64_t k, const char* end) {
   for (int line = 0; line < TILE_PAIRS * PANEL * 2 * 2 && p + line < end; line += 64) prefetch(p + line);
 }
 
-// Rows xpairs[0..rows) (as configured) against one bf16 panel [K2][64][2]; sums into acc (rows x 64).
-inline void panel_amx(const uint32_t* xpairs, int64_t ldx, const bf16* w, int64_t K2, float* acc, const char* ahead,
+// A tile product: bf16 pairs into fp32 (TDPBF16PS) or, for the screen, unsigned by signed byte quads
+// into exact int32 (TDPBUSD, VPDPBUSD's sums). Both read a panel as 256 bytes a step of k (64 outputs
+// x a pair of bf16 or a quad of int8) and a row as 4 bytes a step, so one loop serves both.
+#define DFLASH_TILE_DOT(I8, c, a, b) \
+  do {                               \
+    if constexpr (I8)                \
+      _tile_dpbusd(c, a, b);         \
+    else                             \
+      _tile_dpbf16ps(c, a, b);       \
+  } while (0)
+
+// Rows x[0..rows) (as configured; 4-byte steps of k, ldx apart) against one panel of K steps (bf16
+// [K][64][2] or int8 [K][64][4]); sums into acc (rows x 64, fp32 or int32).
+template <bool I8 = false>
+inline void panel_amx(const uint32_t* x, int64_t ldx, const void* w, int64_t K, void* acc, const char* ahead,
                       const char* end) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  constexpr int64_t pair_row = PANEL * 2 * sizeof(bf16);  // bytes from one pair of k to the next
-  for (int64_t k = 0; k < K2; k += TILE_PAIRS) {
-    const bf16* wk = w + k * PANEL * 2;
+  constexpr int64_t step = PANEL * 4;  // bytes from one step of k to the next
+  for (int64_t k = 0; k < K; k += TILE_PAIRS) {
+    const char* wk = static_cast<const char*>(w) + k * step;
     if (ahead) prefetch_chunk(ahead, k, end);
-    _tile_loadd(4, xpairs + k, ldx * sizeof(uint32_t));
-    _tile_loadd(5, wk, pair_row);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, wk + 32, pair_row);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, wk + 64, pair_row);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, wk + 96, pair_row);
-    _tile_dpbf16ps(3, 4, 5);
+    _tile_loadd(4, x + k, ldx * sizeof(uint32_t));
+    _tile_loadd(5, wk, step);
+    DFLASH_TILE_DOT(I8, 0, 4, 5);
+    _tile_loadd(6, wk + 64, step);
+    DFLASH_TILE_DOT(I8, 1, 4, 6);
+    _tile_loadd(7, wk + 128, step);
+    DFLASH_TILE_DOT(I8, 2, 4, 7);
+    _tile_loadd(5, wk + 192, step);
+    DFLASH_TILE_DOT(I8, 3, 4, 5);
   }
-  constexpr int64_t acc_row = PANEL * sizeof(float);
-  _tile_stored(0, acc, acc_row);
-  _tile_stored(1, acc + 16, acc_row);
-  _tile_stored(2, acc + 32, acc_row);
-  _tile_stored(3, acc + 48, acc_row);
+  char* out = static_cast<char*>(acc);
+  _tile_stored(0, out, step);
+  _tile_stored(1, out + 64, step);
+  _tile_stored(2, out + 128, step);
+  _tile_stored(3, out + 192, step);
 }
 
-// Rows xpairs[0..rows), 17 to 32 (as configured), against one bf16 panel; sums into acc (rows x 64).
-// Half the panel's outputs at a time, each weight tile used by both row tiles.
-inline void panel_amx2(const uint32_t* xpairs, int64_t ldx, const bf16* w, int64_t K2, float* acc, const char* ahead,
+// Rows x[0..rows), 17 to 32 (as configured), against one panel; sums into acc (rows x 64). Half the
+// panel's outputs at a time, each weight tile used by both row tiles.
+template <bool I8 = false>
+inline void panel_amx2(const uint32_t* x, int64_t ldx, const void* w, int64_t K, void* acc, const char* ahead,
                        const char* end) {
-  constexpr int64_t pair_row = PANEL * 2 * sizeof(bf16);
+  constexpr int64_t step = PANEL * 4;
   const int64_t lda = ldx * sizeof(uint32_t);
   for (int half = 0; half < 2; half++) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t k = 0; k < K2; k += TILE_PAIRS) {
-      const bf16* wk = w + k * PANEL * 2 + half * 64;
+    for (int64_t k = 0; k < K; k += TILE_PAIRS) {
+      const char* wk = static_cast<const char*>(w) + k * step + half * 128;
       if (ahead && half == 0) prefetch_chunk(ahead, k, end);
-      _tile_loadd(4, xpairs + k, lda);
-      _tile_loadd(5, xpairs + TILE_ROWS * ldx + k, lda);
-      _tile_loadd(6, wk, pair_row);
-      _tile_loadd(7, wk + 32, pair_row);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      _tile_loadd(4, x + k, lda);
+      _tile_loadd(5, x + TILE_ROWS * ldx + k, lda);
+      _tile_loadd(6, wk, step);
+      _tile_loadd(7, wk + 64, step);
+      DFLASH_TILE_DOT(I8, 0, 4, 6);
+      DFLASH_TILE_DOT(I8, 1, 4, 7);
+      DFLASH_TILE_DOT(I8, 2, 5, 6);
+      DFLASH_TILE_DOT(I8, 3, 5, 7);
     }
-    constexpr int64_t acc_row = PANEL * sizeof(float);
-    float* out = acc + half * 32;
-    _tile_stored(0, out, acc_row);
-    _tile_stored(1, out + 16, acc_row);
-    _tile_stored(2, out + TILE_ROWS * PANEL, acc_row);
-    _tile_stored(3, out + TILE_ROWS * PANEL + 16, acc_row);
+    char* out = static_cast<char*>(acc) + half * 128;
+    _tile_stored(0, out, step);
+    _tile_stored(1, out + 64, step);
+    _tile_stored(2, out + TILE_ROWS * step, step);
+    _tile_stored(3, out + TILE_ROWS * step + 64, step);
   }
 }
 
@@ -536,6 +550,16 @@ int64_t linear_path(int64_t want) {
   if (want >= 0) bf16_path = want == 1 && amx_granted() ? 1 : 0;
   if (bf16_path < 0) bf16_path = amx_granted() ? 1 : 0;
   return bf16_path;
+}
+
+// 0: VNNI for the screen's int8 sums; 1: AMX tiles (TDPBUSD) where a row's quads are whole tiles. Both
+// give the same exact int32 sums, so the choice is speed alone (`Engine._screen_rows` measures it).
+int i8_path = -1;  // not chosen yet
+
+int64_t screen_path(int64_t want) {
+  if (want >= 0) i8_path = want == 1 && amx_granted() ? 1 : 0;
+  if (i8_path < 0) i8_path = amx_granted() ? 1 : 0;
+  return i8_path;
 }
 
 template <typename Block>
@@ -745,7 +769,8 @@ void argmax(const at::Tensor& x, at::Tensor& out) {
 // over their own columns, each by the same operations as in the whole head: the argmax is the whole
 // head's, bit for bit, ties to the first as there.
 //
-// Int8 weights are packed [N/64][K/4][64][4] (four k side by side, the layout VPDPBUSD reads); a row
+// Int8 weights are packed [N/64][K/4][64][4] (four k side by side, the layout VPDPBUSD reads, and
+// AMX's TDPBUSD as B tiles: a CPU with AMX sums up to 16 rows' parts per tile, `screen_path`); a row
 // goes in as unsigned bytes q + 128, undone by each token's sum of its q (`colsum`).
 
 #if defined(__AVX512VNNI__)
@@ -857,52 +882,81 @@ bool screen_bounds(const at::Tensor& x, bool round_bf16, const at::Tensor& w8, i
   const int32_t* cs = colsum.data_ptr<int32_t>();
   hi.assign(M * Np, 0.0f);
   std::vector<float> best(M * panels);
-  const int64_t blocks = std::max<int64_t>(1, (Q + MB - 1) / MB);
-  const int lines = static_cast<int>((4 + blocks - 1) / blocks);
   const int64_t panel_bytes = PANEL * K4 * 4;
   const char* wbase = reinterpret_cast<const char*>(w8.data_ptr());
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    const char* end = wbase + p1 * panel_bytes;
-    alignas(64) int32_t acc[MB * PANEL];
-    for (int64_t p = p0; p < p1; p++) {
-      const char* panel = wbase + p * panel_bytes;
-      const int64_t n0 = p * PANEL, cols = std::min<int64_t>(PANEL, N - n0);
-      for (int64_t m = 0; m < Q; m += MB) {  // MB is even: a block holds both parts of its rows
-        const int rows = static_cast<int>(std::min<int64_t>(MB, Q - m));
-        const Ahead ahead{panel + PREFETCH_BYTES + (m / MB) * K4 * lines * 64, lines, end};
-        dispatch_rows(rows, [&](auto R) {
-          panel_i8<R.value>(xq.data() + m * K4, K4, reinterpret_cast<const int8_t*>(panel), K4, acc, ahead);
-        });
-        for (int r = 0; r < rows; r += 2) {
-          const int64_t row = (m + r) / 2;
-          const RowParts& pr = parts[row];
-          __m512 low = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-          for (int v = 0; v < PV && v * W < cols; v++) {
-            const int64_t j = n0 + v * W;
-            const __mmask16 real = first_lanes(cols - v * W);
-            // Exact int32 sums (K 255 127 fits for any K below 66,000); `round` covers their conversion.
-            const __m512i undo = _mm512_slli_epi32(_mm512_loadu_si512(cs + j), 7);
-            const __m512i d1 = _mm512_sub_epi32(_mm512_loadu_si512(acc + r * PANEL + v * W), undo);
-            const __m512i d2 = _mm512_sub_epi32(_mm512_loadu_si512(acc + (r + 1) * PANEL + v * W), undo);
-            const __m512 p1 = _mm512_mul_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(pr.t1));
-            const __m512 p2 = _mm512_mul_ps(_mm512_cvtepi32_ps(d2), _mm512_set1_ps(pr.t2));
-            const __m512 sj = _mm512_loadu_ps(s + j);
-            const __m512 val = _mm512_mul_ps(_mm512_add_ps(p1, p2), sj);
-            // The bound, then the rounding of the conversions, the products and the sum, and of val +- bound.
-            const __m512 mag = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(_mm512_abs_ps(p1), _mm512_abs_ps(p2)), sj),
-                                             _mm512_abs_ps(val));
-            __m512 bound = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(a + j), _mm512_set1_ps(pr.norm)),
-                                         _mm512_mul_ps(_mm512_loadu_ps(b + j), _mm512_set1_ps(pr.rest)));
-            bound = _mm512_add_ps(bound, _mm512_mul_ps(mag, _mm512_set1_ps(0x1p-19f)));
-            bound = _mm512_add_ps(_mm512_mul_ps(bound, _mm512_set1_ps(1.0f + 0x1p-20f)), _mm512_set1_ps(1e-30f));
-            _mm512_storeu_ps(hi.data() + row * Np + j, _mm512_add_ps(val, bound));
-            low = _mm512_mask_max_ps(low, real, low, _mm512_sub_ps(val, bound));
-          }
-          best[row * panels + p] = _mm512_reduce_max_ps(low);
+  // Quantized rows m.. (rows of them, both parts of each) summed into acc against panel p: their bounds.
+  auto bound_rows = [&](const int32_t* acc, int64_t m, int rows, int64_t p) {
+    const int64_t n0 = p * PANEL, cols = std::min<int64_t>(PANEL, N - n0);
+    for (int r = 0; r < rows; r += 2) {
+      const int64_t row = (m + r) / 2;
+      const RowParts& pr = parts[row];
+      __m512 low = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int v = 0; v < PV && v * W < cols; v++) {
+        const int64_t j = n0 + v * W;
+        const __mmask16 real = first_lanes(cols - v * W);
+        // Exact int32 sums (K 255 127 fits for any K below 66,000); `round` covers their conversion.
+        const __m512i undo = _mm512_slli_epi32(_mm512_loadu_si512(cs + j), 7);
+        const __m512i d1 = _mm512_sub_epi32(_mm512_loadu_si512(acc + r * PANEL + v * W), undo);
+        const __m512i d2 = _mm512_sub_epi32(_mm512_loadu_si512(acc + (r + 1) * PANEL + v * W), undo);
+        const __m512 p1 = _mm512_mul_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(pr.t1));
+        const __m512 p2 = _mm512_mul_ps(_mm512_cvtepi32_ps(d2), _mm512_set1_ps(pr.t2));
+        const __m512 sj = _mm512_loadu_ps(s + j);
+        const __m512 val = _mm512_mul_ps(_mm512_add_ps(p1, p2), sj);
+        // The bound, then the rounding of the conversions, the products and the sum, and of val +- bound.
+        const __m512 mag = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(_mm512_abs_ps(p1), _mm512_abs_ps(p2)), sj),
+                                         _mm512_abs_ps(val));
+        __m512 bound = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(a + j), _mm512_set1_ps(pr.norm)),
+                                     _mm512_mul_ps(_mm512_loadu_ps(b + j), _mm512_set1_ps(pr.rest)));
+        bound = _mm512_add_ps(bound, _mm512_mul_ps(mag, _mm512_set1_ps(0x1p-19f)));
+        bound = _mm512_add_ps(_mm512_mul_ps(bound, _mm512_set1_ps(1.0f + 0x1p-20f)), _mm512_set1_ps(1e-30f));
+        _mm512_storeu_ps(hi.data() + row * Np + j, _mm512_add_ps(val, bound));
+        low = _mm512_mask_max_ps(low, real, low, _mm512_sub_ps(val, bound));
+      }
+      best[row * panels + p] = _mm512_reduce_max_ps(low);
+    }
+  };
+#if defined(DFLASH_AMX)
+  if (K4 % TILE_PAIRS == 0 && screen_path(-1) == 1) {
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      const char* end = wbase + p1 * panel_bytes;
+      alignas(64) int32_t acc[2 * TILE_ROWS * PANEL];
+      int configured = 0;
+      for (int64_t p = p0; p < p1; p++) {
+        const char* panel = wbase + p * panel_bytes;
+        for (int64_t m = 0; m < Q; m += 2 * TILE_ROWS) {  // an even count: a tile pair holds both parts of its rows
+          const int rows = static_cast<int>(std::min<int64_t>(2 * TILE_ROWS, Q - m));
+          if (rows != configured) configure_tiles(rows), configured = rows;
+          const char* ahead = m == 0 ? panel + PREFETCH_BYTES : nullptr;
+          if (rows <= TILE_ROWS)
+            panel_amx<true>(xq.data() + m * K4, K4, panel, K4, acc, ahead, end);
+          else
+            panel_amx2<true>(xq.data() + m * K4, K4, panel, K4, acc, ahead, end);
+          bound_rows(acc, m, rows, p);
         }
       }
-    }
-  });
+      _tile_release();
+    });
+  } else
+#endif
+  {
+    const int64_t blocks = std::max<int64_t>(1, (Q + MB - 1) / MB);
+    const int lines = static_cast<int>((4 + blocks - 1) / blocks);
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      const char* end = wbase + p1 * panel_bytes;
+      alignas(64) int32_t acc[MB * PANEL];
+      for (int64_t p = p0; p < p1; p++) {
+        const char* panel = wbase + p * panel_bytes;
+        for (int64_t m = 0; m < Q; m += MB) {  // MB is even: a block holds both parts of its rows
+          const int rows = static_cast<int>(std::min<int64_t>(MB, Q - m));
+          const Ahead ahead{panel + PREFETCH_BYTES + (m / MB) * K4 * lines * 64, lines, end};
+          dispatch_rows(rows, [&](auto R) {
+            panel_i8<R.value>(xq.data() + m * K4, K4, reinterpret_cast<const int8_t*>(panel), K4, acc, ahead);
+          });
+          bound_rows(acc, m, rows, p);
+        }
+      }
+    });
+  }
   floor.assign(M, -std::numeric_limits<float>::infinity());
   for (int64_t m = 0; m < M; m++)
     for (int64_t p = 0; p < panels; p++) floor[m] = std::max(floor[m], best[m * panels + p]);
@@ -1318,6 +1372,7 @@ void attention(const at::Tensor& qkv, const at::Tensor& kc, const at::Tensor& vc
 TORCH_LIBRARY(dflash, m) {
   m.def("linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual, Tensor(a!) out) -> ()");
   m.def("linear_path(int want) -> int", &linear_path);
+  m.def("screen_path(int want) -> int", &screen_path);
   m.def("prefetch_level(int want) -> int", &prefetch_level);
   m.def("rmsnorm(Tensor x, Tensor weight, float eps, bool plus_one, Tensor(a!) out) -> ()");
   m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()");

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from benchmarks import evaluate
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 from target_node.model.target import TargetModel
@@ -38,12 +40,16 @@ def test_results_go_under_the_cache_never_into_the_checkpoint_folder(tmp_path):
     assert evaluate.default_results_path(None).name == "remote.json"
 
 
-def test_the_ab_benchmark_runs_both_sides_in_turns_against_plain(chat_model_dir, tmp_path):
+@pytest.mark.parametrize("compare", ["head", "screen-path"])
+def test_the_ab_benchmark_runs_both_sides_in_turns_against_plain(chat_model_dir, tmp_path, compare):
+    import dflash_kernels
     from benchmarks import bench_ab
 
+    if compare == "screen-path" and "amx" not in dflash_kernels.screen_paths():
+        pytest.skip("no AMX int8 tiles here: the screen has one path")
     _, drafter, prompts = drafter_and_prompts(chat_model_dir, tmp_path)
     out = tmp_path / "ab.json"
-    argv = ["--compare", "head", "--model", str(chat_model_dir), "--drafter", str(drafter), "--prompts", str(prompts)]
+    argv = ["--compare", compare, "--model", str(chat_model_dir), "--drafter", str(drafter), "--prompts", str(prompts)]
     argv += ["--modes", "chain,adaptive", "--max-new-tokens", "10", "--datastore", "none", "--out", str(out)]
     assert bench_ab.main(argv) == 0
     result = json.loads(out.read_text())

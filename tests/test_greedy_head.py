@@ -97,6 +97,33 @@ def test_the_screen_gives_up_where_a_row_is_not_finite_and_keeps_every_tie(scree
     assert dflash_kernels.screen_argmax(flat, packed, weight, screen) == ([0, 0], [3000, 3000])
 
 
+@pytest.fixture
+def two_paths(screen_here):
+    if "amx" not in dflash_kernels.screen_paths():
+        pytest.skip("no AMX int8 tiles here (or the OS grants none): the screen has one path")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_screen_on_amx_tiles_keeps_what_it_keeps_on_vnni(two_paths, dtype):
+    """TDPBUSD and VPDPBUSD sum the same bytes exactly, so every bound, every kept token and every
+    argmax is the same on both paths: 1 to 40 rows (two int8 parts each: one row tile, two, and more
+    blocks of two), a K of whole tiles (128), rows of every scale, spiky ones, and one at a token."""
+    g = torch.Generator().manual_seed(5)
+    weight = (torch.randn(3000, 128, generator=g) * 0.05).to(dtype)
+    screen, packed, rows = dflash_kernels.pack_screen(weight), dflash_kernels.pack(weight), weight.contiguous()
+    for m in (1, 2, 7, 8, 9, 16, 17, 40):
+        for scale in (1e-2, 1.0, 30.0):
+            x = torch.randn(m, 128, generator=g) * scale
+            x[:, [5, 90]] *= 30
+            x[0] = weight[17].float() * 20
+            got = {}
+            for path in ("vnni", "amx"):
+                assert dflash_kernels.use_screen_path(path)
+                got[path] = dflash_kernels.screen_argmax(x, packed, rows, screen)
+            assert got["amx"] == got["vnni"], (m, scale)
+            assert got["amx"][0] == dflash_kernels.argmax(dflash_kernels.linear(x, packed)).tolist()
+
+
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def tiny_engine(request):
     """A tiny target on the engine whose head rows 40 and 41 are the same: their logits always tie."""
@@ -122,29 +149,43 @@ def test_the_screened_greedy_is_the_whole_heads_argmax_ties_included(tiny_engine
     hidden, _ = tiny_engine.forward([int(t) for t in torch.randint(3, 200, (40,), generator=g)])
     tie = (tiny_engine.head.weight[40:41].float() * 50).repeat(2, 1)
     assert engine.head(tie)[0, 40] == engine.head(tie)[0, 41] == engine.head(tie).max()
-    for width in range(1, 18):
-        for start in range(0, 40 - width, 7):
-            x = torch.cat([hidden[start : start + width], tie])
-            want = dflash_kernels.argmax(engine.head(x)).tolist()
-            assert engine.greedy(x[:width]) == want[:width]
-            assert engine.greedy(x[width - 1 :]) == want[width - 1 :] and want[-1] == 40
-    assert tiny_engine.greedy(torch.zeros(2, hidden.shape[1])) == [0, 0]  # all tie: the whole head, the first
+    chosen = engine.screen_path
+    for engine.screen_path in dflash_kernels.screen_paths():  # each path the screen can take here
+        for width in range(1, 18):
+            for start in range(0, 40 - width, 7):
+                x = torch.cat([hidden[start : start + width], tie])
+                want = dflash_kernels.argmax(engine.head(x)).tolist()
+                assert engine.greedy(x[:width]) == want[:width]
+                assert engine.greedy(x[width - 1 :]) == want[width - 1 :] and want[-1] == 40
+        assert tiny_engine.greedy(torch.zeros(2, hidden.shape[1])) == [0, 0]  # all tie: the whole head, the first
+    engine.screen_path = chosen
 
 
 def test_the_screen_serves_the_widths_it_was_measured_faster_for(tiny_engine, tmp_path, monkeypatch):
-    """Measured once per machine and head (kept where the other measurements are), both ways in turns
-    at every width; the screen then serves the widths from 1 up to the first it loses at."""
+    """Measured once per machine and head (kept where the other measurements are), the whole head and
+    the screen on each of its paths in turns at every width; the screen then takes the path that serves
+    the most widths, from 1 up to the first it loses at (of two serving as many, the faster)."""
     engine = tiny_engine.engine
     monkeypatch.setattr(dflash_kernels, "load", lambda: tmp_path)
-    assert 0 <= engine._screen_rows() <= 17
+    paths = dflash_kernels.screen_paths()
+    assert 0 <= engine._screen_rows() <= 17 and engine.screen_path in paths
     (record,) = tmp_path.glob("screen-*.json")
     measured = json.loads(record.read_text())["seconds"]
-    assert set(measured) == {f"{way}-{m}" for way in ("head", "screen") for m in range(1, 18)}
+    widths = range(1, 18)
+    assert set(measured) == {f"head-{m}" for m in widths} | {f"screen-{p}-{m}" for p in paths for m in widths}
     assert engine.screen_rows == 17  # what it was before measuring
-    seconds = {"head-1": 2.0, "screen-1": 1.0, "head-2": 2.0, "screen-2": 1.0, "head-3": 1.0, "screen-3": 2.0}
-    seconds |= {"head-4": 2.0, "screen-4": 1.0}
-    record.write_text(json.dumps({"seconds": seconds}))
-    assert engine._screen_rows() == 2
+
+    # Two paths (whether or not this machine has AMX: the record is read, not measured): VNNI faster at
+    # widths 1 and 2, AMX at 1 to 4, the head at 3 on VNNI.
+    monkeypatch.setattr(dflash_kernels, "screen_paths", lambda: ["vnni", "amx"])
+    head = {f"head-{m}": 2.0 for m in range(1, 6)}
+    vnni = {"screen-vnni-1": 1.0, "screen-vnni-2": 1.0, "screen-vnni-3": 3.0, "screen-vnni-4": 1.0}
+    amx = {f"screen-amx-{m}": 1.5 for m in range(1, 5)} | {"screen-amx-5": 2.5}
+    (tmp_path / f"{record.stem.rsplit('-', len(paths))[0]}-vnni-amx.json").write_text(
+        json.dumps({"seconds": head | vnni | amx})
+    )
+    assert engine._screen_rows() == 4 and engine.screen_path == "amx"
+    assert engine.screen_rows_by_path == {"vnni": 2, "amx": 4}
 
 
 def test_a_family_that_scales_or_caps_its_logits_keeps_the_whole_head(tiny_engine, monkeypatch):

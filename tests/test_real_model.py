@@ -92,12 +92,15 @@ def test_the_shipped_drafter_gives_plain_output_bit_for_bit_in_every_mode(prompt
         if engine.screened is not None:  # the int8 screen at every width, against the whole head
             target.reset()
             hidden, _ = target.forward(prompt + want)
-            engine.screen_rows, measured = 17, engine.screen_rows
-            for width in range(1, 18):
-                for start in range(0, len(hidden) - width, 3):
-                    x = hidden[start : start + width]
-                    assert engine.greedy(x) == dflash_kernels.argmax(engine.head(x)).tolist(), (dtype, width)
-            engine.screen_rows = measured
+            measured = engine.screen_rows, engine.screen_path
+            engine.screen_rows = 17
+            for engine.screen_path in dflash_kernels.screen_paths():  # VNNI, and AMX's int8 tiles where here
+                for width in range(1, 18):
+                    for start in range(0, len(hidden) - width, 3):
+                        x = hidden[start : start + width]
+                        want = dflash_kernels.argmax(engine.head(x)).tolist()
+                        assert engine.greedy(x) == want, (dtype, engine.screen_path, width)
+            engine.screen_rows, engine.screen_path = measured
 
 
 def test_remote_drafter_equals_local_and_greedy(smollm, prompts, references, tmp_path):

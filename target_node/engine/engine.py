@@ -38,6 +38,8 @@ class Engine:
 
     screened: dflash_kernels.Screen | None = None  # the head's int8 screen, on CPUs with VNNI
     screen_rows = 0  # the most rows `greedy` screens (measured: where the screen is the faster)
+    screen_rows_by_path: dict[str, int] = {}  # the same on each path the screen can take here
+    screen_path = "vnni"  # the faster of them, which the screen takes
 
     def __init__(self, model: nn.Module, slots: int = 1, max_positions: int | None = None, ops="auto") -> None:
         """`ops`: "kernels" (the CPU kernels), "torch" (torch_ops.py, the GPU's), "device" (the one
@@ -238,15 +240,19 @@ class Engine:
         rows than it is faster for, or a row not finite (the caller computes the whole head)."""
         if not 0 < hidden.shape[0] <= self.screen_rows:
             return None
+        dflash_kernels.use_screen_path(self.screen_path)  # the process's path, which another engine may have set
         chosen = dflash_kernels.screen_argmax(hidden.float(), self.w.head, self._head_rows, self.screened)
         return None if chosen is None else chosen[0]
 
     def _screen_rows(self, widest: int = 17) -> int:
-        """Up to how many rows the screen beats the whole head here. It reads half the bytes, but its
-        two int8 parts cost about one bf16 row's compute each: a gain while the head streams from
-        memory (a plain step, a narrow verify), none once the head computes. Measured once per
-        machine and head, the two in turns, on rows shaped like final hidden states."""
+        """Up to how many rows the screen beats the whole head here, on the faster of its paths (VNNI, or
+        AMX's int8 tiles), which it then takes. It reads half the bytes, but on VNNI its two int8 parts
+        cost about one bf16 row's compute each: a gain while the head streams from memory (a plain step,
+        a narrow verify), none once the head computes; AMX's tiles take 16 rows for about the price of
+        one. Measured once per machine and head, all in turns, on rows shaped like final hidden states.
+        The path is the process's (the sums are the same integers on either: a choice of speed alone)."""
         n, k = self.w.head.n, self.w.norm.numel()
+        paths = dflash_kernels.screen_paths()
 
         def measure() -> dict[str, float]:
             # A final hidden state points at its token's head row, give or take: the screen keeps as
@@ -255,22 +261,37 @@ class Engine:
             picked = self._head_rows[torch.randint(0, n, (widest,), generator=generator)].float()
             noise = 0.05 * picked.norm(dim=1).mean() * torch.randn(widest, k, generator=generator)
             rows = self.final_norm((picked + noise.to(picked.device)).contiguous())
-            had, self.screen_rows = self.screen_rows, widest
+            had = self.screen_rows, self.screen_path
+            self.screen_rows = widest
             runs = {}
             for m in range(1, widest + 1):
                 x = rows[:m].contiguous()
                 runs[f"head-{m}"] = lambda x=x: dflash_kernels.argmax(self.head(x))
-                runs[f"screen-{m}"] = lambda x=x: self.greedy(x)
+                for path in paths:
+                    runs[f"screen-{path}-{m}"] = lambda x=x, path=path: self._screen_on(path, x)
             try:
                 return dflash_kernels.best_of_turns(runs, turns=6)
             finally:
-                self.screen_rows = had
+                self.screen_rows, self.screen_path = had
 
-        seconds = dflash_kernels.measured_once(dflash_kernels.load(), f"screen-{n}x{k}-{self.dtype}", measure)
-        faster = 0
-        while faster < widest and seconds.get(f"screen-{faster + 1}", 1.0) < seconds.get(f"head-{faster + 1}", 0.0):
-            faster += 1
-        return faster
+        name = f"screen-{n}x{k}-{self.dtype}-{'-'.join(paths)}"
+        seconds = dflash_kernels.measured_once(dflash_kernels.load(), name, measure)
+        self.screen_rows_by_path = {}
+        for path in paths:
+            faster = 0
+            while faster < widest and seconds.get(f"screen-{path}-{faster + 1}", 1.0) < seconds.get(
+                f"head-{faster + 1}", 0.0
+            ):
+                faster += 1
+            self.screen_rows_by_path[path] = faster
+        # The path serving the most widths; of two serving as many, the one faster over all of them.
+        total = {path: sum(seconds.get(f"screen-{path}-{m}", 1.0) for m in range(1, widest + 1)) for path in paths}
+        self.screen_path = max(paths, key=lambda path: (self.screen_rows_by_path[path], -total[path]))
+        return self.screen_rows_by_path[self.screen_path]
+
+    def _screen_on(self, path: str, x: torch.Tensor) -> list[int] | None:
+        self.screen_path = path
+        return self.greedy(x)
 
 
 class _Work:
