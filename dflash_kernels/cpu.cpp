@@ -1015,27 +1015,41 @@ bool screen_argmax(const at::Tensor& x, const at::Tensor& head, int64_t N, const
   if (!screen_bounds(x, rows.scalar_type() == at::kBFloat16, w8, N, coef, colsum, hi, floor)) return false;
   int64_t* o = out.data_ptr<int64_t>();
   int64_t* counts = kept.data_ptr<int64_t>();
-  std::vector<int64_t> tokens;
+  // Each row's kept tokens, ascending; then one `linear` over every row and the union of the tokens the
+  // rows below `limit` kept: an output reads only its own row and column, so each row's logit of each of
+  // its tokens is the bits a call of its own would give, for one packing and one call in all.
+  std::vector<std::vector<int64_t>> tokens(M);
+  std::vector<int64_t> all;
   for (int64_t m = 0; m < M; m++) {
-    tokens.clear();
     const float* h = hi.data() + m * Np;
     const __m512 f = _mm512_set1_ps(floor[m]);
     for (int64_t j = 0; j < N; j += W) {
       const __mmask16 any = first_lanes(N - j);
       for (unsigned bits = _mm512_mask_cmp_ps_mask(any, _mm512_loadu_ps(h + j), f, _CMP_GE_OQ); bits; bits &= bits - 1)
-        tokens.push_back(j + __builtin_ctz(bits));
+        tokens[m].push_back(j + __builtin_ctz(bits));
     }
-    counts[m] = static_cast<int64_t>(tokens.size());
-    const at::Tensor row = x.narrow(0, m, 1);
+    counts[m] = static_cast<int64_t>(tokens[m].size());
     if (counts[m] > limit) {  // a flat row: the whole head
       at::Tensor logits = at::empty({1, N}, x.options());
-      linear(row, head, N, c10::nullopt, c10::nullopt, logits);
+      linear(x.narrow(0, m, 1), head, N, c10::nullopt, c10::nullopt, logits);
       o[m] = argmax_row(logits.data_ptr<float>(), N);
-      continue;
+    } else {
+      all.insert(all.end(), tokens[m].begin(), tokens[m].end());
     }
-    at::Tensor logits = at::empty({1, counts[m]}, x.options());
-    linear(row, pack_tokens(rows, tokens), counts[m], c10::nullopt, c10::nullopt, logits);
-    o[m] = tokens[argmax_row(logits.data_ptr<float>(), counts[m])];  // ascending: the first of ties
+  }
+  if (all.empty()) return true;
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  const int64_t U = static_cast<int64_t>(all.size());
+  at::Tensor logits = at::empty({M, U}, x.options());
+  linear(x, pack_tokens(rows, all), U, c10::nullopt, c10::nullopt, logits);
+  std::vector<float> mine;
+  for (int64_t m = 0; m < M; m++) {
+    if (counts[m] > limit) continue;
+    const float* row = logits.data_ptr<float>() + m * U;
+    mine.clear();
+    for (const int64_t t : tokens[m]) mine.push_back(row[std::lower_bound(all.begin(), all.end(), t) - all.begin()]);
+    o[m] = tokens[m][argmax_row(mine.data(), counts[m])];  // ascending: the first of ties
   }
   return true;
 #endif
