@@ -166,11 +166,13 @@ SCREEN_PATH_ENV = "DFLASH_SCREEN"  # forces a path (for measuring one against th
 
 def screen_paths() -> list[str]:
     """The paths the screen's int8 sums can take here: VNNI, and AMX's int8 tiles where the CPU has them
-    and the OS grants them. Both give the same exact int32 sums, so the choice is speed alone
-    (`Engine._screen_rows` measures it). `DFLASH_SCREEN=vnni|amx` keeps one."""
+    and the OS grants them (none where there is no screen). Both give the same exact int32 sums, so the
+    choice is speed alone (`Engine._screen_rows` measures it). `DFLASH_SCREEN=vnni|amx` keeps one."""
     forced = os.environ.get(SCREEN_PATH_ENV, "")
     if forced and forced not in SCREEN_PATHS:
         raise ValueError(f"{SCREEN_PATH_ENV}={forced!r}: use one of {sorted(SCREEN_PATHS)}")
+    if not screen_available():
+        return []
     here = [name for name in SCREEN_PATHS if use_screen_path(name)]
     if forced and forced not in here:
         log.warning("%s=%s: this CPU (or its OS) offers no AMX; the screen takes VNNI", SCREEN_PATH_ENV, forced)

@@ -194,3 +194,13 @@ def test_a_family_that_scales_or_caps_its_logits_keeps_the_whole_head(tiny_engin
     monkeypatch.setattr(tiny_engine.engine, "greedy", lambda h: pytest.fail("the screen served a capped head"))
     monkeypatch.setattr(tiny_engine.config, "final_logit_softcapping", 0.5, raising=False)
     assert tiny_engine.greedy(hidden) == dflash_kernels.argmax(tiny_engine.logits(hidden)).tolist()
+
+
+def test_dflash_screen_keeps_one_path_and_refuses_others(screen_here, monkeypatch):
+    """`DFLASH_SCREEN` (for measuring one path against the other) keeps VNNI alone; a name that is no
+    path is refused, saying which are."""
+    monkeypatch.setenv(dflash_kernels.SCREEN_PATH_ENV, "vnni")
+    assert dflash_kernels.screen_paths() == ["vnni"]
+    monkeypatch.setenv(dflash_kernels.SCREEN_PATH_ENV, "tiles")
+    with pytest.raises(ValueError, match="amx"):
+        dflash_kernels.screen_paths()
