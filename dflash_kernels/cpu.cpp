@@ -534,6 +534,33 @@ inline void panel_amx2(const uint32_t* x, int64_t ldx, const void* w, int64_t K,
   }
 }
 
+// Every panel of a weight stream against rows x [M] (4-byte steps of k, K of them a row): the rows in
+// tiles of up to 32, each panel's sums (acc, rows x 64, fp32 or int32) handed to done(acc, m, rows, p).
+// The panels are split over threads; each configures its tiles as the row count changes.
+template <bool I8, typename Acc, typename Done>
+void amx_panels(const uint32_t* x, int64_t M, int64_t K, const char* wbase, int64_t panels, int64_t panel_bytes,
+                Done&& done) {
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    const char* end = wbase + p1 * panel_bytes;
+    alignas(64) Acc acc[2 * TILE_ROWS * PANEL];
+    int configured = 0;
+    for (int64_t p = p0; p < p1; p++) {
+      const char* panel = wbase + p * panel_bytes;
+      for (int64_t m = 0; m < M; m += 2 * TILE_ROWS) {
+        const int rows = static_cast<int>(std::min<int64_t>(2 * TILE_ROWS, M - m));
+        if (rows != configured) configure_tiles(rows), configured = rows;
+        const char* ahead = m == 0 ? panel + PREFETCH_BYTES : nullptr;
+        if (rows <= TILE_ROWS)
+          panel_amx<I8>(x + m * K, K, panel, K, acc, ahead, end);
+        else
+          panel_amx2<I8>(x + m * K, K, panel, K, acc, ahead, end);
+        done(acc, m, rows, p);
+      }
+    }
+    _tile_release();
+  });
+}
+
 // Linux hands out AMX state only to a process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM).
 bool amx_granted() {
   static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
@@ -621,26 +648,11 @@ void linear(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::opti
   const char* wbase = reinterpret_cast<const char*>(w.data_ptr());
 #if defined(DFLASH_AMX)
   if (half && k2 % TILE_PAIRS == 0 && linear_path(-1) == 1) {
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      const char* end = wbase + p1 * panel_bytes;
-      alignas(64) float acc[2 * TILE_ROWS * PANEL];
-      int configured = 0;
-      for (int64_t p = p0; p < p1; p++) {
-        const bf16* panel = reinterpret_cast<const bf16*>(wbase + p * panel_bytes);
-        const int64_t n0 = p * PANEL, cols = std::min<int64_t>(PANEL, N - n0);
-        for (int64_t m = 0; m < M; m += 2 * TILE_ROWS) {
-          const int rows = static_cast<int>(std::min<int64_t>(2 * TILE_ROWS, M - m));
-          if (rows != configured) configure_tiles(rows), configured = rows;
-          const char* ahead = m == 0 ? reinterpret_cast<const char*>(panel) + PREFETCH_BYTES : nullptr;
-          if (rows <= TILE_ROWS)
-            panel_amx(xpairs.data() + m * k2, k2, panel, k2, acc, ahead, end);
-          else
-            panel_amx2(xpairs.data() + m * k2, k2, panel, k2, acc, ahead, end);
-          finish_rows(acc, rows, cols, b, res, ldr, o, ldo, m, n0);
-        }
-      }
-      _tile_release();
-    });
+    amx_panels<false, float>(xpairs.data(), M, k2, wbase, panels, panel_bytes,
+                             [&](const float* acc, int64_t m, int rows, int64_t p) {
+                               const int64_t n0 = p * PANEL, cols = std::min<int64_t>(PANEL, N - n0);
+                               finish_rows(acc, rows, cols, b, res, ldr, o, ldo, m, n0);
+                             });
     return;
   }
 #endif
@@ -917,25 +929,8 @@ bool screen_bounds(const at::Tensor& x, bool round_bf16, const at::Tensor& w8, i
   };
 #if defined(DFLASH_AMX)
   if (K4 % TILE_PAIRS == 0 && screen_path(-1) == 1) {
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      const char* end = wbase + p1 * panel_bytes;
-      alignas(64) int32_t acc[2 * TILE_ROWS * PANEL];
-      int configured = 0;
-      for (int64_t p = p0; p < p1; p++) {
-        const char* panel = wbase + p * panel_bytes;
-        for (int64_t m = 0; m < Q; m += 2 * TILE_ROWS) {  // an even count: a tile pair holds both parts of its rows
-          const int rows = static_cast<int>(std::min<int64_t>(2 * TILE_ROWS, Q - m));
-          if (rows != configured) configure_tiles(rows), configured = rows;
-          const char* ahead = m == 0 ? panel + PREFETCH_BYTES : nullptr;
-          if (rows <= TILE_ROWS)
-            panel_amx<true>(xq.data() + m * K4, K4, panel, K4, acc, ahead, end);
-          else
-            panel_amx2<true>(xq.data() + m * K4, K4, panel, K4, acc, ahead, end);
-          bound_rows(acc, m, rows, p);
-        }
-      }
-      _tile_release();
-    });
+    // A tile pair holds 32 quantized rows, an even count: both parts of each of its rows.
+    amx_panels<true, int32_t>(xq.data(), Q, K4, wbase, panels, panel_bytes, bound_rows);
   } else
 #endif
   {
