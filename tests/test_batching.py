@@ -146,6 +146,33 @@ def test_a_prompt_alone_takes_the_cap_and_is_paced_once_another_request_waits(ta
     assert seq.done and seq.result().tokens == want
 
 
+def test_a_flood_of_hints_is_verified_a_paced_chunk_a_step(target):
+    """A request may carry 16,384 hints, all right (its own output, learned from a first request): a
+    step verifies at most a chunk of them, sized by the pace as a prompt's chunks are, so the request
+    beside it keeps stepping instead of waiting out one forward of them all. Outputs stay their own."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 300) for _ in range(5)] for _ in range(2)]
+    want = [
+        generate(target, p, NoProposer(), DecodeOptions(n, stop_on_eos=False)).tokens
+        for p, n in zip(prompts, (150, 30), strict=True)
+    ]
+    flood = DecodeOptions(150, stop_on_eos=False, hint_tokens=tuple(want[0]), prefill_chunk=512)
+    seqs = [
+        Sequence(target, prompts[0], NoProposer(), flood, slot=0),
+        Sequence(target, prompts[1], NoProposer(), DecodeOptions(30, stop_on_eos=False, prefill_chunk=512), slot=1),
+    ]
+    pace = PrefillPace(budget_s=1e-9, most=512)
+    widths, record = [], pace.record
+    pace.record = lambda rows, prompt_rows, seconds: (widths.append(rows), record(rows, prompt_rows, seconds))
+    step(target, seqs[:1], pace)  # its prompt alone: a chunk of 512 rows pauses no one
+    assert seqs[0].chunk == 512 and not seqs[0].prefilling
+    while not all(seq.done for seq in seqs):
+        step(target, [seq for seq in seqs if not seq.done], pace)
+    assert [seq.result().tokens for seq in seqs] == want
+    assert seqs[0].result().stats.accepted > 100  # the hints were verified, not ignored
+    assert max(widths[1:]) <= FIRST_CHUNK + 2, widths  # a chunk of hints, the flooding request's own token, the other's
+
+
 def test_the_pace_follows_the_measured_rate_and_grows_at_most_twofold():
     pace = PrefillPace(budget_s=0.2, most=1000)
     assert pace.chunk() == FIRST_CHUNK  # nothing measured yet

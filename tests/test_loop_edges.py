@@ -102,6 +102,14 @@ def test_hint_tokens_are_verified(target, reference, right):
         assert result.stats.accepted == 0
 
 
+def test_a_step_verifies_at_most_a_prompt_chunk_of_hints(target, reference):
+    """Without a pace, --prefill-chunk caps the hints a forward verifies as it caps a prompt's rows."""
+    options = DecodeOptions(30, hint_tokens=reference[:30], stop_on_eos=False, prefill_chunk=4)
+    result = generate(target, PROMPT, NoProposer(), options)
+    assert result.tokens == reference[:30]
+    assert result.stats.steps == 6 and result.stats.accepted == 23  # 29 tokens after the first: 4 hints + 1 a step
+
+
 def test_hints_override_a_wrong_drafter(target, reference):
     cfg = config_for_target(target.config, block_size=BLOCK, taps=2)
     proposer = DFlashProposer(LocalDraftBackend(random_drafter(cfg)))

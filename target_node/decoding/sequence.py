@@ -29,6 +29,8 @@ from target_node.drafting.proposal import EMPTY
 from target_node.drafting.proposers import PROMPT_LOOKUP, Proposer
 from target_node.model.target import TargetModel
 
+NO_CAP = 1 << 30  # prefill_chunk 0: a prompt in one forward, hints all in one verify
+
 
 @dataclass
 class Result:
@@ -76,7 +78,8 @@ class Sequence:
         seeded = self.sampler is not None and sampling.seed is not None
         self.governor = (governor or Governor()) if options.adaptive and not seeded else None
         self.tree_nodes = options.tree_nodes
-        self.chunk = options.prefill_chunk if options.prefill_chunk > 0 else len(self.prompt)
+        # The most known rows, prompt or hints, this request puts in one forward (a pace resizes it).
+        self.chunk = options.prefill_chunk if options.prefill_chunk > 0 else NO_CAP
         self.stats = Stats(prompt_tokens=len(self.prompt), requests=1)
         self.prefilled = 0  # prompt positions run so far
         self.plan: Plan | None = None
@@ -133,7 +136,9 @@ class Sequence:
         if self.prefilling:
             return
         budget = self.output.budget - 1  # the target's own next token always comes on top
-        hints = self.output.hinted(budget)
+        # Hints are known rows like a prompt's: a chunk of them a step, or 16,384 of them would stall
+        # every other request for one long forward.
+        hints = self.output.hinted(min(budget, self.chunk))
         # Known continuations cost no drafting: they are verified whatever the governor thinks of the drafter;
         # neither does a lookup, so every step may verify one.
         governor = self.governor
@@ -228,10 +233,11 @@ def step(
     runs alone and no other request is `waiting` to start. `prepared`: each sequence's `prepare`
     ran already (a schedule that starts one group's drafts while another group's forward runs)."""
     prefilling = [seq for seq in sequences if seq.prefilling]
-    if pace is not None:
+    hinted = [seq for seq in sequences if not seq.prefilling and seq.output.hinted(1)]
+    if pace is not None:  # hints are paced as prompt chunks are
         alone = len(sequences) == 1 and not waiting
-        for seq in prefilling:
-            seq.chunk = pace.chunk(len(prefilling), alone)
+        for seq in prefilling + hinted:
+            seq.chunk = pace.chunk(len(prefilling) + len(hinted), alone)
     began = time.perf_counter()
     if not prepared:
         for seq in sequences:
@@ -239,6 +245,7 @@ def step(
     parts = [seq.part() for seq in sequences]
     _share_draft_time(sequences, time.perf_counter() - began)
     prompt_rows = sum(len(p.tokens) for seq, p in zip(sequences, parts, strict=True) if seq.prefilling)
+    prompt_rows += sum(len(seq.room.hints) for seq in hinted)  # known rows, timed for the pace alike
     taps = tuple(dict.fromkeys(t for seq in sequences for t in seq.proposer.taps))
     began = time.perf_counter()
     outs = target.forward_batch(
