@@ -113,6 +113,8 @@ class Replies:
                 if reply.type in ("done", "error"):
                     self.answered.add(request_id)
                 return reply
+            if reply.id in self.answered and reply.type == "error" and reply["code"] == "unknown_request":
+                continue  # a heartbeat that crossed its request's done: answered, as the protocol says
             if reply.id in self.answered:
                 self.tally.add("duplicates")
                 self.tally.problem(f"a {reply.type} for request id {reply.id} after its done")

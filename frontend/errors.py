@@ -50,6 +50,9 @@ def from_daemon(code: str, message: str, prompt_param: str) -> APIError:
         return APIError(429, message, type_="rate_limit_error", code="rate_limit_exceeded")
     if code == ErrorCode.CONTEXT_LENGTH.value:
         return APIError(400, message, param=prompt_param, code="context_length_exceeded")
+    if code == ErrorCode.UNKNOWN_REQUEST.value:  # the daemon restarted under it: retrying may serve it
+        return APIError(503, f"the target daemon lost the request: {message}", type_="service_unavailable_error",
+                        code="target_request_lost")  # fmt: skip
     if code in {c.value for c in CLIENT_FAULTS}:
         return invalid(message)
     return APIError(500, f"the target daemon failed: {message}", type_="server_error", code=code)

@@ -21,6 +21,7 @@ class ErrorCode(str, Enum):
     CONFIG_MISMATCH = "config_mismatch"
     CONTEXT_LENGTH = "context_length"  # prompt + max_new_tokens beyond what the model can hold
     BUSY = "busy"  # a queue limit: try again later
+    UNKNOWN_REQUEST = "unknown_request"  # a heartbeat for a request the target daemon does not hold
     INTERNAL = "internal"
 
 

@@ -319,6 +319,11 @@ class Server:
             return None
         return self._take()
 
+    def holds(self, identity: bytes, request_id: int) -> bool:
+        """Whether a message from `identity` with this id waits for next(): on the helper thread, a
+        request that arrived during the step, which the caller does not know yet."""
+        return any(peer == identity and getattr(msg, "id", None) == request_id for peer, msg in self.held)
+
     def heard(self) -> dict[bytes, float]:
         """When each peer the helper took a message from (answered, held or refused) since the
         last call was last heard, in time.monotonic(): what next() returns later was heard then."""

@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from frontend.target_client import TargetClient
 from launch.local import daemon
 from launch.processes import rss_mb
-from protocol import decode, encode
+from protocol import ProtocolError, decode, encode
 from protocol.keys import client_keys, create_keypair
 from protocol.transport import dealer, receive, request
 from target_node.model.target import TargetModel
@@ -136,15 +136,17 @@ def test_fuzzed_messages_get_typed_errors_and_the_daemon_stays_healthy(served, k
     fuzzer = Fuzzer(templates, seed=14, extra_kinds=("bad_sampling",))
     sock = dealer(zmq.Context.instance(), served.address, curve=link(keys))
     try:
-        run(sock, fuzzer, seconds=0.5, silent=("cancel", "heartbeat"))  # warm-up
+        # A cancel of a request not running is not answered; a heartbeat for one is (`unknown_request`).
+        run(sock, fuzzer, seconds=0.5, silent=("cancel",))  # warm-up
         before = rss_mb(served.proc.pid)
-        counts = run(sock, fuzzer, seconds=4.0, silent=("cancel", "heartbeat"))
+        counts = run(sock, fuzzer, seconds=4.0, silent=("cancel",))
         after = rss_mb(served.proc.pid)
     finally:
         sock.close(0)
     print(f"target daemon fuzz: {counts}, RSS {before:.0f} -> {after:.0f} MB")
     assert counts["cases"] > 300 and set(counts["kinds"]) == set(fuzzer.kinds)
     assert counts["codes"].get("done", 0) > 0  # valid requests among them were served
+    assert counts["codes"].get("unknown_request", 0) > 0  # heartbeats, each for a request that had ended
     assert after - before < 50, (before, after)
     # A frame past the socket's limit (a header is all a client may send): dropped unread, logged.
     big = dealer(zmq.Context.instance(), served.address, curve=link(keys))
@@ -219,6 +221,35 @@ def test_a_killed_client_loses_its_request_and_the_next_client_is_served_promptl
     assert done["token_ids"] == greedy(served.model, PROMPT, 20)
     assert time.monotonic() - began < 10
     print(f"{how}: cancelled {took:.2f} s after the kill")
+
+
+def test_a_client_whose_daemon_restarted_learns_its_request_is_gone(served, tmp_path):
+    """A daemon killed and started again on the same address never held its predecessor's requests.
+    Their clients' heartbeats reach the new one, which answers `unknown_request`: the client stops
+    waiting within a beat or two. Before, a heartbeat was never answered and the client waited out
+    its own timeout (an HTTP request behind dflash-serve, whose pings the new daemon answered: forever)."""
+    address = f"ipc://{tmp_path}/restarted.sock"
+    args = ["--model", served.model.config.name_or_path, "--proposer", "none", "--threads", "1"]
+    args += ["--max-new-tokens-limit", str(LONG)]
+    client = TargetClient(address, timeout_s=120, heartbeat_s=0.5)
+    try:
+        with daemon("target daemon", "launch.target_daemon", address, args, 180) as first:
+            replies = client.stream(token_ids=PROMPT, max_new_tokens=LONG)
+            assert next(replies).type == "chunk"
+            first.kill()
+            first.wait()
+            with daemon("target daemon", "launch.target_daemon", address, args, 180):
+                began = time.monotonic()
+                with pytest.raises(ProtocolError, match="unknown_request"):
+                    for _ in replies:
+                        pass
+                took = time.monotonic() - began
+                assert client.generate(token_ids=PROMPT, max_new_tokens=20)["token_ids"] == greedy(
+                    served.model, PROMPT, 20
+                )
+    finally:
+        client.close()
+    assert took < 5, took
 
 
 def test_a_client_that_gives_up_mid_stream_cancels_its_request(served, keys):
@@ -326,6 +357,7 @@ def test_pings_and_heartbeats_get_in_during_one_long_forward_under_a_flood(serve
     with daemon("target daemon", "launch.target_daemon", address, args, 180):
         context = zmq.Context.instance()
         asker, pinger, flooder = dealer(context, address), dealer(context, address), dealer(context, address)
+        late = dealer(context, address)
         beater = TargetClient(address, timeout_s=60, heartbeat_s=0.2)
         beaten: list = []
         rtts = []
@@ -344,6 +376,13 @@ def test_pings_and_heartbeats_get_in_during_one_long_forward_under_a_flood(serve
                 flooder.send_multipart(encode("ping", i + 1, {}))
             for i in range(300):
                 flooder.send_multipart(encode("stats", 5000 + i, {}))
+            # A request that arrives mid-step, and its heartbeat: held for the next step, not unknown.
+            late.send_multipart(encode("generate", 1, {"token_ids": PROMPT, "max_new_tokens": 2, "stream": False}))
+            late.send_multipart(encode("heartbeat", 1, {}))
+            sent = time.monotonic()  # a heartbeat for a request the daemon does not hold: answered mid-step too
+            pinger.send_multipart(encode("heartbeat", 99_999, {}))
+            unknown = receive(pinger, 99_999, sent + 30)
+            unknown_s = time.monotonic() - sent
             while not asker.poll(0):
                 sent = time.monotonic()
                 pinger.send_multipart(encode("ping", len(rtts) + 1, {}))
@@ -353,15 +392,20 @@ def test_pings_and_heartbeats_get_in_during_one_long_forward_under_a_flood(serve
             took = time.monotonic() - began
             done = decode(asker.recv_multipart())
             beating.join(60)
+            late_replies = [decode(late.recv_multipart())]
+            while late.poll(500):
+                late_replies.append(decode(late.recv_multipart()))
             alive = request(address, "ping", timeout_s=5) is not None
         finally:
-            for sock in (asker, pinger, flooder):
+            for sock in (asker, pinger, flooder, late):
                 sock.close(0)
             beater.close()
     print(f"request {took:.2f} s, {len(rtts)} pings under a flood, slowest {max(rtts) * 1000:.0f} ms")
     assert done["token_ids"] == greedy(served.model, prompt, 2)
     assert took > 1.0, took  # the forward is long enough for the bound below to mean something
     assert max(rtts) < 0.25, rtts
+    assert unknown.type == "error" and unknown["code"] == "unknown_request" and unknown_s < 0.25, (unknown, unknown_s)
+    assert [(m.type, m.id) for m in late_replies] == [("done", 1)], late_replies
     assert beaten and beaten[0]["finish_reason"] == "length", beaten
     assert beaten[0]["token_ids"] == greedy(served.model, PROMPT, 24)
     assert alive

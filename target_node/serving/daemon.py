@@ -125,6 +125,7 @@ class TargetService:
         self.reached: dict[bytes, float] = {}  # client -> when a reply to it last went out (streaming)
         self.counters = {"cancelled": 0, "abandoned": 0}  # abandoned: its client went away or silent
         self.waiting = 0  # requests queued, as of the last pump (what a pong says)
+        self.held: set[tuple[bytes, int]] = set()  # (client, request id) running or queued as a step began
         # The engine's rows are the same bits in any forward: only there can a later request reuse them.
         cache_bytes = round(settings.prefix_cache_mb * (1 << 20))
         self.prefix_cache = PrefixCache(cache_bytes) if cache_bytes > 0 and target.engine is not None else None
@@ -166,8 +167,9 @@ class TargetService:
                 self.cancel(identity, msg.id)
             elif msg.type == "ping":
                 self.send(identity, self.pong(identity, msg))
-            elif msg.type == "heartbeat":
-                pass  # being heard from is all it says
+            elif msg.type == "heartbeat":  # being heard from is all it says, of a request held here
+                if not self.holds(identity, msg.id):
+                    self.send(identity, unknown_request(msg.id))
             elif msg.type == "stats":
                 self.send(identity, encode("stats_ok", msg.id, {"stats": self.report()}))
             else:
@@ -189,10 +191,22 @@ class TargetService:
         which changes between steps."""
         return encode("pong", msg.id, {"time": time.time(), "sessions": self.waiting})
 
+    def holds(self, identity: bytes, request_id: int) -> bool:
+        """Whether this client's request runs or waits here."""
+        running = any(a.job.identity == identity and a.job.request.id == request_id for a in self.active.values())
+        return running or any(job.request.id == request_id for job in self.queues.get(identity, ()))
+
+    def heartbeat(self, identity: bytes, msg: Message) -> list | None:
+        """A heartbeat during a step, on the server's helper thread: a notice for a request that ran
+        or waited as the step began (`held`) or arrived during it; else an error, so a client whose
+        request this daemon never held (it restarted meanwhile) learns so instead of waiting forever."""
+        if (identity, msg.id) in self.held or self.server.holds(identity, msg.id):
+            return None
+        return unknown_request(msg.id)
+
     def enqueue(self, identity: bytes, msg: Message) -> None:
         queue = self.queues.get(identity, deque())
-        running = any(a.job.identity == identity and a.job.request.id == msg.id for a in self.active.values())
-        if running or any(job.request.id == msg.id for job in queue):
+        if self.holds(identity, msg.id):
             why = f"request id {msg.id} is already queued or running for this client: ids must be unique"
             self.send(identity, encode_error(msg.id, ErrorCode.BAD_FIELD, why))
             return
@@ -334,7 +348,9 @@ class TargetService:
                 if not (self.active or self.queues):
                     continue
                 # Pings are answered during the step too: a prefill or a wide verify is never deaf.
-                with self.server.answering({"ping": self.pong, "heartbeat": heard_only}):
+                self.held = {(a.job.identity, a.job.request.id) for a in self.active.values()}
+                self.held |= {(who, job.request.id) for who, queue in self.queues.items() for job in queue}
+                with self.server.answering({"ping": self.pong, "heartbeat": self.heartbeat}):
                     self.admit()
                     if self.active:
                         self.advance()
@@ -506,9 +522,11 @@ class TargetService:
         return stats.to_dict()
 
 
-def heard_only(identity: bytes, msg: Message) -> None:
-    """A heartbeat during a step: being heard from (the server notes when) is all it says."""
-    return None
+def unknown_request(request_id: int) -> list:
+    """The answer to a heartbeat for a request this daemon does not hold: it ended (the client will
+    have its `done`), or it never reached this process (a daemon restarted on the same address)."""
+    why = f"request {request_id} is not running or queued here (ended, or sent before this daemon started)"
+    return encode_error(request_id, ErrorCode.UNKNOWN_REQUEST, why)
 
 
 def cancelled(request_id: int) -> list:

@@ -1,6 +1,7 @@
 """Every refusal has its HTTP status and an OpenAI-shaped body, and the server serves on afterwards."""
 
 import threading
+import time
 
 import openai
 import pytest
@@ -127,3 +128,30 @@ def test_a_full_queue_is_429_and_loses_nothing_accepted(lonely, chat_model_dir):
         assert queued["reply"].status_code == 200 and queued["reply"].json()["usage"]["completion_tokens"] == 2
         reply = requests.post(f"{url}/v1/chat/completions", json=ASK, timeout=60)
         assert reply.status_code == 200
+
+
+def test_a_request_whose_daemon_restarted_is_503_not_an_endless_wait(chat_model_dir, tmp_path):
+    """The target daemon is killed mid-request and back on its address within the front end's
+    --daemon-timeout: the front end's pings are answered, so it never counted the daemon as gone, and
+    the new daemon never held the request. Its heartbeats are answered `unknown_request`, and the HTTP
+    client gets 503 within a few seconds; before, it waited until it gave up (found by an audit)."""
+    address = f"ipc://{tmp_path}/target.sock"
+    args = ["--model", str(chat_model_dir), "--proposer", "none", "--threads", "1"]
+    with front_end(free_port(), ["--target", address, "--served-model-name", MODEL, "--daemon-timeout", "120"]) as url:
+        got = {}
+        long = {**ASK, "max_tokens": 1900}
+        asking = threading.Thread(
+            target=lambda: got.update(reply=requests.post(f"{url}/v1/chat/completions", json=long, timeout=120))
+        )
+        with daemon("target daemon", "launch.target_daemon", address, args, 120) as first:
+            asking.start()
+            wait_for(lambda: daemon_stats(url)["running"] == 1)
+            first.kill()
+            first.wait()
+            with daemon("target daemon", "launch.target_daemon", address, args, 120):
+                began = time.monotonic()
+                asking.join(60)
+                took = time.monotonic() - began
+                assert requests.post(f"{url}/v1/chat/completions", json=ASK, timeout=60).status_code == 200
+    error = assert_openai_error(got["reply"], 503, None, "target_request_lost")
+    assert "lost the request" in error["message"] and took < 10, (error, took)
