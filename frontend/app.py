@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
+from frontend.body_limit import MAX_BODY_BYTES, BodyLimit
 from frontend.errors import APIError, from_daemon, from_validation, invalid, unreachable
 from frontend.link import ClientGone, DaemonUnreachable, LinkCall, TargetLink
 from frontend.metrics import registry_for
@@ -31,10 +32,14 @@ PAGE = Path(__file__).resolve().parent / "static" / "index.html"
 CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it
 
 
-def create_app(link: TargetLink, model_name: str | None = None, default_max_tokens: int = 512) -> FastAPI:
+def create_app(
+    link: TargetLink, model_name: str | None = None, default_max_tokens: int = 512, max_body_size: int = MAX_BODY_BYTES
+) -> FastAPI:
     """The front end for the target daemon behind `link`, serving it as `model_name` (default: the
-    name of the daemon's model folder, asked when first needed)."""
+    name of the daemon's model folder, asked when first needed); request bodies over
+    `max_body_size` bytes get 413."""
     app = FastAPI(title="dflash-split", summary="OpenAI-compatible API over a dflash-split target daemon")
+    app.add_middleware(BodyLimit, limit=max_body_size)
     front = Front(link, model_name, default_max_tokens)
     _error_handlers(app)
     _info_routes(app, front)

@@ -44,6 +44,14 @@ def unreachable(message: str) -> APIError:
     return APIError(503, message, type_="service_unavailable_error", code="target_unreachable")
 
 
+def too_large(limit: int, declared: int | None = None) -> APIError:
+    """413 for a request body over the front end's limit (`--max-body-size`)."""
+    size = f" ({declared} bytes)" if declared is not None else ""
+    return APIError(
+        413, f"the request body{size} is over this server's limit of {limit} bytes", code="request_too_large"
+    )
+
+
 def from_daemon(code: str, message: str, prompt_param: str) -> APIError:
     """The target daemon's `error` reply, as the status an HTTP client expects."""
     if code == ErrorCode.BUSY.value:

@@ -74,6 +74,7 @@ def exit_on_signals() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from launch.common import byte_size
     from launch.local import add_daemon_args
 
     parser = argparse.ArgumentParser(
@@ -98,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=5.0,
         help="seconds the target daemon may leave a ping unanswered before requests get 503 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-body-size",
+        type=byte_size,
+        default="8M",
+        help="largest request body, in bytes or with K, M or G; a larger one gets 413 (default %(default)s)",
     )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default %(default)s)")
     group = parser.add_argument_group("all in one (without --target)")
@@ -125,7 +132,7 @@ def run(args: argparse.Namespace) -> None:
 
     def serve(address: str) -> None:
         link = TargetLink(address, args.daemon_timeout, curve=args.client_keys)  # local_daemons sets its own keys
-        app = create_app(link, args.served_model_name, args.default_max_tokens)
+        app = create_app(link, args.served_model_name, args.default_max_tokens, args.max_body_size)
         print(f"[serve] http://{args.host}:{args.port} -> target daemon {address}", flush=True)
         # Streams still open at shutdown get a few seconds, then are cut (their requests cancelled).
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

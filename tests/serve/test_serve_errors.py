@@ -1,7 +1,10 @@
 """Every refusal has its HTTP status and an OpenAI-shaped body, and the server serves on afterwards."""
 
+import http.client
+import json
 import threading
 import time
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -68,6 +71,48 @@ def test_bad_requests_get_their_status_and_the_server_serves_on(server, case):
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
 
 
+MAX_BODY = 8 << 20  # dflash-serve's default --max-body-size
+
+
+def padded(size: int) -> bytes:
+    """ASK as a JSON body of exactly `size` bytes (padded with whitespace, which JSON ignores)."""
+    body = json.dumps(ASK).encode()
+    return body[:-1] + b" " * (size - len(body)) + b"}"
+
+
+def chunked(body: bytes):
+    """`body` sent without Content-Length (Transfer-Encoding: chunked), 64 KiB a chunk."""
+    return (body[i : i + 65536] for i in range(0, len(body), 65536))
+
+
+def post_body(url: str, body) -> requests.Response:
+    return requests.post(f"{url}{CHAT_PATH}", data=body, headers={"Content-Type": "application/json"}, timeout=60)
+
+
+def test_a_body_over_the_size_limit_is_413_and_the_server_serves_on(server):
+    """An audit found no limit on the request body: the daemon's prompt limits refused a 200 MB
+    one (400), but only once it was read and parsed, the front end grown from 53 to 633 MiB. Now a
+    body of the limit is served and a byte more is refused: with Content-Length before any of it
+    is read, chunked once the limit is passed."""
+    for body in (padded(MAX_BODY), chunked(padded(MAX_BODY))):
+        assert post_body(server, body).status_code == 200
+    for body, declared in ((padded(MAX_BODY + 1), f"({MAX_BODY + 1} bytes) "), (chunked(padded(MAX_BODY + 1)), "")):
+        error = assert_openai_error(post_body(server, body), 413, None, "request_too_large")
+        assert error["message"] == f"the request body {declared}is over this server's limit of {MAX_BODY} bytes"
+        reply = requests.post(f"{server}{CHAT_PATH}", json=ASK, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+    # A terabyte declared and never sent: answered at once, the body unread.
+    address = urlsplit(server)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=10)
+    connection.putrequest("POST", CHAT_PATH)
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(10**12))
+    connection.endheaders()
+    reply = connection.getresponse()
+    assert reply.status == 413 and json.loads(reply.read())["error"]["code"] == "request_too_large"
+    connection.close()
+
+
 def test_the_openai_client_raises_its_own_error_types(openai_client):
     with pytest.raises(openai.BadRequestError) as err:
         openai_client.chat.completions.create(model=MODEL, messages=CHAT, n=2)
@@ -81,9 +126,10 @@ def test_the_openai_client_raises_its_own_error_types(openai_client):
 
 @pytest.fixture(scope="module")
 def lonely(tmp_path_factory):
-    """A front end whose target daemon address has no daemon (until a test starts one there)."""
+    """A front end whose target daemon address has no daemon (until a test starts one there), and
+    which takes request bodies of up to 64 KiB."""
     address = f"ipc://{tmp_path_factory.mktemp('nobody')}/target.sock"
-    args = ["--target", address, "--served-model-name", MODEL, "--daemon-timeout", "1"]
+    args = ["--target", address, "--served-model-name", MODEL, "--daemon-timeout", "1", "--max-body-size", "64K"]
     with front_end(free_port(), args) as url:
         yield url, address
 
@@ -103,6 +149,15 @@ def test_an_unreachable_daemon_is_503_and_the_front_end_serves_on(lonely):
     assert_openai_error(requests.get(f"{url}/health", timeout=60), 503, None, "target_unreachable")
     assert "dflash_target_daemon_up 0.0" in requests.get(f"{url}/metrics", timeout=60).text
     assert requests.get(f"{url}/v1/models", timeout=60).status_code == 200
+
+
+def test_max_body_size_sets_the_limit_and_413_needs_no_daemon(lonely):
+    url, _ = lonely
+    for body in (padded(65537), chunked(padded(65537))):
+        error = assert_openai_error(post_body(url, body), 413, None, "request_too_large")
+        assert "limit of 65536 bytes" in error["message"]
+    # Within the limit: on to the (absent) daemon.
+    assert_openai_error(post_body(url, padded(65536)), 503, None, "target_unreachable")
 
 
 def test_a_full_queue_is_429_and_loses_nothing_accepted(lonely, chat_model_dir):

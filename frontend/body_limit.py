@@ -1,0 +1,59 @@
+"""The request body's size limit (`dflash-serve --max-body-size`): a body over it gets 413.
+
+A Content-Length over the limit is refused before a byte of the body is read; a body without
+one (chunked) is read until it passes the limit and refused then. Either way a refused request
+costs the front end about the limit in memory at most, however large its body. A body within the
+limit reaches the routes whole, as they would have read it anyway (one JSON document).
+"""
+
+from __future__ import annotations
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from frontend.errors import too_large
+
+# The target daemon takes a request of up to a 1 MiB header (512 Ki chars of text, 1024 messages,
+# 65,536 token ids within it); as JSON, characters escaped as \uXXXX make that at most about 6 MiB.
+MAX_BODY_BYTES = 8 << 20
+
+
+class BodyLimit:
+    """ASGI middleware: refuse a request whose body is over `limit` bytes, reading no more than one chunk past it."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            await too_large(self.limit, int(declared)).response()(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the routes hear it
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await too_large(self.limit).response()(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        del chunks
+        await self.app(scope, _replay(message, receive), send)
+
+
+def _replay(first: Message, receive: Receive) -> Receive:
+    """`receive` that answers `first` once, then passes on to the server's (disconnects, ...)."""
+    pending = [first]
+
+    async def again() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return again
