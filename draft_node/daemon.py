@@ -34,6 +34,11 @@ MAX_BURST = 64  # requests taken from the socket at once, at most
 # ... and the tensor bytes they carry: a burst of targets resending whole rings (after a restart)
 # is read a few at a time, not 32 x 22 MiB at once.
 MAX_BURST_BYTES = 64 << 20
+# Replies held for a connection that stops reading, past which they are dropped (the peer's own
+# timeout then takes over). A target's slot has a connection of its own and a propose, a pre-draft
+# and a ping or two in flight; at ZeroMQ's default of 1000, a peer that sent 16-outcome pre-drafts
+# and read nothing grew the daemon by 1.1 GB in 400 requests (an audit, 1.75 MiB replies).
+SEND_QUEUE = 32
 
 
 @dataclass
@@ -517,7 +522,11 @@ def serve(
 ) -> None:
     """The poll loop: small, explicit, and it checks for shutdown at least every 100 ms."""
     server = Server(
-        address, curve=curve, insecure_plaintext=insecure_plaintext, max_message_bytes=service.max_message_bytes
+        address,
+        curve=curve,
+        insecure_plaintext=insecure_plaintext,
+        max_message_bytes=service.max_message_bytes,
+        send_queue=SEND_QUEUE,
     )
     log.info("draft daemon serving on %s%s", address, " (CURVE)" if curve else "")
     # Kept prefixes belong to a CURVE key; without CURVE a peer is a connection, and a target's

@@ -94,10 +94,17 @@ def check_bind(address: str, curve: ServerKeys | None, insecure_plaintext: bool)
 
 
 def router(
-    context: zmq.Context, address: str, max_message_bytes: int = DEFAULT_MAX_FRAME, curve: ServerKeys | None = None
+    context: zmq.Context,
+    address: str,
+    max_message_bytes: int = DEFAULT_MAX_FRAME,
+    curve: ServerKeys | None = None,
+    send_queue: int = 1000,
 ) -> zmq.Socket:
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    # Replies held for one peer that does not read them (ZeroMQ's default, 1000, suits streams of
+    # small chunks; a server whose replies are megabytes and one per request wants far fewer).
+    sock.setsockopt(zmq.SNDHWM, send_queue)
     # ZeroMQ drops oversized frames itself (and the peer that sent them), before they cost us memory.
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     # Sending to a peer that is gone, or whose queue is full because it stopped reading, fails
@@ -272,6 +279,7 @@ class Server:
         curve: ServerKeys | None = None,
         insecure_plaintext: bool = False,
         max_message_bytes: int = DEFAULT_MAX_FRAME,
+        send_queue: int = 1000,
     ) -> None:
         plaintext_abroad = check_bind(address, curve, insecure_plaintext)
         self.address, self.curve = address, curve
@@ -286,7 +294,7 @@ class Server:
             self.auth.configure_curve_callback(ZAP_DOMAIN.decode(), _AllowList(curve.allowed))
         else:
             self.context = context or zmq.Context.instance()
-        self.sock = router(self.context, address, max_message_bytes, curve)
+        self.sock = router(self.context, address, max_message_bytes, curve, send_queue)
         self.monitor = self.sock.get_monitor_socket(int(sum(_EVENTS)))
         self.logged: dict[int, tuple[float, int]] = {}  # event -> (last logged, suppressed since)
         if plaintext_abroad:

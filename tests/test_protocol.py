@@ -610,6 +610,37 @@ def test_thirty_thousand_lends_with_replies_leave_no_wake_behind(tmp_path):
         server.close()
 
 
+def test_a_peer_that_stops_reading_has_at_most_the_send_queue_held_for_it(tmp_path):
+    """The draft daemon's replies are up to megabytes, one per request: ZeroMQ's default queue of
+    1000 a peer let a peer that read nothing pin 1.1 GB of pre-drafts (an audit). Past the queue a
+    reply is refused (dropped by the daemon), the peer's own timeout takes over, and once it reads
+    again it gets what was held and replies flow again."""
+    from draft_node.daemon import SEND_QUEUE
+
+    address = f"ipc://{tmp_path}/queue.sock"
+    server = Server(address, send_queue=SEND_QUEUE)
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.RCVHWM, 1)  # its own queue holds no more than one: what piles up is the server's
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(address)
+    try:
+        peer.send_multipart(encode("ping", 1, {}))
+        identity, _ = server.next(5000)
+        reply = encode("pong", 1, {"time": 0.0, "sessions": 0}) + [b"x" * (256 << 10)]
+        held = 0
+        while held < 3000 and server.send(identity, reply):
+            held += 1
+        assert held == SEND_QUEUE < 100
+        got = 0
+        while peer.poll(1000):
+            peer.recv_multipart()
+            got += 1
+        assert got == held and server.send(identity, reply)
+    finally:
+        peer.close(0)
+        server.close()
+
+
 def test_a_flood_during_a_step_is_held_within_bounds_and_every_peers_word_is_noted(tmp_path):
     """What the helper takes in during a step: pings answered and heartbeats absorbed without
     counting against what it holds; at most HELD_PER_PEER of one peer's other messages held, the
