@@ -261,6 +261,17 @@ def test_pass_cost_fits_a_line_through_recent_passes_and_drafts_what_fits_the_bu
     assert cost.fitting(8, 0.0) == 8  # no budget given: every outcome named
 
 
+def test_a_resent_ring_is_no_measure_of_what_a_drafting_pass_costs(cfg):
+    """Passes are timed for the pre-draft budget only where they carry the steps' own rows: six
+    proposes resending a whole ring (~120 ms each, a target restarted) had made the daemon-wide fit
+    a flat 13.6 ms a pass, and another target's pre-drafts were all cut to none (an audit)."""
+    s = Session(cfg)
+    s.propose(0, 3 * cfg.block_size)  # more rows than a step commits: a resend
+    assert not s.svc.pass_cost.recent
+    s.propose(3 * cfg.block_size, 3 * cfg.block_size + 4)
+    assert len(s.svc.pass_cost.recent) == 1
+
+
 def test_a_predraft_drafts_only_the_likeliest_outcomes_that_fit_its_budget(cfg):
     s = Session(cfg)
     s.propose(0, 5)
