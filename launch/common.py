@@ -31,7 +31,9 @@ def setup_logging(verbose: bool = False) -> None:
 
 def add_model_args(parser: argparse.ArgumentParser, what: str) -> None:
     """Device, dtype, threads and verbosity: what every daemon asks for."""
-    parser.add_argument("--device", default="cpu", help=f"torch device for the {what}, e.g. cpu, cuda:0, cuda:1")
+    parser.add_argument(
+        "--device", type=device_name, default="cpu", help=f"torch device for the {what}, e.g. cpu, cuda:0, cuda:1"
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -39,8 +41,39 @@ def add_model_args(parser: argparse.ArgumentParser, what: str) -> None:
         help=f"{what} weights dtype (auto: bfloat16 where the device has native bf16 and, for a target, the "
         "engine serves it exactly; float32 elsewhere)",
     )
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def device_name(text: str) -> str:
+    """A --device value torch knows and this machine has: refused by the parser, not by a traceback
+    from deep inside the first load."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (e.g. cpu, cuda:0)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text}: this machine's torch sees no CUDA device")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(
+                f"{text}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}"
+            )
+    return text
+
+
+def thread_count(text: str) -> int:
+    """--threads: 0 (torch's default) or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of threads, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (torch's default) or more, got {value}")
+    return value
 
 
 def apply_runtime_args(args: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from draft_node.config import CheckpointError
 from launch.common import (
     DRAFT_ADDRESS,
     TARGET_ADDRESS,
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = settings_from(args, ServiceSettings)
     except ValueError as exc:
         parser.error(str(exc))
-    with one_line_errors(parser.prog, DrafterMismatch):
+    with one_line_errors(parser.prog, DrafterMismatch, CheckpointError):
         target = TargetModel.load(
             resolve_model(args.model), args.device, args.dtype, args.cache_policy, slots=args.max_batch
         )

@@ -65,7 +65,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.stage == "selector" and not args.init:
         args.init = SHIPPED_DRAFTER
+    if args.out is None:  # a run's drafter stays beside its state until someone ships it
+        args.out = str(Path(args.cache) / "train" / args.name / "drafter")
     return args
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _run_flags(ap: argparse.ArgumentParser) -> None:
@@ -88,7 +100,7 @@ def _run_flags(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--cache", default=str(CACHE_ROOT), help="where features, state and logs go (default %(default)s)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--threads", type=positive, default=1, help="torch CPU threads (default %(default)s)")
 
 
 def _data_flags(ap: argparse.ArgumentParser) -> None:
@@ -249,7 +261,11 @@ def _dflash2_flags(ap: argparse.ArgumentParser) -> None:
 
 def _output_flags(ap: argparse.ArgumentParser) -> None:
     """The public checkpoint: where it goes, its dtype, its draft vocabulary."""
-    ap.add_argument("--out", default=str(ROOT / "drafters" / "smollm2"), help="public checkpoint folder")
+    ap.add_argument(
+        "--out",
+        help="public checkpoint folder (default: drafter/ in --name's cache folder; never the shipped drafter "
+        "unless named: copy a drafter there once it has measured better)",
+    )
     ap.add_argument("--save-dtype", choices=FLOAT_DTYPES, default="bfloat16", help="checkpoint weights dtype")
     ap.add_argument(
         "--draft-vocab",

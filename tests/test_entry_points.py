@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
+DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
 SCRIPTS = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
 
 
@@ -31,11 +32,25 @@ def taken_address():
     sock.close(0)
 
 
-LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \w+ (INFO|WARNING) ")
+LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [\w.]+ (INFO|WARNING) ")
 MISTAKES = [
     pytest.param(
         *("launch.target_daemon", ["--model", "/nowhere/model", "--proposer", "none"], "no config.json"),
         id="target-no-model",
+    ),
+    pytest.param(
+        *("launch.target_daemon", ["--model", "DRAFTER", "--proposer", "none"], "is a DFlash drafter checkpoint"),
+        id="target-model-is-a-drafter",
+    ),
+    pytest.param(
+        *("launch.target_daemon", ["--model", "CHAT", "--proposer", "local", "--drafter-checkpoint", "EMPTY"]),
+        "is not a drafter checkpoint",
+        id="target-local-no-checkpoint",
+    ),
+    pytest.param(
+        *("launch.target_daemon", ["--model", "CHAT", "--proposer", "local", "--drafter-checkpoint", "DRAFTER"]),
+        "does not fit this target",
+        id="target-local-drafter-of-another-target",
     ),
     pytest.param(
         *("launch.draft_daemon", ["--checkpoint", "EMPTY"], "is not a drafter checkpoint"), id="draft-no-checkpoint"
@@ -66,16 +81,37 @@ MISTAKES = [
 
 
 @pytest.mark.parametrize("module, args, says", MISTAKES)
-def test_a_users_mistake_is_one_line_on_stderr_not_a_traceback(module, args, says, tmp_path, taken_address):
+def test_a_users_mistake_is_one_line_on_stderr_not_a_traceback(
+    module, args, says, tmp_path, taken_address, chat_model_dir
+):
     (tmp_path / "file").write_text("")
     places = {"EMPTY": str(tmp_path), "TAKEN": taken_address, "FILE": str(tmp_path / "file")}
+    places.update(DRAFTER=str(DRAFTER), CHAT=str(chat_model_dir))
     args = [places.get(a, a) for a in args]
     done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120)
     *logged, last = done.stderr.strip().splitlines()
     assert done.returncode == 1, done.stderr[-2000:]
     assert says in last and last.startswith("dflash-"), done.stderr[-2000:]
-    # The mistake is one line; what comes before it is the daemon's own log of its start, nothing else.
-    assert all(LOG_RECORD.match(line) for line in logged), done.stderr[-2000:]
+    # The mistake is one line; what comes before it is the daemon's own log of its start (and
+    # transformers' progress bar where a model loaded), nothing else.
+    assert all(LOG_RECORD.match(line) or line.startswith("Loading weights") for line in logged), done.stderr[-2000:]
+
+
+DAEMONS = ["launch.target_daemon", "launch.draft_daemon"]
+REFUSED_FLAGS = [
+    *[(module, ["--device", "gpu"], "'gpu' is not a torch device") for module in DAEMONS],
+    *[(module, ["--device", "cuda:7"], "CUDA device") for module in DAEMONS],  # none here, or fewer than eight
+    *[(module, ["--threads", "-1"], "must be 0 (torch's default) or more") for module in DAEMONS],
+    ("launch.train", ["--stage", "train", "--threads", "0"], "must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("module, args, says", REFUSED_FLAGS)
+def test_a_flag_no_machine_can_honour_is_refused_by_the_parser(module, args, says):
+    """Before, --device cuda:0 without CUDA and --threads -1 loaded the model and then ended in a
+    traceback from deep inside torch (an audit of the commands)."""
+    done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and says in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
 
 
 def test_every_console_script_is_tried_with_a_users_mistake():
@@ -90,3 +126,12 @@ def test_launch_holds_only_entry_points_and_their_helpers():
     helpers = {"launch.__init__", "launch.common", "launch.net", "launch.processes"}
     modules = {f"launch.{path.stem}" for path in launch.glob("*.py")}
     assert modules - entry_points - helpers == set()
+
+
+def test_a_training_run_writes_its_drafter_beside_its_state_unless_told_where(tmp_path):
+    """The default --out was the shipped drafter's folder: a run without --out overwrote it (an audit)."""
+    from launch.train import parse_args
+
+    args = parse_args(["--stage", "train", "--name", "trial", "--cache", str(tmp_path)])
+    assert args.out == str(tmp_path / "train" / "trial" / "drafter")
+    assert parse_args(["--stage", "train", "--out", str(tmp_path / "mine")]).out == str(tmp_path / "mine")

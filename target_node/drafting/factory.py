@@ -8,7 +8,8 @@ from pathlib import Path
 
 from draft_node.checkpoint import load_drafter
 from protocol.keys import ClientKeys
-from protocol.messages import MAX_PREDRAFT_OUTCOMES
+from protocol.messages import MAX_PREDRAFT_OUTCOMES, fit_problems
+from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.draft_pass import DraftPass
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer, NGramProposer, NoProposer, Proposer
@@ -52,6 +53,9 @@ def build_proposers(
         return [NGramProposer() for _ in range(count)]
     if settings.kind == "local":
         drafter = load_drafter(settings.checkpoint, target.device, target.model.dtype)
+        problems = fit_problems(drafter.describe(settings.ring_capacity), target.info)
+        if problems:  # at start, as a remote drafter is checked, not at every request
+            raise DrafterMismatch(f"{settings.checkpoint} does not fit this target: " + "; ".join(problems))
         together = DraftPass(drafter)  # the slots' drafts of one step in one pass
         return [
             DFlashProposer(

@@ -9,6 +9,7 @@ folder outside the repo. Later loads take ~2 s instead of ~15 s.
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 from target_node import CACHE_ROOT
@@ -23,6 +24,15 @@ def model_folder(folder: str | Path) -> Path:
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    try:
+        architectures = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    except (ValueError, AttributeError):
+        architectures = []
+    if any("DFlash" in name for name in architectures):  # else transformers loads it, random where it lacks weights
+        raise FileNotFoundError(
+            f"{folder} is a DFlash drafter checkpoint, not a target model: give it as the drafter's "
+            "--checkpoint (dflash-draft-daemon) or --drafter-checkpoint"
+        )
     return folder
 
 
