@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from frontend.target_client import TargetClient
-from launch.net import TARGET_ADDRESS, client_security, one_line_errors
+from launch.net import TARGET_ADDRESS, address, client_security, one_line_errors
 from protocol.keys import ClientKeys
 from protocol.stats import RequestStats
 from protocol.transport import wait_ready
@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="dflash-client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--address", default=TARGET_ADDRESS, help="target daemon address (default %(default)s)")
+    parser.add_argument(
+        "--address", type=address, default=TARGET_ADDRESS, help="target daemon address (default %(default)s)"
+    )
     parser.add_argument("--curve-key", help="this client's key pair (NAME.key_secret from dflash-keys)")
     parser.add_argument("--server-key", help="the target daemon's public key (NAME.key): CURVE, needs --curve-key")
     add_client_args(parser)

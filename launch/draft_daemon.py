@@ -18,7 +18,7 @@ from launch.common import (
     ensure_default_drafter,
     settings_from,
 )
-from launch.net import add_server_security_args, one_line_errors, server_security
+from launch.net import add_server_security_args, address, one_line_errors, server_security
 from protocol.transport import stop_on_signals
 
 
@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> None:
         "default model's drafter",
     )
     parser.add_argument(
-        "--bind", default=DRAFT_ADDRESS, help="ZeroMQ address to bind, e.g. tcp://0.0.0.0:5555 (default %(default)s)"
+        "--bind",
+        type=address,
+        default=DRAFT_ADDRESS,
+        help="ZeroMQ address to bind, e.g. tcp://0.0.0.0:5555 (default %(default)s)",
     )
     add_settings(parser, DraftSettings)
     add_server_security_args(parser)

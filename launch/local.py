@@ -20,7 +20,7 @@ from pathlib import Path
 from launch import client
 from launch.common import DTYPE_CHOICES, ensure_default_drafter, resolve_model
 from launch.keys import LocalKeys
-from launch.net import one_line_errors
+from launch.net import address, one_line_errors
 from launch.processes import stop
 from protocol.keys import ClientKeys
 from protocol.transport import wait_ready
@@ -83,8 +83,12 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="auto", choices=DTYPE_CHOICES, help="weights dtype of both models (auto: see the daemons)"
     )
-    parser.add_argument("--draft-address", help="where the draft daemon binds (default: a free 127.0.0.1 port)")
-    parser.add_argument("--target-address", help="where the target daemon binds (default: a free 127.0.0.1 port)")
+    parser.add_argument(
+        "--draft-address", type=address, help="where the draft daemon binds (default: a free 127.0.0.1 port)"
+    )
+    parser.add_argument(
+        "--target-address", type=address, help="where the target daemon binds (default: a free 127.0.0.1 port)"
+    )
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for each daemon")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads per daemon (0: torch's default)")
     parser.add_argument(

@@ -20,6 +20,19 @@ DRAFT_ADDRESS = "tcp://127.0.0.1:5555"
 TARGET_ADDRESS = "tcp://127.0.0.1:5556"
 
 
+def address(text: str) -> str:
+    """A ZeroMQ address flag's value, refused by the parser where ZeroMQ would fail on it later (with
+    a traceback, or a 500 for every HTTP request) or quietly use another port (99999 bound 34463)."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {text!r}")
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not (port == "*" or (port.isdigit() and 1 <= int(port) <= 65535)):
+            raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT with a port of 1-65535, got {text!r}")
+    return text
+
+
 @contextmanager
 def one_line_errors(prog: str, *more: type[Exception]) -> Iterator[None]:
     """A user's mistake ends the command with one line on stderr and exit 1, not a traceback: a

@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from launch.net import client_security, one_line_errors
+from launch.net import address, client_security, one_line_errors
 from launch.processes import stop
 
 
@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", help="a running target daemon's address (standalone); omit to start both daemons")
+    parser.add_argument(
+        "--target", type=address, help="a running target daemon's address (standalone); omit to start both daemons"
+    )
     parser.add_argument("--curve-key", help="with --target: this server's key pair (NAME.key_secret from dflash-keys)")
     parser.add_argument(
         "--server-key", help="with --target: the target daemon's public key (NAME.key): CURVE, needs --curve-key"

@@ -21,7 +21,7 @@ from launch.common import (
     resolve_model,
     settings_from,
 )
-from launch.net import add_server_security_args, client_security, one_line_errors, server_security
+from launch.net import add_server_security_args, address, client_security, one_line_errors, server_security
 from protocol import FLOAT_DTYPES
 from protocol.messages import MAX_PREDRAFT_OUTCOMES
 from protocol.transport import stop_on_signals
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, converted once)"
     )
     parser.add_argument(
-        "--bind", default=TARGET_ADDRESS, help="ZeroMQ address clients connect to (default %(default)s)"
+        "--bind", type=address, default=TARGET_ADDRESS, help="ZeroMQ address clients connect to (default %(default)s)"
     )
     add_proposer_args(parser)
     parser.add_argument(
@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_proposer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proposer", default="remote", choices=PROPOSER_KINDS, help="who drafts (see above)")
-    parser.add_argument("--drafter", default=DRAFT_ADDRESS, help="draft daemon address for --proposer remote")
+    parser.add_argument(
+        "--drafter", type=address, default=DRAFT_ADDRESS, help="draft daemon address for --proposer remote"
+    )
     parser.add_argument("--drafter-checkpoint", help="drafter folder for --proposer local")
     parser.add_argument(
         "--fallback", default="ngram", choices=["ngram", "none"], help="who drafts while the draft daemon is down"

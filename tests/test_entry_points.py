@@ -103,6 +103,14 @@ REFUSED_FLAGS = [
     *[(module, ["--device", "cuda:7"], "CUDA device") for module in DAEMONS],  # none here, or fewer than eight
     *[(module, ["--threads", "-1"], "must be 0 (torch's default) or more") for module in DAEMONS],
     ("launch.train", ["--stage", "train", "--threads", "0"], "must be at least 1"),
+    (
+        "launch.draft_daemon",
+        ["--bind", "localhost:5555"],
+        "expected tcp://HOST:PORT",
+    ),  # was: "reachable from other hosts"
+    ("launch.draft_daemon", ["--bind", "tcp://127.0.0.1:99999"], "a port of 1-65535"),  # was: bound 34463, silently
+    ("launch.client", ["--address", "localhost:5556", "--prompt", "hi"], "expected tcp://HOST:PORT"),  # a traceback
+    ("launch.serve", ["--target", "localhost:5556"], "expected tcp://HOST:PORT"),  # was: a 500 for every request
 ]
 
 
