@@ -253,8 +253,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     from target_node.model.target import TargetModel
     from training.prompts import read_prompts
 
+    prompts = read_prompts(args.prompts)[: args.limit or None]  # before the model loads: a bad file says so at once
+    if not prompts:
+        raise ValueError(f"{args.prompts} holds no prompts")
     target = TargetModel.load(resolve_model(args.model), device=args.device, dtype=args.dtype)
-    prompts = read_prompts(args.prompts)[: args.limit or None]
     runs = prepare_runs(args, target)
     rows = []
     for i, text in enumerate(prompts):
@@ -300,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.time()
-    with one_line_errors("dflash-evaluate", CheckpointError):
+    with one_line_errors("dflash-evaluate", CheckpointError, ValueError):
         result = evaluate(args)
     result["wall_s"] = round(time.time() - start, 1)
     print_table(result)

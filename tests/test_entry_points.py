@@ -77,6 +77,14 @@ MISTAKES = [
     pytest.param(
         *("benchmarks.bench", ["--model", "/nowhere/model", "--skip-engines"], "no config.json"), id="bench-no-model"
     ),
+    pytest.param(
+        *("benchmarks.evaluate", ["--prompts", "TEXT", "--drafter", "EMPTY"], "line 1: expected a JSON object"),
+        id="evaluate-prompts-not-jsonl",
+    ),
+    pytest.param(
+        *("benchmarks.evaluate", ["--prompts", "FILE", "--drafter", "EMPTY"], "holds no prompts"),
+        id="evaluate-no-prompts",
+    ),
 ]
 
 
@@ -85,8 +93,9 @@ def test_a_users_mistake_is_one_line_on_stderr_not_a_traceback(
     module, args, says, tmp_path, taken_address, chat_model_dir
 ):
     (tmp_path / "file").write_text("")
+    (tmp_path / "prompts.txt").write_text("Explain tides.\n")
     places = {"EMPTY": str(tmp_path), "TAKEN": taken_address, "FILE": str(tmp_path / "file")}
-    places.update(DRAFTER=str(DRAFTER), CHAT=str(chat_model_dir))
+    places.update(DRAFTER=str(DRAFTER), CHAT=str(chat_model_dir), TEXT=str(tmp_path / "prompts.txt"))
     args = [places.get(a, a) for a in args]
     done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120)
     *logged, last = done.stderr.strip().splitlines()

@@ -47,8 +47,20 @@ JOB_WEIGHTS = {
 
 
 def read_prompts(path: str | Path) -> list[str]:
-    """Prompts from a jsonl file of {"prompt": ...} lines."""
-    return [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
+    """Prompts from a jsonl file of {"prompt": ...} lines; ValueError naming the first line that is
+    none (a plain text file, another key), where a JSONDecodeError or KeyError said nothing of where."""
+    prompts = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f'{path}, line {number}: expected a JSON object with a "prompt" string, got {line[:60]!r}')
+        prompts.append(record["prompt"])
+    return prompts
 
 
 @dataclass(frozen=True)
