@@ -3,6 +3,7 @@
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer, NGramProposer
-from target_node.drafting.remote import DrafterMismatch, LinkTiming, RemoteDraftBackend
+from target_node.drafting.remote import DrafterMismatch, LinkTiming, Reachability, RemoteDraftBackend
 
 PROMPTS = [[5, 17, 42, 99, 3, 7], [200, 11, 11, 11, 250, 12, 13, 14]]
 MAX_NEW = 40
@@ -188,6 +189,26 @@ def test_a_target_started_before_its_drafter_picks_it_up(target, checkpoint, tmp
         late = generate(target, prompt, proposer, DecodeOptions(MAX_NEW, adaptive=False))
     backend.close()
     assert_lossless(target, prompt, late.tokens, want)
+    assert late.stats.sources == {"dflash": late.stats.steps - late.stats.plain_steps}
+
+
+def test_a_targets_slots_probe_an_absent_daemon_once_at_start(target, checkpoint, tmp_path):
+    """Each of a target's slots waited out its own hello to a daemon not there yet: its start was
+    late by the reply timeout once per slot (18 s at 8 slots, an audit). One probe speaks for all
+    until the retry; then each slot attaches at its next request."""
+    address = f"ipc://{tmp_path}/absent.sock"
+    reach, timing = Reachability(), LinkTiming(timeout_s=0.3, retry_s=0.2)
+    backends = [RemoteDraftBackend(address, target, timing=timing, reach=reach) for _ in range(8)]
+    assert [b.counters["timeouts"] for b in backends] == [1] + [0] * 7 and all(b.info is None for b in backends)
+    prompt = PROMPTS[1]
+    with draft_daemon(address, checkpoint):
+        time.sleep(0.2)  # past the retry
+        late = generate(
+            target, prompt, DFlashProposer(backends[5], NGramProposer()), DecodeOptions(MAX_NEW, adaptive=False)
+        )
+    for backend in backends:
+        backend.close()
+    assert_lossless(target, prompt, late.tokens, greedy(target, prompt, MAX_NEW))
     assert late.stats.sources == {"dflash": late.stats.steps - late.stats.plain_steps}
 
 
