@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     apply_runtime_args(args)
     stop = stop_on_signals()
     dtype = dtype_of(args)
+    if args.device.startswith("cpu") and args.dtype == "float16":  # the CPU kernels' linears take fp32 or bf16
+        parser.error("--dtype float16 on a CPU: the drafter's CPU kernels take float32 or bfloat16")
     try:
         settings = settings_from(args, DraftSettings)
     except ValueError as exc:
