@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,7 +42,7 @@ def add_model_args(parser: argparse.ArgumentParser, what: str) -> None:
         help=f"{what} weights dtype (auto: bfloat16 where the device has native bf16 and, for a target, the "
         "engine serves it exactly; float32 elsewhere)",
     )
-    parser.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -65,15 +66,19 @@ def device_name(text: str) -> str:
     return text
 
 
-def thread_count(text: str) -> int:
-    """--threads: 0 (torch's default) or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of threads, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (torch's default) or more, got {value}")
-    return value
+def at_least(minimum: int) -> Callable[[str], int]:
+    """A parser type: a whole number of at least `minimum` (--threads: 0, torch's default, or more)."""
+
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return whole_number
 
 
 def apply_runtime_args(args: argparse.Namespace) -> None:

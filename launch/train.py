@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from launch.common import SHIPPED_DRAFTER, named_dtype, resolve_model
+from launch.common import SHIPPED_DRAFTER, at_least, named_dtype, resolve_model
 from launch.net import one_line_errors
 from protocol import FLOAT_DTYPES
 from target_node import CACHE_ROOT
@@ -70,16 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _run_flags(ap: argparse.ArgumentParser) -> None:
     """What runs, where, and what it is called: the target, the stage, the cache, the device."""
     ap.add_argument(
@@ -100,7 +90,7 @@ def _run_flags(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--cache", default=str(CACHE_ROOT), help="where features, state and logs go (default %(default)s)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=positive, default=1, help="torch CPU threads (default %(default)s)")
+    ap.add_argument("--threads", type=at_least(1), default=1, help="torch CPU threads (default %(default)s)")
 
 
 def _data_flags(ap: argparse.ArgumentParser) -> None:

@@ -110,7 +110,7 @@ DAEMONS = ["launch.target_daemon", "launch.draft_daemon"]
 REFUSED_FLAGS = [
     *[(module, ["--device", "gpu"], "'gpu' is not a torch device") for module in DAEMONS],
     *[(module, ["--device", "cuda:7"], "CUDA device") for module in DAEMONS],  # none here, or fewer than eight
-    *[(module, ["--threads", "-1"], "must be 0 (torch's default) or more") for module in DAEMONS],
+    *[(module, ["--threads", "-1"], "must be at least 0, got -1") for module in DAEMONS],
     ("launch.train", ["--stage", "train", "--threads", "0"], "must be at least 1"),
     ("launch.draft_daemon", ["--dtype", "float16"], "take float32 or bfloat16"),  # was: a traceback from the kernels
     (
