@@ -191,10 +191,14 @@ class TargetService:
         which changes between steps."""
         return encode("pong", msg.id, {"time": time.time(), "sessions": self.waiting})
 
+    def requests_held(self) -> set[tuple[bytes, int]]:
+        """(client, request id) of every request running or waiting here."""
+        held = {(a.job.identity, a.job.request.id) for a in self.active.values()}
+        return held | {(who, job.request.id) for who, queue in self.queues.items() for job in queue}
+
     def holds(self, identity: bytes, request_id: int) -> bool:
         """Whether this client's request runs or waits here."""
-        running = any(a.job.identity == identity and a.job.request.id == request_id for a in self.active.values())
-        return running or any(job.request.id == request_id for job in self.queues.get(identity, ()))
+        return (identity, request_id) in self.requests_held()
 
     def heartbeat(self, identity: bytes, msg: Message) -> list | None:
         """A heartbeat during a step, on the server's helper thread: a notice for a request that ran
@@ -348,8 +352,7 @@ class TargetService:
                 if not (self.active or self.queues):
                     continue
                 # Pings are answered during the step too: a prefill or a wide verify is never deaf.
-                self.held = {(a.job.identity, a.job.request.id) for a in self.active.values()}
-                self.held |= {(who, job.request.id) for who, queue in self.queues.items() for job in queue}
+                self.held = self.requests_held()
                 with self.server.answering({"ping": self.pong, "heartbeat": self.heartbeat}):
                     self.admit()
                     if self.active:
