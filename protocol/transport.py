@@ -46,6 +46,9 @@ DEFAULT_MAX_FRAME = MAX_FRAME_BYTES + FRAME_OVERHEAD
 CONTROL_MAX_FRAME = MAX_HEADER_BYTES + FRAME_OVERHEAD
 ZAP_DOMAIN = b"dflash"
 LOOPBACK_HOSTS = ("localhost", "lo", "::1", "[::1]")
+# Replies ZeroMQ holds for one peer that does not read them: its own default, which suits streams
+# of small chunks (a server whose replies are megabytes, one per request, passes far fewer).
+DEFAULT_SEND_QUEUE = 1000
 # Messages the answering helper holds for next() at most, and of them from one peer: past these
 # it answers a message `busy` at once, so a flood costs memory for HELD_MAX messages at most and
 # one peer's cannot crowd out the others' (their heartbeats and cancels still get in).
@@ -93,18 +96,24 @@ def check_bind(address: str, curve: ServerKeys | None, insecure_plaintext: bool)
     return True
 
 
+def _allow_ipv6(sock: zmq.Socket, address: str) -> None:
+    """ZeroMQ sockets speak IPv4 only unless told otherwise, and then fail on `tcp://[::1]:PORT`
+    with "No such device": a bracketed host is an IPv6 address, so such a socket is told."""
+    if address.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+
+
 def router(
     context: zmq.Context,
     address: str,
     max_message_bytes: int = DEFAULT_MAX_FRAME,
     curve: ServerKeys | None = None,
-    send_queue: int = 1000,
+    send_queue: int = DEFAULT_SEND_QUEUE,
 ) -> zmq.Socket:
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    # Replies held for one peer that does not read them (ZeroMQ's default, 1000, suits streams of
-    # small chunks; a server whose replies are megabytes and one per request wants far fewer).
     sock.setsockopt(zmq.SNDHWM, send_queue)
+    _allow_ipv6(sock, address)
     # ZeroMQ drops oversized frames itself (and the peer that sent them), before they cost us memory.
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     # Sending to a peer that is gone, or whose queue is full because it stopped reading, fails
@@ -136,6 +145,7 @@ def dealer(
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    _allow_ipv6(sock, address)
     if routing_id is not None:
         sock.setsockopt(zmq.ROUTING_ID, routing_id)
     if curve is not None:
@@ -279,7 +289,7 @@ class Server:
         curve: ServerKeys | None = None,
         insecure_plaintext: bool = False,
         max_message_bytes: int = DEFAULT_MAX_FRAME,
-        send_queue: int = 1000,
+        send_queue: int = DEFAULT_SEND_QUEUE,
     ) -> None:
         plaintext_abroad = check_bind(address, curve, insecure_plaintext)
         self.address, self.curve = address, curve

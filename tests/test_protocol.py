@@ -576,6 +576,41 @@ def test_a_server_answers_pings_while_its_caller_computes(tmp_path):
         server.close()
 
 
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this host has no IPv6 loopback")
+def test_an_ipv6_loopback_address_serves_without_further_flags():
+    """`tcp://[::1]:PORT` counts as loopback (plaintext allowed), so it must also work: ZeroMQ
+    sockets refuse it ("No such device") unless told to speak IPv6."""
+    import socket
+
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        port = probe.getsockname()[1]
+    address = f"tcp://[::1]:{port}"
+    server = Server(address)
+    client = Client(address)
+    try:
+        client.send("stats")
+        identity, message = server.next(5000)
+        assert message.type == "stats"
+        assert server.send(identity, encode("stats_ok", message.id, {"stats": {"n": 6}}))
+        reply = client.wait(message.id, "stats", 5.0)
+        assert reply is not None and reply["stats"] == {"n": 6}
+    finally:
+        client.close()
+        server.close()
+
+
 def test_an_optional_tensor_may_be_left_out_but_no_stranger_comes_in():
     """A dflash proposal carries no `gate`; an unknown tensor is still refused by name."""
     bare = decode(encode("proposal", 1, {"draft_ms": 0.5}, {"hidden": torch.randn(2, HIDDEN)}))
