@@ -36,7 +36,7 @@ from draft_node.config import CheckpointError
 from draft_node.kv_cache import DraftKVCache
 from launch.common import ensure_default_drafter, resolve_model
 from launch.local import daemon, free_address
-from launch.net import one_line_errors
+from launch.net import HelpFormatter, one_line_errors
 from protocol import decode, encode
 from protocol.transport import dealer, receive, router
 from target_node.decoding.governor import Governor, VerifyCosts
@@ -581,15 +581,13 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="dflash-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="dflash-bench", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model only, few tokens (for the test suite)")
     parser.add_argument("--model", help="target folder for the real-model part (default: SmolLM2-135M-Instruct)")
     parser.add_argument(
         "--drafter", help="drafter checkpoint for the real model (default: the model's default drafter)"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt")
     parser.add_argument("--repeats", type=int, default=12, help="timed repetitions per micro-benchmark")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in this process and the draft daemon")
     parser.add_argument("--out", default="bench_results", help="folder for bench.json and the plot")

@@ -39,7 +39,7 @@ import torch
 
 from draft_node.config import CheckpointError
 from launch.common import DTYPE_CHOICES, dtype_of, resolve_model
-from launch.net import one_line_errors
+from launch.net import HelpFormatter, one_line_errors
 
 if TYPE_CHECKING:
     from protocol.sampling import SamplingParams
@@ -48,9 +48,7 @@ if TYPE_CHECKING:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="dflash-evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = argparse.ArgumentParser(prog="dflash-evaluate", description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--drafter", help="drafter checkpoint folder (config.json + model.safetensors)")
     ap.add_argument("--drafter-address", help="use a running draft daemon instead, e.g. tcp://127.0.0.1:5555")
     ap.add_argument(
@@ -67,10 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--prompts", default="data/eval_prompts.jsonl", help='jsonl of {"prompt": ...}')
     ap.add_argument("--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="torch device for both models")
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: as the daemons resolve it")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     ap.add_argument(
         "--modes",
         default="chain",
@@ -87,8 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--tree-nodes", type=int, default=16, help="the widest tree the adaptive mode may verify")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy, checked token for token")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every run of a prompt)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N prompts")
     ap.add_argument(

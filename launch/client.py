@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from frontend.target_client import TargetClient
-from launch.net import TARGET_ADDRESS, address, client_security, one_line_errors
+from launch.net import TARGET_ADDRESS, HelpFormatter, address, client_security, one_line_errors
 from protocol.keys import ClientKeys
 from protocol.stats import RequestStats
 from protocol.transport import wait_ready
@@ -80,15 +80,15 @@ def run(args: argparse.Namespace, keys: ClientKeys | None = None, out=sys.stdout
 def add_client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     parser.add_argument("--prompts-file", help="file of prompts: one per line, or JSON lines with a 'prompt' key")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most per prompt")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     parser.add_argument("--no-stream", action="store_true", help="print each answer when it is complete")
     parser.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (exactly the target's greedy output)"
     )
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
     parser.add_argument("--seed", type=int, help="sampling seed, for reproducible sampled answers")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each reply")
     parser.add_argument("--json", help="also write answers and stats to this JSON file")
@@ -101,9 +101,7 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="dflash-client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="dflash-client", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "--address", type=address, default=TARGET_ADDRESS, help="target daemon address (default %(default)s)"
     )

@@ -18,12 +18,12 @@ from launch.common import (
     ensure_default_drafter,
     settings_from,
 )
-from launch.net import add_server_security_args, address, one_line_errors, server_security
+from launch.net import HelpFormatter, add_server_security_args, address, one_line_errors, server_security
 from protocol.transport import stop_on_signals
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="dflash-draft-daemon", description=__doc__)
+    parser = argparse.ArgumentParser(prog="dflash-draft-daemon", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "--checkpoint",
         help="drafter folder (config.json + model.safetensors) in the public DFlash or DFlash2 layout; default: the "

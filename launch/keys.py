@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from launch.net import one_line_errors
+from launch.net import HelpFormatter, one_line_errors
 from protocol.keys import client_keys, create_keypair, load_public
 
 
@@ -38,9 +38,7 @@ class LocalKeys:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="dflash-keys", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="dflash-keys", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("names", nargs="+", help="one key pair per name, e.g. draft target client")
     parser.add_argument("--out", default=".", help="folder to write the key files into (default: here)")
     parser.add_argument("--force", action="store_true", help="overwrite existing key files")

@@ -20,7 +20,7 @@ from pathlib import Path
 from launch import client
 from launch.common import DTYPE_CHOICES, ensure_default_drafter, resolve_model
 from launch.keys import LocalKeys
-from launch.net import address, one_line_errors
+from launch.net import HelpFormatter, address, one_line_errors
 from launch.processes import stop
 from protocol.keys import ClientKeys
 from protocol.transport import wait_ready
@@ -78,8 +78,8 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `local_daemons`: models, devices, addresses."""
     parser.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter-checkpoint", help="drafter folder (default: the default model's drafter)")
-    parser.add_argument("--target-device", default="cpu")
-    parser.add_argument("--draft-device", default="cpu")
+    parser.add_argument("--target-device", default="cpu", help="torch device for the target daemon, e.g. cpu, cuda:0")
+    parser.add_argument("--draft-device", default="cpu", help="torch device for the draft daemon, e.g. cpu, cuda:1")
     parser.add_argument(
         "--dtype", default="auto", choices=DTYPE_CHOICES, help="weights dtype of both models (auto: see the daemons)"
     )
@@ -143,9 +143,7 @@ def local_daemons(args: argparse.Namespace) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="dflash-local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="dflash-local", description=__doc__, formatter_class=HelpFormatter)
     add_daemon_args(parser)
     client.add_client_args(parser)
     args = parser.parse_args(argv)

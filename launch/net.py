@@ -1,4 +1,5 @@
-"""Addresses, link-security flags and how a command fails, without torch: the client imports only these.
+"""Addresses, link-security flags, and how a command explains itself and fails, without torch: the client
+imports only these.
 
 Both daemons take the same server flags (`--curve-key`, `--curve-allow`,
 `--insecure-plaintext`); every link a process opens takes its own key pair plus the
@@ -31,6 +32,18 @@ def address(text: str) -> str:
         if not colon or not host or not (port == "*" or (port.isdigit() and 1 <= int(port) <= 65535)):
             raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT with a port of 1-65535, got {text!r}")
     return text
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their line breaks, and every flag that takes a value shows its default in
+    `--help` (unless its help already says it), so a user sees what a run does with the flag left out."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = "default" in text or "%(default)" in text
+        if shown or not action.option_strings or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+            return action.help
+        return f"{text} (default %(default)s)"
 
 
 @contextmanager

@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from launch.net import address, client_security, one_line_errors
+from launch.net import HelpFormatter, address, client_security, one_line_errors
 from launch.processes import stop
 
 
@@ -77,9 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     from launch.common import byte_size
     from launch.local import add_daemon_args
 
-    parser = argparse.ArgumentParser(
-        prog="dflash-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="dflash-serve", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "--target", type=address, help="a running target daemon's address (standalone); omit to start both daemons"
     )

@@ -21,7 +21,14 @@ from launch.common import (
     resolve_model,
     settings_from,
 )
-from launch.net import add_server_security_args, address, client_security, one_line_errors, server_security
+from launch.net import (
+    HelpFormatter,
+    add_server_security_args,
+    address,
+    client_security,
+    one_line_errors,
+    server_security,
+)
 from protocol import FLOAT_DTYPES
 from protocol.messages import MAX_PREDRAFT_OUTCOMES
 from protocol.transport import stop_on_signals
@@ -36,9 +43,7 @@ from training.traffic import traffic_recorder
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dflash-target-daemon", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="dflash-target-daemon", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "--model", help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, converted once)"
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from launch.common import SHIPPED_DRAFTER, at_least, named_dtype, resolve_model
-from launch.net import one_line_errors
+from launch.net import HelpFormatter, one_line_errors
 from protocol import FLOAT_DTYPES
 from target_node import CACHE_ROOT
 from training.answer_store import STORE
@@ -56,9 +56,7 @@ def main(argv: list[str] | None = None) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, in the order --help lists them; `--stage selector` starts from the shipped drafter
     unless --init names another."""
-    ap = argparse.ArgumentParser(
-        prog="dflash-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = argparse.ArgumentParser(prog="dflash-train", description=__doc__, formatter_class=HelpFormatter)
     groups = (_run_flags, _data_flags, _shape_flags, _objective_flags, _schedule_flags, _stage_flags)
     for add in (*groups, _dflash2_flags, _output_flags):
         add(ap)
@@ -89,7 +87,7 @@ def _run_flags(ap: argparse.ArgumentParser) -> None:
         "trained on the backbone's outputs",
     )
     ap.add_argument("--cache", default=str(CACHE_ROOT), help="where features, state and logs go (default %(default)s)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="torch device for the target and the drafter")
     ap.add_argument("--threads", type=at_least(1), default=1, help="torch CPU threads (default %(default)s)")
 
 
@@ -116,16 +114,18 @@ def _data_flags(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--gen-batch", type=int, default=64, help="rows decoded at once (finished rows are refilled)")
     ap.add_argument("--max-new", type=int, default=192, help="answer token cap")
-    ap.add_argument("--gen-minutes", type=float, default=60.0)
+    ap.add_argument("--gen-minutes", type=float, default=60.0, help="minutes of answer generation (--stage gen)")
     ap.add_argument("--gen-seed", type=int, default=0, help="seed of the self-instruct job stream")
 
 
 def _shape_flags(ap: argparse.ArgumentParser) -> None:
     """The drafter's shape."""
-    ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument(
+        "--layers", type=int, default=1, help="drafter layers (a new drafter; --stage grow: the target depth)"
+    )
+    ap.add_argument("--block-size", type=int, default=8, help="tokens a drafted block holds (its anchor included)")
     ap.add_argument("--taps", default="", help="comma-separated target layer ids (default: spread over depth)")
-    ap.add_argument("--mask-token-id", type=int, default=0)
+    ap.add_argument("--mask-token-id", type=int, default=0, help="token id of the block's mask slots")
 
 
 def _objective_flags(ap: argparse.ArgumentParser) -> None:
@@ -161,8 +161,8 @@ def _objective_flags(ap: argparse.ArgumentParser) -> None:
 
 def _schedule_flags(ap: argparse.ArgumentParser) -> None:
     """Optimization: the schedule, the batches, evaluation and saving, and where training starts."""
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    ap.add_argument("--warmup", type=int, default=100, help="steps of linear warm-up to --lr")
     ap.add_argument("--steps", type=int, default=100000, help="schedule length (cosine to 10%% of lr)")
     ap.add_argument(
         "--minutes",
@@ -177,10 +177,10 @@ def _schedule_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--conv-lr-scale", type=float, default=1.0, help="DFlash2: the convolutions' learning rate relative to --lr"
     )
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of initialisation, anchors and batch order")
     ap.add_argument("--val-answers", type=int, default=60, help="held-out answers for acceptance estimates")
-    ap.add_argument("--eval-every", type=int, default=200)
-    ap.add_argument("--save-every", type=int, default=200)
+    ap.add_argument("--eval-every", type=int, default=200, help="steps between validation losses")
+    ap.add_argument("--save-every", type=int, default=200, help="steps between checkpoints (resumable with --resume)")
     ap.add_argument(
         "--features",
         choices=("auto", "cache", "live"),

@@ -1,5 +1,6 @@
 """Every console script the package declares imports and explains itself."""
 
+import argparse
 import re
 import subprocess
 import sys
@@ -153,3 +154,38 @@ def test_a_training_run_writes_its_drafter_beside_its_state_unless_told_where(tm
     args = parse_args(["--stage", "train", "--name", "trial", "--cache", str(tmp_path)])
     assert args.out == str(tmp_path / "train" / "trial" / "drafter")
     assert parse_args(["--stage", "train", "--out", str(tmp_path / "mine")]).out == str(tmp_path / "mine")
+
+
+class _Parsed(Exception):
+    """Raised in place of parsing: carries the parser a command built."""
+
+
+def _parser_of(target: str, monkeypatch) -> argparse.ArgumentParser:
+    import importlib
+
+    def capture(self, *args, **kwargs):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+    module, func = target.split(":")
+    with pytest.raises(_Parsed) as parsed:
+        getattr(importlib.import_module(module), func)([])
+    return parsed.value.args[0]
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_every_flag_that_takes_a_value_says_what_it_does_and_its_default(name, monkeypatch):
+    """`--help` is the manual: a flag left without help, or whose default a user cannot see, is a
+    flag a user must read the source for."""
+    parser = _parser_of(SCRIPTS[name], monkeypatch)
+    formatter = parser._get_formatter()
+    silent, no_default = [], []
+    for action in parser._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS:
+            continue
+        if not action.help:
+            silent.append(action.option_strings[-1])
+        elif action.nargs != 0 and action.default is not None and "default" not in formatter._expand_help(action):
+            no_default.append(action.option_strings[-1])
+    assert silent == [] and no_default == [], f"no help: {silent}; default not shown: {no_default}"
