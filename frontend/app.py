@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
+from frontend.api_key import ApiKey
 from frontend.body_limit import MAX_BODY_BYTES, BodyLimit
 from frontend.errors import APIError, from_daemon, from_validation, invalid, unreachable
 from frontend.link import ClientGone, DaemonUnreachable, LinkCall, TargetLink
@@ -33,13 +34,19 @@ CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads 
 
 
 def create_app(
-    link: TargetLink, model_name: str | None = None, default_max_tokens: int = 512, max_body_size: int = MAX_BODY_BYTES
+    link: TargetLink,
+    model_name: str | None = None,
+    default_max_tokens: int = 512,
+    max_body_size: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The front end for the target daemon behind `link`, serving it as `model_name` (default: the
     name of the daemon's model folder, asked when first needed); request bodies over
-    `max_body_size` bytes get 413."""
+    `max_body_size` bytes get 413; with an `api_key`, /v1 requests without it get 401."""
     app = FastAPI(title="dflash-split", summary="OpenAI-compatible API over a dflash-split target daemon")
     app.add_middleware(BodyLimit, limit=max_body_size)
+    if api_key is not None:
+        app.add_middleware(ApiKey, key=api_key)  # added last, so it runs first: a stranger's body is never read
     front = Front(link, model_name, default_max_tokens)
     _error_handlers(app)
     _info_routes(app, front)

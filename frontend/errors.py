@@ -25,15 +25,17 @@ class APIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
@@ -42,6 +44,11 @@ def invalid(message: str, param: str | None = None, code: str | None = "invalid_
 
 def unreachable(message: str) -> APIError:
     return APIError(503, message, type_="service_unavailable_error", code="target_unreachable")
+
+
+def unauthorized(key_given: bool) -> APIError:
+    why = "Incorrect API key provided" if key_given else "No API key provided: send Authorization: Bearer KEY"
+    return APIError(401, why, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def too_large(limit: int, declared: int | None = None) -> APIError:

@@ -29,6 +29,20 @@ from contextlib import contextmanager
 from launch.net import HelpFormatter, address, client_security, one_line_errors
 from launch.processes import stop
 
+API_KEY_ENV = "DFLASH_API_KEY"
+LOOPBACK = ("localhost", "::1")
+
+
+def api_key(text: str) -> str:
+    """An --api-key value: what an Authorization header can carry as it was typed."""
+    if not text or not all(33 <= ord(c) <= 126 for c in text):
+        raise argparse.ArgumentTypeError("an API key is one or more printable ASCII characters, no spaces")
+    return text
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK or host.startswith("127.")
+
 
 def wait_http_ready(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
     """GET `url` until it answers 200: a readiness check, not a sleep. `alive` aborts early."""
@@ -106,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="8M",
         help="largest request body, in bytes or with K, M or G; a larger one gets 413 (default %(default)s)",
     )
+    parser.add_argument(
+        "--api-key",
+        type=api_key,
+        default=os.environ.get(API_KEY_ENV),
+        help=f"/v1 answers only requests with `Authorization: Bearer KEY` (others: 401); best given as "
+        f"${API_KEY_ENV}, which other users cannot read in the process list (default: ${API_KEY_ENV}, "
+        "else none: anyone who reaches --host may use it)",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default %(default)s)")
     group = parser.add_argument_group("all in one (without --target)")
     add_daemon_args(group)
@@ -132,8 +154,15 @@ def run(args: argparse.Namespace) -> None:
 
     def serve(address: str) -> None:
         link = TargetLink(address, args.daemon_timeout, curve=args.client_keys)  # local_daemons sets its own keys
-        app = create_app(link, args.served_model_name, args.default_max_tokens, args.max_body_size)
+        app = create_app(link, args.served_model_name, args.default_max_tokens, args.max_body_size, args.api_key)
         print(f"[serve] http://{args.host}:{args.port} -> target daemon {address}", flush=True)
+        if args.api_key is None and not is_loopback(args.host):
+            print(
+                f"[serve] warning: {args.host} can be reached from other hosts and no API key is set: anyone who "
+                f"reaches it can generate (set ${API_KEY_ENV} or pass --api-key)",
+                file=sys.stderr,
+                flush=True,
+            )
         # Streams still open at shutdown get a few seconds, then are cut (their requests cancelled).
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 

@@ -210,3 +210,51 @@ def test_a_request_whose_daemon_restarted_is_503_not_an_endless_wait(chat_model_
                 assert requests.post(f"{url}/v1/chat/completions", json=ASK, timeout=60).status_code == 200
     error = assert_openai_error(got["reply"], 503, None, "target_request_lost")
     assert "lost the request" in error["message"] and took < 10, (error, took)
+
+
+def test_with_an_api_key_v1_wants_it_and_the_rest_stays_open(target_address, reference):
+    """`--api-key`: /v1 without the key, or with another, is 401 before its body is read; with it,
+    the answer is the daemon's own; probes and scrapers need none. A burst of wrong keys costs the
+    key's holder nothing."""
+    key = "s3cret-Key_1"
+    with front_end(free_port(), ["--target", target_address, "--served-model-name", MODEL, "--api-key", key]) as url:
+        missing = requests.post(f"{url}{CHAT_PATH}", json=ASK, timeout=60)
+        assert_openai_error(missing, 401, None, "invalid_api_key")
+        assert missing.headers["www-authenticate"] == "Bearer"
+        with requests.Session() as stranger:
+            for guess in ("s3cret-Key_", "s3cret-Key_12", "x" * 64, *(f"guess{i}" for i in range(100))):
+                wrong = stranger.post(f"{url}{CHAT_PATH}", json=ASK, headers={"Authorization": f"Bearer {guess}"})
+                assert "Incorrect API key" in assert_openai_error(wrong, 401, None, "invalid_api_key")["message"]
+        huge = requests.post(f"{url}{CHAT_PATH}", data=b" " * (9 << 20), timeout=60)
+        assert_openai_error(huge, 401, None, "invalid_api_key")  # not 413: a stranger's body is not read
+        assert requests.get(f"{url}/v1/models", timeout=60).status_code == 401
+        for open_path in ("/health", "/metrics", "/stats", "/"):
+            assert requests.get(f"{url}{open_path}", timeout=60).status_code == 200, open_path
+
+        from openai import OpenAI
+
+        with OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120) as client:
+            answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)
+        expected = reference(messages=CHAT, max_new_tokens=6, sampling={"temperature": 0.0}, stream=False)
+        assert answer.choices[0].message.content == expected["text"] != ""
+        with OpenAI(base_url=f"{url}/v1", api_key="not-it", max_retries=0, timeout=120) as client:
+            with pytest.raises(openai.AuthenticationError):
+                client.models.list()
+
+
+@pytest.mark.parametrize("key", ["", "two words", "tab\there", "ключ"])
+def test_an_api_key_a_header_cannot_carry_is_refused_at_start(key):
+    from launch.serve import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--api-key", key])
+
+
+@pytest.mark.parametrize(
+    "host, loopback",
+    [("127.0.0.1", True), ("127.8.0.1", True), ("localhost", True), ("::1", True), ("0.0.0.0", False), ("::", False)],
+)
+def test_only_loopback_hosts_serve_without_a_key_quietly(host, loopback):
+    from launch.serve import is_loopback
+
+    assert is_loopback(host) is loopback
