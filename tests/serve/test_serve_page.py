@@ -112,3 +112,27 @@ def test_the_page_streams_an_answer_and_updates_the_histogram(browser, page_serv
     assert float(find(By.ID, "tau").text) >= 1.0 and find(By.ID, "tok-s").text != "–"
     assert "tokens in" in find(By.ID, "last").text
     assert requests.get(page_server + "/health", timeout=60).status_code == 200
+
+
+def test_behind_an_api_key_the_page_asks_for_it_once_and_chats(browser, smollm2_address):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    key = "page-key-42"
+    args = ["--target", smollm2_address, "--served-model-name", "Keyed", "--api-key", key]
+    with front_end(free_port(), args) as url:
+        browser.get(url + "/")
+        asked = WebDriverWait(browser, 60).until(lambda b: b.switch_to.alert)  # /v1/models answered 401
+        asked.send_keys(key)
+        asked.accept()
+        find = browser.find_element
+        wait_for(lambda: find(By.ID, "model").text == "Keyed", timeout_s=60)
+        max_tokens = find(By.ID, "max-tokens")
+        max_tokens.clear()
+        max_tokens.send_keys("6")
+        find(By.ID, "prompt").send_keys(PROMPT)
+        find(By.ID, "send").click()  # no second prompt: the key is kept for the tab
+        answer = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".msg.assistant"), timeout_s=120)[0]
+        wait_for(lambda: answer.get_attribute("data-state") not in ("waiting", "streaming"), timeout_s=120)
+        assert answer.get_attribute("data-state") == "done", answer.get_property("textContent")
+        assert answer.get_property("textContent") != ""
