@@ -12,6 +12,7 @@ from typing import Any
 
 from .errors import ErrorCode, ProtocolError
 from .fields import Bool, Float, Int, Json, List, Maybe, Str, Struct
+from .sampling import SamplingParams
 from .tensors import FLOAT_DTYPES, TensorSpec
 
 PROTOCOL_VERSION = 7
@@ -183,6 +184,10 @@ MIN_HEARTBEAT_S = 0.05
 # newcomer, however many identities it has, evicts a live target's idle slots.
 KEEPALIVE_S = 10.0
 CHAT_MESSAGE = Struct({"role": Str(1, 32), "content": Str(0, MAX_PROMPT_CHARS)})
+# A generate's sampling options, typed as the message is read: as a free-form map it let one queued
+# request hold 64 MB of nested junk, counted as a kilobyte. Their ranges are SamplingParams' to check.
+_SAMPLING_TYPES = {"temperature": Float(), "top_p": Float(), "top_k": Int(), "seed": Maybe(Int())}
+SAMPLING = Struct(optional={key: (kind, SamplingParams().to_dict()[key]) for key, kind in _SAMPLING_TYPES.items()})
 
 SESSION_ONLY = Struct({"session": SESSION})
 KEPT_NAME = Str(1, MAX_SESSION_LEN)
@@ -284,7 +289,7 @@ SCHEMAS: dict[str, Schema] = {
                 "stop": (List(Str(1, 256), 0, 16), []),
                 "hints": (List(Int(0, 2**31 - 1), 0, 1 << 14), []),
                 "stream": (Bool(), True),
-                "sampling": (Json(), {}),
+                "sampling": (SAMPLING, SAMPLING.check("sampling", {})),
                 # The client's promise to send something (a `heartbeat`) at least this often;
                 # 0: no promise, and the request runs until done or cancelled.
                 "heartbeat_s": (Float(0.0), 0.0),

@@ -22,6 +22,7 @@ from protocol import (
     frame_to_tensor,
     tensor_to_frame,
 )
+from protocol.sampling import SamplingParams
 from protocol.transport import HELD_PER_PEER, Client, Server
 
 HIDDEN, WIDTH, BLOCK = 8, 24, 4
@@ -172,6 +173,8 @@ def test_round_trip_every_type(type_):
         expected["predrafted"] = False
     if sample == "predraft":
         expected["budget_ms"] = 0.0  # no limit
+    if type_ == "generate":
+        expected["sampling"] = {**SamplingParams().to_dict(), **fields["sampling"]}  # defaults filled in
     assert msg.fields == expected
     assert set(msg.tensors) == set(tensors)
     for name, t in tensors.items():
@@ -536,6 +539,22 @@ def test_generate_needs_exactly_one_prompt_form(given):
 def test_generate_stream_must_be_a_bool():
     frames = tamper(encode("generate", 1, {"max_new_tokens": 4, "prompt": "p"}), lambda h: h.update(stream=1))
     assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
+def test_generate_sampling_is_typed_where_it_is_read():
+    """`sampling` was a free-form map: 917 KB of nested empty maps decoded to 64 MB that a queued
+    request kept, counted as a kilobyte. Now only its four options pass, each of its type."""
+    ask = encode("generate", 1, {"max_new_tokens": 4, "prompt": "p"})
+    junk = tamper(ask, lambda h: h.update(sampling={k: [{}] * 131071 for k in "abcdefg"}))
+    assert len(junk[0]) < MAX_HEADER_BYTES
+    with pytest.raises(ProtocolError, match="unexpected field") as info:
+        decode(junk)
+    assert info.value.code is ErrorCode.BAD_FIELD
+    for bad in ({"temperature": [{}] * 1000}, {"top_k": 2.5}, {"seed": "7"}, {"top_p": {"a": 1}}):
+        assert code_of(tamper(ask, lambda h, bad=bad: h.update(sampling=bad))) is ErrorCode.BAD_FIELD, bad
+    given = decode(tamper(ask, lambda h: h.update(sampling={"temperature": 1, "seed": 9})))
+    assert given["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 9}
+    assert decode(ask)["sampling"] == SamplingParams().to_dict()
 
 
 def test_a_server_answers_pings_while_its_caller_computes(tmp_path):
