@@ -326,3 +326,44 @@ def test_the_looked_up_branch_follows_the_proposer_and_the_flag():
     for proposer, settings, lookup in cases:
         options = TargetService(target, [proposer], settings, datastore=store).decode_options(msg)
         assert options.lookup is lookup and options.datastore is (store if lookup else None)
+
+
+def test_an_answer_over_what_a_done_reply_holds_is_refused_alone(tmp_path, monkeypatch):
+    """A `done` the wire refuses (a raised --max-new-tokens-limit and long tokens can make one over
+    its 1 MiB) used to raise out of the daemon's loop and end it for every client. Now that request
+    alone gets `too_large`, after its streamed chunks, and the daemon serves on. Here the wire's
+    limit is lowered to 12 tokens a `done`, so a 20-token answer is over it."""
+    from dataclasses import replace
+
+    from protocol.fields import Int, List
+    from protocol.messages import SCHEMAS
+    from target_node.drafting.proposers import NoProposer
+    from target_node.serving.daemon import TargetService
+    from target_node.serving.settings import ServiceSettings
+
+    done = SCHEMAS["done"]
+    small = replace(done.fields, required={**done.fields.required, "token_ids": List(Int(0), 0, 12)})
+    monkeypatch.setitem(SCHEMAS, "done", replace(done, fields=small))
+    target = TargetModel(tiny_target("llama", seed=5).model, slots=2)
+    want_20, want_10 = greedy(target, PROMPT, 20), greedy(target, PROMPT, 10)
+    assert len(want_20) > 12
+    service = TargetService(target, [NoProposer(), NoProposer()], ServiceSettings())
+    stop = threading.Event()
+    address = f"ipc://{tmp_path}/done.sock"
+    serving = threading.Thread(target=service.serve, args=(address, stop))
+    serving.start()
+    client = TargetClient(address, timeout_s=60)
+    try:
+        for stream in (False, True):
+            chunks = []
+            with pytest.raises(ProtocolError, match="over what one `done` reply carries") as refused:
+                for reply in client.stream(token_ids=PROMPT, max_new_tokens=20, stream=stream):
+                    chunks += reply["token_ids"] if reply.type == "chunk" else []
+            assert refused.value.code.value == "too_large"
+            assert chunks == (want_20 if stream else [])
+        assert client.generate(token_ids=PROMPT, max_new_tokens=10)["token_ids"] == want_10
+        assert serving.is_alive()
+    finally:
+        client.close()
+        stop.set()
+        serving.join(10)

@@ -481,7 +481,11 @@ class TargetService:
                     self.prefix_cache.store(*active.sequence.committed(), active.sequence.proposer.taps)
                     active.prompt_stored = True
         for active in [a for a in self.active.values() if a.sequence.done]:
-            self.finish(active)
+            try:
+                self.finish(active)
+            except Exception as exc:  # one request's end must not take the daemon down
+                self.release(active)
+                self.fail(active.job, exc)
 
     def finish(self, active: Active) -> None:
         job, msg = active.job, active.job.request
@@ -494,10 +498,21 @@ class TargetService:
                 proposer.keep(name, len(tokens))
         self.release(active)
         self.metrics.finish(result.finish_reason, result.stats, active.clock)
-        if not job.lost:
-            done = {"text": result.text, "token_ids": result.tokens, "finish_reason": result.finish_reason}
-            self.send(job.identity, encode("done", msg.id, {**done, "stats": self.stats(active, result)}))
         self.served += 1
+        if job.lost:
+            return
+        done = {"text": result.text, "token_ids": result.tokens, "finish_reason": result.finish_reason}
+        try:
+            reply = encode("done", msg.id, {**done, "stats": self.stats(active, result)})
+        except ProtocolError as exc:  # a raised --max-new-tokens-limit and long tokens: over what a reply holds
+            streamed = " (its chunks carried all of it)" if msg["stream"] else ""
+            reply = encode_error(
+                msg.id,
+                ErrorCode.TOO_LARGE,
+                f"the answer, {len(result.tokens)} tokens and {len(result.text)} characters, is over what one "
+                f"`done` reply carries{streamed}: ask for fewer max_new_tokens ({exc.message})",
+            )
+        self.send(job.identity, reply)
         if self.on_finished is not None and result.finish_reason != "cancelled":
             self.on_finished(msg, active.prompt, result)
 
