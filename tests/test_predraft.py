@@ -460,3 +460,38 @@ def test_a_remote_hit_takes_the_drafts_sent_during_the_verify_and_waits_for_no_r
         after, _ = backend.draft(8, features[8:10], noise[10], 10, 7)
         assert not backend.hit and torch.equal(after, local.draft(8, features[8:10], noise[10], 10, 7)[0])
         backend.close()
+
+
+def test_predrafted_gates_a_selector_cannot_use_make_misses_not_failures(target, tmp_path, monkeypatch):
+    """A DFlash2 daemon's pre-drafted gate rows were checked for their count only: a gate of
+    another rank broke the selector's einsum for every request in the batch, a NaN one the sampled
+    requests' draws. Now pre-drafts are checked on the fresh drafts' rule, and a bad one is a miss:
+    the output is the target's own. (A propose can still be answered from a pre-draft the daemon
+    holds: those rows never went through the spoiled `joined`.)"""
+    import threading
+
+    from draft_node.daemon import serve
+
+    cfg2 = config_for_target(target.config, block_size=8, taps=3, dflash2=True)
+    drafter = random_drafter(cfg2, seed=2, std=0.1)
+    joined = Predrafts.joined
+    for spoil in (lambda gate: torch.cat([gate, gate[:, :1]], 1), lambda gate: gate * float("nan")):
+
+        def spoiled(self, spoil=spoil):
+            hidden, gate = joined(self)
+            return hidden, spoil(gate)
+
+        monkeypatch.setattr(Predrafts, "joined", spoiled)
+        service = DraftService(drafter, DraftSettings(ring_capacity=256))
+        address, stop = f"ipc://{tmp_path}/spoiled-{id(spoil)}.sock", threading.Event()
+        daemon = threading.Thread(target=serve, args=(service, address, stop))
+        daemon.start()
+        try:
+            backend = RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=5.0, predraft_budget=False))
+            result = run(target, DFlashProposer(backend, predraft=4), PROMPTS[2])
+            backend.close()
+        finally:
+            stop.set()
+            daemon.join(10)
+        assert result.tokens == greedy(target, PROMPTS[2], MAX_NEW)
+        assert backend.counters["predrafts"] > 0 and backend.counters["errors"] > 0

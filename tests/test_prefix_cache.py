@@ -284,3 +284,40 @@ def test_a_remote_drafter_restores_a_kept_prefix_and_drafts_as_if_sent_every_row
             assert hit["stats"][count] == miss["stats"][count]
     assert all(r["stats"]["cached_tokens"] > len(SYSTEM) for r in runs[True][1:])
     assert sent[True] < 0.6 * sent[False]  # the prefixes' feature rows did not travel again
+
+
+def test_a_draft_daemon_that_claims_more_restored_rows_than_asked_costs_only_its_own_drafts(tmp_path):
+    """`kept.rows` comes from the draft daemon: a count over what was asked for used to be trusted,
+    and reading that many rows of the feature ring raised IndexError, which ended every request in
+    the batch as `internal`, on every later prefix hit. Now it counts as none restored: the rows
+    are sent, drafting goes on, and the output is the target's own."""
+    from draft_node.daemon import DraftService, serve
+    from draft_node.settings import DraftSettings
+    from protocol import encode
+
+    target = TargetModel(tiny_target("qwen3", seed=4).model, slots=2)
+    cfg = config_for_target(target.config, block_size=8, taps=2)
+    service = DraftService(random_drafter(cfg, seed=1, std=0.1), DraftSettings(ring_capacity=512))
+    service.on_restore = lambda msg: encode("kept", msg.id, {"rows": 2**31 - 1})
+    address, stop = f"ipc://{tmp_path}/lying.sock", threading.Event()
+    daemon = threading.Thread(target=serve, args=(service, address, stop))
+    daemon.start()
+    try:
+        backends = [RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=5.0)) for _ in range(2)]
+        proposers = [DFlashProposer(b, NoProposer()) for b in backends]
+        with served(target, proposers, 64 << 20, tmp_path, "lied-to") as (client, _):
+            replies = chat(client, 3, {})
+        for backend in backends:
+            backend.close()
+    finally:
+        stop.set()
+        daemon.join(10)
+    assert all(r["stats"]["cached_tokens"] > len(SYSTEM) for r in replies[1:])  # the lie was heard
+    assert sum(b.counters["errors"] for b in backends) >= 2
+    assert sum(r["stats"]["sources"].get("dflash", 0) for r in replies[1:]) > 0  # drafting went on
+    history = list(SYSTEM)
+    rng = random.Random(0)
+    for done in replies:
+        history += [rng.randrange(3, 250) for _ in range(rng.randrange(3, 12))]
+        assert done["token_ids"] == greedy(target, history, 24)
+        history += done["token_ids"]

@@ -228,9 +228,16 @@ class RemoteDraftBackend:
         return self._call("keep", {"session": self.session, "name": name, "rows": rows})["rows"]
 
     def restore(self, name: str, rows: int) -> int:
+        """The rows of prefix `name` the daemon put back into this session's context (0: none, send
+        them). A count outside [0, rows] is the daemon's error: taken as none, so the rows are sent."""
         self.ensure()
         self.predrafting = self.window_began = None
-        return self._call("restore", {"session": self.session, "name": name, "rows": rows})["rows"]
+        restored = self._call("restore", {"session": self.session, "name": name, "rows": rows})["rows"]
+        if not 0 <= restored <= rows:
+            self.counters["errors"] += 1
+            log.warning("the draft daemon restored %d rows of a prefix of %d: taken as none", restored, rows)
+            return 0
+        return restored
 
     def predraft(self, position: int, heads: torch.Tensor, known: list[int]) -> None:
         """Have the daemon draft the named outcomes while the target verifies. Its reply, the
@@ -296,18 +303,15 @@ class RemoteDraftBackend:
         self.hit = bool(reply["predrafted"]) and predraft >= 0
         hidden = reply.tensor("hidden", self.target.device)  # in the wire dtype: the projection casts once
         got = hidden.shape[0] if self.hit else rows  # a pre-draft holds the rows after its known tokens
-        if (
-            tuple(hidden.shape) != (got, self.info["hidden_size"])
-            or not 0 < got <= rows
-            or not torch.isfinite(hidden).all()
-        ):
+        gate = (
+            reply.tensor("gate", self.target.device) if self.info.get("selector") and "gate" in reply.tensors else None
+        )
+        fault = self._misshapen(hidden, gate)
+        if fault is None and not (hidden.shape[0] == got and 0 < got <= rows):
+            fault = f"{hidden.shape[0]} rows where {rows} were asked for"
+        if fault is not None:
             self.counters["errors"] += 1
-            raise DrafterUnavailable(f"the drafter's reply {list(hidden.shape)} is misshapen or holds NaN/Inf")
-        selector = self.info.get("selector")
-        gate = reply.tensor("gate", self.target.device) if selector and "gate" in reply.tensors else None
-        if gate is not None and (tuple(gate.shape) != (got, selector["rank"]) or not torch.isfinite(gate).all()):
-            self.counters["errors"] += 1
-            raise DrafterUnavailable(f"the drafter's gate {list(gate.shape)} is misshapen or holds NaN/Inf")
+            raise DrafterUnavailable(f"the drafter's reply: {fault}")
         self.counters["draft_ms"] += reply["draft_ms"]
         self.counters["propose_rtt_ms"] += (time.perf_counter() - began) * 1000
         self.counters["proposals"] += 1
@@ -332,14 +336,27 @@ class RemoteDraftBackend:
         hidden = reply.tensor("hidden", self.target.device)
         gate = reply.tensor("gate", self.target.device) if "gate" in reply.tensors else None
         try:
-            if hidden.shape[1] != self.info["hidden_size"] or not torch.isfinite(hidden).all():
-                raise ValueError(f"pre-drafted rows {list(hidden.shape)} are misshapen or hold NaN/Inf")
+            if (fault := self._misshapen(hidden, gate)) is not None:
+                raise ValueError(f"pre-drafted {fault}")
             drafted = Predrafts.from_rows(base, known[: reply["outcomes"]], self.info["block_size"], hidden, gate)
         except ValueError as exc:
             self.counters["errors"] += 1
             log.warning("ignoring the daemon's pre-drafts: %s", exc)
             return None
         return drafted.take(outcome, start, position, rows)
+
+    def _misshapen(self, hidden: torch.Tensor, gate: torch.Tensor | None) -> str | None:
+        """Why drafted rows (fresh or pre-drafted) cannot be used, or None: checked on one rule, so
+        a reply no path can use fails no batch (a gate of the wrong rank broke the selector's einsum
+        for every request in it)."""
+        if hidden.shape[1] != self.info["hidden_size"] or not torch.isfinite(hidden).all():
+            return f"rows {list(hidden.shape)} misshapen or holding NaN/Inf"
+        selector = self.info.get("selector")
+        if gate is not None and (
+            not selector or tuple(gate.shape) != (hidden.shape[0], selector["rank"]) or not torch.isfinite(gate).all()
+        ):
+            return f"gate {list(gate.shape)} misshapen or holding NaN/Inf"
+        return None
 
     def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's selector codebooks, in pieces of MAX_CODEBOOK_ROWS rows (50 MB for a
