@@ -91,6 +91,34 @@ def test_stop_string_spanning_two_steps(target, reference):
     assert result.tokens == reference[: cut + len(stop)]
 
 
+def test_a_stop_string_in_a_step_of_many_hints_costs_a_few_decodes_not_one_per_token(target, reference):
+    """A step that verified 50 hints decoded the answer once per committed token to find where a
+    stop string ends (512 hints: 512 decodes of the whole answer, on the thread every request
+    shares). Now one decode a step where no stop string completes, and a bisection where one does;
+    the cut is where checking every count puts it."""
+
+    class Counting(CharTokenizer):
+        calls = 0
+
+        def decode(self, tokens, skip_special_tokens=True):
+            Counting.calls += 1
+            return super().decode(tokens, skip_special_tokens)
+
+    text = CharTokenizer().decode(reference)
+    stop = text[40:43]
+    cut = text.find(stop)
+    assert cut > 8  # the stop string completes inside the step of hints, not in the prefill's token
+    target.tokenizer = Counting()
+    try:
+        options = DecodeOptions(60, hint_tokens=reference[:60], stop_strings=(stop,), stop_on_eos=False)
+        result = generate(target, PROMPT, NoProposer(), options)
+    finally:
+        target.tokenizer = None
+    assert result.finish_reason == "stop" and result.text == text[:cut]
+    assert result.tokens == reference[: cut + len(stop)]
+    assert result.stats.steps <= 3 and Counting.calls <= 2 * result.stats.steps + 8, Counting.calls
+
+
 @pytest.mark.parametrize("right", [True, False])
 def test_hint_tokens_are_verified(target, reference, right):
     hints = list(reference[:20]) if right else [(t + 1) % target.vocab_size for t in reference[:20]]
