@@ -477,6 +477,32 @@ def test_resume_replays_the_same_run(setup, tmp_path):
     assert resumed.history == pytest.approx(straight.history, rel=1e-6, abs=1e-7)
 
 
+def test_a_resumed_run_goes_on_with_its_time_budget_and_schedule(setup, tmp_path, monkeypatch):
+    """--minutes is the run's whole budget: a resumed run trains what is left of it, on the cosine
+    where it stopped. (Its clock restarted: a run resumed after half its budget went back to its
+    peak lr and trained the whole budget again.) A clock that moves 5 s a step stands in for time."""
+    import training.trainer as trainer_module
+
+    target, cfg, store, features = setup
+    clock = [1000.0]
+    monkeypatch.setattr(trainer_module.time, "time", lambda: clock[0])
+    step = Trainer.train_step
+
+    def timed_step(self, *args, **kwargs):
+        clock[0] += 5.0
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", timed_step)
+    state, quiet = tmp_path / "state.pt", (lambda m: None)
+    budget = opts(steps=10**6, warmup=2, minutes=1.0)  # 60 s: 12 steps of 5 s
+    first = train(target, cfg, store.answers, features, replace(budget, steps=6), state, log=quiet)
+    assert first.step == 6 and first.seconds == pytest.approx(30.0)
+    resumed = train(target, cfg, store.answers, features, replace(budget, resume=True), state, log=quiet)
+    straight = train(target, cfg, store.answers, features, budget, tmp_path / "straight.pt", log=quiet)
+    assert resumed.step == straight.step == 12 and resumed.seconds == pytest.approx(60.0)
+    assert resumed.positions == straight.positions > first.positions > 0
+
+
 @pytest.mark.parametrize("layer_types", [(FULL,), (FULL, SLIDING)])
 def test_train_forward_equals_inference_forward(setup, layer_types):
     target, cfg0, store, features = setup

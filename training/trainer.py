@@ -455,6 +455,10 @@ class Trainer:
         self.step = 0
         self.history: list[float] = []
         self.time_spent = 0.0  # the share of opts.minutes gone (rank 0's clock): the schedule ends with it
+        # Seconds trained so far, before any resume too: a resumed run's --minutes and its schedule
+        # go on from where it stopped (they restarted: a resumed run went back to its peak lr, and
+        # trained its whole budget again).
+        self.seconds = 0.0
         self.positions = 0  # labelled slots trained on, all ranks (this rank's share times their number)
 
     def _scale_rows(self) -> np.ndarray:
@@ -677,6 +681,8 @@ class Trainer:
             "schedule": self.schedule.state_dict(),
             "scale": self.scale.cpu(),
             "history": self.history,
+            "seconds": self.seconds,
+            "positions": self.positions,
             "config": self.cfg.to_json(),
             "train_answers": len(self.train_records),
         }
@@ -711,6 +717,7 @@ class Trainer:
         self.schedule.load_state_dict(state["schedule"])
         self.scale = state["scale"].to(self.dev)
         self.history = list(state["history"])
+        self.seconds, self.positions = float(state.get("seconds", 0.0)), int(state.get("positions", 0))
 
     def save(self, state_path: Path, out: Path | None) -> None:
         tmp = state_path.with_suffix(".tmp")
@@ -768,17 +775,19 @@ def _steps(trainer: Trainer, state_path: Path, log: Callable[[str], None]) -> No
     """The optimizer steps up to opts.steps, or until opts.minutes have passed on rank 0's clock
     (the schedule then ends with the budget); batches built ahead by opts.loader_threads threads."""
     opts, ranks = trainer.opts, trainer.ranks
-    start = last = time.time()
+    last = time.time()
+    start = last - trainer.seconds  # a resumed run's clock goes on
     window: list[float] = []
     seen = trainer.positions
     with BatchStream(trainer.batch, trainer.step, opts.loader_threads) as batches:
         while trainer.step < opts.steps:
             if opts.minutes:  # rank 0's clock decides, for the schedule as for the stop
-                trainer.time_spent = ranks.from_main((time.time() - start) / (opts.minutes * 60))
+                trainer.time_spent = ranks.from_main(trainer.seconds / (opts.minutes * 60))
                 if trainer.time_spent >= 1:
                     log("time budget reached")
                     break
             window.append(trainer.train_step(batches.take(trainer.step)))
+            trainer.seconds = time.time() - start
             if trainer.step % 20 == 0 or trainer.step == 1:
                 lr, spent = trainer.schedule.get_last_lr()[0], time.time() - last
                 log(
