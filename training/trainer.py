@@ -32,6 +32,7 @@ from draft_node.model import DFlashDrafter
 from training.answer_store import Answer
 from training.distributed import ONE, Ranks
 from training.features import MAX_ROWS, FeatureCache, LiveFeatures
+from training.heap import release_freed_memory
 from training.loader import BatchStream
 from training.prompts import JOB_WEIGHTS
 from training.variety import job_kind
@@ -795,6 +796,7 @@ def _steps(trainer: Trainer, state_path: Path, log: Callable[[str], None]) -> No
                     f"{spent / len(window):.2f} s/step | {(trainer.positions - seen) / spent:.0f} positions/s"
                 )
                 window, last, seen = [], time.time(), trainer.positions
+                release_freed_memory()
             _checkpoints(trainer, state_path, log)
 
 
