@@ -135,6 +135,17 @@ DRAFTER_INFO = Struct(
 )
 
 
+# What a drafter may ask of a target's memory and time, whatever its daemon claims. DFlash blocks
+# are 8-16 tokens and selectors keep 16 candidates at rank 256; a block of 2**40 or a top-k of the
+# whole vocabulary failed every request's step (tensors of that size), a ring of 2**40 positions
+# every request's start, so such a drafter is a misfit: refused, and the target drafts without it.
+MAX_BLOCK_SIZE = 128
+MAX_RING_CAPACITY = 1 << 20
+MAX_SELECTOR_TOP_K = 256
+MAX_SELECTOR_RANK = 4096
+MAX_OUTPUT_MULTIPLIER = 1e4
+
+
 def fit_problems(drafter: Mapping[str, Any], target: Mapping[str, Any]) -> list[str]:
     """Why a drafter (DRAFTER_INFO) cannot serve a target (TARGET_INFO); [] when it fits.
 
@@ -163,6 +174,12 @@ def fit_problems(drafter: Mapping[str, Any], target: Mapping[str, Any]) -> list[
     vocab = drafter.get("draft_vocab") or []
     if vocab and max(vocab) >= target["vocab_size"]:
         problems.append("the drafter's draft vocabulary has ids outside the target's vocabulary")
+    if len(set(vocab)) != len(vocab):  # a token listed twice would be drawn twice as often as q says
+        problems.append("the drafter's draft vocabulary lists a token more than once")
+    if not 2 <= drafter["block_size"] <= MAX_BLOCK_SIZE:
+        problems.append(f"block size {drafter['block_size']} is outside 2..{MAX_BLOCK_SIZE}")
+    if drafter["ring_capacity"] > MAX_RING_CAPACITY:
+        problems.append(f"ring capacity {drafter['ring_capacity']} is over {MAX_RING_CAPACITY} positions")
     selector = drafter.get("selector")
     if drafter.get("format", "dflash") == "dflash2" and not selector:
         problems.append("a dflash2 drafter must describe its selector")
@@ -170,6 +187,16 @@ def fit_problems(drafter: Mapping[str, Any], target: Mapping[str, Any]) -> list[
         problems.append(
             f"the selector's codebooks cover {selector['vocab_size']} tokens, the target's vocabulary "
             f"{target['vocab_size']}"
+        )
+    if selector and (
+        selector["top_k"] > MAX_SELECTOR_TOP_K
+        or selector["rank"] > MAX_SELECTOR_RANK
+        or not 0 < selector["output_multiplier"] <= MAX_OUTPUT_MULTIPLIER
+    ):
+        problems.append(
+            f"the selector's top_k {selector['top_k']}, rank {selector['rank']} or output multiplier "
+            f"{selector['output_multiplier']} is over {MAX_SELECTOR_TOP_K}, {MAX_SELECTOR_RANK} or "
+            f"{MAX_OUTPUT_MULTIPLIER:g} (or the multiplier is not positive)"
         )
     return problems
 

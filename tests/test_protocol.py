@@ -22,6 +22,7 @@ from protocol import (
     frame_to_tensor,
     tensor_to_frame,
 )
+from protocol.messages import fit_problems
 from protocol.sampling import SamplingParams
 from protocol.transport import HELD_PER_PEER, Client, Server
 
@@ -739,3 +740,30 @@ def test_a_flood_during_a_step_is_held_within_bounds_and_every_peers_word_is_not
         for client in (flooder, beater, pinger):
             client.close()
         server.close()
+
+
+FITTING = {**DRAFTER, "target_layer_ids": [0, 1, 2], "mask_token_id": 3, "format": "dflash2", "selector": SELECTOR}
+TARGET = {"hidden_size": HIDDEN, "num_hidden_layers": 3, "vocab_size": 99}
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"block_size": 2**40}, "block size"),
+        ({"block_size": 1}, "block size"),
+        ({"ring_capacity": 2**40}, "ring capacity"),
+        ({"draft_vocab": [4, 8, 4]}, "more than once"),
+        ({"selector": {**SELECTOR, "top_k": 1000}}, "top_k"),
+        ({"selector": {**SELECTOR, "rank": 1 << 20}}, "rank"),
+        ({"selector": {**SELECTOR, "output_multiplier": 1e30}}, "multiplier"),
+        ({"selector": {**SELECTOR, "output_multiplier": 0.0}}, "multiplier"),
+    ],
+)
+def test_a_drafter_that_would_cost_the_target_unbounded_memory_or_time_does_not_fit(change, why):
+    """What a draft daemon says of its drafter sizes the target's tensors: a block of 2**40 or a
+    selector top-k of the whole vocabulary failed every request's step, a ring of 2**40 positions
+    every request's start; a vocabulary listing a token twice skewed sampled output. Each is now a
+    misfit, which the target refuses at the handshake (and drafts without)."""
+    assert fit_problems(FITTING, TARGET) == []
+    problems = fit_problems({**FITTING, **change}, TARGET)
+    assert len(problems) == 1 and why in problems[0], problems

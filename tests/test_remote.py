@@ -270,3 +270,74 @@ def test_reduced_precision_wire_is_close_and_still_lossless(target, checkpoint, 
         assert_lossless(target, prompt, result.tokens, greedy(target, prompt, MAX_NEW))
         remote.close()
     assert half_bytes < features.numel() * 4  # the features really travelled at 2 bytes each
+
+
+def _in_process_daemon(service, address):
+    """`service` served on `address` from a thread of this process: for a daemon made to misbehave."""
+    from contextlib import contextmanager
+
+    from draft_node.daemon import serve
+
+    @contextmanager
+    def running():
+        stop = threading.Event()
+        thread = threading.Thread(target=serve, args=(service, address, stop))
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(10)
+
+    return running()
+
+
+def test_a_drafter_claiming_a_ring_of_two_to_the_forty_is_refused_and_the_target_drafts_without_it(
+    target, checkpoint, tmp_path
+):
+    """The target sized each slot's feature ring by the drafter's word: a ring of 2**40 positions
+    failed every request at its start (as `internal`), and never fell back. Now it is a misfit."""
+    from draft_node.daemon import DraftService
+    from draft_node.settings import DraftSettings
+
+    class Claiming(DraftService):
+        @property
+        def info(self) -> dict:
+            return {**super().info, "ring_capacity": 2**40}
+
+    address = f"ipc://{tmp_path}/claiming.sock"
+    # Started before the daemon (it is picked up once it answers), so the misfit meets a running target.
+    backend = RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=5.0, probe_timeout_s=0.2, retry_s=0.0))
+    with _in_process_daemon(Claiming(load_drafter(checkpoint), DraftSettings(ring_capacity=512)), address):
+        with pytest.raises(DrafterMismatch, match="ring capacity 1099511627776 is over"):  # at a daemon's start
+            RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=5.0))
+        result = generate(target, PROMPTS[0], DFlashProposer(backend, NGramProposer()), DecodeOptions(MAX_NEW))
+    backend.close()
+    assert result.tokens == greedy(target, PROMPTS[0], MAX_NEW)
+    assert "dflash" not in result.stats.sources and backend.unfit is not None
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_finite_but_huge_drafted_rows_are_a_miss_not_a_failed_step(target, checkpoint, tmp_path, sampled):
+    """Rows of +-3e38 passed the NaN/Inf check, then overflowed in the target's head: a sampled
+    step's softmax turned NaN and `multinomial` failed every request in the batch. Now rows over
+    MAX_MAGNITUDE are refused like NaN ones, and the step drafts without them."""
+    from draft_node.daemon import DraftService
+    from draft_node.settings import DraftSettings
+    from protocol.sampling import SamplingParams
+
+    class Shouting(DraftService):
+        def _proposal(self, msg, session, step, hidden, gate, draft_ms, predrafted=False):
+            loud = hidden.float().sign() * 3e38
+            return super()._proposal(msg, session, step, loud, gate, draft_ms, predrafted)
+
+    sampling = SamplingParams(temperature=0.8, seed=3) if sampled else SamplingParams()
+    address = f"ipc://{tmp_path}/shouting.sock"
+    with _in_process_daemon(Shouting(load_drafter(checkpoint), DraftSettings(ring_capacity=512)), address):
+        backend = RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=5.0, retry_s=0.0))
+        options = DecodeOptions(MAX_NEW, sampling=sampling, stop_on_eos=False)
+        result = generate(target, PROMPTS[0], DFlashProposer(backend, NGramProposer()), options)
+        backend.close()
+    assert len(result.tokens) == MAX_NEW and backend.counters["errors"] > 0
+    if not sampled:
+        assert result.tokens == greedy(target, PROMPTS[0], MAX_NEW, stop_on_eos=False)

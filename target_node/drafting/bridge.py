@@ -45,7 +45,9 @@ class DrafterBridge:
         self.target, self.info = target, dict(drafter)
         self.taps = tuple(drafter["target_layer_ids"])
         self.block_size, self.mask_token_id = drafter["block_size"], drafter["mask_token_id"]
-        self.ring = FeatureRing(drafter["ring_capacity"], drafter["feature_width"], target.model.dtype, target.device)
+        # Rows past the model's positions are never written: a ring the model cannot fill costs nothing.
+        capacity = min(drafter["ring_capacity"], target.max_positions or drafter["ring_capacity"])
+        self.ring = FeatureRing(capacity, drafter["feature_width"], target.model.dtype, target.device)
         self.mask_row = target.embed([self.mask_token_id])
         self.head = draft_head(target, tuple(drafter.get("draft_vocab") or ()))
         spec = SelectorSpec.from_info(drafter)
@@ -115,10 +117,21 @@ class DraftHead:
 _HEADS: weakref.WeakKeyDictionary[TargetModel, dict[tuple[int, ...], DraftHead]] = weakref.WeakKeyDictionary()
 
 
+# A few of each per target: a drafter daemon that re-handshakes with ever new vocabularies or
+# codebooks must not pile up heads and selectors (each up to hundreds of MB); bridges in use keep theirs.
+KEPT_PER_TARGET = 4
+
+
+def _remember(cache: dict, key: object, value: object) -> None:
+    while len(cache) >= KEPT_PER_TARGET:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+
+
 def draft_head(target: TargetModel, vocab: tuple[int, ...]) -> DraftHead:
     heads = _HEADS.setdefault(target, {})
     if vocab not in heads:
-        heads[vocab] = DraftHead(target, vocab)
+        _remember(heads, vocab, DraftHead(target, vocab))
     return heads[vocab]
 
 
@@ -136,5 +149,5 @@ def selector_for(
     key = (drafter["selector"]["checksum"], spec)  # the same codebooks with another top-k are another selector
     if key not in selectors:
         predecessor, successor = codebooks()
-        selectors[key] = Selector(spec, predecessor.to(target.device), successor.to(target.device))
+        _remember(selectors, key, Selector(spec, predecessor.to(target.device), successor.to(target.device)))
     return selectors[key]

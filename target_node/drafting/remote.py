@@ -32,6 +32,16 @@ from target_node.model.target import TargetModel
 
 log = logging.getLogger("remote_drafter")
 
+# The largest value a drafted row or gate may hold. Hidden states sit far below it; past it a row's
+# squares overflow fp32 in the target's norm and head, and a sampled step's softmax turned NaN and
+# failed every request in the batch (finite rows of 3e38 did it).
+MAX_MAGNITUDE = 1e15
+
+
+def _moderate(rows: torch.Tensor) -> bool:
+    """Every value finite and within MAX_MAGNITUDE (NaN fails the comparison too)."""
+    return rows.numel() == 0 or bool(rows.abs().amax() <= MAX_MAGNITUDE)
+
 
 @dataclass
 class Reachability:
@@ -349,13 +359,13 @@ class RemoteDraftBackend:
         """Why drafted rows (fresh or pre-drafted) cannot be used, or None: checked on one rule, so
         a reply no path can use fails no batch (a gate of the wrong rank broke the selector's einsum
         for every request in it)."""
-        if hidden.shape[1] != self.info["hidden_size"] or not torch.isfinite(hidden).all():
-            return f"rows {list(hidden.shape)} misshapen or holding NaN/Inf"
+        if hidden.shape[1] != self.info["hidden_size"] or not _moderate(hidden):
+            return f"rows {list(hidden.shape)} misshapen or holding NaN, Inf or values over {MAX_MAGNITUDE:g}"
         selector = self.info.get("selector")
         if gate is not None and (
-            not selector or tuple(gate.shape) != (hidden.shape[0], selector["rank"]) or not torch.isfinite(gate).all()
+            not selector or tuple(gate.shape) != (hidden.shape[0], selector["rank"]) or not _moderate(gate)
         ):
-            return f"gate {list(gate.shape)} misshapen or holding NaN/Inf"
+            return f"gate {list(gate.shape)} misshapen or holding NaN, Inf or values over {MAX_MAGNITUDE:g}"
         return None
 
     def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,9 +379,9 @@ class RemoteDraftBackend:
             reply = self._call("codebook", {"start": start, "rows": rows})
             for name, into in zip(("predecessor", "successor"), pieces, strict=True):
                 piece = reply.tensor(name, self.target.device).float()
-                if tuple(piece.shape) != (rows, selector["rank"]):
+                if tuple(piece.shape) != (rows, selector["rank"]) or not torch.isfinite(piece).all():
                     raise DrafterUnavailable(
-                        f"codebook rows {list(piece.shape)}, expected [{rows}, {selector['rank']}]"
+                        f"codebook rows {list(piece.shape)}, expected [{rows}, {selector['rank']}] of finite values"
                     )
                 into.append(piece)
         return torch.cat(pieces[0]), torch.cat(pieces[1])
