@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 
 from target_node.decoding.options import DecodeOptions
@@ -135,3 +139,17 @@ def draft_daemon(address: str, checkpoint, ready_timeout_s: float = 60.0, dtype:
         ["--checkpoint", str(checkpoint), "--threads", threads, "--dtype", dtype],
         ready_timeout_s,
     )
+
+
+@contextmanager
+def serving_in_thread(serve: Callable[[str, threading.Event], None], address: str) -> Iterator[None]:
+    """`serve(address, stop)` on a thread of this process until the block ends: a daemon a test
+    makes misbehave, or whose insides it reads."""
+    stop = threading.Event()
+    thread = threading.Thread(target=serve, args=(address, stop))
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)

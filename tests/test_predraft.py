@@ -10,7 +10,7 @@ import time
 import msgpack
 import pytest
 import torch
-from helpers import draft_daemon, greedy, tiny_target
+from helpers import draft_daemon, greedy, serving_in_thread, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 from draft_node.daemon import DraftService
@@ -468,8 +468,6 @@ def test_predrafted_gates_a_selector_cannot_use_make_misses_not_failures(target,
     requests' draws. Now pre-drafts are checked on the fresh drafts' rule, and a bad one is a miss:
     the output is the target's own. (A propose can still be answered from a pre-draft the daemon
     holds: those rows never went through the spoiled `joined`.)"""
-    import threading
-
     from draft_node.daemon import serve
 
     cfg2 = config_for_target(target.config, block_size=8, taps=3, dflash2=True)
@@ -483,15 +481,10 @@ def test_predrafted_gates_a_selector_cannot_use_make_misses_not_failures(target,
 
         monkeypatch.setattr(Predrafts, "joined", spoiled)
         service = DraftService(drafter, DraftSettings(ring_capacity=256))
-        address, stop = f"ipc://{tmp_path}/spoiled-{id(spoil)}.sock", threading.Event()
-        daemon = threading.Thread(target=serve, args=(service, address, stop))
-        daemon.start()
-        try:
+        address = f"ipc://{tmp_path}/spoiled-{id(spoil)}.sock"
+        with serving_in_thread(lambda where, stop, service=service: serve(service, where, stop), address):
             backend = RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=5.0, predraft_budget=False))
             result = run(target, DFlashProposer(backend, predraft=4), PROMPTS[2])
             backend.close()
-        finally:
-            stop.set()
-            daemon.join(10)
         assert result.tokens == greedy(target, PROMPTS[2], MAX_NEW)
         assert backend.counters["predrafts"] > 0 and backend.counters["errors"] > 0

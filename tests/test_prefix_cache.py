@@ -2,12 +2,11 @@
 they had prefilled them, within a byte bound, visible in the stats."""
 
 import random
-import threading
 from contextlib import ExitStack, contextmanager
 
 import pytest
 import torch
-from helpers import draft_daemon, greedy, tiny_target
+from helpers import draft_daemon, greedy, serving_in_thread, tiny_target
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 from frontend.target_client import TargetClient
@@ -129,17 +128,13 @@ def test_reused_rows_leave_the_slot_bit_for_bit_as_a_fresh_prefill_does(dtype):
 def served(target: TargetModel, proposers: list, cache_bytes: int, tmp_path, name: str, tree: int = 0):
     settings = ServiceSettings(always_draft=True, tree_nodes=tree, prefix_cache_mb=cache_bytes / (1 << 20))
     service = TargetService(target, proposers, settings)
-    stop = threading.Event()
     address = f"ipc://{tmp_path}/{name}.sock"
-    thread = threading.Thread(target=service.serve, args=(address, stop))
-    thread.start()
-    client = TargetClient(address, timeout_s=120)
-    try:
-        yield client, service
-    finally:
-        client.close()
-        stop.set()
-        thread.join(10)
+    with serving_in_thread(service.serve, address):
+        client = TargetClient(address, timeout_s=120)
+        try:
+            yield client, service
+        finally:
+            client.close()
 
 
 def chat(client: TargetClient, turns: int, sampling: dict, seed: int = 0) -> list[dict]:
@@ -152,6 +147,16 @@ def chat(client: TargetClient, turns: int, sampling: dict, seed: int = 0) -> lis
         replies.append(done)
         history += done["token_ids"]
     return replies
+
+
+def assert_each_turn_greedy(target: TargetModel, replies: list[dict], seed: int = 0) -> None:
+    """Each turn of a `chat` is the target's own greedy answer to its history."""
+    rng = random.Random(seed)
+    history = list(SYSTEM)
+    for reply in replies:
+        history += [rng.randrange(3, 250) for _ in range(rng.randrange(3, 12))]
+        assert reply["token_ids"] == greedy(target, history, 24)
+        history += reply["token_ids"]
 
 
 def drafting(target: TargetModel, slots: int) -> list[DFlashProposer]:
@@ -188,12 +193,7 @@ def test_a_chat_with_the_cache_is_the_chat_without_it_bit_for_bit(dtype, mode, t
     assert stats["prefix_cache"]["hits"] == 3 and stats["cached_prompt_tokens"] == sum(reused)
     assert reports[False]["prefix_cache"] is None
     if mode != "seeded":
-        history = list(SYSTEM)
-        rng = random.Random(0)
-        for reply in with_cache:
-            history += [rng.randrange(3, 250) for _ in range(rng.randrange(3, 12))]
-            assert reply["token_ids"] == greedy(target, history, 24)
-            history += reply["token_ids"]
+        assert_each_turn_greedy(target, with_cache)
 
 
 def test_a_request_starts_from_the_prompt_of_one_still_running(tmp_path):
@@ -299,25 +299,15 @@ def test_a_draft_daemon_that_claims_more_restored_rows_than_asked_costs_only_its
     cfg = config_for_target(target.config, block_size=8, taps=2)
     service = DraftService(random_drafter(cfg, seed=1, std=0.1), DraftSettings(ring_capacity=512))
     service.on_restore = lambda msg: encode("kept", msg.id, {"rows": 2**31 - 1})
-    address, stop = f"ipc://{tmp_path}/lying.sock", threading.Event()
-    daemon = threading.Thread(target=serve, args=(service, address, stop))
-    daemon.start()
-    try:
+    address = f"ipc://{tmp_path}/lying.sock"
+    with serving_in_thread(lambda where, stop: serve(service, where, stop), address):
         backends = [RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=5.0)) for _ in range(2)]
         proposers = [DFlashProposer(b, NoProposer()) for b in backends]
         with served(target, proposers, 64 << 20, tmp_path, "lied-to") as (client, _):
             replies = chat(client, 3, {})
         for backend in backends:
             backend.close()
-    finally:
-        stop.set()
-        daemon.join(10)
     assert all(r["stats"]["cached_tokens"] > len(SYSTEM) for r in replies[1:])  # the lie was heard
     assert sum(b.counters["errors"] for b in backends) >= 2
     assert sum(r["stats"]["sources"].get("dflash", 0) for r in replies[1:]) > 0  # drafting went on
-    history = list(SYSTEM)
-    rng = random.Random(0)
-    for done in replies:
-        history += [rng.randrange(3, 250) for _ in range(rng.randrange(3, 12))]
-        assert done["token_ids"] == greedy(target, history, 24)
-        history += done["token_ids"]
+    assert_each_turn_greedy(target, replies)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_lossless, draft_daemon, free_tcp_address, greedy, tiny_target
+from helpers import assert_lossless, draft_daemon, free_tcp_address, greedy, serving_in_thread, tiny_target
 
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
 from target_node.decoding.options import DecodeOptions
@@ -274,22 +274,9 @@ def test_reduced_precision_wire_is_close_and_still_lossless(target, checkpoint, 
 
 def _in_process_daemon(service, address):
     """`service` served on `address` from a thread of this process: for a daemon made to misbehave."""
-    from contextlib import contextmanager
-
     from draft_node.daemon import serve
 
-    @contextmanager
-    def running():
-        stop = threading.Event()
-        thread = threading.Thread(target=serve, args=(service, address, stop))
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join(10)
-
-    return running()
+    return serving_in_thread(lambda where, stop: serve(service, where, stop), address)
 
 
 def test_a_drafter_claiming_a_ring_of_two_to_the_forty_is_refused_and_the_target_drafts_without_it(

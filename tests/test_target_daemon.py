@@ -5,7 +5,7 @@ import time
 
 import pytest
 import zmq
-from helpers import greedy, tiny_target
+from helpers import greedy, serving_in_thread, tiny_target
 
 from frontend.target_client import TargetClient
 from launch.local import daemon
@@ -348,22 +348,18 @@ def test_an_answer_over_what_a_done_reply_holds_is_refused_alone(tmp_path, monke
     want_20, want_10 = greedy(target, PROMPT, 20), greedy(target, PROMPT, 10)
     assert len(want_20) > 12
     service = TargetService(target, [NoProposer(), NoProposer()], ServiceSettings())
-    stop = threading.Event()
     address = f"ipc://{tmp_path}/done.sock"
-    serving = threading.Thread(target=service.serve, args=(address, stop))
-    serving.start()
-    client = TargetClient(address, timeout_s=60)
-    try:
-        for stream in (False, True):
-            chunks = []
-            with pytest.raises(ProtocolError, match="over what one `done` reply carries") as refused:
-                for reply in client.stream(token_ids=PROMPT, max_new_tokens=20, stream=stream):
-                    chunks += reply["token_ids"] if reply.type == "chunk" else []
-            assert refused.value.code.value == "too_large"
-            assert chunks == (want_20 if stream else [])
-        assert client.generate(token_ids=PROMPT, max_new_tokens=10)["token_ids"] == want_10
-        assert serving.is_alive()
-    finally:
-        client.close()
-        stop.set()
-        serving.join(10)
+    with serving_in_thread(service.serve, address):
+        client = TargetClient(address, timeout_s=60)
+        try:
+            for stream in (False, True):
+                chunks = []
+                with pytest.raises(ProtocolError, match="over what one `done` reply carries") as refused:
+                    for reply in client.stream(token_ids=PROMPT, max_new_tokens=20, stream=stream):
+                        chunks += reply["token_ids"] if reply.type == "chunk" else []
+                assert refused.value.code.value == "too_large"
+                assert chunks == (want_20 if stream else [])
+            # The daemon serves on.
+            assert client.generate(token_ids=PROMPT, max_new_tokens=10)["token_ids"] == want_10
+        finally:
+            client.close()
