@@ -231,8 +231,6 @@ def test_the_queue_is_bounded_in_bytes_and_holds_prompts_compactly(tmp_path):
 def test_concurrent_clients_are_batched_and_each_gets_its_output_alone(model_dir, address):
     """Six clients at once, prompts and lengths of their own, greedy and seeded-sampled, streamed or
     not: the daemon decodes them side by side, and each output is the same request decoded alone."""
-    import threading
-
     from protocol.sampling import SamplingParams
     from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sequence import generate
@@ -292,19 +290,13 @@ def test_the_daemon_keeps_its_drafter_sessions_alive_busy_or_idle(tmp_path):
         proposer.backend = Counting()
     settings = ServiceSettings(always_draft=True)
     service = TargetService(TargetModel(tiny_target("llama", seed=5).model, slots=2), slots, settings)
-    stop = threading.Event()
     address = f"ipc://{tmp_path}/keepalive.sock"
-    serving = threading.Thread(target=service.serve, args=(address, stop))
-    serving.start()
-    try:
+    with serving_in_thread(service.serve, address):
         time.sleep(0.5)  # idle: the loop wakes every 100 ms
         idle = [p.backend.calls for p in slots]
         client = TargetClient(address, timeout_s=60)
         client.generate(token_ids=PROMPT, max_new_tokens=40)  # one slot busy, the other free
         client.close()
-    finally:
-        stop.set()
-        serving.join(10)
     assert all(n >= 3 for n in idle), idle
     assert all(p.backend.calls >= idle[i] + 40 for i, p in enumerate(slots)), [p.backend.calls for p in slots]
 
@@ -363,3 +355,7 @@ def test_an_answer_over_what_a_done_reply_holds_is_refused_alone(tmp_path, monke
             assert client.generate(token_ids=PROMPT, max_new_tokens=10)["token_ids"] == want_10
         finally:
             client.close()
+    # The metrics count the two as refused, not as answered, and their tokens as decoded.
+    metrics = service.metrics.to_dict()
+    assert metrics["refused"] == {"too_large": 2} and metrics["requests"] == {"length": 1}, metrics
+    assert metrics["generation_tokens"] == 20 + 20 + 10

@@ -497,13 +497,21 @@ class TargetService:
             if name is not None and proposer.taps:  # and the drafter's context of it, where it keeps one
                 proposer.keep(name, len(tokens))
         self.release(active)
-        self.metrics.finish(result.finish_reason, result.stats, active.clock)
+        reply, refused = (None, None) if job.lost else self.done_reply(active, result)
+        self.metrics.finish(result.finish_reason, result.stats, active.clock, refused=refused)
         self.served += 1
-        if job.lost:
+        if reply is None:
             return
+        self.send(job.identity, reply)
+        if self.on_finished is not None and result.finish_reason != "cancelled":
+            self.on_finished(msg, active.prompt, result)
+
+    def done_reply(self, active: Active, result: Result) -> tuple[bytes, str | None]:
+        """The request's `done`, or `too_large` (and its code, for the metrics) where the wire refuses it."""
+        msg = active.job.request
         done = {"text": result.text, "token_ids": result.tokens, "finish_reason": result.finish_reason}
         try:
-            reply = encode("done", msg.id, {**done, "stats": self.stats(active, result)})
+            return encode("done", msg.id, {**done, "stats": self.stats(active, result)}), None
         except ProtocolError as exc:  # a raised --max-new-tokens-limit and long tokens: over what a reply holds
             streamed = " (its chunks carried all of it)" if msg["stream"] else ""
             reply = encode_error(
@@ -512,9 +520,7 @@ class TargetService:
                 f"the answer, {len(result.tokens)} tokens and {len(result.text)} characters, is over what one "
                 f"`done` reply carries{streamed}: ask for fewer max_new_tokens ({exc.message})",
             )
-        self.send(job.identity, reply)
-        if self.on_finished is not None and result.finish_reason != "cancelled":
-            self.on_finished(msg, active.prompt, result)
+            return reply, ErrorCode.TOO_LARGE.value
 
     def release(self, active: Active) -> None:
         slot = active.sequence.slot

@@ -73,9 +73,20 @@ class ServedMetrics:
         self.end_to_end = LatencyHistogram(REQUEST_BOUNDS)
         self.queue = LatencyHistogram(REQUEST_BOUNDS)  # arrival to admission into a slot
 
-    def finish(self, finish_reason: str, stats: Stats | None = None, clock: RequestClock | None = None) -> None:
-        """A request answered with `done` (a queued request cancelled before it ran has no stats)."""
-        self.finished[finish_reason] += 1
+    def finish(
+        self,
+        finish_reason: str,
+        stats: Stats | None = None,
+        clock: RequestClock | None = None,
+        refused: str | None = None,
+    ) -> None:
+        """A request decoded to its end and answered with `done` (a queued request cancelled before it
+        ran has no stats), or with the error `refused` where its `done` could not be sent: its tokens
+        were still decoded, so they count."""
+        if refused is None:
+            self.finished[finish_reason] += 1
+        else:
+            self.refused[refused] += 1
         if stats is not None:
             self.total.add(stats)
         if clock is not None:
