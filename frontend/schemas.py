@@ -103,10 +103,13 @@ class GenerationRequest(BaseModel):
         )
         return options.to_dict()
 
-    def common_fields(self, max_tokens: int) -> dict:
-        """The daemon's generate fields that do not depend on the endpoint."""
+    def common_fields(self, max_tokens: int | None, default_max_tokens: int) -> dict:
+        """The daemon's generate fields that do not depend on the endpoint. A request that names no
+        limit gets the default, cut to the room its prompt leaves in the model's context (as
+        OpenAI's API does), where one that names a limit the prompt leaves no room for is refused."""
         return {
-            "max_new_tokens": max_tokens,
+            "max_new_tokens": max_tokens or default_max_tokens,
+            "fit_context": max_tokens is None,
             "stop": self.stop_list,
             "stream": self.stream,
             "sampling": self.sampling(),
@@ -140,8 +143,8 @@ class ChatCompletionRequest(GenerationRequest):
     prompt_param: ClassVar[str] = "messages"
 
     def to_daemon(self, default_max_tokens: int) -> dict:
-        limit = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        return {**self.common_fields(limit), "messages": [m.to_daemon() for m in self.messages]}
+        limit = self.max_completion_tokens or self.max_tokens
+        return {**self.common_fields(limit, default_max_tokens), "messages": [m.to_daemon() for m in self.messages]}
 
 
 class CompletionRequest(GenerationRequest):
@@ -163,7 +166,7 @@ class CompletionRequest(GenerationRequest):
     prompt_param: ClassVar[str] = "prompt"
 
     def to_daemon(self, default_max_tokens: int) -> dict:
-        fields = self.common_fields(self.max_tokens or self.DEFAULT_MAX_TOKENS)
+        fields = self.common_fields(self.max_tokens, self.DEFAULT_MAX_TOKENS)
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return {**fields, "token_ids": list(prompt)}

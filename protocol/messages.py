@@ -320,6 +320,9 @@ SCHEMAS: dict[str, Schema] = {
                 # The client's promise to send something (a `heartbeat`) at least this often;
                 # 0: no promise, and the request runs until done or cancelled.
                 "heartbeat_s": (Float(0.0), 0.0),
+                # max_new_tokens as a cap: the answer ends where the model's positions do (an
+                # OpenAI request that names no limit), instead of a context_length refusal.
+                "fit_context": (Bool(), False),
             },
         ),
         replies=("chunk", "done"),

@@ -111,6 +111,7 @@ SAMPLES = {
             "stream": False,
             "sampling": {"temperature": 0.7, "seed": 3},
             "heartbeat_s": 1.5,
+            "fit_context": True,
         },
         {},
     ),

@@ -144,6 +144,25 @@ def test_a_request_longer_than_the_model_is_refused_before_any_work(address):
         client.close()
 
 
+def test_fit_context_cuts_the_answer_to_the_room_the_prompt_leaves(model_dir, address):
+    """`fit_context` (what the HTTP front end sends for a request that names no limit): the answer
+    ends at the model's last position, token for token the start of the uncut answer; a prompt
+    that leaves no room is still refused."""
+    prompt = [5 + i % 50 for i in range(2040)]
+    want = greedy(TargetModel.load(model_dir), prompt, 8)
+    client = TargetClient(address, timeout_s=120)
+    try:
+        done = client.generate(token_ids=prompt, max_new_tokens=100, fit_context=True)
+        assert done["token_ids"] == want and (done["finish_reason"] == "length" or len(want) < 8)
+        with pytest.raises(ProtocolError, match=r"\(2048 tokens\) plus max_new_tokens") as err:
+            client.generate(token_ids=[5] * 2048, max_new_tokens=100, fit_context=True)
+        assert err.value.code.value == "context_length"
+        short = client.generate(token_ids=PROMPT, max_new_tokens=4, fit_context=True)["token_ids"]
+        assert len(short) <= 4  # a cap, never raised to the room left
+    finally:
+        client.close()
+
+
 def test_a_new_token_limit_past_what_one_reply_carries_is_refused_at_start(capsys):
     """Else a request would be accepted, run to its end, and its `done` be refused by the wire."""
     from launch import target_daemon
@@ -316,7 +335,7 @@ def test_the_looked_up_branch_follows_the_proposer_and_the_flag():
     cases.append((NGramProposer(), ServiceSettings(no_lookup=True), False))
     store = Datastore.build([[5, 6, 7]])
     for proposer, settings, lookup in cases:
-        options = TargetService(target, [proposer], settings, datastore=store).decode_options(msg)
+        options = TargetService(target, [proposer], settings, datastore=store).decode_options(msg, 8)
         assert options.lookup is lookup and options.datastore is (store if lookup else None)
 
 

@@ -384,7 +384,16 @@ class TargetService:
             raise ProtocolError(ErrorCode.BAD_FIELD, "stop strings need a tokenizer; this target has none")
         return ids
 
-    def decode_options(self, msg: Message) -> DecodeOptions:
+    def answer_budget(self, msg: Message, prompt_tokens: int) -> int:
+        """The request's max_new_tokens, cut to the positions its prompt leaves where it asks
+        (`fit_context`): a prompt that leaves none is still over the model's length."""
+        budget, limit = msg["max_new_tokens"], self.target.max_positions
+        if msg["fit_context"] and limit is not None and prompt_tokens < limit:
+            budget = min(budget, limit - prompt_tokens)
+        self.target.check_length(prompt_tokens, budget)
+        return budget
+
+    def decode_options(self, msg: Message, max_new_tokens: int) -> DecodeOptions:
         """A generate request's options, under this daemon's limits and settings."""
         if msg["max_new_tokens"] > self.settings.max_new_tokens_limit:
             raise ProtocolError(
@@ -398,7 +407,7 @@ class TargetService:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"sampling: {exc}") from exc
         lookup = not self.settings.no_lookup and self.proposer.name != NoProposer.name
         return DecodeOptions(
-            msg["max_new_tokens"],
+            max_new_tokens,
             stop_strings=tuple(msg["stop"]),
             hint_tokens=tuple(msg["hints"]),
             sampling=sampling,
@@ -422,8 +431,7 @@ class TargetService:
                 prompt = self.prompt_ids(msg)
                 # The model's bound before this daemon's own limit: a request over both is told the
                 # one it can act on (what OpenAI clients know as context_length_exceeded).
-                self.target.check_length(len(prompt), msg["max_new_tokens"])
-                options = self.decode_options(msg)
+                options = self.decode_options(msg, self.answer_budget(msg, len(prompt)))
                 clock = RequestClock(job.received)
                 proposer = self.proposers[slot]
 

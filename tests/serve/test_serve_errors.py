@@ -71,6 +71,22 @@ def test_bad_requests_get_their_status_and_the_server_serves_on(server, case):
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
 
 
+def test_a_chat_that_names_no_limit_gets_the_room_its_prompt_leaves(server):
+    """A request without max_tokens gets --default-max-tokens (512) cut to the context's room,
+    as OpenAI's API does, where it used to get 400 context_length_exceeded; one that names a
+    limit over the room is still refused (CASES)."""
+    long_chat = [{"role": "user", "content": "otter " * 850}]
+    reply = requests.post(
+        f"{server}{CHAT_PATH}", json={"model": MODEL, "messages": long_chat, "temperature": 0}, timeout=120
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    used = body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    assert 2048 - 512 < body["usage"]["prompt_tokens"] < 2048
+    finish = body["choices"][0]["finish_reason"]
+    assert (finish == "length" and used == 2048) or (finish == "stop" and used < 2048), body["usage"]
+
+
 MAX_BODY = 8 << 20  # dflash-serve's default --max-body-size
 
 
