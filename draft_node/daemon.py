@@ -39,6 +39,10 @@ MAX_BURST_BYTES = 64 << 20
 # and a ping or two in flight; at ZeroMQ's default of 1000, a peer that sent 16-outcome pre-drafts
 # and read nothing grew the daemon by 1.1 GB in 400 requests (an audit, 1.75 MiB replies).
 SEND_QUEUE = 32
+# Requests read ahead from one connection (the rest wait in the peer's queue, none dropped): what a
+# slot has in flight, a propose, a pre-draft and pings, with room to spare. At ZeroMQ's 1000, one
+# connection resending whole rings (22 MiB each) faster than they were drafted could hold 22 GB.
+RECEIVE_QUEUE = 16
 
 
 @dataclass
@@ -531,6 +535,7 @@ def serve(
         insecure_plaintext=insecure_plaintext,
         max_message_bytes=service.max_message_bytes,
         send_queue=SEND_QUEUE,
+        receive_queue=RECEIVE_QUEUE,
     )
     log.info("draft daemon serving on %s%s", address, " (CURVE)" if curve else "")
     # Kept prefixes belong to a CURVE key; without CURVE a peer is a connection, and a target's

@@ -96,7 +96,18 @@ class List:
             raise bad_field(path, "list", value)
         if not self.min_len <= len(value) <= self.max_len:
             raise bad_field(path, f"list of {self.min_len}..{self.max_len} items", value)
-        return [self.item.check(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        item = self.item
+        if isinstance(item, Int) and all(type(v) is int for v in value):  # token ids: checked at C speed
+            if not value or (item.lo <= min(value) and max(value) <= item.hi):
+                return list(value)
+        # Each item's path is built only to name a bad one: for 64K items the labels alone cost
+        # more than the checks (a flood of such prompts held the daemon's socket, an audit).
+        try:
+            return [item.check(path, v) for v in value]
+        except ProtocolError:
+            for i, v in enumerate(value):
+                item.check(f"{path}[{i}]", v)
+            raise
 
 
 _MISSING = object()
@@ -157,9 +168,12 @@ class Json:
     def check(self, path: str, value: Any) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise bad_field(path, "map", value)
-        return self._walk(path, value, 0)
+        try:  # paths are built only to name what is wrong (as List does)
+            return self._walk(path, value, 0, named=False)
+        except ProtocolError:
+            return self._walk(path, value, 0, named=True)
 
-    def _walk(self, path: str, value: Any, depth: int) -> Any:
+    def _walk(self, path: str, value: Any, depth: int, named: bool) -> Any:
         if depth > self.max_depth:
             raise bad_field(path, f"nesting depth <= {self.max_depth}", value)
         if value is None or isinstance(value, (bool, str)):
@@ -169,12 +183,12 @@ class Json:
         if isinstance(value, float):
             return float(value)
         if isinstance(value, (list, tuple)):
-            return [self._walk(f"{path}[{i}]", v, depth + 1) for i, v in enumerate(value)]
+            return [self._walk(f"{path}[{i}]" if named else path, v, depth + 1, named) for i, v in enumerate(value)]
         if isinstance(value, dict):
             out = {}
             for k, v in value.items():
                 if not isinstance(k, str):
                     raise bad_field(f"{path} key", "str", k)
-                out[k] = self._walk(f"{path}.{k}", v, depth + 1)
+                out[k] = self._walk(f"{path}.{k}" if named else path, v, depth + 1, named)
             return out
         raise bad_field(path, "None, bool, int, float, str, list or map", value)

@@ -49,6 +49,11 @@ LOOPBACK_HOSTS = ("localhost", "lo", "::1", "[::1]")
 # Replies ZeroMQ holds for one peer that does not read them: its own default, which suits streams
 # of small chunks (a server whose replies are megabytes, one per request, passes far fewer).
 DEFAULT_SEND_QUEUE = 1000
+# Messages ZeroMQ reads ahead from one connection before it stops reading it (the peer then
+# waits: nothing is dropped). Its default of 1000 let one connection of a target that sent whole
+# rings faster than they were drafted hold 1000 x 22 MiB in the draft daemon (an audit): a
+# daemon whose messages are large sets what one connection legitimately has in flight.
+DEFAULT_RECEIVE_QUEUE = 1000
 # Messages the answering helper holds for next() at most, and of them from one peer: past these
 # it answers a message `busy` at once, so a flood costs memory for HELD_MAX messages at most and
 # one peer's cannot crowd out the others' (their heartbeats and cancels still get in).
@@ -109,10 +114,12 @@ def router(
     max_message_bytes: int = DEFAULT_MAX_FRAME,
     curve: ServerKeys | None = None,
     send_queue: int = DEFAULT_SEND_QUEUE,
+    receive_queue: int = DEFAULT_RECEIVE_QUEUE,
 ) -> zmq.Socket:
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, send_queue)
+    sock.setsockopt(zmq.RCVHWM, receive_queue)
     _allow_ipv6(sock, address)
     # ZeroMQ drops oversized frames itself (and the peer that sent them), before they cost us memory.
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -290,6 +297,7 @@ class Server:
         insecure_plaintext: bool = False,
         max_message_bytes: int = DEFAULT_MAX_FRAME,
         send_queue: int = DEFAULT_SEND_QUEUE,
+        receive_queue: int = DEFAULT_RECEIVE_QUEUE,
     ) -> None:
         plaintext_abroad = check_bind(address, curve, insecure_plaintext)
         self.address, self.curve = address, curve
@@ -304,7 +312,7 @@ class Server:
             self.auth.configure_curve_callback(ZAP_DOMAIN.decode(), _AllowList(curve.allowed))
         else:
             self.context = context or zmq.Context.instance()
-        self.sock = router(self.context, address, max_message_bytes, curve, send_queue)
+        self.sock = router(self.context, address, max_message_bytes, curve, send_queue, receive_queue)
         self.monitor = self.sock.get_monitor_socket(int(sum(_EVENTS)))
         self.logged: dict[int, tuple[float, int]] = {}  # event -> (last logged, suppressed since)
         if plaintext_abroad:
@@ -445,7 +453,11 @@ class Server:
                 if since >= 0 and allowed >= 1:
                     poller.unregister(self.sock)
                 if self.sock in events:
-                    while taken < allowed and self.sock.poll(0):
+                    # Each message is read and checked here (tens of ms for a 64K-id prompt): the
+                    # lend is asked after each one, so the step's end waits for one message at most.
+                    for _ in range(int(allowed)):
+                        if not self.lending or not self.sock.poll(0):
+                            break
                         taken += 1
                         self._answer_or_hold(*self._take())
             self.lent.clear()

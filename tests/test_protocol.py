@@ -389,6 +389,27 @@ def test_negative_position():
     assert info.value.code is ErrorCode.BAD_FIELD and "-1" in info.value.message
 
 
+@pytest.mark.parametrize("bad, said", [(-1, "int -1"), (True, "bool True"), ("7", "str"), (2**31, "int 2147483648")])
+def test_a_bad_item_of_a_long_list_is_named_by_its_index(bad, said):
+    """Lists are checked in bulk, item paths built only for the error: the message still names
+    the item, and a good list comes back as ints."""
+    ids = list(range(65536))
+    assert decode(encode("generate", 1, {"max_new_tokens": 1, "token_ids": ids}))["token_ids"] == ids
+    ids[40000] = bad
+    frames = tamper(encode("generate", 1, {"max_new_tokens": 1, "token_ids": [1]}), lambda h: h.update(token_ids=ids))
+    with pytest.raises(ProtocolError, match=rf"generate.token_ids\[40000\]: expected .*got {said}") as info:
+        decode(frames)
+    assert info.value.code is ErrorCode.BAD_FIELD
+
+
+def test_a_bad_value_deep_in_a_free_form_map_is_named_by_its_path():
+    stats = {"a": [1, 2, {"b": [0, b"raw"]}]}
+    frames = tamper(encode("stats_ok", 1, {"stats": {}}), lambda h: h.update(stats=stats))
+    with pytest.raises(ProtocolError, match=r"stats_ok.stats.a\[2\].b\[1\]: expected None, bool") as info:
+        decode(frames)
+    assert info.value.code is ErrorCode.BAD_FIELD
+
+
 def open_frames():
     return encode("open", 1, {"session": "s"}, {"mask": torch.randn(1, HIDDEN)})
 
@@ -697,6 +718,37 @@ def test_a_peer_that_stops_reading_has_at_most_the_send_queue_held_for_it(tmp_pa
         server.close()
 
 
+def test_a_connection_has_at_most_the_receive_queue_read_ahead_and_loses_nothing(tmp_path):
+    """What ZeroMQ reads ahead of the server from one connection: at its default of 1000 a draft
+    daemon held 1000 x 22 MiB for a target that sent faster than it drafted (an audit). Past the
+    receive queue the peer waits (its sends refused here, where it would block), and every message
+    it sent arrives once the server reads."""
+    address = f"ipc://{tmp_path}/receive.sock"
+    server = Server(address, receive_queue=8)
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.SNDHWM, 1)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(address)
+    frames = encode("ping", 1, {}) + [b"x" * (1 << 20)]  # 1 MiB each: socket buffers hold about one
+    try:
+        sent, refused = 0, 0
+        while sent < 200 and refused < 20:
+            try:
+                peer.send_multipart(frames, flags=zmq.NOBLOCK)
+                sent, refused = sent + 1, 0
+            except zmq.Again:
+                refused += 1
+                time.sleep(0.05)
+        assert 8 <= sent <= 8 + 6, sent
+        got = 0
+        while server.next(1000) is not None:
+            got += 1
+        assert got == sent
+    finally:
+        peer.close(0)
+        server.close()
+
+
 def test_a_flood_during_a_step_is_held_within_bounds_and_every_peers_word_is_noted(tmp_path):
     """What the helper takes in during a step: pings answered and heartbeats absorbed without
     counting against what it holds; at most HELD_PER_PEER of one peer's other messages held, the
@@ -740,6 +792,37 @@ def test_a_flood_during_a_step_is_held_within_bounds_and_every_peers_word_is_not
     finally:
         for client in (flooder, beater, pinger):
             client.close()
+        server.close()
+
+
+def test_the_helper_hands_the_socket_back_when_the_step_ends_however_many_messages_wait(tmp_path):
+    """Reading a message costs tens of ms where it is a 64K-id prompt, and the helper used to read
+    on through what the intake allowed (hundreds) after the step had ended, while the daemon waited
+    for its socket: a flood of such prompts stalled every request 16 s a step (an audit). Now it
+    asks after each message whether the lend goes on."""
+    address = f"ipc://{tmp_path}/lend.sock"
+    server = Server(address)
+    flooder = Client(address)
+    began_after_the_lend = []
+    real_take = server._take
+
+    def slow_take():
+        began_after_the_lend.append(not server.lending)
+        time.sleep(0.02)  # what checking a large prompt costs
+        return real_take()
+
+    server._take = slow_take
+    try:
+        with server.answering({}):
+            for i in range(1, 201):
+                flooder.send("stats", request_id=i)
+            deadline = time.monotonic() + 10
+            while not began_after_the_lend and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert began_after_the_lend and not any(began_after_the_lend), sum(began_after_the_lend)
+        assert len(began_after_the_lend) < 200  # the rest wait in ZeroMQ's queue for next()
+    finally:
+        flooder.close()
         server.close()
 
 
