@@ -90,6 +90,28 @@ def test_evicting_one_entry_keeps_a_prefix_another_entry_holds():
     assert hit is not None and hit.length == len(SYSTEM)
 
 
+def test_colliding_block_hashes_cost_a_miss_never_the_daemon(monkeypatch):
+    """Python hashes tuples of ints alike in every process, so a client could search offline for a
+    prompt whose block hashes collide: two equal ones in one entry made evicting it raise KeyError
+    out of the daemon's loop (an audit). Each cache now seeds its hashes with its own random
+    number, and an entry whose hashes do collide is dropped cleanly; lookups compare tokens."""
+    from target_node.serving import prefix_cache
+
+    tokens = list(range(100, 148))
+    one, other = PrefixCache(1 << 20), PrefixCache(1 << 20)
+    assert prefix_cache.block_hashes(tokens, 48, one.seed) != prefix_cache.block_hashes(tokens, 48, other.seed)
+    monkeypatch.setattr(prefix_cache, "hash", lambda value: 42, raising=False)  # every block collides
+    cache = PrefixCache(1 << 20)
+    cache.store(tokens, rows(48), None, ())
+    assert cache.entries[next(iter(cache.entries))].hashes == [42, 42, 42]
+    cache.store(tokens + list(range(20)), rows(68), None, ())  # replaces (drops) the colliding entry
+    assert len(cache.entries) == 1 and cache.held == rows(68).numel() * 4
+    assert cache.lookup([7] * 48 + [1], ()) is None  # same hashes, other tokens: a miss
+    assert cache.lookup(tokens + [1], ()).length == 48
+    cache.store(list(range(5000, 5100)), rows(32_760), None, ())  # evicts the colliding entry too
+    assert len(cache.entries) == 1 and cache.lookup(tokens + [1], ()) is None
+
+
 # --- on the engine -------------------------------------------------------------------------------
 
 
@@ -194,6 +216,21 @@ def test_a_chat_with_the_cache_is_the_chat_without_it_bit_for_bit(dtype, mode, t
     assert reports[False]["prefix_cache"] is None
     if mode != "seeded":
         assert_each_turn_greedy(target, with_cache)
+
+
+def test_a_cache_that_fails_to_store_costs_its_shortcut_not_the_answer(tmp_path, monkeypatch):
+    """Storing rows is a shortcut for later requests: where it raises, the daemon (whose loop the
+    prompt's store ran in unguarded) serves on and every answer is the greedy one."""
+    target = TargetModel(tiny_target("llama", seed=5).model, slots=1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no room")
+
+    monkeypatch.setattr(PrefixCache, "store", broken)
+    with served(target, [NoProposer()], 64 << 20, tmp_path, "broken") as (client, service):
+        for prompt in (SYSTEM + [1], SYSTEM + [2]):
+            done = client.generate(token_ids=prompt, max_new_tokens=8, stream=False)
+            assert done["token_ids"] == greedy(target, prompt, 8) and done["stats"]["cached_tokens"] == 0
 
 
 def test_a_request_starts_from_the_prompt_of_one_still_running(tmp_path):

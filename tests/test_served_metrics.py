@@ -10,10 +10,12 @@ from frontend.metrics import registry_for
 from target_node.decoding.stats import Stats
 from target_node.drafting.proposers import DFlashProposer, NGramProposer
 from target_node.serving.metrics import (
+    DEEPEST_REPORTED,
     LatencyHistogram,
     RequestClock,
     ServedMetrics,
     accepted_at_position,
+    accepted_per_step,
     drafter_state,
 )
 
@@ -21,6 +23,17 @@ from target_node.serving.metrics import (
 def test_a_position_counts_every_step_that_accepted_at_least_that_far():
     assert accepted_at_position(Counter({0: 5, 1: 3, 3: 2})) == {"1": 5, "2": 2, "3": 2}
     assert accepted_at_position(Counter({0: 4})) == {}
+
+
+def test_steps_deeper_than_any_drafter_fold_into_the_last_position():
+    """Hint steps accept as many tokens as a client sends: one key a depth let cheap requests make
+    `stats` cost O(depth squared) and Prometheus a label a depth. Now depths past DEEPEST_REPORTED
+    count at it, and a position still counts every step that accepted at least that far."""
+    deep = Counter({k: 1 for k in range(16_385)})
+    per_step, at = accepted_per_step(deep), accepted_at_position(deep)
+    assert len(per_step) == DEEPEST_REPORTED + 1 and per_step[str(DEEPEST_REPORTED)] == 16_385 - DEEPEST_REPORTED
+    assert len(at) == DEEPEST_REPORTED and at["1"] == 16_384 and at[str(DEEPEST_REPORTED)] == 16_385 - DEEPEST_REPORTED
+    assert sum(per_step.values()) == sum(deep.values())
 
 
 def test_histogram_buckets_hold_values_up_to_and_including_their_bound():

@@ -9,7 +9,7 @@ from helpers import greedy, serving_in_thread, tiny_target
 
 from frontend.target_client import TargetClient
 from launch.local import daemon
-from protocol import ProtocolError, decode, encode
+from protocol import ErrorCode, ProtocolError, decode, encode
 from protocol.transport import dealer, receive
 from target_node.model.target import TargetModel
 
@@ -209,13 +209,45 @@ def test_queue_limits_answer_busy_and_lose_nothing_accepted(model_dir, tmp_path)
             b.close(0)
 
 
+def test_admission_takes_a_bounded_share_of_a_step_and_refuses_every_request_in_turn(monkeypatch):
+    """Refused requests take no slot, so admission went on through the whole queue in one step:
+    64 prompts of 512K characters, a second each to tokenize, stalled every running request for a
+    minute (an audit). Now a step admits for ADMIT_BUDGET_S at most (one request at least), and the
+    next steps go on where it stopped: every request is answered, in order."""
+    from protocol.codec import Message
+    from target_node.drafting.proposers import NoProposer
+    from target_node.serving import daemon as daemon_module
+    from target_node.serving.daemon import TargetService
+    from target_node.serving.settings import ServiceSettings
+
+    service = TargetService(TargetModel(tiny_target("llama", seed=5).model, slots=1), [NoProposer()], ServiceSettings())
+    sent = []
+    monkeypatch.setattr(service, "send", lambda identity, frames: sent.append(decode(frames).id))
+
+    def slow_refusal(msg):
+        time.sleep(0.1)  # a long prompt's tokenizing
+        raise ProtocolError(ErrorCode.BAD_FIELD, "the prompt cannot be tokenized")
+
+    monkeypatch.setattr(service, "prompt_ids", slow_refusal)
+    monkeypatch.setattr(daemon_module, "ADMIT_BUDGET_S", 0.25)
+    for i in range(1, 11):
+        fields = {"prompt": "x", "token_ids": [], "hints": [], "messages": [], "stop": [], "max_new_tokens": 4}
+        service.enqueue(b"client", Message("generate", i, fields))
+    service.admit()
+    assert 1 <= len(sent) <= 4, sent
+    while service.pending():
+        service.admit()
+    assert sent == list(range(1, 11))
+
+
 def test_the_queue_is_bounded_in_bytes_and_holds_prompts_compactly(tmp_path):
     """Requests queued behind a busy slot count by what they hold: 60,000-id prompts as 4-byte
     arrays (~235 KiB each, not ~2 MiB as Python ints), two of them under a 600 KiB bound."""
     from protocol.codec import Message
     from target_node.serving.daemon import compact
 
-    msg = Message("generate", 1, {"token_ids": list(range(60_000)), "hints": [1, 2], "prompt": "", "messages": []})
+    fields = {"token_ids": list(range(60_000)), "hints": [1, 2], "prompt": "", "messages": [], "stop": []}
+    msg = Message("generate", 1, fields)
     held = compact(msg)
     assert 240_000 < held < 242_000 and msg["token_ids"].itemsize == 4 and list(msg["token_ids"][:3]) == [0, 1, 2]
     address = f"ipc://{tmp_path}/bytes.sock"
@@ -240,11 +272,42 @@ def test_the_queue_is_bounded_in_bytes_and_holds_prompts_compactly(tmp_path):
                 if reply.id != 1:
                     replies[reply.id] = reply
             assert replies[4].type == "error" and replies[4]["code"] == "busy"
-            assert "queued requests hold 471 KiB, this one 235 KiB (limit 600 KiB)" in replies[4]["message"]
+            assert "queued requests hold 471 KiB, this one 236 KiB (limit 600 KiB)" in replies[4]["message"]
             # The two that fitted were queued, then refused at admission for the model's length.
             assert all(replies[i].type == "error" and replies[i]["code"] == "context_length" for i in (2, 3))
         finally:
             sock.close(0)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"messages": [{"role": "\U0001f600" * 32, "content": ""}] * 1024},
+        {"messages": [{"role": "u", "content": ""}] * 1024, "stop": ["\U0001f600" * 256] * 16},
+        {"messages": [{"role": "user", "content": "otter " * 4000}]},
+        {"token_ids": [5] * 65536, "hints": [6] * 16384},
+    ],
+    ids=["odd roles", "stop strings", "long content", "ids"],
+)
+def test_a_queued_request_counts_at_least_what_it_holds(fields):
+    """The queue's byte limit counts each request by compact(): a chat of 1,024 empty messages with
+    long roles held 8x what it counted (an audit). Now the count covers what decoding it allocated."""
+    import gc
+    import tracemalloc
+
+    from target_node.serving.daemon import compact
+
+    frames = [bytes(f) for f in encode("generate", 1, {"max_new_tokens": 1, **fields})]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        msg = decode(frames)
+        counted = compact(msg)
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held <= counted < 2 * held + 4096, (held, counted)
 
 
 def test_concurrent_clients_are_batched_and_each_gets_its_output_alone(model_dir, address):
@@ -337,6 +400,23 @@ def test_the_looked_up_branch_follows_the_proposer_and_the_flag():
     for proposer, settings, lookup in cases:
         options = TargetService(target, [proposer], settings, datastore=store).decode_options(msg, 8)
         assert options.lookup is lookup and options.datastore is (store if lookup else None)
+
+
+def test_a_fitted_budget_is_cut_to_the_daemons_limit_and_an_explicit_one_is_not():
+    """`fit_context` makes max_new_tokens a cap: under a --max-new-tokens-limit below the front
+    end's default (512) a request that named no limit is cut to it, not refused; one that named
+    its limit is still held to it."""
+    from target_node.drafting.proposers import NoProposer
+    from target_node.serving.daemon import TargetService
+    from target_node.serving.settings import ServiceSettings
+
+    target = TargetModel(tiny_target("llama", seed=5).model, slots=1)
+    service = TargetService(target, [NoProposer()], ServiceSettings(max_new_tokens_limit=300))
+    assert service.answer_budget({"max_new_tokens": 512, "fit_context": True}, 10) == 300
+    assert service.answer_budget({"max_new_tokens": 512, "fit_context": True}, 2000) == 48
+    explicit = {"max_new_tokens": 512, "fit_context": False, "stop": [], "hints": [], "sampling": {}}
+    with pytest.raises(ProtocolError, match="exceeds this daemon's limit 300"):
+        service.decode_options(explicit, service.answer_budget(explicit, 10))
 
 
 def test_an_answer_over_what_a_done_reply_holds_is_refused_alone(tmp_path, monkeypatch):

@@ -43,6 +43,13 @@ from target_node.serving.settings import ServiceSettings
 
 log = logging.getLogger("target_daemon")
 
+# Messages read ahead from one client connection before ZeroMQ stops reading it (the client then
+# waits; nothing is dropped): at its default of 1000 a connection could hold 1 GiB of 1 MiB
+# requests. A client's requests, cancels and heartbeats fit many times over.
+RECEIVE_QUEUE = 64
+# Seconds of admission work (tokenizing, refusing) a step may take: see admit().
+ADMIT_BUDGET_S = 0.25
+
 
 @dataclass
 class Job:
@@ -65,7 +72,12 @@ def compact(msg: Message) -> int:
     fields = msg.fields
     for key in ("token_ids", "hints"):
         fields[key] = array("i", fields[key])  # ids are < 2**31 (the schema's bound)
-    text = sys.getsizeof(fields["prompt"]) + sum(sys.getsizeof(m["content"]) for m in fields["messages"])
+    # Every object the request keeps: a chat's 1,024 empty messages with odd roles were counted as
+    # 50 KiB where they held 398 KiB (an audit), so the queue's byte limit let through 8x more.
+    messages = fields["messages"]
+    text = sys.getsizeof(fields["prompt"]) + sys.getsizeof(messages) + sys.getsizeof(fields["stop"])
+    text += sum(sys.getsizeof(m) + sys.getsizeof(m["role"]) + sys.getsizeof(m["content"]) for m in messages)
+    text += sum(sys.getsizeof(s) for s in fields["stop"])
     return 4 * (len(fields["token_ids"]) + len(fields["hints"])) + text + 1024  # + the message's own
 
 
@@ -335,7 +347,11 @@ class TargetService:
         self, address: str, stop: threading.Event, curve: ServerKeys | None = None, insecure_plaintext: bool = False
     ) -> None:
         self.server = Server(
-            address, curve=curve, insecure_plaintext=insecure_plaintext, max_message_bytes=CONTROL_MAX_FRAME
+            address,
+            curve=curve,
+            insecure_plaintext=insecure_plaintext,
+            max_message_bytes=CONTROL_MAX_FRAME,
+            receive_queue=RECEIVE_QUEUE,
         )
         log.info(
             "target daemon serving on %s%s, up to %d requests at once",
@@ -385,21 +401,23 @@ class TargetService:
         return ids
 
     def answer_budget(self, msg: Message, prompt_tokens: int) -> int:
-        """The request's max_new_tokens, cut to the positions its prompt leaves where it asks
-        (`fit_context`): a prompt that leaves none is still over the model's length."""
+        """The request's max_new_tokens, where it asks (`fit_context`) cut to the positions its
+        prompt leaves and to this daemon's own limit: a prompt that leaves none is still over the
+        model's length."""
         budget, limit = msg["max_new_tokens"], self.target.max_positions
-        if msg["fit_context"] and limit is not None and prompt_tokens < limit:
-            budget = min(budget, limit - prompt_tokens)
+        if msg["fit_context"]:
+            budget = min(budget, self.settings.max_new_tokens_limit)
+            if limit is not None and prompt_tokens < limit:
+                budget = min(budget, limit - prompt_tokens)
         self.target.check_length(prompt_tokens, budget)
         return budget
 
     def decode_options(self, msg: Message, max_new_tokens: int) -> DecodeOptions:
         """A generate request's options, under this daemon's limits and settings."""
-        if msg["max_new_tokens"] > self.settings.max_new_tokens_limit:
+        if max_new_tokens > self.settings.max_new_tokens_limit:
             raise ProtocolError(
                 ErrorCode.BAD_FIELD,
-                f"max_new_tokens {msg['max_new_tokens']} exceeds this daemon's limit "
-                f"{self.settings.max_new_tokens_limit}",
+                f"max_new_tokens {max_new_tokens} exceeds this daemon's limit {self.settings.max_new_tokens_limit}",
             )
         try:
             sampling = SamplingParams.from_dict(msg["sampling"])
@@ -420,8 +438,13 @@ class TargetService:
 
     def admit(self) -> None:
         """Queued requests into free slots, round-robin over clients; a request that cannot start
-        (a bad field, too long for the model) is answered with its error and takes no slot."""
-        while self.free:
+        (a bad field, too long for the model) is answered with its error and takes no slot.
+
+        At most ADMIT_BUDGET_S of it a step (one request at least): tokenizing a 512K-character
+        prompt takes up to a second, and a queue of them refused in one go stalled every running
+        request for a minute (an audit); the rest wait for the next step."""
+        began = time.monotonic()
+        while self.free and time.monotonic() - began < ADMIT_BUDGET_S:
             job = self.next_job()
             if job is None:
                 return
@@ -486,8 +509,8 @@ class TargetService:
         if self.prefix_cache is not None:  # a prompt just in: a request arriving now may start from it
             for active in running:
                 if not active.prompt_stored and not active.sequence.prefilling:
-                    self.prefix_cache.store(*active.sequence.committed(), active.sequence.proposer.taps)
                     active.prompt_stored = True
+                    self.keep_prefix(active, drafter_too=False)
         for active in [a for a in self.active.values() if a.sequence.done]:
             try:
                 self.finish(active)
@@ -499,11 +522,7 @@ class TargetService:
         job, msg = active.job, active.job.request
         result = active.sequence.result()
         if self.prefix_cache is not None and result.finish_reason != "cancelled":
-            proposer = active.sequence.proposer
-            tokens, rows, features = active.sequence.committed()
-            name = self.prefix_cache.store(tokens, rows, features, proposer.taps)
-            if name is not None and proposer.taps:  # and the drafter's context of it, where it keeps one
-                proposer.keep(name, len(tokens))
+            self.keep_prefix(active, drafter_too=True)
         self.release(active)
         reply, refused = (None, None) if job.lost else self.done_reply(active, result)
         self.metrics.finish(result.finish_reason, result.stats, active.clock, refused=refused)
@@ -513,6 +532,19 @@ class TargetService:
         self.send(job.identity, reply)
         if self.on_finished is not None and result.finish_reason != "cancelled":
             self.on_finished(msg, active.prompt, result)
+
+    def keep_prefix(self, active: Active, drafter_too: bool) -> None:
+        """The request's committed rows into the prefix cache (and, `drafter_too`, the drafter's
+        context of them, where it keeps one). A shortcut for later requests: where it fails, this
+        request and the daemon go on without it."""
+        proposer = active.sequence.proposer
+        try:
+            tokens, rows, features = active.sequence.committed()
+            name = self.prefix_cache.store(tokens, rows, features, proposer.taps)
+            if drafter_too and name is not None and proposer.taps:
+                proposer.keep(name, len(tokens))
+        except Exception:
+            log.exception("the prefix cache could not keep request %s's rows", active.job.request.id)
 
     def done_reply(self, active: Active, result: Result) -> tuple[bytes, str | None]:
         """The request's `done`, or `too_large` (and its code, for the metrics) where the wire refuses it."""

@@ -60,9 +60,11 @@ class _Entry:
         return held + (self.features.numel() * self.features.element_size() if self.features is not None else 0)
 
 
-def block_hashes(tokens: list[int], limit: int) -> list[int]:
-    """The chained hash at each full block boundary within the first `limit` tokens."""
-    hashes, chained = [], 0
+def block_hashes(tokens: list[int], limit: int, seed: int = 0) -> list[int]:
+    """The chained hash at each full block boundary within the first `limit` tokens. Python hashes
+    tuples of ints the same way in every process, so a client could search for colliding prompts
+    offline; a cache's own random `seed` makes its hashes unknowable to clients."""
+    hashes, chained = [], seed
     for end in range(BLOCK, limit + 1, BLOCK):
         chained = hash((chained, tuple(tokens[end - BLOCK : end])))
         hashes.append(chained)
@@ -91,6 +93,7 @@ class PrefixCache:
         # process, so no other target can name them and a restarted one never reuses them.
         secret = secrets.token_hex(16)
         self.names = (f"{secret}-{n}" for n in itertools.count())
+        self.seed = secrets.randbits(64)
         self.counters = {"lookups": 0, "hits": 0, "tokens_reused": 0, "stored": 0, "evicted": 0}
 
     def lookup(self, prompt: list[int], taps: tuple[int, ...]) -> Prefix | None:
@@ -98,7 +101,7 @@ class PrefixCache:
         features for `taps` where the asker drafts from them; None when nothing of it is held."""
         self.counters["lookups"] += 1
         best: _Entry | None = None
-        for h in block_hashes(prompt, len(prompt) - 1):
+        for h in block_hashes(prompt, len(prompt) - 1, self.seed):
             holders = [e for e in self.by_hash.get(h, {}).values() if self._serves(e, taps)]
             if not holders:
                 break
@@ -130,7 +133,7 @@ class PrefixCache:
         Returns the new entry's name, or None where nothing new is kept."""
         if len(tokens) < BLOCK:
             return None
-        entry = _Entry(list(tokens), kv, features, taps, block_hashes(tokens, len(tokens)), next(self.names))
+        entry = _Entry(list(tokens), kv, features, taps, block_hashes(tokens, len(tokens), self.seed), next(self.names))
         if entry.bytes > self.max_bytes:
             return None
         for other in [e for e in self.by_hash.get(entry.hashes[-1], {}).values()]:
@@ -152,7 +155,7 @@ class PrefixCache:
 
     def _drop(self, entry: _Entry) -> None:
         self.entries.pop(id(entry))
-        for h in entry.hashes:
+        for h in dict.fromkeys(entry.hashes):  # two boundaries of one entry may collide
             holders = self.by_hash[h]
             holders.pop(id(entry))
             if not holders:
