@@ -22,14 +22,16 @@ from starlette.exceptions import HTTPException
 
 from frontend.api_key import ApiKey
 from frontend.body_limit import MAX_BODY_BYTES, BodyLimit
-from frontend.errors import APIError, from_daemon, from_validation, invalid, unreachable
-from frontend.link import ClientGone, DaemonUnreachable, LinkCall, TargetLink
+from frontend.errors import APIError, cancelled_by_daemon, from_daemon, from_validation, invalid, unreachable
+from frontend.link import HEARTBEAT_S, ClientGone, DaemonUnreachable, LinkCall, TargetLink, TooManyOpen
 from frontend.metrics import registry_for
 from frontend.responses import DONE_EVENT, Answer, sse
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, check_model
 from protocol import Message, ProtocolError
 
 PAGE = Path(__file__).resolve().parent / "static" / "index.html"
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+GENERATE_PATHS = (CHAT_PATH, COMPLETIONS_PATH)  # the routes that read a body
 CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it
 
 
@@ -44,18 +46,18 @@ def create_app(
     name of the daemon's model folder, asked when first needed); request bodies over
     `max_body_size` bytes get 413; with an `api_key`, /v1 requests without it get 401."""
     app = FastAPI(title="dflash-split", summary="OpenAI-compatible API over a dflash-split target daemon")
-    app.add_middleware(BodyLimit, limit=max_body_size)
+    app.add_middleware(BodyLimit, limit=max_body_size, paths=GENERATE_PATHS)
     if api_key is not None:
         app.add_middleware(ApiKey, key=api_key)  # added last, so it runs first: a stranger's body is never read
     front = Front(link, model_name, default_max_tokens)
     _error_handlers(app)
     _info_routes(app, front)
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_PATH)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await front.generate(body, request, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS_PATH)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await front.generate(body, request, chat=False)
 
@@ -87,6 +89,8 @@ class Front:
             call = self.link.generate(body.to_daemon(self.default_max_tokens))
         except ProtocolError as exc:  # beyond what the wire carries (a stop string over 256 chars, ...)
             raise invalid(exc.message) from exc
+        except TooManyOpen as exc:
+            raise APIError(429, str(exc), type_="rate_limit_error", code="rate_limit_exceeded") from exc
         try:
             first = await call.next(gone=request.is_disconnected)
             check(first, body)
@@ -163,9 +167,12 @@ def _info_routes(app: FastAPI, front: Front) -> None:
 
 
 def check(reply: Message, body: GenerationRequest) -> None:
-    """A daemon `error` reply as the HTTP error it means."""
+    """A daemon `error` reply as the HTTP error it means; an answer the daemon cut off unasked (the
+    front end cancels only for a client that left, who reads nothing) as an error, not a `stop`."""
     if reply.type == "error":
         raise from_daemon(reply["code"], reply["message"], body.prompt_param)
+    if reply.type == "done" and reply["finish_reason"] == "cancelled":
+        raise cancelled_by_daemon(HEARTBEAT_S)
 
 
 async def events(call: LinkCall, reply: Message, answer: Answer, body: GenerationRequest):
@@ -178,8 +185,10 @@ async def events(call: LinkCall, reply: Message, answer: Answer, body: Generatio
         if answer.chat:
             yield sse(answer.chunk(first=True))
         while True:
-            if reply.type == "error":
-                yield sse(from_daemon(reply["code"], reply["message"], body.prompt_param).body())
+            try:
+                check(reply, body)
+            except APIError as exc:
+                yield sse(exc.body())
                 break
             if reply.type == "chunk" and reply["text"]:
                 yield sse(answer.chunk(reply["text"]))

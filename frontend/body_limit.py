@@ -4,28 +4,45 @@ A Content-Length over the limit is refused before a byte of the body is read; a 
 one (chunked) is read until it passes the limit and refused then. Either way a refused request
 costs the front end about the limit in memory at most, however large its body. A body within the
 limit reaches the routes whole, as they would have read it anyway (one JSON document).
+
+Only the routes that read a body are buffered (the others never read one), and a body must arrive
+whole within `deadline_s`: a client that sent all but the last byte of 8 MiB and waited used to
+hold them for as long as it kept the connection, on any path, past the API key (an audit).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Collection
+
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend.errors import too_large
+from frontend.errors import body_too_slow, too_large
 
 # The target daemon takes a request of up to a 1 MiB header (512 Ki chars of text, 1024 messages,
 # 65,536 token ids within it); as JSON, characters escaped as \uXXXX make that at most about 6 MiB.
 MAX_BODY_BYTES = 8 << 20
+# 8 MiB arrive within it at 140 KB/s.
+BODY_DEADLINE_S = 60.0
 
 
 class BodyLimit:
-    """ASGI middleware: refuse a request whose body is over `limit` bytes, reading no more than one chunk past it."""
+    """ASGI middleware: refuse a request whose body is over `limit` bytes, reading no more than one
+    chunk past it, or slower than `deadline_s`; on `paths` (None: every path)."""
 
-    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
-        self.app, self.limit = app, limit
+    def __init__(
+        self,
+        app: ASGIApp,
+        limit: int = MAX_BODY_BYTES,
+        paths: Collection[str] | None = None,
+        deadline_s: float = BODY_DEADLINE_S,
+    ) -> None:
+        self.app, self.limit, self.paths, self.deadline_s = app, limit, paths, deadline_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (self.paths is not None and scope["path"] not in self.paths):
             await self.app(scope, receive, send)
             return
         declared = Headers(scope=scope).get("content-length", "")
@@ -33,8 +50,13 @@ class BodyLimit:
             await too_large(self.limit, int(declared)).response()(scope, receive, send)
             return
         chunks, size = [], 0
+        deadline = time.monotonic() + self.deadline_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+            except asyncio.TimeoutError:
+                await body_too_slow(self.deadline_s).response()(scope, receive, send)
+                return
             if message["type"] != "http.request":  # the client left: the routes hear it
                 break
             chunks.append(message.get("body", b""))

@@ -27,6 +27,10 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        # A client's text echoed back (a model name, a parameter) may hold lone surrogates, which
+        # JSON allows and UTF-8 cannot carry: escaped, or the error itself became a bare 500.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        param = None if param is None else param.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
@@ -46,6 +50,18 @@ def unreachable(message: str) -> APIError:
     return APIError(503, message, type_="service_unavailable_error", code="target_unreachable")
 
 
+def cancelled_by_daemon(heartbeat_s: float) -> APIError:
+    """503 for an answer the target daemon ended unasked: it heard no heartbeat for three of them
+    (a stream its client stopped reading, which holds the heartbeats up), or it lost the request."""
+    return APIError(
+        503,
+        f"the target daemon ended this request before its answer was complete (no heartbeat for 3 x "
+        f"{heartbeat_s:g} s: a stream not read for that long is given up); the answer so far is incomplete",
+        type_="service_unavailable_error",
+        code="target_request_cancelled",
+    )
+
+
 def unauthorized(key_given: bool) -> APIError:
     why = "Incorrect API key provided" if key_given else "No API key provided: send Authorization: Bearer KEY"
     return APIError(401, why, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -56,6 +72,13 @@ def too_large(limit: int, declared: int | None = None) -> APIError:
     size = f" ({declared} bytes)" if declared is not None else ""
     return APIError(
         413, f"the request body{size} is over this server's limit of {limit} bytes", code="request_too_large"
+    )
+
+
+def body_too_slow(deadline_s: float) -> APIError:
+    """408 for a request body that did not arrive whole within the front end's deadline."""
+    return APIError(
+        408, f"the request body did not arrive within {deadline_s:g} s; send it whole", code="request_timeout"
     )
 
 

@@ -29,8 +29,17 @@ QUIET_S = 0.5  # silence after which the daemon is pinged
 HEARTBEAT_S = 2.0
 
 
+# Generate requests open at once, each with a socket of its own: below the 1,024 sockets a
+# ZeroMQ context holds, past which a request met "Too many open files" as a bare 500 (an audit).
+MAX_OPEN_CALLS = 1000
+
+
 class DaemonUnreachable(RuntimeError):
     """The target daemon did not answer a ping in time."""
+
+
+class TooManyOpen(RuntimeError):
+    """As many generate requests are open as the link holds sockets for."""
 
 
 class ClientGone(RuntimeError):
@@ -41,9 +50,15 @@ class TargetLink:
     """Where the target daemon is and how long it may stay silent before it counts as gone."""
 
     def __init__(
-        self, address: str, daemon_timeout_s: float = 5.0, max_waiting: int = 512, curve: ClientKeys | None = None
+        self,
+        address: str,
+        daemon_timeout_s: float = 5.0,
+        max_waiting: int = 512,
+        curve: ClientKeys | None = None,
+        max_open: int = MAX_OPEN_CALLS,
     ) -> None:
         self.address = address
+        self.open, self.max_open = 0, max_open  # generate calls whose socket is open
         self.curve = curve  # CURVE keys for the daemon link, where the daemon requires them
         self.daemon_timeout_s = daemon_timeout_s
         # Worker threads that may block on replies at once; a stream past the limit waits its turn.
@@ -93,7 +108,10 @@ class TargetLink:
         return self.model
 
     def generate(self, fields: dict) -> LinkCall:
-        """Send a generate request (ProtocolError if its fields break the protocol's limits)."""
+        """Send a generate request (ProtocolError if its fields break the protocol's limits,
+        TooManyOpen past `max_open` requests open at once)."""
+        if self.open >= self.max_open:
+            raise TooManyOpen(f"{self.open} requests are open at once, this server's most; retry later")
         return LinkCall(self, fields)
 
 
@@ -106,6 +124,8 @@ class LinkCall:
         fields = {"heartbeat_s": HEARTBEAT_S, **fields}
         self.call = GenerateCall(link.address, fields, HEARTBEAT_S, link.curve, link.context)
         self.id = self.call.id
+        link.open += 1
+        self.counted = True  # in link.open, until closed
 
     async def next(self, gone: Callable[[], Awaitable[bool]] | None = None) -> Message:
         """The next `chunk`, `done` or `error` reply.
@@ -139,3 +159,6 @@ class LinkCall:
             if not self.call.finished:
                 await to_thread.run_sync(self.call.cancel, self.link.daemon_timeout_s, limiter=self.link.limiter)
             self.call.client.close()
+            if self.counted:  # closing twice is harmless
+                self.counted = False
+                self.link.open -= 1

@@ -129,6 +129,124 @@ def test_a_body_over_the_size_limit_is_413_and_the_server_serves_on(server):
     connection.close()
 
 
+def test_only_the_generate_routes_wait_for_a_body_and_not_forever():
+    """A client that declared 8 MiB, sent all but a byte and waited held them in the front end for as
+    long as it kept the connection, on any path, past the API key (an audit). Now a route that reads
+    no body answers without waiting for one, and a generate route's body must arrive whole within
+    the deadline (408)."""
+    import asyncio
+
+    from frontend.body_limit import BodyLimit
+
+    async def route(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def stalled():  # a first chunk, then nothing more
+        if not sent:
+            sent.append(1)
+            return {"type": "http.request", "body": b"{", "more_body": True}
+        await asyncio.sleep(3600)
+
+    async def run(path):
+        started = []
+
+        async def send(message):
+            started.append(message) if message["type"] == "http.response.start" else None
+
+        scope = {"type": "http", "path": path, "headers": [(b"content-length", b"8000000")]}
+        limit = BodyLimit(route, paths=("/v1/chat/completions",), deadline_s=0.3)
+        await asyncio.wait_for(limit(scope, stalled, send), 10)
+        return started[0]["status"]
+
+    sent = []
+    assert asyncio.run(run("/health")) == 200 and not sent  # answered, its body never read
+    assert asyncio.run(run("/v1/chat/completions")) == 408 and sent
+
+
+def test_an_answer_the_daemon_cut_off_unasked_is_an_error_not_a_stop():
+    """The daemon gives up a stream whose heartbeats stopped (its client stopped reading for 3 x 2 s)
+    with `done` / `cancelled`, which the front end passed on as finish_reason `stop`: a cut-off
+    answer that looked whole (an audit). Now the stream ends with an error event after the chunks
+    so far, and an answer not streamed is a 503."""
+    import asyncio
+
+    from frontend.app import check, events
+    from frontend.errors import APIError
+    from frontend.responses import Answer
+    from frontend.schemas import ChatCompletionRequest
+    from protocol import Message
+
+    class Replies:  # the rest of a call's replies, as LinkCall gives them
+        def __init__(self, replies):
+            self.replies, self.closed = list(replies), False
+
+        async def next(self, gone=None):
+            return self.replies.pop(0)
+
+        async def close(self):
+            self.closed = True
+
+    body = ChatCompletionRequest(model=MODEL, messages=CHAT, stream=True)
+    cut = Message("done", 1, {"text": "Ot", "token_ids": [1, 2], "finish_reason": "cancelled", "stats": {}})
+    call = Replies([cut])
+
+    async def stream():
+        first = Message("chunk", 1, {"text": "Ot", "token_ids": [1, 2]})
+        return [e async for e in events(call, first, Answer(True, MODEL), body)]
+
+    sent = [e.decode() for e in asyncio.run(stream())]
+    data = [json.loads(e.split("data: ", 1)[1]) for e in sent[:-1]]
+    assert [d["choices"][0]["delta"].get("content") for d in data[1:-1]] == ["Ot"]
+    assert data[-1]["error"]["code"] == "target_request_cancelled" and "finish_reason" not in sent[-2]
+    assert "[DONE]" in sent[-1] and call.closed
+    with pytest.raises(APIError) as err:
+        check(cut, body)
+    assert err.value.status == 503
+
+
+def test_a_lone_surrogate_echoed_in_an_error_is_escaped_not_a_500():
+    """JSON may carry a lone surrogate (\\ud800), UTF-8 cannot: an unknown model named so was echoed
+    in the 404's message, whose rendering then failed with a bare 500 (an audit)."""
+    from starlette.testclient import TestClient
+
+    from frontend.app import create_app
+    from frontend.link import TargetLink
+
+    app = create_app(TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.5), model_name=MODEL)
+    body = '{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}'
+    with TestClient(app, raise_server_exceptions=False) as client:
+        reply = client.post(CHAT_PATH, content=body.encode(), headers={"Content-Type": "application/json"})
+    error = assert_openai_error(reply, 404, "model", "model_not_found")
+    assert "\\ud800" in error["message"]
+
+
+def test_requests_past_the_sockets_the_link_holds_are_429_and_closing_frees_one():
+    """Every open generate has a socket of its own in one ZeroMQ context, which holds 1,023: past
+    them a request met "Too many open files" as a bare 500 (an audit). The link now counts what is
+    open and refuses past its bound, which the front end answers 429 as it does a full queue."""
+    import asyncio
+
+    from frontend.link import TargetLink, TooManyOpen
+
+    link = TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.2, max_open=2)
+    fields = {"max_new_tokens": 4, "token_ids": [1, 2, 3]}
+
+    async def scenario():
+        first, second = link.generate(fields), link.generate(fields)
+        with pytest.raises(TooManyOpen):
+            link.generate(fields)
+        await first.close()
+        await first.close()  # twice: counted once
+        third = link.generate(fields)
+        assert link.open == 2
+        for call in (second, third):
+            await call.close()
+        assert link.open == 0
+
+    asyncio.run(scenario())
+
+
 def test_the_openai_client_raises_its_own_error_types(openai_client):
     with pytest.raises(openai.BadRequestError) as err:
         openai_client.chat.completions.create(model=MODEL, messages=CHAT, n=2)
