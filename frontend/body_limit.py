@@ -42,7 +42,7 @@ class BodyLimit:
         self.app, self.limit, self.paths, self.deadline_s = app, limit, paths, deadline_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (self.paths is not None and scope["path"] not in self.paths):
+        if scope["type"] != "http" or (self.paths is not None and _route_path(scope) not in self.paths):
             await self.app(scope, receive, send)
             return
         declared = Headers(scope=scope).get("content-length", "")
@@ -69,6 +69,12 @@ class BodyLimit:
                 break
         del chunks
         await self.app(scope, _replay(message, receive), send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the routes match: behind a `root_path` (a proxy's prefix) the server's path holds it too."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def _replay(first: Message, receive: Receive) -> Receive:

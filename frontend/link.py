@@ -29,9 +29,33 @@ QUIET_S = 0.5  # silence after which the daemon is pinged
 HEARTBEAT_S = 2.0
 
 
-# Generate requests open at once, each with a socket of its own: below the 1,024 sockets a
+# Generate requests open at once, each with a socket of its own: below the 1,023 sockets a
 # ZeroMQ context holds, past which a request met "Too many open files" as a bare 500 (an audit).
+# Each costs about three file descriptors (the socket's two, the HTTP connection's), so the
+# process's limit of open files bounds them too (open_call_limit).
 MAX_OPEN_CALLS = 1000
+FILES_PER_CALL = 3
+FILES_SPARE = 64  # the model folder, logs, the daemons' pipes, pings
+
+
+def open_call_limit(raise_soft_limit: bool = False) -> int:
+    """How many generate requests may be open at once in this process: MAX_OPEN_CALLS where the
+    limit of open files allows it. `raise_soft_limit` first lifts this process's soft limit to its
+    hard one (a server's start: the common soft limit of 1,024 allows ~320)."""
+    try:
+        import resource
+    except ImportError:  # not Unix: ZeroMQ's own bound, and the ZMQError catch in generate()
+        return MAX_OPEN_CALLS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if raise_soft_limit and soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > soft):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return MAX_OPEN_CALLS
+    return max(1, min(MAX_OPEN_CALLS, (soft - FILES_SPARE) // FILES_PER_CALL))
 
 
 class DaemonUnreachable(RuntimeError):
@@ -55,10 +79,13 @@ class TargetLink:
         daemon_timeout_s: float = 5.0,
         max_waiting: int = 512,
         curve: ClientKeys | None = None,
-        max_open: int = MAX_OPEN_CALLS,
+        max_open: int | None = None,
     ) -> None:
+        """`max_open`: generate requests open at once, past which generate() refuses (default:
+        open_call_limit())."""
         self.address = address
-        self.open, self.max_open = 0, max_open  # generate calls whose socket is open
+        self.open = 0  # generate calls whose socket is open
+        self.max_open = open_call_limit() if max_open is None else max_open
         self.curve = curve  # CURVE keys for the daemon link, where the daemon requires them
         self.daemon_timeout_s = daemon_timeout_s
         # Worker threads that may block on replies at once; a stream past the limit waits its turn.
@@ -112,7 +139,10 @@ class TargetLink:
         TooManyOpen past `max_open` requests open at once)."""
         if self.open >= self.max_open:
             raise TooManyOpen(f"{self.open} requests are open at once, this server's most; retry later")
-        return LinkCall(self, fields)
+        try:
+            return LinkCall(self, fields)
+        except zmq.ZMQError as exc:  # out of file descriptors or sockets all the same
+            raise TooManyOpen(f"no socket for another request ({exc}); retry later") from exc
 
 
 class LinkCall:
@@ -156,9 +186,11 @@ class LinkCall:
         Shielded: it runs when the HTTP client has gone and the request's task is being cancelled.
         """
         with anyio.CancelScope(shield=True):
-            if not self.call.finished:
-                await to_thread.run_sync(self.call.cancel, self.link.daemon_timeout_s, limiter=self.link.limiter)
-            self.call.client.close()
-            if self.counted:  # closing twice is harmless
-                self.counted = False
-                self.link.open -= 1
+            try:
+                if not self.call.finished:
+                    await to_thread.run_sync(self.call.cancel, self.link.daemon_timeout_s, limiter=self.link.limiter)
+                self.call.client.close()
+            finally:
+                if self.counted:  # closing twice is harmless
+                    self.counted = False
+                    self.link.open -= 1

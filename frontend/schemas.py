@@ -107,9 +107,10 @@ class GenerationRequest(BaseModel):
         """The daemon's generate fields that do not depend on the endpoint. A request that names no
         limit gets the default, cut to the room its prompt leaves in the model's context (as
         OpenAI's API does), where one that names a limit the prompt leaves no room for is refused."""
+        fit = {"fit_context": True} if max_tokens is None else {}  # sent only when asked: see protocol/README.md
         return {
+            **fit,
             "max_new_tokens": max_tokens or default_max_tokens,
-            "fit_context": max_tokens is None,
             "stop": self.stop_list,
             "stream": self.stream,
             "sampling": self.sampling(),

@@ -147,13 +147,15 @@ def run(args: argparse.Namespace) -> None:
     import uvicorn
 
     from frontend.app import create_app
-    from frontend.link import TargetLink
+    from frontend.link import TargetLink, open_call_limit
     from launch.local import local_daemons
 
     exit_on_signals()
 
     def serve(address: str) -> None:
-        link = TargetLink(address, args.daemon_timeout, curve=args.client_keys)  # local_daemons sets its own keys
+        # local_daemons sets its own keys; the process may open files for as many requests as it is allowed
+        open_calls = open_call_limit(raise_soft_limit=True)
+        link = TargetLink(address, args.daemon_timeout, curve=args.client_keys, max_open=open_calls)
         app = create_app(link, args.served_model_name, args.default_max_tokens, args.max_body_size, args.api_key)
         print(f"[serve] http://{args.host}:{args.port} -> target daemon {address}", flush=True)
         if args.api_key is None and not is_loopback(args.host):

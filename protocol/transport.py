@@ -460,6 +460,7 @@ class Server:
                             break
                         taken += 1
                         self._answer_or_hold(*self._take())
+            self._flush()  # a reply queued between the last flush and the lend's end
             self.lent.clear()
             self.returned.set()
 

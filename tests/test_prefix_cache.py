@@ -93,14 +93,17 @@ def test_evicting_one_entry_keeps_a_prefix_another_entry_holds():
 def test_colliding_block_hashes_cost_a_miss_never_the_daemon(monkeypatch):
     """Python hashes tuples of ints alike in every process, so a client could search offline for a
     prompt whose block hashes collide: two equal ones in one entry made evicting it raise KeyError
-    out of the daemon's loop (an audit). Each cache now seeds its hashes with its own random
-    number, and an entry whose hashes do collide is dropped cleanly; lookups compare tokens."""
+    out of the daemon's loop (an audit). Each cache now keys its hashes (BLAKE2b) with its own
+    random key, and an entry whose hashes do collide is dropped cleanly; lookups compare
+    tokens."""
     from target_node.serving import prefix_cache
 
     tokens = list(range(100, 148))
     one, other = PrefixCache(1 << 20), PrefixCache(1 << 20)
-    assert prefix_cache.block_hashes(tokens, 48, one.seed) != prefix_cache.block_hashes(tokens, 48, other.seed)
-    monkeypatch.setattr(prefix_cache, "hash", lambda value: 42, raising=False)  # every block collides
+    assert prefix_cache.block_hashes(tokens, 48, one.key) != prefix_cache.block_hashes(tokens, 48, other.key)
+    blocks = [tokens[:16], tokens[16:32], [7] * 16]  # under one key, blocks differing anywhere differ
+    assert len({prefix_cache.block_hashes(b, 16, one.key)[0] for b in blocks}) == 3
+    monkeypatch.setattr(prefix_cache, "block_hashes", lambda tokens, limit, key=b"": [42] * (limit // BLOCK))
     cache = PrefixCache(1 << 20)
     cache.store(tokens, rows(48), None, ())
     assert cache.entries[next(iter(cache.entries))].hashes == [42, 42, 42]

@@ -361,7 +361,7 @@ class TargetService:
         )
         try:
             while not stop.is_set():
-                self.pump(0 if self.active else 100)
+                self.pump(0 if self.active or self.pending() else 100)  # admission may have left some for now
                 for proposer in self.proposers:  # a remote drafter's sessions stay this live target's
                     if proposer.backend is not None:
                         proposer.backend.keepalive()

@@ -24,9 +24,11 @@ time another's prompts turns it off (`--prefix-cache-mb 0`).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import secrets
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -60,14 +62,15 @@ class _Entry:
         return held + (self.features.numel() * self.features.element_size() if self.features is not None else 0)
 
 
-def block_hashes(tokens: list[int], limit: int, seed: int = 0) -> list[int]:
-    """The chained hash at each full block boundary within the first `limit` tokens. Python hashes
-    tuples of ints the same way in every process, so a client could search for colliding prompts
-    offline; a cache's own random `seed` makes its hashes unknowable to clients."""
-    hashes, chained = [], seed
+def block_hashes(tokens: list[int], limit: int, key: bytes = b"") -> list[int]:
+    """The chained hash at each full block boundary within the first `limit` tokens. Keyed with
+    the cache's own secret `key`: Python's hash of a tuple of ints is the same in every process, so
+    a client could have searched offline for prompts whose blocks collide."""
+    hashes, chained = [], b""
     for end in range(BLOCK, limit + 1, BLOCK):
-        chained = hash((chained, tuple(tokens[end - BLOCK : end])))
-        hashes.append(chained)
+        block = array("q", tokens[end - BLOCK : end]).tobytes()
+        chained = hashlib.blake2b(chained + block, digest_size=8, key=key).digest()
+        hashes.append(int.from_bytes(chained, "little"))
     return hashes
 
 
@@ -93,7 +96,7 @@ class PrefixCache:
         # process, so no other target can name them and a restarted one never reuses them.
         secret = secrets.token_hex(16)
         self.names = (f"{secret}-{n}" for n in itertools.count())
-        self.seed = secrets.randbits(64)
+        self.key = secrets.token_bytes(16)  # its block hashes' (see block_hashes)
         self.counters = {"lookups": 0, "hits": 0, "tokens_reused": 0, "stored": 0, "evicted": 0}
 
     def lookup(self, prompt: list[int], taps: tuple[int, ...]) -> Prefix | None:
@@ -101,7 +104,7 @@ class PrefixCache:
         features for `taps` where the asker drafts from them; None when nothing of it is held."""
         self.counters["lookups"] += 1
         best: _Entry | None = None
-        for h in block_hashes(prompt, len(prompt) - 1, self.seed):
+        for h in block_hashes(prompt, len(prompt) - 1, self.key):
             holders = [e for e in self.by_hash.get(h, {}).values() if self._serves(e, taps)]
             if not holders:
                 break
@@ -133,7 +136,7 @@ class PrefixCache:
         Returns the new entry's name, or None where nothing new is kept."""
         if len(tokens) < BLOCK:
             return None
-        entry = _Entry(list(tokens), kv, features, taps, block_hashes(tokens, len(tokens), self.seed), next(self.names))
+        entry = _Entry(list(tokens), kv, features, taps, block_hashes(tokens, len(tokens), self.key), next(self.names))
         if entry.bytes > self.max_bytes:
             return None
         for other in [e for e in self.by_hash.get(entry.hashes[-1], {}).values()]:

@@ -85,6 +85,12 @@ def test_a_chat_that_names_no_limit_gets_the_room_its_prompt_leaves(server):
     assert 2048 - 512 < body["usage"]["prompt_tokens"] < 2048
     finish = body["choices"][0]["finish_reason"]
     assert (finish == "length" and used == 2048) or (finish == "stop" and used < 2048), body["usage"]
+    # The field goes only where asked: a daemon from before it refuses it as unexpected.
+    from frontend.schemas import ChatCompletionRequest
+
+    named = ChatCompletionRequest(model=MODEL, messages=CHAT, max_tokens=5).to_daemon(512)
+    unnamed = ChatCompletionRequest(model=MODEL, messages=CHAT).to_daemon(512)
+    assert "fit_context" not in named and unnamed["fit_context"] is True and unnamed["max_new_tokens"] == 512
 
 
 MAX_BODY = 8 << 20  # dflash-serve's default --max-body-size
@@ -221,7 +227,7 @@ def test_a_lone_surrogate_echoed_in_an_error_is_escaped_not_a_500():
     assert "\\ud800" in error["message"]
 
 
-def test_requests_past_the_sockets_the_link_holds_are_429_and_closing_frees_one():
+def test_requests_past_the_sockets_the_link_holds_are_429_and_closing_frees_one(monkeypatch):
     """Every open generate has a socket of its own in one ZeroMQ context, which holds 1,023: past
     them a request met "Too many open files" as a bare 500 (an audit). The link now counts what is
     open and refuses past its bound, which the front end answers 429 as it does a full queue."""
@@ -245,6 +251,18 @@ def test_requests_past_the_sockets_the_link_holds_are_429_and_closing_frees_one(
         assert link.open == 0
 
     asyncio.run(scenario())
+    # Out of sockets or file descriptors all the same (below the link's count): refused the same way.
+    import errno
+
+    import zmq
+
+    def no_socket(*args, **kwargs):
+        raise zmq.ZMQError(errno.EMFILE)
+
+    monkeypatch.setattr("frontend.link.GenerateCall", no_socket)
+    with pytest.raises(TooManyOpen, match="no socket for another request"):
+        link.generate(fields)
+    assert link.open == 0
 
 
 def test_the_openai_client_raises_its_own_error_types(openai_client):
