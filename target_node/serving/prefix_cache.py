@@ -67,9 +67,10 @@ def block_hashes(tokens: list[int], limit: int, key: bytes = b"") -> list[int]:
     the cache's own secret `key`: Python's hash of a tuple of ints is the same in every process, so
     a client could have searched offline for prompts whose blocks collide."""
     hashes, chained = [], b""
-    for end in range(BLOCK, limit + 1, BLOCK):
-        block = array("q", tokens[end - BLOCK : end]).tobytes()
-        chained = hashlib.blake2b(chained + block, digest_size=8, key=key).digest()
+    raw = array("q", tokens[: limit - limit % BLOCK]).tobytes()
+    step = BLOCK * 8
+    for start in range(0, len(raw), step):
+        chained = hashlib.blake2b(chained + raw[start : start + step], digest_size=8, key=key).digest()
         hashes.append(int.from_bytes(chained, "little"))
     return hashes
 
