@@ -133,17 +133,22 @@ class ServedMetrics:
 DEEPEST_REPORTED = 128
 
 
-def accepted_per_step(histogram: Counter) -> dict[str, int]:
-    """Steps by drafts accepted; the last key counts the steps that accepted DEEPEST_REPORTED or more."""
+def _folded(histogram: Counter) -> Counter:
+    """Steps by drafts accepted, DEEPEST_REPORTED or more counted at DEEPEST_REPORTED."""
     folded: Counter = Counter()
     for accepted, steps in histogram.items():
         folded[min(accepted, DEEPEST_REPORTED)] += steps
-    return {str(k): v for k, v in sorted(folded.items())}
+    return folded
+
+
+def accepted_per_step(histogram: Counter) -> dict[str, int]:
+    """Steps by drafts accepted; the last key counts the steps that accepted DEEPEST_REPORTED or more."""
+    return {str(k): v for k, v in sorted(_folded(histogram).items())}
 
 
 def accepted_at_position(histogram: Counter) -> dict[str, int]:
     """Draft position k (1-based) was accepted in every step that accepted at least k drafts."""
-    per_step = {int(k): n for k, n in accepted_per_step(histogram).items()}
+    per_step = _folded(histogram)
     deepest = max((k for k, n in per_step.items() if n), default=0)
     at, running = {}, 0
     for k in range(deepest, 0, -1):
