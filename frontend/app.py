@@ -70,7 +70,6 @@ class Front:
     def __init__(self, link: TargetLink, model_name: str | None, default_max_tokens: int) -> None:
         self.link, self.model_name, self.default_max_tokens = link, model_name, default_max_tokens
         self.started = int(time.time())
-        self.registry = registry_for(lambda: _stats_or_none(link))
 
     async def served_name(self) -> str | None:
         return self.model_name or await self.link.model_name()
@@ -155,7 +154,9 @@ def _info_routes(app: FastAPI, front: Front) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(await to_thread.run_sync(generate_latest, front.registry), media_type=CONTENT_TYPE_LATEST)
+        figures = await front.link.stats()  # shared with /stats and other scrapes waiting now
+        registry = registry_for(lambda: figures)
+        return Response(await to_thread.run_sync(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/stats")
     async def stats() -> JSONResponse:
@@ -203,8 +204,3 @@ async def events(call: LinkCall, reply: Message, answer: Answer, body: Generatio
     finally:
         await call.close()
     yield DONE_EVENT
-
-
-def _stats_or_none(link: TargetLink) -> dict | None:
-    reply = link.call_sync("stats")
-    return None if reply is None else reply["stats"]

@@ -98,6 +98,10 @@ class TargetLink:
         self.heard = 0.0  # time.monotonic() of the daemon's last reply of any kind
         self.probed = 0.0  # when the last ping ended
         self.probing = anyio.Lock()
+        # /stats and /metrics share one stats call at a time (see stats()).
+        self.asking_stats = anyio.Lock()
+        self.stats_calls = 0  # stats calls begun
+        self.last_stats: tuple[int, dict | None] = (0, None)  # the latest call's number and figures
 
     def call_sync(self, type_: str) -> Message | None:
         """One `ping` or `stats` on a fresh socket; None when the daemon does not answer in time."""
@@ -123,8 +127,24 @@ class TargetLink:
             return answered
 
     async def stats(self) -> dict | None:
-        reply = await to_thread.run_sync(self.call_sync, "stats", limiter=self.limiter)
-        return None if reply is None else reply["stats"]
+        """The daemon's stats, as fresh as a call begun after this one arrived; None when it does
+        not answer.
+
+        Callers that wait together share one call: a flood of /stats or /metrics (open under
+        --api-key) costs the daemon one stats call at a time, where each used to make its own and
+        took the daemon's room for held messages from generate requests.
+        """
+        arrived = self.stats_calls
+        async with self.asking_stats:
+            number, figures = self.last_stats
+            if number > arrived:  # begun after this caller arrived: fresh enough
+                return figures
+            self.stats_calls += 1
+            number = self.stats_calls
+            reply = await to_thread.run_sync(self.call_sync, "stats", limiter=self.limiter)
+            figures = None if reply is None else reply["stats"]
+            self.last_stats = (number, figures)
+            return figures
 
     async def model_name(self) -> str | None:
         """The daemon's model (its folder's name), asked once; None while the daemon does not answer."""

@@ -50,3 +50,50 @@ def test_a_waiting_request_promises_heartbeats_and_keeps_the_promise(tmp_path):
     beats = [t - began for t, msg in heard if msg.type == "heartbeat" and msg.id == call.id]
     assert len(beats) == 2, kinds
     assert beats[0] == pytest.approx(HEARTBEAT_S, abs=0.5) and beats[1] == pytest.approx(2 * HEARTBEAT_S, abs=0.5)
+
+
+def test_a_flood_of_stats_callers_shares_one_daemon_call_at_a_time(tmp_path):
+    """/stats and /metrics stay open under --api-key: 64 callers at once used to make 64 daemon
+    calls (each taking the daemon's room for held messages). Callers waiting together now share
+    one call, and each still gets figures from a call begun after it arrived."""
+    address = f"ipc://{tmp_path}/daemon.sock"
+    server, calls, stop = Server(address), [], threading.Event()
+
+    def daemon():  # answers each stats call slowly, numbering them
+        while not stop.is_set():
+            got = server.next(20)
+            if got is None:
+                continue
+            identity, msg = got
+            assert msg.type == "stats", msg.type
+            calls.append(msg.id)
+            time.sleep(0.2)
+            server.send(identity, encode("stats_ok", msg.id, {"stats": {"call": len(calls)}}))
+
+    thread = threading.Thread(target=daemon)
+    thread.start()
+    link = TargetLink(address)
+    got: list[tuple[int, dict | None]] = []
+
+    async def ask() -> None:
+        heard_before = len(calls)  # calls the daemon had received when this caller arrived
+        got.append((heard_before, await link.stats()))
+
+    async def flood() -> None:
+        async with anyio.create_task_group() as group:
+            for i in range(64):
+                group.start_soon(ask)
+                if i % 16 == 15:
+                    await anyio.sleep(0.1)  # arrivals spread over a call or two
+        got.append((len(calls), await link.stats()))  # alone, afterwards: a call of its own
+
+    try:
+        anyio.run(flood)
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+    assert len(got) == 65 and all(figures is not None for _, figures in got)
+    assert len(calls) <= 4, f"{len(calls)} daemon calls for 65 callers"
+    assert all(figures["call"] > heard_before for heard_before, figures in got), got
+    assert got[-1][1]["call"] == len(calls)
