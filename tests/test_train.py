@@ -24,6 +24,7 @@ from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer
 from training.answer_store import Answer, AnswerStore, read_shard, shard_paths, write_shard
 from training.average import average_drafters
+from training.drafter_starts import export_drafter
 from training.estimate import by_kind, estimate, kind_table
 from training.features import DiskReserve, FeatureCache, LiveFeatures, feature_folder
 from training.generate import GenerateOptions, RefillGenerator
@@ -35,7 +36,6 @@ from training.trainer import (
     TrainOptions,
     acceptance_weights,
     draft_vocabulary,
-    export_drafter,
     make_batch,
     mix_weights,
     train,
@@ -874,8 +874,8 @@ def test_a_selector_trained_on_a_backbone_chains_its_drafts_better(setup, tmp_pa
     and the selector, trained on the backbone's rows alone, raises the walk's chain tau over the
     first choices' on the blocks it learned from; the export loads and stays lossless."""
     from target_node.drafting.selector import Selector, SelectorSpec
+    from training.drafter_starts import as_dflash2
     from training.selector import chain_tau, fit, positions
-    from training.trainer import as_dflash2
 
     target, cfg, store, features = setup
     train(target, cfg, store.answers, features, opts(steps=150, out=tmp_path / "dflash"), tmp_path / "s.pt", log=print)

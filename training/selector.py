@@ -1,7 +1,7 @@
 """Train a DFlash2 candidate selector on a trained backbone, cheaply.
 
 The backbone stays as it is (a DFlash drafter becomes a DFlash2 one whose convolutions are the
-identity, `training.trainer.as_dflash2`: it drafts exactly as before), and only the selector
+identity, `training.drafter_starts.as_dflash2`: it drafts exactly as before), and only the selector
 learns. Its data are the backbone's block rows at answer anchors, computed once without
 gradients; each draft position is then a tiny classification, teacher-forced as the published
 recipe does: the predecessor is the answer's token before the position (the anchor for the

@@ -25,21 +25,13 @@ from target_node.model.target import TargetModel
 from training.answer_store import Answer, AnswerStore
 from training.average import average_drafters
 from training.distributed import Ranks
+from training.drafter_starts import as_dflash2, export_drafter, grown_drafter
 from training.estimate import estimate, kind_table
 from training.features import FeatureCache, LiveFeatures, feature_folder
 from training.generate import GenerateOptions, generate
 from training.prompts import Ask, HeldOut, jobs, read_prompts
 from training.selector import train_selector
-from training.trainer import (
-    Trainer,
-    TrainOptions,
-    as_dflash2,
-    draft_vocabulary,
-    export_drafter,
-    grown_drafter,
-    samples,
-    train,
-)
+from training.trainer import Trainer, TrainOptions, draft_vocabulary, samples, train
 from training.variety import report
 
 Log = Callable[[str], None]
@@ -239,7 +231,7 @@ def average_stage(args: argparse.Namespace, log: Log) -> None:
 
 
 def grow_stage(args: argparse.Namespace, log: Log) -> None:
-    """--init grown to --layers layers (training.trainer.grown_drafter), saved at --out."""
+    """--init grown to --layers layers (training.drafter_starts.grown_drafter), saved at --out."""
     if not args.init:
         raise SystemExit("--stage grow needs --init A and --layers N")
     drafter = load_drafter(args.init)
