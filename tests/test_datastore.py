@@ -138,3 +138,30 @@ def test_a_store_that_grows_across_restarts_keeps_only_the_newest_indexes(tmp_pa
     assert [len(names) for names in built] == [1, 2, 3] + [KEEP] * 3
     assert all(len(built[i] - built[i - 1]) == 1 for i in range(1, len(built)))  # one new index a restart
     assert len(list((cache / "datastore").glob("tiny-2-*"))) == 1
+
+
+def test_the_offline_lookup_walk_steps_as_a_live_chain_does():
+    """training.estimate.lookup_tau, which benchmarks.datastore_size reports: a lookup that knows
+    each answer accepts whole blocks, one that knows nothing a token a step, and a datastore of
+    other answers something between, from the same walk."""
+    from target_node.drafting.proposal import Continuation
+    from training.answer_store import Answer
+    from training.estimate import lookup_tau
+
+    rng = random.Random(3)
+    answers = [
+        Answer(f"k{i}", "j", "answer", [], [rng.randrange(50) for _ in range(5 + 30)], prompt_len=5) for i in range(6)
+    ]
+    truth = {tuple(a.tokens[:at]): a.tokens[at:] for a in answers for at in range(a.prompt_len, len(a.tokens))}
+
+    def oracle(tokens, limit):
+        return Continuation(truth[tuple(tokens)][:limit])
+
+    full = lookup_tau(oracle, answers, block=8)
+    assert full["steps"] == 6 * 4  # 30 tokens, up to 8 a step: 8 + 8 + 8 + 6
+    assert full["tau"] == pytest.approx(30 / 4) and full["first_accepted"] == 1.0
+    blind = lookup_tau(lambda tokens, limit: Continuation([]), answers, block=8)
+    assert blind == {"tau": 1.0, "first_accepted": 0.0, "steps": 6 * 30}
+    store = Datastore.build([a.tokens[a.prompt_len :] for a in answers[:3]])
+    known, unknown = lookup_tau(store, answers[:3]), lookup_tau(store, answers[3:])
+    assert known["tau"] > 2 * unknown["tau"] and unknown["tau"] >= 1.0

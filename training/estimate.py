@@ -8,8 +8,10 @@ both, and the imports run one way.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 from draft_node.model import DFlashDrafter
+from target_node.drafting.proposal import Continuation
 from training.answer_store import Answer
 from training.features import FeatureCache
 from training.selector import chain_tau
@@ -41,6 +43,28 @@ def estimate(
     if result and drafter.config.dflash2:  # and the selector's walk, on the same blocks
         result["selector_tau"] = chain_tau(trainer, trainer.drafter, records, anchors)["selector"]
     return result
+
+
+def lookup_tau(lookup: Callable[[list[int], int], Continuation], answers: list[Answer], block: int = 8) -> dict:
+    """A lookup's chain acceptance on `answers`, offline: steps walked as a live chain walks them,
+    each verifying the lookup's continuation of the text so far (up to `block` - 1 tokens) and
+    keeping the agreeing prefix plus the target's next token.
+
+    What the datastore's branch alone would give (`target_node.drafting.datastore`), on the
+    same answers for every store measured: how its reach grows with the store, without the
+    drafter's branch and the governor's trees in the way.
+    """
+    steps = tokens = first = 0
+    for answer in answers:
+        text, at = list(answer.tokens), answer.prompt_len
+        while at < len(text):
+            guess = lookup(text[:at], block - 1).tokens
+            agree = 0
+            while agree < len(guess) and at + agree < len(text) and guess[agree] == text[at + agree]:
+                agree += 1
+            advance = min(agree + 1, len(text) - at)
+            steps, tokens, first, at = steps + 1, tokens + advance, first + (agree > 0), at + advance
+    return {"tau": tokens / steps if steps else 0.0, "first_accepted": first / steps if steps else 0.0, "steps": steps}
 
 
 def by_kind(answers: list[Answer], records: list[Sample], per_record: list[list[int]]) -> dict[str, dict]:

@@ -251,14 +251,8 @@ def estimate_stage(args: argparse.Namespace, target: TargetModel, store: AnswerS
     """
     if not args.drafters:
         raise SystemExit("--stage estimate needs --drafters A[,B...]")
-    prompts = read_prompts(args.prompts)
     dtype = target.model.dtype
-    tag = hashlib.sha1(json.dumps([prompts, args.estimate_tokens, str(dtype)]).encode()).hexdigest()[:10]
-    folder = cache / "estimate" / f"{Path(args.model).name}-{Path(args.prompts).stem}-{tag}"
-    answers = AnswerStore(folder / "answers")
-    asks = (Ask(f"estimate-{i}", "answer", (("user", p),)) for i, p in enumerate(prompts))
-    opts = GenerateOptions(batch=len(prompts), max_new=args.estimate_tokens, held_out=HeldOut())
-    generate(target, answers, asks, opts, log=log)
+    answers, folder = prompts_answers(target, args.model, args.prompts, args.estimate_tokens, cache, log)
     held_out = [a for a in store.answers if a.held_out]
     rows = ["| drafter | held-out prompts' answers | store held-out answers |", "|---|---|---|"]
     kinds: dict[str, dict] = {}  # drafter -> the store's held-out answers' tau by kind
@@ -280,6 +274,21 @@ def estimate_stage(args: argparse.Namespace, target: TargetModel, store: AnswerS
         rows.append(f"| {path} | {scores[0]} | {scores[1]} |")
     log("chain tau, estimated offline:\n" + "\n".join(rows))
     log("the store's held-out answers by kind:\n" + "\n".join(kind_table(kinds)))
+
+
+def prompts_answers(
+    target: TargetModel, model: str, prompts_path: str | Path, tokens: int, cache: Path, log: Log
+) -> tuple[AnswerStore, Path]:
+    """The target's greedy answers to held-out prompts (`tokens` each), generated once and kept
+    under the cache, keyed by the prompts, the model and its dtype; and the folder that holds them."""
+    prompts = read_prompts(prompts_path)
+    tag = hashlib.sha1(json.dumps([prompts, tokens, str(target.model.dtype)]).encode()).hexdigest()[:10]
+    folder = cache / "estimate" / f"{Path(model).name}-{Path(prompts_path).stem}-{tag}"
+    answers = AnswerStore(folder / "answers")
+    asks = (Ask(f"estimate-{i}", "answer", (("user", p),)) for i, p in enumerate(prompts))
+    opts = GenerateOptions(batch=len(prompts), max_new=tokens, held_out=HeldOut())
+    generate(target, answers, asks, opts, log=log)
+    return answers, folder
 
 
 def selector_stage(args: argparse.Namespace, target: TargetModel, answers: list[Answer], cache: Path, log: Log) -> None:
