@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from frontend.errors import APIError, invalid
 from protocol.sampling import MAX_TEMPERATURE, SEED_LIMIT, SamplingParams
@@ -18,9 +18,16 @@ STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_STOP = 16  # the daemon's limit (OpenAI's is 4)
 
 
+def null_is_false(value: Any) -> Any:
+    """OpenAI types its flags `boolean | null`, null meaning the default (false)."""
+    return False if value is None else value
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+
+    _null_is_false = field_validator("include_usage", mode="before")(null_is_false)
 
 
 class TextPart(BaseModel):
@@ -31,9 +38,29 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = STRICT
+    # What an assistant message of OpenAI's carries beside its text, with the values that say
+    # nothing: a client sends back the message it was given (the SDK's messages.append(choice.message),
+    # with refusal and tool_calls null), and this server's own answers must be taken back.
+    NEUTRAL: ClassVar[tuple[str, ...]] = ("refusal", "tool_calls", "function_call", "audio", "annotations")
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # accepted; chat templates have no place for it
+    refusal: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+    def check_supported(self, at: int) -> None:
+        for name in self.NEUTRAL:
+            value = getattr(self, name)
+            if not is_neutral(value, ([],)):
+                raise invalid(
+                    f"messages[{at}].{name}={value!r} is not supported by this server",
+                    f"messages.{at}.{name}",
+                    "unsupported_parameter",
+                )
 
     def to_daemon(self) -> dict[str, str]:
         content = self.content or ""
@@ -59,7 +86,7 @@ class GenerationRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)  # not OpenAI's; as vLLM, for clients that want it
+    top_k: int | None = Field(None, ge=-1)  # not OpenAI's; as vLLM, for clients that want it (-1, 0: off)
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -69,6 +96,8 @@ class GenerationRequest(BaseModel):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
+
+    _null_is_false = field_validator("stream", mode="before")(null_is_false)
 
     def check_supported(self) -> None:
         """Refuse what this server would otherwise answer differently from what was asked."""
@@ -98,7 +127,7 @@ class GenerationRequest(BaseModel):
         options = SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
+            top_k=max(self.top_k or 0, 0),
             seed=self.seed,
         )
         return options.to_dict()
@@ -142,6 +171,11 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: Any = None
 
     prompt_param: ClassVar[str] = "messages"
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for at, message in enumerate(self.messages):
+            message.check_supported(at)
 
     def to_daemon(self, default_max_tokens: int) -> dict:
         limit = self.max_completion_tokens or self.max_tokens

@@ -25,11 +25,25 @@ READY_S = 5.0  # how long the client pings a daemon that does not answer before 
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
-        for line in Path(args.prompts_file).read_text().splitlines():
+        for number, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
             line = line.strip()
             if line:
-                prompts.append(json.loads(line)["prompt"] if line.startswith("{") else line)
+                prompts.append(prompt_of(line, f"{args.prompts_file}:{number}"))
     return prompts
+
+
+def prompt_of(line: str, where: str) -> str:
+    """A prompts file's line: a JSON object's "prompt", or the line itself where it is no JSON
+    object (a plain prompt may well start with a brace)."""
+    try:
+        record = json.loads(line) if line.startswith("{") else None
+    except json.JSONDecodeError:
+        record = None
+    if not isinstance(record, dict):
+        return line
+    if not isinstance(record.get("prompt"), str):
+        raise SystemExit(f'dflash-client: error: {where}: a JSON line needs a "prompt" string')
+    return record["prompt"]
 
 
 def request_fields(prompt: str, args: argparse.Namespace) -> dict:

@@ -154,3 +154,26 @@ def test_a_chats_next_turn_reports_the_prompt_tokens_the_prefix_cache_gave(opena
     assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
     metrics = requests.get(str(openai_client.base_url).replace("/v1/", "/metrics"), timeout=10).text
     assert "dflash_prefix_cache_hits_total" in metrics and "dflash_prompt_tokens_cached_total" in metrics
+
+
+def test_a_chat_sent_back_as_the_sdk_keeps_it_goes_on(openai_client, reference):
+    """The SDK's way of holding a conversation, messages.append(choice.message), sends this
+    server's answer back with OpenAI's other assistant fields (refusal, tool_calls, audio, ...)
+    null: they were refused as unknown, so every second turn was a 400 (an audit). Null flags
+    (`stream`, `include_usage`) and vLLM's top_k -1 mean what OpenAI and vLLM say they mean."""
+    first = openai_client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    answer = first.choices[0].message.model_dump()
+    assert answer["refusal"] is None and "tool_calls" in answer and "audio" in answer
+    history = [*CHAT, answer, {"role": "user", "content": "And once more, shorter?"}]
+    second = openai_client.chat.completions.create(
+        model=MODEL, messages=history, max_tokens=8, temperature=0, stream=None, top_p=None, extra_body={"top_k": -1}
+    )
+    plain = [*CHAT, {"role": "assistant", "content": answer["content"]}, history[-1]]
+    want = reference(messages=plain, max_new_tokens=8, sampling=GREEDY, stream=False)
+    assert second.choices[0].message.content == want["text"] != ""
+    streamed = openai_client.chat.completions.create(
+        model=MODEL, messages=history, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": None}
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want["text"]
+    assert all(c.usage is None for c in chunks)  # include_usage null: false, OpenAI's default

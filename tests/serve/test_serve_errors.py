@@ -28,6 +28,21 @@ CASES = {  # name: (path, body, HTTP status, the parameter named, OpenAI error c
     "tools": (CHAT_PATH, {**ASK, "tools": [{"type": "function"}]}, 400, "tools", "unsupported_parameter"),
     "logprobs": (CHAT_PATH, {**ASK, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
     "unknown": (CHAT_PATH, {**ASK, "frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
+    "a refusal sent back": (
+        CHAT_PATH,
+        {**ASK, "messages": [*CHAT, {"role": "assistant", "content": None, "refusal": "No."}]},
+        400,
+        f"messages.{len(CHAT)}.refusal",
+        "unsupported_parameter",
+    ),
+    "tool calls sent back": (
+        CHAT_PATH,
+        {**ASK, "messages": [*CHAT, {"role": "assistant", "tool_calls": [{"id": "x"}]}]},
+        400,
+        f"messages.{len(CHAT)}.tool_calls",
+        "unsupported_parameter",
+    ),
+    "top_k below -1": (CHAT_PATH, {**ASK, "top_k": -2}, 400, "top_k", "invalid_value"),
     "usage without stream": (
         CHAT_PATH,
         {**ASK, "stream_options": {"include_usage": True}},
