@@ -148,10 +148,12 @@ def dealer(
     max_message_bytes: int = DEFAULT_MAX_FRAME,
     curve: ClientKeys | None = None,
     routing_id: bytes | None = None,
+    receive_queue: int = DEFAULT_RECEIVE_QUEUE,
 ) -> zmq.Socket:
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.RCVHWM, receive_queue)
     _allow_ipv6(sock, address)
     if routing_id is not None:
         sock.setsockopt(zmq.ROUTING_ID, routing_id)
@@ -202,10 +204,14 @@ class Client:
         *,
         curve: ClientKeys | None = None,
         max_message_bytes: int = DEFAULT_MAX_FRAME,
+        receive_queue: int = DEFAULT_RECEIVE_QUEUE,
     ) -> None:
+        """`max_message_bytes` and `receive_queue` bound what a server can make this client hold
+        unread: a frame's size, and how many replies ZeroMQ reads ahead (past them the server's
+        replies wait in its own queue)."""
         self.address = address
         self.context = context or zmq.Context.instance()
-        self.curve, self.max_message_bytes = curve, max_message_bytes
+        self.curve, self.max_message_bytes, self.receive_queue = curve, max_message_bytes, receive_queue
         self.routing_id = b"c-" + uuid.uuid4().hex.encode()
         self.sock: zmq.Socket | None = None
         self.next_id = 0
@@ -221,7 +227,9 @@ class Client:
     ) -> int:
         """Send a request; returns its id (a fresh one unless given)."""
         if self.sock is None:
-            self.sock = dealer(self.context, self.address, self.max_message_bytes, self.curve, self.routing_id)
+            self.sock = dealer(
+                self.context, self.address, self.max_message_bytes, self.curve, self.routing_id, self.receive_queue
+            )
         if request_id is None:
             self.next_id += 1
             request_id = self.next_id
@@ -235,6 +243,16 @@ class Client:
         if self.sock is None:
             return None
         return receive(self.sock, request_id, time.monotonic() + timeout_s, request_type)
+
+    def discard_waiting(self, most: int = 64) -> int:
+        """Drop up to `most` replies already here, unread (no decoding): replies nobody waits for
+        (a keepalive's pongs) would otherwise fill the read-ahead queue, and the reply someone
+        does wait for would find no room."""
+        dropped = 0
+        while self.sock is not None and dropped < most and self.sock.poll(0):
+            self.sock.recv_multipart(copy=False)
+            dropped += 1
+        return dropped
 
     def call(
         self,

@@ -408,3 +408,59 @@ def test_the_selector_benchmark_times_both_paths_on_a_saved_drafter(target, chec
     with pytest.raises(SystemExit, match="not a DFlash2 drafter"):
         dflash = save_drafter(random_drafter(config_for_target(target.config, num_layers=1)), tmp_path / "v1")
         main(["--drafter", str(dflash), "--model", str(tmp_path / "model")])
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_codebooks_whose_scores_overflow_draft_without_the_selector_and_the_batch_goes_on(target, checkpoint, sampled):
+    """Finite codebooks of 1e20 (or 1e14 with gates of 1e14, inside the gates' bound) overflow in
+    the pair scores: a sampled step's softmax turned NaN and `multinomial` failed every request in
+    the batch, greedy ones too (an audit). Such a block now drafts by the head's argmaxes."""
+    from protocol.sampling import SamplingParams
+
+    drafter = load_drafter(checkpoint)
+    with torch.no_grad():
+        selector = drafter.candidate_selector
+        selector.predecessor_codebook.copy_(selector.predecessor_codebook.sign() * 1e20)
+        selector.successor_codebook.copy_(-selector.successor_codebook.sign() * 1e20)
+    sampling = SamplingParams(temperature=0.8, seed=3) if sampled else SamplingParams()
+    proposer = DFlashProposer(LocalDraftBackend(drafter))
+    options = DecodeOptions(24, sampling=sampling, adaptive=False, stop_on_eos=False)
+    result = generate(target, PROMPTS[0], proposer, options)
+    assert len(result.tokens) == 24 and result.stats.proposed > 0
+    if not sampled:
+        assert result.tokens == greedy(target, PROMPTS[0], 24, stop_on_eos=False)
+
+
+def test_a_daemons_codebooks_past_their_bound_are_refused_and_output_stays_greedy(
+    target, checkpoint, tmp_path, monkeypatch
+):
+    """Codebooks of 1e14 passed the finiteness check; past MAX_CODEBOOK they are now refused as
+    the drafter's fault, and the target decodes on without them."""
+    import weakref
+
+    from target_node.drafting import bridge
+
+    monkeypatch.setattr(bridge, "_SELECTORS", weakref.WeakKeyDictionary())  # fetched, not remembered
+    from helpers import serving_in_thread
+
+    from draft_node.daemon import DraftService, serve
+    from draft_node.settings import DraftSettings
+    from protocol import encode
+
+    class Loud(DraftService):
+        def on_codebook(self, msg):
+            start, rows = msg["start"], msg["rows"]
+            p, s = (b[start : start + rows].float() * 1e14 for b in self.drafter.codebooks())
+            return encode("codebook_ok", msg.id, {}, {"predecessor": p, "successor": s}, wire_dtype="float32")
+
+    address = f"ipc://{tmp_path}/loud.sock"
+    service = Loud(load_drafter(checkpoint), DraftSettings(ring_capacity=512))
+    with serving_in_thread(lambda wire, stop: serve(service, wire, stop), address):
+        backend = RemoteDraftBackend(address, target, timing=remote.LinkTiming(timeout_s=5.0, retry_s=0.0))
+        proposer = DFlashProposer(backend)
+        try:
+            result = generate(target, PROMPTS[0], proposer, DecodeOptions(24, adaptive=False))
+        finally:
+            backend.close()
+    assert result.tokens == greedy(target, PROMPTS[0], 24)
+    assert proposer.drafting is None and "dflash" not in result.stats.sources  # the fallback drafted

@@ -488,3 +488,17 @@ def test_predrafted_gates_a_selector_cannot_use_make_misses_not_failures(target,
             backend.close()
         assert result.tokens == greedy(target, PROMPTS[2], MAX_NEW)
         assert backend.counters["predrafts"] > 0 and backend.counters["errors"] > 0
+
+
+def test_a_looked_up_continuation_past_the_drafted_block_is_verified_with_predrafting_on(target):
+    """A perfect drafter on repetitive text: prompt lookup extends the drafted chain past the
+    drafter's rows, and naming that chain's outcomes for a pre-draft raised IndexError inside the
+    step, failing every request in the batch (an audit). Now the step goes on, exact."""
+    from helpers import OracleBackend
+
+    for prompt in ([5, 6, 7, 8] * 8, [1, 2, 3] * 10):
+        want = greedy(target, prompt, 80, stop_on_eos=False)
+        backend = OracleBackend(target, prompt + want, block_size=4)
+        options = DecodeOptions(80, tree_nodes=1, adaptive=False, stop_on_eos=False)
+        result = generate(target, prompt, DFlashProposer(backend, predraft=2), options)
+        assert result.tokens == want

@@ -72,3 +72,15 @@ def test_outcomes_from_a_drafters_own_columns_equal_those_from_the_whole_vocabul
         want = likeliest_outcomes(full, tree, 8, deepest=5)
         assert likeliest_outcomes(compact, tree, 8, deepest=5, columns=columns) == want
         assert len(want) == 8 and all(b in columns.tolist() for _, b in want)
+
+
+def test_a_chain_deeper_than_the_drafters_rows_names_outcomes_only_where_it_drafted():
+    """A looked-up continuation grafted onto the drafted chain (or a pre-draft hit's shorter
+    block) makes the verified chain deeper than the drafter's rows: naming its outcomes raised
+    IndexError inside the step, failing every request in the batch (an audit)."""
+    logits = chain_logits()[:2]  # two rows: slots 1 and 2
+    grafted = DraftTree.chain([1, 3]).graft([1, 3, 0, 2, 4], [0.9, 0.8, 0.7, 0.6, 0.5])
+    assert grafted.is_chain and max(grafted.depths) == 5
+    named = likeliest_outcomes(logits, grafted, 4, deepest=5)
+    assert named and all(node < 2 for node, _ in named)  # only where a row gives the bonus's chance
+    assert named == likeliest_outcomes(logits, DraftTree.chain([1, 3]), 4, deepest=5)

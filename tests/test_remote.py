@@ -328,3 +328,64 @@ def test_finite_but_huge_drafted_rows_are_a_miss_not_a_failed_step(target, check
     assert len(result.tokens) == MAX_NEW and backend.counters["errors"] > 0
     if not sampled:
         assert result.tokens == greedy(target, PROMPTS[0], MAX_NEW, stop_on_eos=False)
+
+
+def test_keepalive_pongs_nobody_reads_never_crowd_out_a_reply(target, checkpoint, tmp_path):
+    """A keepalive's pong is read by nobody: they piled up in the slot's read-ahead queue until,
+    after hours idle, the daemon's reply to the next request found no room and timed out (an
+    audit: 2,500 keepalives on ipc, 7 hours). Each keepalive now drops what waits unread first."""
+    from draft_node.daemon import DraftService
+    from draft_node.settings import DraftSettings
+    from target_node.drafting.remote import REPLY_QUEUE
+
+    address = f"ipc://{tmp_path}/idle.sock"
+    with _in_process_daemon(DraftService(load_drafter(checkpoint), DraftSettings(ring_capacity=512)), address):
+        backend = RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=2.0, retry_s=0.0, keepalive_s=0.0))
+        try:
+            for i in range(4000):  # ~11 hours of keepalives, in a second or two
+                backend.keepalive()
+                if i % 100 == 0:
+                    time.sleep(0.01)  # the daemon answers as it would over hours
+            time.sleep(0.5)
+            backend.reset(0)
+            assert backend.counters["timeouts"] == 0 and backend.client.receive_queue == REPLY_QUEUE
+        finally:
+            backend.close()
+
+
+def test_a_draft_daemon_pushing_unasked_replies_makes_the_target_hold_only_its_queue(tmp_path):
+    """A draft daemon (buggy or hostile) that pushes replies nobody asked for: ZeroMQ read up to
+    1000 of them ahead per slot, of up to 256 MiB each (400 of 4 MB grew the target by 1.6 GB, an
+    audit). The drafter's client now reads REPLY_QUEUE ahead, frames of at most REPLY_FRAME; past
+    them the daemon's sends wait (refused here, where it asks not to block)."""
+    import zmq
+
+    from protocol import encode
+    from protocol.transport import FRAME_OVERHEAD, Client
+    from target_node.drafting.remote import REPLY_FRAME, REPLY_QUEUE
+
+    address = f"ipc://{tmp_path}/pushing.sock"
+    daemon = zmq.Context.instance().socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full peer refuses, rather than drops, what is sent
+    daemon.setsockopt(zmq.SNDHWM, 1)
+    daemon.setsockopt(zmq.LINGER, 0)
+    daemon.bind(address)
+    client = Client(address, max_message_bytes=REPLY_FRAME + FRAME_OVERHEAD, receive_queue=REPLY_QUEUE)
+    try:
+        client.send("ping", {})
+        assert daemon.poll(2000)
+        identity = daemon.recv_multipart()[0]
+        junk = [identity, *encode("pong", 999, {"time": 0.0, "sessions": 0}), b"x" * (1 << 20)]
+        sent, refused = 0, 0
+        while sent < 400 and refused < 40:  # 2 s without progress: the client reads no more
+            try:
+                daemon.send_multipart(junk, flags=zmq.NOBLOCK)
+                sent, refused = sent + 1, 0
+            except zmq.Again:
+                refused += 1
+                time.sleep(0.05)
+        assert 1 <= sent <= REPLY_QUEUE + 6, sent  # the queue, the daemon's one, what socket buffers hold
+        assert client.discard_waiting() > 0
+    finally:
+        client.close()
+        daemon.close(0)

@@ -64,15 +64,19 @@ class DrafterBridge:
         """The drafts of the drafter's rows after `anchor` and their logits: the argmaxes over the
         drafter's vocabulary's columns, or with a DFlash2 selector its greedy chain, made the logits'
         first choices (selector.rerank), with its lattice (sampled steps walk it by drawing)."""
-        if self.selector is None or gate is None:
-            logits, columns = self.head.compact(hidden), self.head.columns
-            best = dflash_kernels.argmax(logits)
-            return Proposal((best if columns is None else columns[best]).tolist(), logits, columns=columns)
-        logits = self.project(hidden)
-        lattice = self.selector.lattice(logits, gate, anchor, self.head.vocab)
-        chain = lattice.greedy()
-        # The candidates' first made the argmax, over the whole vocabulary (the lattice's ids are tokens).
-        return Proposal(chain, rerank(logits, chain, lattice.ids[:, 0]), walk=lattice)
+        if self.selector is not None and gate is not None:
+            logits = self.project(hidden)
+            lattice = self.selector.lattice(logits, gate, anchor, self.head.vocab)
+            # Finite codebooks and gates can still overflow in their product: a walk over inf or NaN
+            # scores made a sampled step's softmax NaN and failed the whole batch (an audit), so
+            # such a block drafts as a DFlash one would, by the head's argmaxes.
+            if bool(torch.isfinite(lattice.scores).all()):
+                chain = lattice.greedy()
+                # The candidates' first made the argmax, over the whole vocabulary (the lattice's ids are tokens).
+                return Proposal(chain, rerank(logits, chain, lattice.ids[:, 0]), walk=lattice)
+        logits, columns = self.head.compact(hidden), self.head.columns
+        best = dflash_kernels.argmax(logits)
+        return Proposal((best if columns is None else columns[best]).tolist(), logits, columns=columns)
 
 
 class DraftHead:

@@ -38,13 +38,19 @@ def likeliest_outcomes(
     if count <= 0 or not nodes:
         return []
     logprobs = logits[: max(depths) + 1].float().log_softmax(-1)
-    # Each node's path: its parent's, plus its own token's at its slot (-inf outside the columns).
+    # Each node's path: its parent's, plus its own token's at its slot (-inf outside the columns,
+    # and past the drafter's rows: a looked-up continuation grafted onto the drafted chain goes
+    # deeper than the drafter drafted, and such nodes are never named anyway).
     at = torch.tensor(tree.tokens, dtype=torch.long)
+    slots = torch.tensor(tree.depths) - 1
+    beyond = slots >= logprobs.shape[0]
+    slots = slots.clamp_max(logprobs.shape[0] - 1)
     if columns is not None:
         found = torch.searchsorted(columns, at).clamp_max(columns.shape[0] - 1)
-        mine = logprobs[torch.tensor(tree.depths) - 1, found].masked_fill(columns[found] != at, float("-inf"))
+        mine = logprobs[slots, found].masked_fill(columns[found] != at, float("-inf"))
     else:
-        mine = logprobs[torch.tensor(tree.depths) - 1, at]
+        mine = logprobs[slots, at]
+    mine = mine.masked_fill(beyond, float("-inf"))
     path = [0.0]
     for parent, own in zip(tree.parents, mine.tolist(), strict=True):
         path.append(path[parent] + own)

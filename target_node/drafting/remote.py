@@ -25,7 +25,7 @@ from draft_node.predraft import Predrafts
 from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError
 from protocol.keys import ClientKeys
 from protocol.messages import FORMATS, KEEPALIVE_S, MAX_CODEBOOK_ROWS, fit_problems
-from protocol.transport import Client
+from protocol.transport import FRAME_OVERHEAD, Client
 from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.proposers import DrafterUnavailable
 from target_node.model.target import TargetModel
@@ -36,11 +36,21 @@ log = logging.getLogger("remote_drafter")
 # squares overflow fp32 in the target's norm and head, and a sampled step's softmax turned NaN and
 # failed every request in the batch (finite rows of 3e38 did it).
 MAX_MAGNITUDE = 1e15
+# A selector codebook's largest value: trained ones sit near 1; a pair score multiplies two of them
+# with a gate (up to MAX_MAGNITUDE), which must stay finite in fp32 over any rank.
+MAX_CODEBOOK = 1e6
+# What a draft daemon can make the target hold unread, per slot: replies of at most REPLY_FRAME
+# bytes a frame (codebooks come in pieces that fit; drafted rows are far smaller: 16 outcomes x 16
+# rows x 16,384 wide in fp32 is 16 MiB), REPLY_QUEUE of them read ahead. A slot has a propose, a
+# pre-draft and a ping in flight at most; a daemon that pushed 400 unasked 4-MB replies grew the
+# target by 1.6 GB, and up to 1000 x 256 MiB was possible (an audit).
+REPLY_FRAME = 64 << 20
+REPLY_QUEUE = 8
 
 
-def _moderate(rows: torch.Tensor) -> bool:
-    """Every value finite and within MAX_MAGNITUDE (NaN fails the comparison too)."""
-    return rows.numel() == 0 or bool(rows.abs().amax() <= MAX_MAGNITUDE)
+def _moderate(rows: torch.Tensor, bound: float = MAX_MAGNITUDE) -> bool:
+    """Every value finite and within `bound` (NaN fails the comparison too)."""
+    return rows.numel() == 0 or bool(rows.abs().amax() <= bound)
 
 
 @dataclass
@@ -87,7 +97,9 @@ class RemoteDraftBackend:
         self.keepalive_s, self.predraft_budget = timing.keepalive_s, timing.predraft_budget
         self.session = name or f"target-{uuid.uuid4().hex[:12]}"
         self.wire_request = wire_dtype
-        self.client = Client(address, curve=curve)
+        self.client = Client(
+            address, curve=curve, max_message_bytes=REPLY_FRAME + FRAME_OVERHEAD, receive_queue=REPLY_QUEUE
+        )
         self.info: dict | None = None  # the drafter's description, once a handshake succeeded
         self.request_info: dict | None = None  # ... as it was when the current request began
         self.unfit: str | None = None  # why the drafter that answered last does not fit (logged once)
@@ -135,6 +147,8 @@ class RemoteDraftBackend:
         sent nothing for `keepalive_s`: a daemon takes no session from a peer it hears from, so a
         slot left idle between requests keeps its session against newcomers."""
         if self.attached and time.monotonic() - self.last_sent > self.keepalive_s:
+            if self.pending is None:  # the last keepalive's pong, unread: hours of them filled the queue
+                self.client.discard_waiting()
             self._send("ping", {})
 
     def _receive(self, type_: str, sent: int, timeout_s: float) -> Message:
@@ -374,14 +388,17 @@ class RemoteDraftBackend:
         self.ensure()
         selector = self.info["selector"]
         vocab, pieces = selector["vocab_size"], ([], [])
-        for start in range(0, vocab, MAX_CODEBOOK_ROWS):
-            rows = min(MAX_CODEBOOK_ROWS, vocab - start)
+        # Pieces within the reply frame: 16,384 rows at rank 256 in fp32 are 16 MiB.
+        piece_rows = max(1, min(MAX_CODEBOOK_ROWS, REPLY_FRAME // (4 * selector["rank"])))
+        for start in range(0, vocab, piece_rows):
+            rows = min(piece_rows, vocab - start)
             reply = self._call("codebook", {"start": start, "rows": rows})
             for name, into in zip(("predecessor", "successor"), pieces, strict=True):
                 piece = reply.tensor(name, self.target.device).float()
-                if tuple(piece.shape) != (rows, selector["rank"]) or not torch.isfinite(piece).all():
+                if tuple(piece.shape) != (rows, selector["rank"]) or not _moderate(piece, MAX_CODEBOOK):
                     raise DrafterUnavailable(
-                        f"codebook rows {list(piece.shape)}, expected [{rows}, {selector['rank']}] of finite values"
+                        f"codebook rows {list(piece.shape)}, expected [{rows}, {selector['rank']}] of finite "
+                        f"values within {MAX_CODEBOOK:g}"
                     )
                 into.append(piece)
         return torch.cat(pieces[0]), torch.cat(pieces[1])
