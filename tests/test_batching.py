@@ -219,3 +219,43 @@ def test_slots_beyond_the_engines_are_refused(target):
     assert path.slots == 1
     with pytest.raises(ValueError, match="one sequence"):
         path.forward([1, 2], slot=1)
+
+
+class BrokenProposer(NGramProposer):
+    """A drafter with a bug: its proposals raise from the `fails_at`-th on (a fault injected)."""
+
+    def __init__(self, fails_at: int) -> None:
+        super().__init__()
+        self.calls, self.fails_at = 0, fails_at
+
+    def propose(self, tokens, max_tokens):
+        self.calls += 1
+        if self.calls >= self.fails_at:
+            raise IndexError("a drafter's bug")
+        return super().propose(tokens, max_tokens)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_drafter_that_raises_costs_its_request_its_drafts_and_nothing_else(target, sampled, caplog):
+    """Drafting touches nothing the target holds, yet an exception in it (a drafter's, pre-draft
+    naming past the drafter's rows: an audit) failed every request in the batch. Now the request
+    whose drafting raised decodes on without drafts, its output the same as alone (greedy: the
+    target's own), and the others never notice."""
+    sampling = SamplingParams(temperature=0.8, top_k=40, seed=5) if sampled else None
+    opts = DecodeOptions(24, stop_on_eos=False, sampling=sampling, tree_nodes=6)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6]
+    want = [generate(target, prompts[0], BrokenProposer(fails_at=3), opts).tokens]
+    want.append(generate(target, prompts[1], NGramProposer(), opts).tokens)
+    if not sampled:
+        assert want[0] == generate(target, prompts[0], NoProposer(), opts).tokens
+    broken = BrokenProposer(fails_at=3)
+    seqs = [
+        Sequence(target, prompts[0], broken, opts, slot=0),
+        Sequence(target, prompts[1], NGramProposer(), opts, slot=1),
+    ]
+    with caplog.at_level("ERROR", logger="decoding"):
+        while not all(seq.done for seq in seqs):
+            step(target, [seq for seq in seqs if not seq.done])
+    assert [seq.result().tokens for seq in seqs] == want
+    assert broken.calls == 3 and seqs[0].drafting_failed and not seqs[1].drafting_failed  # no retry each step
+    assert "drafting failed" in caplog.text and "a drafter's bug" in caplog.text

@@ -10,6 +10,7 @@ as if it were alone, so a request's output is the same whichever way it ran.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from target_node.decoding.stats import Stats
 from target_node.drafting.proposal import EMPTY
 from target_node.drafting.proposers import PROMPT_LOOKUP, Proposer
 from target_node.model.target import TargetModel
+
+log = logging.getLogger("decoding")
 
 NO_CAP = 1 << 30  # prefill_chunk 0: a prompt in one forward, hints all in one verify
 
@@ -87,6 +90,7 @@ class Sequence:
         context = (PROMPT_LOOKUP,) if options.lookup else ()
         self.lookups = (*context, options.datastore) if options.datastore is not None else context
         self.room = Room()  # what the next step may verify (prepare)
+        self.drafting_failed = False  # drafting raised: this request's steps verify only what it knows
         self.cancelled = False
         self.began = time.perf_counter()
         target.reset(slot, expect=len(self.prompt) + 1)
@@ -142,6 +146,9 @@ class Sequence:
         # Known continuations cost no drafting: they are verified whatever the governor thinks of the drafter;
         # neither does a lookup, so every step may verify one.
         governor = self.governor
+        if self.drafting_failed:
+            self.room = Room(0, tuple(hints))
+            return
         drafting = governor is None or bool(hints) or (governor.pays_at(batch) and governor.should_draft())
         limit = budget if drafting else 0
         self.room = Room(limit, tuple(hints), self.tree_nodes, budget if self.lookups else 0, self.lookups)
@@ -154,14 +161,17 @@ class Sequence:
             tokens = self.prompt[self.prefilled : self.prefilled + self.chunk]
             last = self.prefilled + len(tokens) == len(self.prompt)
             return Part(tokens, None, 1 if last else 0)
-        self.plan = plan_step(
-            self.target,
-            self.proposer,
-            self.prompt + self.output.tokens,
-            self.room,
-            self.sampler,
-            self.governor,
-        )
+        tokens = self.prompt + self.output.tokens
+        try:
+            self.plan = plan_step(self.target, self.proposer, tokens, self.room, self.sampler, self.governor)
+        except Exception:
+            # Drafting touches nothing the target holds, so a bug in it (a drafter's, a lookup's, the
+            # tree's) need not fail every request in the batch: this one decodes on without drafts,
+            # its output the same, and the log has the traceback.
+            log.exception("drafting failed; this request decodes on without drafts")
+            self.drafting_failed = True
+            self.room = Room(0, self.room.hints)
+            self.plan = plan_step(self.target, self.proposer, tokens, self.room, self.sampler, self.governor)
         return Part(self.plan.tokens, self.plan.parents, len(self.plan.tokens))
 
     def take(self, out: ForwardOut) -> None:
