@@ -127,7 +127,8 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else None
+        # FastAPI's own 400s are bodies its parser gave up on (invalid UTF-8, a number too long to read).
+        code = {404: "not_found", 400: "invalid_json"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), code=code).response()
 
 

@@ -19,6 +19,7 @@ ASK = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0}
 CHAT_PATH, TEXT_PATH = "/v1/chat/completions", "/v1/completions"
 CASES = {  # name: (path, body, HTTP status, the parameter named, OpenAI error code)
     "bad JSON": (CHAT_PATH, b'{"model": "tiny-chat", "messages": [', 400, None, "invalid_json"),
+    "not UTF-8": (CHAT_PATH, b'{"model": "tiny-chat\xff", "messages": []}', 400, None, "invalid_json"),
     "wrong type": (CHAT_PATH, {**ASK, "temperature": "hot"}, 400, "temperature", "invalid_value"),
     "bool for int": (CHAT_PATH, {**ASK, "max_tokens": True}, 400, "max_tokens", "invalid_value"),
     "out of range": (CHAT_PATH, {**ASK, "top_p": 0}, 400, "top_p", "invalid_value"),
