@@ -1,6 +1,6 @@
 """What AMX tiles buy: the target's step by width on each bf16 matmul path, in turns in one process.
 
-    python -m benchmarks.bench_paths --json docs/bench_amx.json
+    python -m benchmarks.bench_paths --json docs/results/bench_amx.json
 
 A process serves on one path only (`dflash_kernels.bf16_matmul`, measured once per machine); here
 both run the same steps, the paths taking turns so a burst of load hits both alike, measured as

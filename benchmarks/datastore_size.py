@@ -2,7 +2,7 @@
 target's answers to the held-out prompts, for random parts of the store.
 
     python -m benchmarks.datastore_size                      # 1/16 .. all of data/answers, bf16
-    python -m benchmarks.datastore_size --json docs/datastore_size.json
+    python -m benchmarks.datastore_size --json docs/results/datastore_size.json
 
 The datastore (`target_node.drafting.datastore`) looks up what the target wrote after the
 context's last words in its earlier answers; the committed answer store is what it indexes. If its

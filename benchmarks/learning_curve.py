@@ -1,7 +1,7 @@
 """The drafter's learning curve: held-out tau against answer tokens trained on.
 
-    python -m benchmarks.learning_curve                       # print the table from docs/learning_curve.json
-    python -m benchmarks.learning_curve --png docs/learning_curve.png   # and draw it (needs matplotlib)
+    python -m benchmarks.learning_curve                       # print the table from docs/results/learning_curve.json
+    python -m benchmarks.learning_curve --png docs/results/learning_curve.png   # and draw it (needs matplotlib)
 
 Each point is one drafter measured by `benchmarks.evaluate` (chain, drafting every step, at
 temperature 0, on `data/eval_prompts.jsonl`); points are added by hand to the JSON file with
@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-DEFAULT_POINTS = Path(__file__).resolve().parent.parent / "docs" / "learning_curve.json"
+DEFAULT_POINTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "learning_curve.json"
 
 
 def table(points: list[dict]) -> str:

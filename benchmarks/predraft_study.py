@@ -15,7 +15,7 @@ features (the engine computes a row the same whichever way it runs), and each ch
 outcome follows from the answer itself, so no verify runs. Prints and writes:
 hit rate by A, and on hits the accepted drafts of the pre-draft against a fresh draft.
 
-    python -m benchmarks.predraft_study --limit 20 --json docs/predraft_study.json
+    python -m benchmarks.predraft_study --limit 20 --json docs/results/predraft_study.json
 """
 
 from __future__ import annotations
