@@ -153,3 +153,21 @@ def serving_in_thread(serve: Callable[[str, threading.Event], None], address: st
     finally:
         stop.set()
         thread.join(10)
+
+
+def send_until_refused(sock, frames: list, most: int) -> int:
+    """Send `frames` without blocking until `most` went out or ZeroMQ refused more for 2 s (the
+    receiving side reads no further ahead): how many went out. For tests of a read-ahead bound."""
+    import time
+
+    import zmq
+
+    sent, refused = 0, 0
+    while sent < most and refused < 40:
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            sent, refused = sent + 1, 0
+        except zmq.Again:
+            refused += 1
+            time.sleep(0.05)
+    return sent

@@ -9,6 +9,7 @@ import msgpack
 import pytest
 import torch
 import zmq
+from helpers import send_until_refused
 
 from protocol import (
     MAX_HEADER_BYTES,
@@ -731,14 +732,7 @@ def test_a_connection_has_at_most_the_receive_queue_read_ahead_and_loses_nothing
     peer.connect(address)
     frames = encode("ping", 1, {}) + [b"x" * (1 << 20)]  # 1 MiB each: socket buffers hold about one
     try:
-        sent, refused = 0, 0
-        while sent < 200 and refused < 40:  # 2 s without progress: ZeroMQ reads no more
-            try:
-                peer.send_multipart(frames, flags=zmq.NOBLOCK)
-                sent, refused = sent + 1, 0
-            except zmq.Again:
-                refused += 1
-                time.sleep(0.05)
+        sent = send_until_refused(peer, frames, most=200)
         assert 1 <= sent <= 8 + 6, sent  # the queue, the peer's one, and what socket buffers hold
         got = 0
         while server.next(1000) is not None:

@@ -7,7 +7,15 @@ import time
 
 import pytest
 import torch
-from helpers import assert_lossless, draft_daemon, free_tcp_address, greedy, serving_in_thread, tiny_target
+from helpers import (
+    assert_lossless,
+    draft_daemon,
+    free_tcp_address,
+    greedy,
+    send_until_refused,
+    serving_in_thread,
+    tiny_target,
+)
 
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
 from target_node.decoding.options import DecodeOptions
@@ -376,14 +384,7 @@ def test_a_draft_daemon_pushing_unasked_replies_makes_the_target_hold_only_its_q
         assert daemon.poll(2000)
         identity = daemon.recv_multipart()[0]
         junk = [identity, *encode("pong", 999, {"time": 0.0, "sessions": 0}), b"x" * (1 << 20)]
-        sent, refused = 0, 0
-        while sent < 400 and refused < 40:  # 2 s without progress: the client reads no more
-            try:
-                daemon.send_multipart(junk, flags=zmq.NOBLOCK)
-                sent, refused = sent + 1, 0
-            except zmq.Again:
-                refused += 1
-                time.sleep(0.05)
+        sent = send_until_refused(daemon, junk, most=400)
         assert 1 <= sent <= REPLY_QUEUE + 6, sent  # the queue, the daemon's one, what socket buffers hold
         assert client.discard_waiting() > 0
     finally:
