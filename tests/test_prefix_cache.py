@@ -46,6 +46,22 @@ def test_the_longest_stored_prefix_is_found_and_extended_past_its_last_block():
     assert cache.to_dict()["hits"] == 2 and cache.to_dict()["lookups"] == 4
 
 
+def test_of_chats_sharing_a_system_prompt_the_one_matching_furthest_is_found():
+    """Several entries share the blocks of a system prompt; past the last whole block each
+    matches a few tokens more. The latest stored was taken: a chat's next turn re-ran up to 15
+    tokens of its previous turn when another chat came after it, and reported them uncached (an
+    audit). The one matching furthest now serves, the latest stored among equals."""
+    system = list(range(100, 132))  # two whole blocks, shared
+    mine, other = system + [1, 2, 3, 4, 5, 6], system + [7, 8, 9, 10, 11, 12, 13]
+    cache = PrefixCache(1 << 20)
+    cache.store(mine, rows(len(mine), 1.0), None, ())
+    cache.store(other, rows(len(other), 2.0), None, ())
+    hit = cache.lookup(mine + [40, 41], ())
+    assert hit.length == len(mine) and float(hit.kv[0, 0, 0, 0, 0]) == 1.0
+    hit = cache.lookup(system + [50, 51], ())  # both match the system prompt alone: the latest serves
+    assert hit.length == len(system) and float(hit.kv[0, 0, 0, 0, 0]) == 2.0
+
+
 def test_a_drafter_that_reads_features_is_served_only_rows_stored_with_its_taps():
     cache = PrefixCache(1 << 20)
     tokens = list(range(40))

@@ -85,6 +85,16 @@ def default_budget_mb() -> int:
     return int(min(total / 10, 4 << 30) / (1 << 20))
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class PrefixCache:
     def __init__(self, max_bytes: int) -> None:
         if max_bytes <= 0:
@@ -104,14 +114,23 @@ class PrefixCache:
         """The longest stored prefix of `prompt` (its last token excluded: it must run), with
         features for `taps` where the asker drafts from them; None when nothing of it is held."""
         self.counters["lookups"] += 1
-        best: _Entry | None = None
+        deepest: list[_Entry] = []  # the entries holding every block matched so far
+        blocks = 0
         for h in block_hashes(prompt, len(prompt) - 1, self.key):
             holders = [e for e in self.by_hash.get(h, {}).values() if self._serves(e, taps)]
             if not holders:
                 break
-            best = holders[-1]
-        if best is None:
+            deepest, blocks = holders, blocks + 1
+        if not deepest:
             return None
+        # Past the last whole block each holder may match a few tokens more: the one that matches
+        # most (the latest stored where several do). Taking the latest stored alone re-ran up to 15
+        # tokens of a chat's previous turn when another chat with its system prompt came after it
+        # (an audit).
+        # (Less than a block: a holder matching a whole block more would have held its hash.)
+        at = blocks * BLOCK
+        tail = prompt[at : min(len(prompt) - 1, at + BLOCK)]
+        best = max(reversed(deepest), key=lambda e: _common(tail, e.tokens[at : at + BLOCK]))
         length = 0
         for mine, theirs in zip(prompt[: len(prompt) - 1], best.tokens, strict=False):
             if mine != theirs:
