@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -214,6 +214,7 @@ class Client:
         self.curve, self.max_message_bytes, self.receive_queue = curve, max_message_bytes, receive_queue
         self.routing_id = b"c-" + uuid.uuid4().hex.encode()
         self.sock: zmq.Socket | None = None
+        self.kept: dict[int, Message] = {}  # replies discard_waiting set aside for their waits
         self.next_id = 0
         self.bytes_out = 0
 
@@ -240,18 +241,29 @@ class Client:
 
     def wait(self, request_id: int, request_type: str, timeout_s: float) -> Message | None:
         """The next reply to `request_id` within `timeout_s`, checked against `request_type`; None on timeout."""
+        if request_id in self.kept:
+            reply = self.kept.pop(request_id)
+            return check_reply(request_type, reply) if request_type else reply
         if self.sock is None:
             return None
         return receive(self.sock, request_id, time.monotonic() + timeout_s, request_type)
 
-    def discard_waiting(self, most: int = 64) -> int:
-        """Drop up to `most` replies already here, unread (no decoding): replies nobody waits for
-        (a keepalive's pongs) would otherwise fill the read-ahead queue, and the reply someone
-        does wait for would find no room."""
+    def discard_waiting(self, keep: Container[int] = (), most: int = 64) -> int:
+        """Drop up to `most` replies already here that answer none of the requests `keep` names:
+        replies nobody waits for (a keepalive's pongs) would otherwise fill the read-ahead queue,
+        and the reply someone does wait for would find no room. Replies to `keep`'s requests are
+        set aside for their wait. Returns how many were dropped."""
+        self.kept = {i: reply for i, reply in self.kept.items() if i in keep}
         dropped = 0
         while self.sock is not None and dropped < most and self.sock.poll(0):
-            self.sock.recv_multipart(copy=False)
-            dropped += 1
+            try:
+                reply = decode(self.sock.recv_multipart(copy=False))
+            except ProtocolError:  # garbled: its wait would have dropped it too
+                reply = None
+            if reply is not None and reply.id in keep:
+                self.kept[reply.id] = reply
+            else:
+                dropped += 1
         return dropped
 
     def call(
@@ -271,6 +283,7 @@ class Client:
         if self.sock is not None:
             self.sock.close(linger_ms)
         self.sock = None
+        self.kept = {}
 
 
 class _AllowList:

@@ -259,3 +259,25 @@ def test_a_drafter_that_raises_costs_its_request_its_drafts_and_nothing_else(tar
     assert [seq.result().tokens for seq in seqs] == want
     assert broken.calls == 3 and seqs[0].drafting_failed and not seqs[1].drafting_failed  # no retry each step
     assert "drafting failed" in caplog.text and "a drafter's bug" in caplog.text
+
+
+class BrokenPrefetch(NGramProposer):
+    """A drafter elsewhere starts its drafts in `prefetch`, before the step plans: a bug there."""
+
+    def prefetch(self, tokens, max_tokens):
+        raise IndexError("a drafter's bug in prefetch")
+
+
+def test_a_drafter_that_raises_as_it_starts_its_drafts_costs_only_its_requests_drafts(target, caplog):
+    """The fallback covered planning but not `prepare`'s prefetch, where a remote drafter's drafts
+    start (the ring read, the noise, the outcome named): a bug there still failed the batch (a review)."""
+    opts = DecodeOptions(12, stop_on_eos=False)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6]
+    want = [generate(target, p, NoProposer(), opts).tokens for p in prompts]
+    seqs = [Sequence(target, prompts[0], BrokenPrefetch(), opts, slot=0)]
+    seqs.append(Sequence(target, prompts[1], NGramProposer(), opts, slot=1))
+    with caplog.at_level("ERROR", logger="decoding"):
+        while not all(seq.done for seq in seqs):
+            step(target, [seq for seq in seqs if not seq.done])
+    assert [seq.result().tokens for seq in seqs] == want
+    assert seqs[0].drafting_failed and "a drafter's bug in prefetch" in caplog.text

@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import draft_daemon, greedy, serving_in_thread, tiny_target
 
-from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
-from draft_node.daemon import DraftService
+from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
+from draft_node.daemon import DraftService, serve
 from draft_node.kv_cache import DraftKVCache
 from draft_node.predraft import PassCost, Predrafts, predraft
 from draft_node.settings import DraftSettings
@@ -468,8 +468,6 @@ def test_predrafted_gates_a_selector_cannot_use_make_misses_not_failures(target,
     requests' draws. Now pre-drafts are checked on the fresh drafts' rule, and a bad one is a miss:
     the output is the target's own. (A propose can still be answered from a pre-draft the daemon
     holds: those rows never went through the spoiled `joined`.)"""
-    from draft_node.daemon import serve
-
     cfg2 = config_for_target(target.config, block_size=8, taps=3, dflash2=True)
     drafter = random_drafter(cfg2, seed=2, std=0.1)
     joined = Predrafts.joined
@@ -502,3 +500,52 @@ def test_a_looked_up_continuation_past_the_drafted_block_is_verified_with_predra
         options = DecodeOptions(80, tree_nodes=1, adaptive=False, stop_on_eos=False)
         result = generate(target, prompt, DFlashProposer(backend, predraft=2), options)
         assert result.tokens == want
+
+
+def test_a_keepalive_during_a_long_verify_keeps_the_predraft_it_waits_for(target, checkpoint, tmp_path):
+    """A step longer than keepalive_s with a pre-draft in flight: the keepalive between steps
+    dropped the pre-draft's reply with the pongs, the next step waited for it, timed out and
+    dropped the drafter for every slot (a review). Replies still awaited are now set aside."""
+    local = LocalDraftBackend(load_drafter(checkpoint))
+    g = torch.Generator().manual_seed(5)
+    width, hidden = local.info["feature_width"], local.info["hidden_size"]
+    features = torch.randn(12, width, generator=g)
+    mask = target.embed([local.info["mask_token_id"]])
+    noise = [torch.cat([torch.randn(1, hidden, generator=g), mask.expand(7, -1)]) for _ in range(12)]
+    heads, known = torch.randn(7, hidden, generator=g), [3, 4]
+    address = f"ipc://{tmp_path}/long-verify.sock"
+    service = DraftService(load_drafter(checkpoint), DraftSettings(ring_capacity=512))
+    with serving_in_thread(lambda where, stop: serve(service, where, stop), address):
+        backend = RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=1.0, retry_s=0.0, keepalive_s=0.3))
+        try:
+            backend.draft(0, features[:5], noise[5], 5, 7)
+            backend.predraft(5, heads, known)
+            time.sleep(0.6)  # the verify runs past keepalive_s: the pre-drafts arrive meanwhile
+            backend.keepalive()  # the serve loop's, between steps
+            backend.draft(5, features[5:8], noise[8], 8, 7, predraft=1)  # outcome 1 happened
+            assert backend.hit and backend.counters["timeouts"] == 0 and backend.attached
+        finally:
+            backend.close()
+
+
+def test_a_predraft_names_only_the_outcomes_whose_drafts_fit_one_reply_frame(target, checkpoint, tmp_path, monkeypatch):
+    """Pre-drafts of 16 outcomes of a block of 128 rows 16,384 wide are 126 MiB: a reply the
+    drafter's link (frames of REPLY_FRAME at most) drops with its connection (a review). The
+    outcomes named are cut to what fits, best first; none fitting sends no predraft."""
+    from target_node.drafting import remote
+
+    address = f"ipc://{tmp_path}/fit.sock"
+    service = DraftService(load_drafter(checkpoint), DraftSettings(ring_capacity=512))
+    with serving_in_thread(lambda where, stop: serve(service, where, stop), address):
+        backend = RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=2.0, retry_s=0.0))
+        try:
+            block, row = backend.info["block_size"], 4 * backend.info["hidden_size"]
+            monkeypatch.setattr(remote, "REPLY_FRAME", (block - 3) * row + (block - 4) * row)  # two outcomes' rows
+            assert backend._fitting([3, 4, 2, 1]) == [3, 4]
+            monkeypatch.setattr(remote, "REPLY_FRAME", row)  # not one outcome
+            assert backend._fitting([3]) == []
+            sent = backend.counters["predrafts"]
+            backend.predraft(5, torch.zeros(3, backend.info["hidden_size"]), [3])
+            assert backend.counters["predrafts"] == sent and backend.predrafting is None
+        finally:
+            backend.close()

@@ -153,7 +153,19 @@ class Sequence:
         limit = budget if drafting else 0
         self.room = Room(limit, tuple(hints), self.tree_nodes, budget if self.lookups else 0, self.lookups)
         if limit > 0:
-            self.proposer.prefetch(self.prompt + self.output.tokens, limit)
+            try:  # drafting starts here for a drafter elsewhere: what it raises fails only this request's drafts
+                self.proposer.prefetch(self.prompt + self.output.tokens, limit)
+            except Exception:
+                self._drafting_failed()
+
+    def _drafting_failed(self) -> None:
+        """Drafting touches nothing the target holds, so a bug in it (a drafter's, a lookup's, the
+        tree's) need not fail every request in the batch: this one decodes on without drafts or
+        lookups (greedy, its output the same; sampled, another draw from the same law), and the
+        log has the traceback."""
+        log.exception("drafting failed; this request decodes on without drafts")
+        self.drafting_failed = True
+        self.room = Room(0, self.room.hints)
 
     def part(self) -> Part:
         """This sequence's rows for the next forward (after `prepare`)."""
@@ -165,12 +177,7 @@ class Sequence:
         try:
             self.plan = plan_step(self.target, self.proposer, tokens, self.room, self.sampler, self.governor)
         except Exception:
-            # Drafting touches nothing the target holds, so a bug in it (a drafter's, a lookup's, the
-            # tree's) need not fail every request in the batch: this one decodes on without drafts,
-            # its output the same, and the log has the traceback.
-            log.exception("drafting failed; this request decodes on without drafts")
-            self.drafting_failed = True
-            self.room = Room(0, self.room.hints)
+            self._drafting_failed()
             self.plan = plan_step(self.target, self.proposer, tokens, self.room, self.sampler, self.governor)
         return Part(self.plan.tokens, self.plan.parents, len(self.plan.tokens))
 

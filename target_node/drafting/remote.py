@@ -40,8 +40,8 @@ MAX_MAGNITUDE = 1e15
 # with a gate (up to MAX_MAGNITUDE), which must stay finite in fp32 over any rank.
 MAX_CODEBOOK = 1e6
 # What a draft daemon can make the target hold unread, per slot: replies of at most REPLY_FRAME
-# bytes a frame (codebooks come in pieces that fit; drafted rows are far smaller: 16 outcomes x 16
-# rows x 16,384 wide in fp32 is 16 MiB), REPLY_QUEUE of them read ahead. A slot has a propose, a
+# bytes a frame (codebooks come in pieces that fit, pre-drafts name only the outcomes that fit:
+# 16 outcomes x 16 rows x 16,384 wide in fp32 is 16 MiB), REPLY_QUEUE of them read ahead. A slot has a propose, a
 # pre-draft and a ping in flight at most; a daemon that pushed 400 unasked 4-MB replies grew the
 # target by 1.6 GB, and up to 1000 x 256 MiB was possible (an audit).
 REPLY_FRAME = 64 << 20
@@ -147,8 +147,12 @@ class RemoteDraftBackend:
         sent nothing for `keepalive_s`: a daemon takes no session from a peer it hears from, so a
         slot left idle between requests keeps its session against newcomers."""
         if self.attached and time.monotonic() - self.last_sent > self.keepalive_s:
-            if self.pending is None:  # the last keepalive's pong, unread: hours of them filled the queue
-                self.client.discard_waiting()
+            # The last keepalive's pong, unread: hours of them filled the queue. A propose sent ahead
+            # and a pre-draft in flight keep their replies (a step can run past keepalive_s).
+            awaited = {self.pending[1]} if self.pending is not None else set()
+            if self.predrafting is not None:
+                awaited.add(self.predrafting[0])
+            self.client.discard_waiting(keep=awaited)
             self._send("ping", {})
 
     def _receive(self, type_: str, sent: int, timeout_s: float) -> Message:
@@ -268,11 +272,28 @@ class RemoteDraftBackend:
         pre-drafts, arrives during the verify; only a step whose outcome was named reads it (any
         other wait skips it), and a pre-draft that failed only makes that step a miss."""
         self.ensure()
+        known = self._fitting(known)
+        if not known:
+            return
+        heads = heads[: sum(known)]
         budget_ms = self.window_ms if self.predraft_budget else 0.0
         fields = {"session": self.session, "position": position, "known": known, "budget_ms": budget_ms}
         sent = self._send("predraft", fields, {"heads": heads})
         self.predrafting, self.window_began = (sent, position, list(known)), time.perf_counter()
         self.counters["predrafts"] += 1
+
+    def _fitting(self, known: list[int]) -> list[int]:
+        """The first of the outcomes named whose pre-drafts fit one reply frame (REPLY_FRAME, rows in
+        fp32 at most): a block of 128 rows 16,384 wide is 8 MiB an outcome, so 16 of them would be
+        a reply the link drops with its connection."""
+        row_bytes, block = 4 * self.info["hidden_size"], self.info["block_size"]
+        total, fitting = 0, []
+        for k in known:
+            total += (block - k) * row_bytes
+            if total > REPLY_FRAME:
+                break
+            fitting.append(k)
+        return fitting
 
     def _close_window(self) -> None:
         """The time the daemon had for the last pre-draft, from its send to the next propose's: a
