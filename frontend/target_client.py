@@ -17,9 +17,11 @@ import zmq
 
 from protocol import Message, ProtocolError
 from protocol.keys import ClientKeys
-from protocol.transport import CONTROL_MAX_FRAME, Client
+from protocol.transport import CONTROL_MAX_FRAME, Client, request
 
 CANCEL_WAIT_S = 1.0  # how long a cancelled request waits for the daemon's `done`
+QUIET_S = 5.0  # silence after which a waiting client pings the daemon
+PING_S = 3.0  # how long that ping may take (a busy daemon answers within about 50 ms)
 SLICE_S = 0.2  # longest one wait blocks while a cancel drains
 
 
@@ -111,15 +113,30 @@ class TargetClient:
         call = self.call = GenerateCall(self.address, fields, self.heartbeat_s, self.curve)
         try:
             while True:
-                reply = call.next(self.timeout_s)
-                if reply is None:
-                    raise TimeoutError(f"no reply from the target daemon within {self.timeout_s:.0f} s")
+                reply = self._next(call)
                 reply.raise_if_error()
                 yield reply
                 if reply.type == "done":
                     return
         finally:
             self._end(call)
+
+    def _next(self, call: GenerateCall) -> Message:
+        """The next reply within `timeout_s`. A silence of QUIET_S is checked with a ping, which a
+        busy daemon answers between decode steps: a daemon killed mid-request is noticed in
+        seconds, where the client waited out its whole timeout (an audit)."""
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            reply = call.next(min(left, QUIET_S))
+            if reply is not None:
+                return reply
+            if time.monotonic() >= deadline:
+                break
+            pong = request(self.address, "ping", timeout_s=PING_S, curve=self.curve)
+            if pong is None:
+                call.finished = True  # nobody left to cancel with
+                raise TimeoutError(f"the target daemon at {self.address} stopped answering pings ({PING_S:g} s)")
+        raise TimeoutError(f"no reply from the target daemon within {self.timeout_s:.0f} s")
 
     def generate(self, **fields: object) -> Message:
         return list(self.stream(**fields))[-1]

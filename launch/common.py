@@ -168,6 +168,6 @@ def settings_from(args: argparse.Namespace, settings: type):
         return settings(**{f.name: getattr(args, f.name) for f in fields(settings)})
     except ValueError as exc:
         message = str(exc)
-        for f in fields(settings):
+        for f in sorted(fields(settings), key=lambda f: -len(f.name)):  # max_queued_per_client before max_queued
             message = message.replace(f.name, "--" + f.name.replace("_", "-"))
         raise ValueError(message) from None

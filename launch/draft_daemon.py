@@ -23,6 +23,13 @@ from protocol.transport import stop_on_signals
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        start(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the model loads (serving, it stops the loop cleanly)
+        raise SystemExit(130) from None
+
+
+def start(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(prog="dflash-draft-daemon", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "--checkpoint",
@@ -41,7 +48,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     curve = server_security(parser, args)
     apply_runtime_args(args)
-    stop = stop_on_signals()
     dtype = dtype_of(args)
     if args.device.startswith("cpu") and args.dtype == "float16":  # the CPU kernels' linears take fp32 or bf16
         parser.error("--dtype float16 on a CPU: the drafter's CPU kernels take float32 or bfloat16")
@@ -60,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             args.device,
             str(dtype).removeprefix("torch."),
         )
+        stop = stop_on_signals()  # only now: a SIGTERM while the drafter loads ends the process at once
         serve(service, args.bind, stop, curve, args.insecure_plaintext)
 
 

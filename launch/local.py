@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from launch.keys import LocalKeys
 from launch.net import HelpFormatter, address, one_line_errors
 from launch.processes import stop
 from protocol.keys import ClientKeys
-from protocol.transport import wait_ready
+from protocol.transport import request, wait_ready
 
 
 def free_port() -> int:
@@ -62,6 +63,10 @@ def daemon(
     speaks CURVE), stop it with SIGTERM on exit. `log`: a file for its output."""
     command = [sys.executable, "-m", module, "--bind", address, *args]
     out = open(log, "ab") if log is not None else None
+    # Something already answering there would pass the readiness check while this daemon still
+    # loads, and the run would use a stranger's daemon, model and keys (an audit).
+    if request(address, "ping", timeout_s=0.3) is not None:
+        raise SystemExit(f"{name}: something already answers at {address}; stop it or pick another address")
     proc = subprocess.Popen(command, env=colocated_env(), stdout=out, stderr=out)
     try:
         if not wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None, curve=curve):
@@ -69,6 +74,8 @@ def daemon(
         print(f"[local] {name} ready at {address} (pid {proc.pid})", flush=True)
         yield proc
     finally:
+        if proc.poll() is not None:  # it ended on its own: say so, not only what its clients saw
+            print(f"[local] {name} exited with code {proc.returncode}", file=sys.stderr, flush=True)
         stop(proc)
         if out is not None:
             out.close()
@@ -147,9 +154,16 @@ def main(argv: list[str] | None = None) -> None:
     add_daemon_args(parser)
     client.add_client_args(parser)
     args = parser.parse_args(argv)
-    with one_line_errors(parser.prog), local_daemons(args) as target_address:
-        args.address = target_address
-        client.run(args, args.client_keys)
+    # A SIGTERM (systemd, docker stop, kill) ends the run as Ctrl-C does, through the code that stops
+    # both daemons: by default it ended this process alone and left them running (an audit).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
+    try:
+        with one_line_errors(parser.prog), local_daemons(args) as target_address:
+            args.address = target_address
+            client.run(args, args.client_keys)
+    except KeyboardInterrupt:
+        print("\n[cancelled]", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

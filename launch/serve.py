@@ -87,6 +87,16 @@ def exit_on_signals() -> None:
     signal.signal(signal.SIGINT, leave)
 
 
+def tcp_port(text: str) -> int:
+    """A parser type: a TCP port (before: 70000 ended in three tracebacks from uvicorn's bind)."""
+    from launch.common import at_least
+
+    port = at_least(1)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"a port of 1-65535, got {port}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     from launch.common import byte_size
     from launch.local import add_daemon_args
@@ -100,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--server-key", help="with --target: the target daemon's public key (NAME.key): CURVE, needs --curve-key"
     )
     parser.add_argument("--host", default="127.0.0.1", help="HTTP interface to listen on (default %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s)")
+    parser.add_argument("--port", type=tcp_port, default=8000, help="HTTP port, 1-65535 (default %(default)s)")
     parser.add_argument(
         "--served-model-name",
         help="the model id clients name in requests (default: the name of the target daemon's model folder)",

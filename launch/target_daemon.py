@@ -127,25 +127,40 @@ def proposer_settings(args: argparse.Namespace) -> ProposerSettings:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        start(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the model loads (serving, it stops the loop cleanly)
+        raise SystemExit(130) from None
+
+
+def start(argv: list[str] | None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     curve = server_security(parser, args, key_serves_links_out=True)
     drafter_keys = client_security(parser, args.curve_key, args.drafter_key, "--drafter-key")
     apply_runtime_args(args)
-    stop = stop_on_signals()
     if args.max_batch < 1:
         parser.error("--max-batch must be at least 1")
+    if args.ring_capacity < 1 or args.draft_timeout <= 0 or args.draft_retry < 0:
+        parser.error("--ring-capacity must be at least 1, --draft-timeout above 0 s, --draft-retry 0 s or more")
     try:
         settings = settings_from(args, ServiceSettings)
     except ValueError as exc:
         parser.error(str(exc))
     with one_line_errors(parser.prog, DrafterMismatch, CheckpointError):
-        target = TargetModel.load(
-            resolve_model(args.model), args.device, args.dtype, args.cache_policy, slots=args.max_batch
-        )
+        try:
+            target = TargetModel.load(
+                resolve_model(args.model), args.device, args.dtype, args.cache_policy, slots=args.max_batch
+            )
+        except RuntimeError as exc:  # torch's allocators say so in a RuntimeError (--max-batch 100000)
+            if "alloc" not in str(exc).lower() and "out of memory" not in str(exc).lower():
+                raise
+            parser.exit(1, f"{parser.prog}: error: no memory for --max-batch {args.max_batch}: {exc}\n")
         recorder = traffic_recorder(args.record, target.name) if args.record else None
         proposers = build_proposers(proposer_settings(args), target, target.slots, drafter_keys)
         service = TargetService(target, proposers, settings, recorder, datastore_for(settings.datastore, target.name))
+        # Only now: a SIGTERM while the model loads ends the process at once (it waited for the load).
+        stop = stop_on_signals()
         service.serve(args.bind, stop, curve, args.insecure_plaintext)
 
 

@@ -16,7 +16,9 @@ what its protocol can legitimately carry; ZeroMQ drops a peer that sends more, u
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -135,11 +137,26 @@ def router(
         sock.curve_server = True
         sock.zap_domain = ZAP_DOMAIN
     try:
+        _ipc_free(address)
         sock.bind(address)
-    except zmq.ZMQError as exc:
+    except (zmq.ZMQError, BindError) as exc:
         sock.close(0)
         raise BindError(f"cannot listen on {address}: {exc}") from exc
     return sock
+
+
+def _ipc_free(address: str) -> None:
+    """BindError where another process listens on an ipc path: ZeroMQ binds over it, the old
+    listener lives on unreachable and the new one takes its clients (an audit). A file nobody
+    listens on (a daemon that died) is fine to bind over."""
+    if not address.startswith("ipc://") or not os.path.exists(path := address[len("ipc://") :]):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return
+    raise BindError("another process listens there")
 
 
 def dealer(
@@ -546,7 +563,8 @@ class Server:
             log.log(level, "%s: %s%s", self.address, text, more)
             self.logged[event] = (now, 0)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """`linger_ms`: how long replies still queued get to leave (a stopping daemon's last words)."""
         if self.helper is not None:
             helper, self.helper = self.helper, None
             self.lent.set()  # it wakes, sees it is closed, and ends
@@ -555,7 +573,7 @@ class Server:
             self.wake_out.close(0)
         self.sock.disable_monitor()
         self.monitor.close(0)
-        self.sock.close(0)
+        self.sock.close(linger_ms)
         if self.auth is not None:
             self.auth.stop()
         if self.own_context:

@@ -122,6 +122,13 @@ REFUSED_FLAGS = [
     ("launch.draft_daemon", ["--bind", "tcp://127.0.0.1:99999"], "a port of 1-65535"),  # was: bound 34463, silently
     ("launch.client", ["--address", "localhost:5556", "--prompt", "hi"], "expected tcp://HOST:PORT"),  # a traceback
     ("launch.serve", ["--target", "localhost:5556"], "expected tcp://HOST:PORT"),  # was: a 500 for every request
+    # Each of these was taken: a daemon that read nothing (not even pings), refused every request,
+    # failed every prompt, or ended in a traceback once the model had loaded (an audit).
+    ("launch.target_daemon", ["--max-messages-per-step", "0"], "--max-messages-per-step must be at least 1"),
+    ("launch.target_daemon", ["--max-queued-per-client", "0"], "--max-queued-per-client must be at least 1"),
+    ("launch.target_daemon", ["--prefill-chunk", "-1"], "--prefill-chunk must be 0 or more"),
+    ("launch.target_daemon", ["--ring-capacity", "0"], "--ring-capacity must be at least 1"),
+    ("launch.serve", ["--port", "70000"], "a port of 1-65535"),  # was: three tracebacks from uvicorn's bind
 ]
 
 
@@ -204,3 +211,50 @@ def test_a_prompts_file_line_is_a_json_records_prompt_or_the_line_itself(tmp_pat
     bad.write_text('hello\n{"text": "no prompt key"}\n')
     with pytest.raises(SystemExit, match=r"bad.txt:2: a JSON line needs a \"prompt\" string"):
         read_prompts(argparse.Namespace(prompt=None, prompts_file=str(bad)))
+
+
+def test_a_sigterm_to_the_all_in_one_launcher_stops_both_daemons(chat_model_dir):
+    """systemd, docker stop and kill send SIGTERM: it ended dflash-local alone and left both
+    daemons running, holding their ports (an audit)."""
+    import signal
+    import time
+
+    run = subprocess.Popen(
+        [sys.executable, "-m", "launch.local", "--model", str(chat_model_dir), "--prompt", "hi"]
+        + ["--max-new-tokens", "1800", "--threads", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    pids = []
+    try:
+        for line in run.stdout:
+            if "ready at" in line:
+                pids.append(int(re.search(r"\(pid (\d+)\)", line).group(1)))
+            if "target daemon ready" in line:
+                break
+        assert len(pids) == 2, pids
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(60) == 143
+    finally:
+        run.kill()
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _running(pid)]
+        time.sleep(0.2)
+    assert not alive, f"daemons left running: {alive}"
+
+
+def _running(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie has ended: only its exit status is left
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

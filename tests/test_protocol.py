@@ -845,3 +845,20 @@ def test_a_drafter_that_would_cost_the_target_unbounded_memory_or_time_does_not_
     assert fit_problems(FITTING, TARGET) == []
     problems = fit_problems({**FITTING, **change}, TARGET)
     assert len(problems) == 1 and why in problems[0], problems
+
+
+def test_a_second_server_on_a_live_ipc_path_is_refused_and_a_stale_one_is_taken(tmp_path):
+    """ZeroMQ binds over an ipc path another process listens on: the first daemon lived on,
+    unreachable, and the second took its clients (an audit). A file nobody listens on any more
+    (a daemon that died) is bound over as before."""
+    from protocol.transport import BindError
+
+    address = f"ipc://{tmp_path}/taken.sock"
+    first = Server(address)
+    try:
+        with pytest.raises(BindError, match="another process listens there"):
+            Server(address)
+    finally:
+        first.close()
+    (tmp_path / "stale.sock").write_bytes(b"")  # left behind, nobody listening
+    Server(f"ipc://{tmp_path}/stale.sock").close()

@@ -458,3 +458,32 @@ def test_an_answer_over_what_a_done_reply_holds_is_refused_alone(tmp_path, monke
     metrics = service.metrics.to_dict()
     assert metrics["refused"] == {"too_large": 2} and metrics["requests"] == {"length": 1}, metrics
     assert metrics["generation_tokens"] == 20 + 20 + 10
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_a_daemon_that_goes_away_mid_request_is_noticed_in_seconds(model_dir, tmp_path, monkeypatch, how):
+    """A daemon stopped (SIGTERM) while a request ran said nothing to its client, and one killed
+    could say nothing: dflash-client waited out its whole timeout, 300 s by default (an audit).
+    A stopping daemon now tells each unfinished request (unknown_request, as a restarted one
+    tells their heartbeats); the client pings a silent daemon and gives up when it does not answer."""
+    import signal
+
+    import frontend.target_client as target_client
+
+    monkeypatch.setattr(target_client, "QUIET_S", 1.0)
+    address = f"ipc://{tmp_path}/going.sock"
+    with daemon("target daemon", "launch.target_daemon", address, ["--model", str(model_dir)], 120) as proc:
+        client = TargetClient(address, timeout_s=60.0)
+        stream = client.stream(token_ids=PROMPT, max_new_tokens=2000, stream=True)
+        assert next(stream).type == "chunk"
+        proc.send_signal(signal.SIGTERM if how == "stopped" else signal.SIGKILL)
+        began = time.monotonic()
+        with pytest.raises((ProtocolError, TimeoutError)) as caught:
+            for _ in stream:
+                pass
+        assert time.monotonic() - began < 15
+        if how == "stopped":
+            assert caught.value.code == ErrorCode.UNKNOWN_REQUEST and "shutting down" in str(caught.value)
+            assert proc.wait(10) == 0
+        else:
+            assert "stopped answering" in str(caught.value)

@@ -51,6 +51,9 @@ RECEIVE_QUEUE = 64
 ADMIT_BUDGET_S = 0.25
 
 
+SHUTDOWN_LINGER_MS = 500  # what a stopping daemon gives its last replies to leave
+
+
 @dataclass
 class Job:
     identity: bytes
@@ -374,8 +377,23 @@ class TargetService:
                     if self.active:
                         self.advance()
         finally:
-            self.server.close()
-            log.info("target daemon stopped")
+            try:
+                self.end_unfinished()
+            finally:
+                self.server.close(linger_ms=SHUTDOWN_LINGER_MS)
+                log.info("target daemon stopped")
+
+    def end_unfinished(self) -> None:
+        """On the way out, every request running or queued is told it was not finished, as a
+        restarted daemon tells its heartbeats: clients waited for a reply until their own
+        timeout (300 s for dflash-client), the HTTP front end answers 503 at once (an audit)."""
+        jobs = [a.job for a in self.active.values()] + [job for queue in self.queues.values() for job in queue]
+        for job in jobs:
+            if not job.lost:
+                reply = encode_error(
+                    job.request.id, ErrorCode.UNKNOWN_REQUEST, "the target daemon is shutting down; not finished"
+                )
+                self.server.send(job.identity, reply)
 
     # --- model side --------------------------------------------------------
 

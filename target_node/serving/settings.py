@@ -86,6 +86,14 @@ class ServiceSettings:
                 f"max_new_tokens_limit must be in [1, {MAX_REPLY_TOKENS}] (what one reply carries), "
                 f"got {self.max_new_tokens_limit}"
             )
+        # A daemon that starts and then refuses everything, or reads nothing (0 messages a step: not
+        # even pings), or fails on its first prompt, is worse than a refusal at start (an audit).
+        for name in ("max_queued", "max_queued_per_client", "max_queued_bytes", "max_messages_per_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("tree_nodes", "prefill_chunk", "prefill_budget_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.max_silence < 0:
             raise ValueError("max_silence must be 0 (wait forever) or a number of seconds")
         if self.prefix_cache_mb < 0:
