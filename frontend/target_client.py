@@ -17,11 +17,12 @@ import zmq
 
 from protocol import Message, ProtocolError
 from protocol.keys import ClientKeys
-from protocol.transport import CONTROL_MAX_FRAME, Client, request
+from protocol.transport import CONTROL_MAX_FRAME, Client
 
 CANCEL_WAIT_S = 1.0  # how long a cancelled request waits for the daemon's `done`
 QUIET_S = 5.0  # silence after which a waiting client pings the daemon
-PING_S = 3.0  # how long that ping may take (a busy daemon answers within about 50 ms)
+PING_S = 10.0  # how long that ping may take: a busy daemon answers within about 50 ms, a new
+# connection over a lossy link may need a SYN resent (1 s, then 3 s)
 SLICE_S = 0.2  # longest one wait blocks while a cancel drains
 
 
@@ -132,11 +133,29 @@ class TargetClient:
                 return reply
             if time.monotonic() >= deadline:
                 break
-            pong = request(self.address, "ping", timeout_s=PING_S, curve=self.curve)
-            if pong is None:
-                call.finished = True  # nobody left to cancel with
-                raise TimeoutError(f"the target daemon at {self.address} stopped answering pings ({PING_S:g} s)")
+            reply = self._ping(call)
+            if reply is not None:
+                return reply
         raise TimeoutError(f"no reply from the target daemon within {self.timeout_s:.0f} s")
+
+    def _ping(self, call: GenerateCall) -> Message | None:
+        """Ping the daemon while the request goes on heartbeating (a ping that blocked them for
+        longer than three beats had the daemon drop a live request, a review); the request's own
+        reply, if one comes meanwhile. TimeoutError when neither comes within PING_S."""
+        pinger = Client(self.address, curve=self.curve, max_message_bytes=CONTROL_MAX_FRAME)
+        try:
+            sent = pinger.send("ping", {})
+            end = time.monotonic() + PING_S
+            while time.monotonic() < end:
+                reply = call.next(SLICE_S)
+                if reply is not None:
+                    return reply
+                if pinger.wait(sent, "ping", SLICE_S / 4) is not None:
+                    return None
+        finally:
+            pinger.close()
+        call.finished = True  # nobody left to cancel with
+        raise TimeoutError(f"the target daemon at {self.address} stopped answering pings ({PING_S:g} s)")
 
     def generate(self, **fields: object) -> Message:
         return list(self.stream(**fields))[-1]

@@ -62,21 +62,23 @@ def daemon(
     """Run `python -m module`, wait until it answers a ping (sent with `curve` keys when it
     speaks CURVE), stop it with SIGTERM on exit. `log`: a file for its output."""
     command = [sys.executable, "-m", module, "--bind", address, *args]
-    out = open(log, "ab") if log is not None else None
     # Something already answering there would pass the readiness check while this daemon still
     # loads, and the run would use a stranger's daemon, model and keys (an audit).
     if request(address, "ping", timeout_s=0.3) is not None:
         raise SystemExit(f"{name}: something already answers at {address}; stop it or pick another address")
-    proc = subprocess.Popen(command, env=colocated_env(), stdout=out, stderr=out)
+    out = open(log, "ab") if log is not None else None
+    proc = None
     try:
+        proc = subprocess.Popen(command, env=colocated_env(), stdout=out, stderr=out)
         if not wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None, curve=curve):
             raise SystemExit(f"{name} did not become ready at {address} (exit code {proc.poll()})")
         print(f"[local] {name} ready at {address} (pid {proc.pid})", flush=True)
         yield proc
     finally:
-        if proc.poll() is not None:  # it ended on its own: say so, not only what its clients saw
-            print(f"[local] {name} exited with code {proc.returncode}", file=sys.stderr, flush=True)
-        stop(proc)
+        if proc is not None:
+            if proc.poll() is not None:  # it ended on its own: say so, not only what its clients saw
+                print(f"[local] {name} exited with code {proc.returncode}", file=sys.stderr, flush=True)
+            stop(proc)
         if out is not None:
             out.close()
 
@@ -149,6 +151,14 @@ def local_daemons(args: argparse.Namespace) -> Iterator[str]:
         yield target_address
 
 
+def leave(signum: int, frame: object) -> None:
+    """SIGTERM: end as Ctrl-C does, through the code that stops the daemons; a second signal then
+    must not cut that short (it skipped the SIGKILL of a daemon that would not stop, a review)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise SystemExit(143)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dflash-local", description=__doc__, formatter_class=HelpFormatter)
     add_daemon_args(parser)
@@ -156,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # A SIGTERM (systemd, docker stop, kill) ends the run as Ctrl-C does, through the code that stops
     # both daemons: by default it ended this process alone and left them running (an audit).
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
+    signal.signal(signal.SIGTERM, leave)
     try:
         with one_line_errors(parser.prog), local_daemons(args) as target_address:
             args.address = target_address

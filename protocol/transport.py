@@ -151,12 +151,17 @@ def _ipc_free(address: str) -> None:
     listens on (a daemon that died) is fine to bind over."""
     if not address.startswith("ipc://") or not os.path.exists(path := address[len("ipc://") :]):
         return
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except OSError:
-            return
-    raise BindError("another process listens there")
+    for attempt in range(3):  # a listener closed a moment ago (ZeroMQ closes asynchronously) stops accepting
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(0.5)  # a frozen listener with a full backlog: busy, not a hang
+            try:
+                probe.connect(path)
+            except TimeoutError:
+                pass
+            except OSError:
+                return
+        time.sleep(0.05 * (attempt + 1))
+    raise BindError("something listens there")
 
 
 def dealer(
@@ -351,7 +356,10 @@ class Server:
         self.address, self.curve = address, curve
         self.max_frame_bytes = max(0, max_message_bytes - FRAME_OVERHEAD)
         self.auth: ThreadAuthenticator | None = None
-        self.own_context = curve is not None
+        # A context of its own (unless given one): closing it terms it, which is what makes a
+        # linger wait (the shared instance is never termed at exit, and a stopping daemon's last
+        # replies were dropped, a review).
+        self.own_context = curve is not None or context is None
         if curve is not None:
             # A ZAP handler serves a whole context: a private one keeps this allow-list to this socket.
             self.context = zmq.Context()
@@ -359,7 +367,7 @@ class Server:
             self.auth.start()
             self.auth.configure_curve_callback(ZAP_DOMAIN.decode(), _AllowList(curve.allowed))
         else:
-            self.context = context or zmq.Context.instance()
+            self.context = context or zmq.Context()
         self.sock = router(self.context, address, max_message_bytes, curve, send_queue, receive_queue)
         self.monitor = self.sock.get_monitor_socket(int(sum(_EVENTS)))
         self.logged: dict[int, tuple[float, int]] = {}  # event -> (last logged, suppressed since)

@@ -389,11 +389,15 @@ class TargetService:
         timeout (300 s for dflash-client), the HTTP front end answers 503 at once (an audit)."""
         jobs = [a.job for a in self.active.values()] + [job for queue in self.queues.values() for job in queue]
         for job in jobs:
-            if not job.lost:
-                reply = encode_error(
-                    job.request.id, ErrorCode.UNKNOWN_REQUEST, "the target daemon is shutting down; not finished"
-                )
+            if job.lost:
+                continue
+            reply = encode_error(
+                job.request.id, ErrorCode.UNKNOWN_REQUEST, "the target daemon is shutting down; not finished"
+            )
+            try:
                 self.server.send(job.identity, reply)
+            except Exception:  # never in place of what ended the loop
+                log.warning("could not tell request %s the daemon is stopping", job.request.id, exc_info=True)
 
     # --- model side --------------------------------------------------------
 

@@ -97,3 +97,54 @@ def test_a_flood_of_stats_callers_shares_one_daemon_call_at_a_time(tmp_path):
     assert len(calls) <= 4, f"{len(calls)} daemon calls for 65 callers"
     assert all(figures["call"] > heard_before for heard_before, figures in got), got
     assert got[-1][1]["call"] == len(calls)
+
+
+def test_a_client_that_pings_a_quiet_daemon_keeps_its_heartbeats_going(tmp_path, monkeypatch):
+    """dflash-client pings a daemon silent for QUIET_S; the ping blocked the request's heartbeats,
+    and a ping answered late had the daemon drop a live request as silent (a review). The
+    heartbeats now go on while the ping waits."""
+    import frontend.target_client as target_client
+    from frontend.target_client import TargetClient
+
+    monkeypatch.setattr(target_client, "QUIET_S", 0.3)
+    address = f"ipc://{tmp_path}/late.sock"
+    server, beats, stop = Server(address), [], threading.Event()
+    began = time.monotonic()
+
+    def daemon():  # holds the request for 2 s, answers pings 0.5 s late, notes each heartbeat
+        due, request = [], None
+        while not stop.is_set():
+            now = time.monotonic()
+            for when, identity, id_ in [d for d in due if d[0] <= now]:
+                server.send(identity, encode("pong", id_, {"time": 0.0, "sessions": 0}))
+                due.remove((when, identity, id_))
+            if request is not None and now - began > 2.0:
+                identity, msg = request
+                server.send(
+                    identity,
+                    encode("done", msg.id, {"text": "", "token_ids": [], "finish_reason": "length", "stats": {}}),
+                )
+                request = None
+            got = server.next(10)
+            if got is None:
+                continue
+            identity, msg = got
+            if msg.type == "ping":
+                due.append((time.monotonic() + 0.5, identity, msg.id))
+            elif msg.type == "heartbeat":
+                beats.append(time.monotonic())
+            elif msg.type == "generate":
+                request = (identity, msg)
+
+    thread = threading.Thread(target=daemon)
+    thread.start()
+    try:
+        client = TargetClient(address, timeout_s=10.0, heartbeat_s=0.2)
+        done = client.generate(token_ids=[1, 2, 3], max_new_tokens=4)
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+    assert done.type == "done" and len(beats) >= 5
+    gaps = [b - a for a, b in zip([began, *beats], beats, strict=False)]
+    assert max(gaps) < 2.5 * 0.2, gaps  # the daemon drops a request after 3 missed beats
