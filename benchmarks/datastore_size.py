@@ -60,7 +60,7 @@ def measure(args: argparse.Namespace) -> dict:
             {
                 "fraction": str(fraction),
                 "answers": len(part),
-                "answer_tokens": sum(len(a.tokens) - a.prompt_len for a in part),
+                "answer_tokens": sum(a.answer_tokens for a in part),
                 "tau": round(result["tau"], 4),
                 "first_accepted": round(result["first_accepted"], 4),
                 "steps": result["steps"],

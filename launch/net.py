@@ -21,6 +21,16 @@ DRAFT_ADDRESS = "tcp://127.0.0.1:5555"
 TARGET_ADDRESS = "tcp://127.0.0.1:5556"
 
 
+PORTS = range(1, 65536)
+
+
+def tcp_port(text: str) -> int:
+    """A port flag's value (before: dflash-serve --port 70000 ended in three tracebacks from uvicorn's bind)."""
+    if not text.isdigit() or int(text) not in PORTS:
+        raise argparse.ArgumentTypeError(f"a port of 1-65535, got {text}")
+    return int(text)
+
+
 def address(text: str) -> str:
     """A ZeroMQ address flag's value, refused by the parser where ZeroMQ would fail on it later (with
     a traceback, or a 500 for every HTTP request) or quietly use another port (99999 bound 34463)."""
@@ -29,7 +39,7 @@ def address(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {text!r}")
     if scheme == "tcp":
         host, colon, port = rest.rpartition(":")
-        if not colon or not host or not (port == "*" or (port.isdigit() and 1 <= int(port) <= 65535)):
+        if not colon or not host or not (port == "*" or (port.isdigit() and int(port) in PORTS)):
             raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT with a port of 1-65535, got {text!r}")
     return text
 

@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from launch.net import HelpFormatter, address, client_security, one_line_errors
+from launch.net import HelpFormatter, address, client_security, one_line_errors, tcp_port
 from launch.processes import stop
 
 API_KEY_ENV = "DFLASH_API_KEY"
@@ -85,16 +85,6 @@ def exit_on_signals() -> None:
 
     signal.signal(signal.SIGTERM, leave)
     signal.signal(signal.SIGINT, leave)
-
-
-def tcp_port(text: str) -> int:
-    """A parser type: a TCP port (before: 70000 ended in three tracebacks from uvicorn's bind)."""
-    from launch.common import at_least
-
-    port = at_least(1)(text)
-    if port > 65535:
-        raise argparse.ArgumentTypeError(f"a port of 1-65535, got {port}")
-    return port
 
 
 def build_parser() -> argparse.ArgumentParser:

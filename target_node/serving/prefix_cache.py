@@ -131,11 +131,7 @@ class PrefixCache:
         at = blocks * BLOCK
         tail = prompt[at : min(len(prompt) - 1, at + BLOCK)]
         best = max(reversed(deepest), key=lambda e: _common(tail, e.tokens[at : at + BLOCK]))
-        length = 0
-        for mine, theirs in zip(prompt[: len(prompt) - 1], best.tokens, strict=False):
-            if mine != theirs:
-                break
-            length += 1
+        length = _common(prompt[: len(prompt) - 1], best.tokens)
         if length < BLOCK:  # a hash collision: the tokens disagree early
             return None
         self.entries.move_to_end(id(best))
