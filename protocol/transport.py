@@ -406,6 +406,15 @@ class Server:
         request that arrived during the step, which the caller does not know yet."""
         return any(peer == identity and getattr(msg, "id", None) == request_id for peer, msg in self.held)
 
+    def take_held(self) -> list[tuple[bytes, Message | ProtocolError]]:
+        """What the helper took in that next() has not returned yet, handed over and forgotten:
+        on the way out the caller answers the requests among it, whose senders would otherwise
+        wait for a reply that never comes."""
+        held = list(self.held)
+        self.held.clear()
+        self.held_from.clear()
+        return held
+
     def heard(self) -> dict[bytes, float]:
         """When each peer the helper took a message from (answered, held or refused) since the
         last call was last heard, in time.monotonic(): what next() returns later was heard then."""

@@ -487,3 +487,52 @@ def test_a_daemon_that_goes_away_mid_request_is_noticed_in_seconds(model_dir, tm
             assert proc.wait(10) == 0
         else:
             assert "stopped answering" in str(caught.value)
+
+
+def test_a_request_that_arrives_during_the_last_step_is_told_the_daemon_stops(model_dir, tmp_path):
+    """A request taken in by the answering helper during the step the daemon stopped after was
+    never read, so it got no reply at all: its client waited for its liveness ping to fail."""
+    from target_node.drafting.proposers import NoProposer
+    from target_node.serving.daemon import TargetService
+    from target_node.serving.settings import ServiceSettings
+
+    service = TargetService(TargetModel.load(model_dir), [NoProposer(), NoProposer()], ServiceSettings())
+    stop = threading.Event()
+    advance = service.advance
+
+    def last_step() -> None:  # the step during which the second request arrives, then the stop
+        deadline = time.monotonic() + 30
+        while not service.server.held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stop.set()
+        advance()
+
+    service.advance = last_step
+    address = f"ipc://{tmp_path}/stopping.sock"
+    thread = threading.Thread(target=service.serve, args=(address, stop))
+    thread.start()
+    first, second = TargetClient(address, timeout_s=30), TargetClient(address, timeout_s=30)
+    try:
+        running = first.stream(token_ids=PROMPT, max_new_tokens=2000, stream=True)
+        errors: list[BaseException] = []
+
+        def ask() -> None:
+            try:
+                second.generate(token_ids=PROMPT, max_new_tokens=4)
+            except BaseException as exc:  # the assertion reads it
+                errors.append(exc)
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        with pytest.raises(ProtocolError, match="shutting down"):
+            for _ in running:
+                pass
+        asker.join(20)
+        assert not asker.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], ProtocolError), errors
+        assert errors[0].code == ErrorCode.UNKNOWN_REQUEST and "shutting down" in str(errors[0])
+    finally:
+        stop.set()
+        thread.join(20)
+        first.close()
+        second.close()

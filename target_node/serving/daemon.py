@@ -388,16 +388,18 @@ class TargetService:
         restarted daemon tells its heartbeats: clients waited for a reply until their own
         timeout (300 s for dflash-client), the HTTP front end answers 503 at once (an audit)."""
         jobs = [a.job for a in self.active.values()] + [job for queue in self.queues.values() for job in queue]
-        for job in jobs:
-            if job.lost:
-                continue
-            reply = encode_error(
-                job.request.id, ErrorCode.UNKNOWN_REQUEST, "the target daemon is shutting down; not finished"
-            )
+        unfinished = [(job.identity, job.request.id) for job in jobs if not job.lost]
+        # Requests that arrived during the last step and wait in the server, unread (the review
+        # of the fix above): their senders were as sure of an answer.
+        unfinished += [
+            (who, msg.id) for who, msg in self.server.take_held() if isinstance(msg, Message) and msg.type == "generate"
+        ]
+        for identity, request_id in unfinished:
+            why = "the target daemon is shutting down; not finished"
             try:
-                self.server.send(job.identity, reply)
+                self.server.send(identity, encode_error(request_id, ErrorCode.UNKNOWN_REQUEST, why))
             except Exception:  # never in place of what ended the loop
-                log.warning("could not tell request %s the daemon is stopping", job.request.id, exc_info=True)
+                log.warning("could not tell request %s the daemon is stopping", request_id, exc_info=True)
 
     # --- model side --------------------------------------------------------
 
