@@ -108,22 +108,38 @@ def add_proposer_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# ProposerSettings' fields by the flags that set them, for its errors to name what the user wrote.
+PROPOSER_FLAGS = {
+    "ring_capacity": "--ring-capacity",
+    "draft_timeout_s": "--draft-timeout",
+    "draft_retry_s": "--draft-retry",
+    "predraft": "--predraft",
+}
+
+
 def proposer_settings(args: argparse.Namespace) -> ProposerSettings:
-    """The command line's proposer flags as settings; a local drafter defaults to the shipped one."""
+    """The command line's proposer flags as settings; a local drafter defaults to the shipped one.
+    A value the settings refuse raises ValueError naming the flag."""
     checkpoint = None
     if args.proposer == "local":
         checkpoint = Path(args.drafter_checkpoint or ensure_default_drafter(resolve_model(args.model)))
-    return ProposerSettings(
-        args.proposer,
-        args.drafter,
-        checkpoint,
-        args.fallback,
-        args.draft_timeout,
-        args.draft_retry,
-        args.wire_dtype,
-        args.ring_capacity,
-        args.predraft,
-    )
+    try:
+        return ProposerSettings(
+            args.proposer,
+            args.drafter,
+            checkpoint,
+            args.fallback,
+            args.draft_timeout,
+            args.draft_retry,
+            args.wire_dtype,
+            args.ring_capacity,
+            args.predraft,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        for name, flag in PROPOSER_FLAGS.items():
+            message = message.replace(name, flag)
+        raise ValueError(message) from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,10 +157,9 @@ def start(argv: list[str] | None) -> None:
     apply_runtime_args(args)
     if args.max_batch < 1:
         parser.error("--max-batch must be at least 1")
-    if args.ring_capacity < 1 or args.draft_timeout <= 0 or args.draft_retry < 0:
-        parser.error("--ring-capacity must be at least 1, --draft-timeout above 0 s, --draft-retry 0 s or more")
-    try:
+    try:  # before the model loads: a refused flag is a one-line error at once
         settings = settings_from(args, ServiceSettings)
+        drafting = proposer_settings(args)
     except ValueError as exc:
         parser.error(str(exc))
     with one_line_errors(parser.prog, DrafterMismatch, CheckpointError):
@@ -157,7 +172,7 @@ def start(argv: list[str] | None) -> None:
                 raise
             parser.exit(1, f"{parser.prog}: error: no memory for --max-batch {args.max_batch}: {exc}\n")
         recorder = traffic_recorder(args.record, target.name) if args.record else None
-        proposers = build_proposers(proposer_settings(args), target, target.slots, drafter_keys)
+        proposers = build_proposers(drafting, target, target.slots, drafter_keys)
         service = TargetService(target, proposers, settings, recorder, datastore_for(settings.datastore, target.name))
         # Only now: a SIGTERM while the model loads ends the process at once (it waited for the load).
         stop = stop_on_signals()

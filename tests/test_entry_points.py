@@ -128,6 +128,9 @@ REFUSED_FLAGS = [
     ("launch.target_daemon", ["--max-queued-per-client", "0"], "--max-queued-per-client must be at least 1"),
     ("launch.target_daemon", ["--prefill-chunk", "-1"], "--prefill-chunk must be 0 or more"),
     ("launch.target_daemon", ["--ring-capacity", "0"], "--ring-capacity must be at least 1"),
+    ("launch.target_daemon", ["--draft-timeout", "0"], "--draft-timeout must be above 0"),
+    ("launch.target_daemon", ["--draft-retry", "-1"], "--draft-retry must be 0 or more"),
+    ("launch.target_daemon", ["--predraft", "99"], "--predraft names 0 to 16 outcomes, got 99"),  # a traceback
     ("launch.serve", ["--port", "70000"], "a port of 1-65535"),  # was: three tracebacks from uvicorn's bind
 ]
 

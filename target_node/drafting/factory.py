@@ -41,6 +41,12 @@ class ProposerSettings:
             raise ValueError(f"unknown proposer {self.kind!r}; expected one of {PROPOSER_KINDS}")
         if self.kind == "local" and self.checkpoint is None:
             raise ValueError("a local proposer needs a drafter checkpoint")
+        if self.ring_capacity < 1:
+            raise ValueError(f"ring_capacity must be at least 1, got {self.ring_capacity}")
+        if not self.draft_timeout_s > 0:  # not `<= 0`: NaN is refused too
+            raise ValueError(f"draft_timeout_s must be above 0, got {self.draft_timeout_s}")
+        if not self.draft_retry_s >= 0:
+            raise ValueError(f"draft_retry_s must be 0 or more, got {self.draft_retry_s}")
 
 
 def build_proposers(
