@@ -101,6 +101,7 @@ class TargetLink:
         # /stats and /metrics share one stats call at a time (see stats()).
         self.asking_stats = anyio.Lock()
         self.stats_calls = 0  # stats calls begun
+        self.stats_ended = 0  # of them, ended (answered or not)
         self.last_stats: tuple[int, dict | None] = (0, None)  # the latest call's number and figures
 
     def call_sync(self, type_: str) -> Message | None:
@@ -134,14 +135,21 @@ class TargetLink:
         --api-key) costs the daemon one stats call at a time, where each used to make its own and
         took the daemon's room for held messages from generate requests.
         """
-        arrived = self.stats_calls
+        arrived, ended = self.stats_calls, self.stats_ended
         async with self.asking_stats:
             number, figures = self.last_stats
             if number > arrived:  # begun after this caller arrived: fresh enough
                 return figures
+            if figures is None and self.stats_ended > ended:
+                # The call under way as this caller arrived went unanswered while it waited: the
+                # daemon is silent now, and a call of its own doubled the wait (a review).
+                return None
             self.stats_calls += 1
             number = self.stats_calls
-            reply = await to_thread.run_sync(self.call_sync, "stats", limiter=self.limiter)
+            try:
+                reply = await to_thread.run_sync(self.call_sync, "stats", limiter=self.limiter)
+            finally:
+                self.stats_ended += 1
             figures = None if reply is None else reply["stats"]
             self.last_stats = (number, figures)
             return figures

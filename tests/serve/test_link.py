@@ -148,3 +148,41 @@ def test_a_client_that_pings_a_quiet_daemon_keeps_its_heartbeats_going(tmp_path,
     assert done.type == "done" and len(beats) >= 5
     gaps = [b - a for a, b in zip([began, *beats], beats, strict=False)]
     assert max(gaps) < 2.5 * 0.2, gaps  # the daemon drops a request after 3 missed beats
+
+
+def test_stats_callers_behind_an_unanswered_call_do_not_wait_again(tmp_path):
+    """Callers that arrived while a stats call to a silent daemon was under way waited it out, then
+    made a call of their own and waited the whole timeout again (a review): /stats and /metrics
+    took twice the timeout to say the daemon is away. What they waited through answers them."""
+    address = f"ipc://{tmp_path}/silent.sock"
+    server, calls, stop = Server(address), [], threading.Event()
+
+    def daemon():  # reads every call, answers none
+        while not stop.is_set():
+            got = server.next(20)
+            if got is not None:
+                calls.append(got[1].type)
+
+    thread = threading.Thread(target=daemon)
+    thread.start()
+    link = TargetLink(address, daemon_timeout_s=0.5)
+    got: list[dict | None] = []
+
+    async def ask() -> None:
+        got.append(await link.stats())
+
+    async def flood() -> None:
+        async with anyio.create_task_group() as group:
+            for _ in range(8):
+                group.start_soon(ask)
+                await anyio.sleep(0.02)  # all arrive while the first call waits
+        got.append(await link.stats())  # alone, afterwards: a call of its own
+
+    try:
+        anyio.run(flood)
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+    assert got == [None] * 9
+    assert calls == ["stats", "stats"], calls
