@@ -104,6 +104,9 @@ class OracleBackend:
     def keepalive(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
     def reset(self, position: int) -> None:
         self.length = position
 

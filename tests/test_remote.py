@@ -390,3 +390,30 @@ def test_a_draft_daemon_pushing_unasked_replies_makes_the_target_hold_only_its_q
     finally:
         client.close()
         daemon.close(0)
+
+
+def test_a_stopped_target_closes_its_sessions_so_one_restarted_at_once_drafts(target, checkpoint, tmp_path):
+    """A target daemon stopped left its slots' sessions open on the draft daemon until its reclaim
+    (30 s, when the table is full) or the idle timeout (600 s): one restarted at once, with the
+    table full, was refused every session and served without drafts (an audit)."""
+    from frontend.target_client import TargetClient
+    from launch.local import daemon
+    from target_node.drafting.factory import ProposerSettings, build_proposers
+    from target_node.serving.daemon import TargetService
+    from target_node.serving.settings import ServiceSettings
+
+    drafter = f"ipc://{tmp_path}/draft.sock"
+    args = ["--checkpoint", str(checkpoint), "--threads", "1", "--dtype", "float32", "--max-sessions", "1"]
+    with daemon("draft daemon", "launch.draft_daemon", drafter, args, 60):
+        for run in range(2):
+            one_slot = tiny_target("qwen3", seed=4)
+            proposers = build_proposers(ProposerSettings("remote", drafter), one_slot, 1)
+            service = TargetService(one_slot, proposers, ServiceSettings(always_draft=True))
+            address = f"ipc://{tmp_path}/target-{run}.sock"
+            with serving_in_thread(service.serve, address):
+                client = TargetClient(address, timeout_s=60)
+                try:
+                    done = client.generate(token_ids=PROMPTS[0], max_new_tokens=MAX_NEW)
+                finally:
+                    client.close()
+            assert done["stats"]["sources"].get("dflash", 0) > 0, (run, done["stats"]["sources"])

@@ -497,14 +497,15 @@ def test_a_request_that_arrives_during_the_last_step_is_told_the_daemon_stops(mo
     from target_node.serving.settings import ServiceSettings
 
     service = TargetService(TargetModel.load(model_dir), [NoProposer(), NoProposer()], ServiceSettings())
-    stop = threading.Event()
+    stop, armed = threading.Event(), threading.Event()
     advance = service.advance
 
-    def last_step() -> None:  # the step during which the second request arrives, then the stop
+    def last_step() -> None:  # once armed, the step during which the second request arrives, then the stop
         deadline = time.monotonic() + 30
-        while not service.server.held and time.monotonic() < deadline:
+        while armed.is_set() and not service.server.held and time.monotonic() < deadline:
             time.sleep(0.01)
-        stop.set()
+        if armed.is_set():
+            stop.set()
         advance()
 
     service.advance = last_step
@@ -514,6 +515,8 @@ def test_a_request_that_arrives_during_the_last_step_is_told_the_daemon_stops(mo
     first, second = TargetClient(address, timeout_s=30), TargetClient(address, timeout_s=30)
     try:
         running = first.stream(token_ids=PROMPT, max_new_tokens=2000, stream=True)
+        assert next(running).type == "chunk"  # the first request runs
+        armed.set()
         errors: list[BaseException] = []
 
         def ask() -> None:
@@ -536,3 +539,39 @@ def test_a_request_that_arrives_during_the_last_step_is_told_the_daemon_stops(mo
         thread.join(20)
         first.close()
         second.close()
+
+
+def test_clients_that_queue_cancel_and_leave_leave_no_entry_behind(model_dir, tmp_path):
+    """With the slot busy, each client that queued a request, cancelled it and left kept an empty
+    queue until the slot freed: 3,000 of them, 3,000 entries, each walked by every message (an
+    audit). A queue that empties by a cancel goes."""
+    from target_node.drafting.proposers import NoProposer
+    from target_node.serving.daemon import TargetService
+    from target_node.serving.settings import ServiceSettings
+
+    service = TargetService(TargetModel.load(model_dir, slots=1), [NoProposer()], ServiceSettings())
+    advance = service.advance
+
+    def slow_step() -> None:  # the holder must outlast the clients
+        time.sleep(0.01)
+        advance()
+
+    service.advance = slow_step
+    address = f"ipc://{tmp_path}/queues.sock"
+    context = zmq.Context.instance()
+    entries = []
+    with serving_in_thread(service.serve, address):
+        holder = dealer(context, address)
+        holder.send_multipart(encode("generate", 1, {"token_ids": PROMPT, "max_new_tokens": 2000}))
+        assert receive(holder, 1, time.monotonic() + 60).type == "chunk"
+        for i in range(40):
+            sock = dealer(context, address)
+            sock.send_multipart(encode("generate", 10 + i, {"token_ids": PROMPT, "max_new_tokens": 8}))
+            sock.send_multipart(encode("cancel", 10 + i, {}))
+            reply = receive(sock, 10 + i, time.monotonic() + 60)
+            assert reply.type == "done" and reply["finish_reason"] == "cancelled"
+            sock.close(0)
+            entries.append(len(service.queues))
+        holder.send_multipart(encode("cancel", 1, {}))
+        holder.close(0)
+    assert max(entries) <= 1, entries  # each client's own, at most, while it waits

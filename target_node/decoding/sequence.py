@@ -93,7 +93,10 @@ class Sequence:
         self.drafting_failed = False  # drafting raised: this request's steps verify only what it knows
         self.cancelled = False
         self.began = time.perf_counter()
-        target.reset(slot, expect=len(self.prompt) + 1)
+        # Room for the whole request at once (within the model's positions): reserving only the
+        # prompt had the first verify after it grow, and so copy, every slot's cache (an audit:
+        # 1.7 s for that step after a 4,100-token prompt, 0.2 s without the growth).
+        target.reset(slot, expect=len(self.prompt) + options.max_new_tokens + 1)
         proposer.begin(target)
 
     @property

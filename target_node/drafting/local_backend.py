@@ -33,6 +33,9 @@ class LocalDraftBackend:
     def keepalive(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
     def keep(self, name: str, rows: int) -> int:
         return 0  # in this process a prefix's context is recomputed from its features: no wire to spare
 

@@ -195,6 +195,10 @@ class DraftBackend(Protocol):
     def keepalive(self) -> None:
         """Show the drafter this target is alive (remote: a ping now and then; local: nothing)."""
 
+    def close(self) -> None:
+        """Let the drafter go (remote: close the session, so a target restarted soon after finds
+        the daemon's room free; local: nothing)."""
+
     def keep(self, name: str, rows: int) -> int:
         """Have the drafter keep its context of positions [0, rows) under `name` (the prefix cache's
         entry); returns the positions kept (0: none, e.g. an in-process drafter, which recomputes)."""

@@ -90,7 +90,7 @@ class Engine:
     def reset(self, slot: int = 0, expect: int = 0) -> None:
         """An empty slot, with room made at once for `expect` positions (within the model's)."""
         self.cache.lengths[slot] = 0
-        limit = self.cache.max_capacity
+        limit = self.cache.doubling_limit
         self.cache.reserve(min(expect, limit) if limit else expect)
 
     def rollback(self, length: int, slot: int = 0) -> None:

@@ -4,9 +4,10 @@ Each slot holds one sequence's keys and values for every layer, in one tensor [l
 values), slots, kv_heads, capacity, head_dim], written in place by the forward (no concatenation). A slot's length says
 which entries count: rolling back is setting it, and what lies beyond is overwritten by the
 next forward. A tree step's accepted rows are gathered into place (`keep`). The capacity grows
-by doubling when a sequence needs more, the only time entries are copied; a new sequence reserves
-its whole prompt at once (`reserve`), so a long prompt prefilled in chunks grows it once, not at
-every doubling it crosses (each growth copies every slot: 2.5 s at 9 slots x 4,096 fp32 positions).
+by doubling when a sequence needs more (up to the model's positions), the only time entries are
+copied (every slot's live ones: 2.5 s at 9 slots x 4,096 fp32 positions); a new sequence reserves
+its whole request at once (`reserve`: prompt and answer budget), so a long prompt prefilled in
+chunks, and the answer after it, grow it once, not at every doubling they cross.
 New room is left uninitialised: every key a row reads was written first (rows.py), and not
 touching it is what makes growing cheap (zero-filling made it 4x slower).
 
@@ -30,35 +31,38 @@ class StaticKVCache:
         device: torch.device | str,
         slots: int = 1,
         capacity: int = 256,
-        max_capacity: int | None = None,
+        doubling_limit: int | None = None,
     ) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.slots = slots
-        self.max_capacity = max_capacity
+        self.doubling_limit = doubling_limit
         self.capacity = 0
         self.kv = torch.zeros(0, device=self.device)
         self.lengths = [0] * slots
-        self._allocate(min(capacity, max_capacity) if max_capacity else capacity)
+        self._allocate(min(capacity, doubling_limit) if doubling_limit else capacity)
 
     def _allocate(self, capacity: int) -> None:
         shape = (self.layers, 2, self.slots, self.kv_heads, capacity, self.head_dim)
         kv = torch.empty(shape, dtype=self.dtype, device=self.device)
-        if self.capacity:
-            kv[..., : self.capacity, :] = self.kv
+        live = max(self.lengths)  # past every slot's length lies nothing a row will read
+        if live:
+            kv[..., :live, :] = self.kv[..., :live, :]
         self.kv, self.capacity = kv, capacity
         # Per layer, keys and values [slots, kv_heads, capacity, head_dim]: contiguous views, made once.
         self.keys = [kv[i, 0] for i in range(self.layers)]
         self.values = [kv[i, 1] for i in range(self.layers)]
 
     def reserve(self, positions: int) -> None:
-        """Make room for `positions` entries per slot (doubling, so growth is rare)."""
+        """Make room for `positions` entries per slot: by doubling, so growth is rare, but never
+        doubling past `doubling_limit` (the model's positions); past it only as far as asked (a
+        tree's rows near the end of the context lie beyond its last position)."""
         if positions <= self.capacity:
             return
-        if self.max_capacity is not None and positions > self.max_capacity:
-            raise ValueError(f"the KV cache holds at most {self.max_capacity} positions, not {positions}")
-        capacity = max(positions, 2 * self.capacity)
-        self._allocate(min(capacity, self.max_capacity) if self.max_capacity else capacity)
+        capacity = 2 * self.capacity
+        if self.doubling_limit is not None:
+            capacity = min(capacity, self.doubling_limit)
+        self._allocate(max(capacity, positions))
 
     def read(self, slot: int, positions: int) -> torch.Tensor:
         """A copy of the slot's first `positions` entries [layers, 2, kv_heads, positions, head_dim]."""

@@ -63,7 +63,9 @@ class TargetModel:
         self.engine: Engine | None = None
         if engine is not False:
             ops = engine if isinstance(engine, str) else "device"
-            self.engine = engine_for(model, slots=slots) if engine is None else Engine(model, slots=slots, ops=ops)
+            # The cache grows by doubling, never past the positions the model holds.
+            room = {"slots": slots, "max_positions": self.max_positions}
+            self.engine = engine_for(model, **room) if engine is None else Engine(model, **room, ops=ops)
         self.path: Engine | TransformersPath = self.engine or fallback
         self.greedy_head = self._screened_head_if_faster() if self.engine is None else None
 

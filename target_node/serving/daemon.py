@@ -52,6 +52,7 @@ ADMIT_BUDGET_S = 0.25
 
 
 SHUTDOWN_LINGER_MS = 500  # what a stopping daemon gives its last replies to leave
+CLOSE_DRAFTERS_S = 2.0  # and its drafter sessions' closing, together
 
 
 @dataclass
@@ -279,6 +280,8 @@ class TargetService:
         for job in list(queue):
             if job.request.id == request_id:
                 queue.remove(job)
+                if not queue:  # else every client that queued, cancelled and left kept an entry (an audit)
+                    del self.queues[identity]
                 self.counters["cancelled"] += 1
                 self.metrics.finish("cancelled")
                 self.send(identity, cancelled(request_id))
@@ -381,7 +384,26 @@ class TargetService:
                 self.end_unfinished()
             finally:
                 self.server.close(linger_ms=SHUTDOWN_LINGER_MS)
+                self.close_drafters()
                 log.info("target daemon stopped")
+
+    def close_drafters(self) -> None:
+        """Close every slot's drafter session, all at once (each waits a moment for the daemon's
+        word): a stopped target left them to the draft daemon's reclaim, and one restarted at
+        --max-batch 32 within 30 s found its table full and served without drafts (an audit)."""
+        backends = [proposer.backend for proposer in self.proposers if proposer.backend is not None]
+
+        def close(backend) -> None:
+            try:
+                backend.close()
+            except Exception:  # stopping all the same
+                log.warning("could not close a drafter session", exc_info=True)
+
+        closing = [threading.Thread(target=close, args=(backend,), daemon=True) for backend in backends]
+        for thread in closing:
+            thread.start()
+        for thread in closing:
+            thread.join(CLOSE_DRAFTERS_S)
 
     def end_unfinished(self) -> None:
         """On the way out, every request running or queued is told it was not finished, as a
