@@ -7,72 +7,105 @@ runs past a stop string.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 OnCommit = Callable[[list[int], str], None]
 
 
+# Prompt tokens the answer's text is decoded after: a SentencePiece decoder strips the leading
+# space of what it decodes, so the answer decoded alone lost the space its first token carries.
+CONTEXT_TOKENS = 5
+# Tokens a character may take to complete before its bytes are shown as they decode (U+FFFD):
+# UTF-8 needs at most 4; a model writing invalid bytes must not grow the decoded window forever.
+MOST_UNSETTLED = 16
+
+
 class TextStream:
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()) -> None:
+    """The answer's text, built token by token as an incremental detokenizer does (vLLM's
+    scheme): each token's text is what decoding a short window of the tokens before it and it
+    adds to decoding the window without it, held back while it ends in an unfinished character.
+
+    So the text only ever grows, the stream is its exact prefix, and a stop string is looked for
+    after each token, as plain decoding commits them: where a stop string ends never depends on
+    how many tokens a step commits. Decoding the whole answer again did not give that: a step's
+    text could end in the U+FFFD of a half-decoded character that a stop matched, and byte-fallback
+    decoders turn complete characters back into U+FFFD when an unfinished one follows (an audit).
+    """
+
+    def __init__(
+        self, tokenizer, stop_strings: tuple[str, ...] = (), context: list[int] | tuple[int, ...] = ()
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = tuple(s for s in stop_strings if s)
         if self.stop_strings and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        self.tokens: list[int] = []
-        self.sent = 0  # characters of text already handed out
-        self.text = ""
+        self.ids: list[int] = list(context[-CONTEXT_TOKENS:]) if tokenizer is not None else []
+        self.prefix_text = self._decode(self.ids)
+        if self.prefix_text.endswith("\ufffd"):  # context cut inside a character: decode without it
+            self.ids, self.prefix_text = [], ""
+        self.prefix_offset, self.read_offset = 0, len(self.ids)  # the window: ids[prefix_offset:]
+        self.text = ""  # settled text of the answer so far (ends at a stop string's start once stopped)
+        self.sent = 0  # characters of it already handed out
         self.stopped = False
-        self.decoded: tuple[tuple[int, tuple[int, ...]], str] = ((0, ()), "")  # the last _text_with
 
-    def _text_with(self, more: list[int]) -> str:
-        """The text of the tokens so far plus `more`, decoded whole (so it is exactly what decoding
-        the answer gives), and kept for the next call: a step's stop check and its push ask for the
-        same tokens, and pay one decode."""
-        key = (len(self.tokens), tuple(more))
-        if self.decoded[0] != key:
-            text = (
-                self.tokenizer.decode(self.tokens + more, skip_special_tokens=True)
-                if self.tokenizer is not None
-                else ""
-            )
-            self.decoded = (key, text)
-        return self.decoded[1]
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None and ids else ""
 
-    def stop_token_count(self, tokens: list[int]) -> int | None:
-        """If adding `tokens` completes a stop string, how many of them to keep; else None.
+    def _settle(self, force: bool = False) -> None:
+        """Add the text of the tokens past the read offset, unless it ends in an unfinished
+        character (or `force`: the answer ended, or too many tokens wait)."""
+        window = self._decode(self.ids[self.prefix_offset :])
+        unsettled = len(self.ids) - self.read_offset
+        if not force and (len(window) <= len(self.prefix_text) or window.endswith("\ufffd")):
+            if unsettled < MOST_UNSETTLED:
+                return
+        if window.startswith(self.prefix_text):
+            added = window[len(self.prefix_text) :]
+        else:  # a decoder that rewrote the window's start (byte fallback): the new tokens alone
+            added = self._decode(self.ids[self.read_offset :])
+        self.text += added
+        self.prefix_text = self._decode(self.ids[self.read_offset :])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
-        One decode where none completes (every step but the last); else a bisection for the first
-        token whose text holds a stop string. Trying each count in turn cost a decode of the whole
-        answer per token: a step that verified 512 hints of a request with a stop string decoded a
-        4,000-token answer 512 times, on the thread every request shares."""
-        if not self.stop_strings:
-            return None
+    def _stop_in(self, since: int) -> int:
+        """Where the first stop string starts in the text, looking from `since` on; -1: none."""
+        found = [i for s in self.stop_strings if (i := self.text.find(s, since)) >= 0]
+        return min(found, default=-1)
 
-        def stops(count: int) -> bool:
-            text = self._text_with(tokens[:count])
-            return any(s in text for s in self.stop_strings)
+    def push(self, tokens: list[int], final: bool = False) -> tuple[int, str]:
+        """Add committed tokens, one at a time; returns how many of them the answer keeps (fewer
+        when a stop string completes: up to the token that completed it) and the new text that is
+        safe to show. `final`: the answer ends with them, so nothing is held back."""
+        longest = max(map(len, self.stop_strings), default=0)
+        kept = len(tokens)
+        if self.tokenizer is None:
+            return kept, ""
+        for i, token in enumerate(tokens):
+            before = len(self.text)
+            self.ids.append(token)
+            self._settle()
+            if self.stop_strings and len(self.text) > before and self._cut(max(0, before - longest + 1)):
+                kept = i + 1
+                break
+        if final and not self.stopped:
+            before = len(self.text)
+            self._settle(force=True)
+            if self.stop_strings:
+                self._cut(max(0, before - longest + 1))
+        return kept, self._safe_delta(final or self.stopped)
 
-        if not tokens or not stops(len(tokens)):
-            return None
-        shown, holds = 0, len(tokens)  # the text so far holds no stop string (it would have ended)
-        while holds - shown > 1:
-            middle = (shown + holds) // 2
-            shown, holds = (shown, middle) if stops(middle) else (middle, holds)
-        return holds
+    def _cut(self, since: int) -> bool:
+        """End the text at the first stop string from `since` on, if any."""
+        cut = self._stop_in(since)
+        if cut < 0:
+            return False
+        self.text, self.stopped = self.text[:cut], True
+        return True
 
-    def push(self, tokens: list[int], final: bool = False) -> str:
-        """Add committed tokens; return the new text that is safe to show."""
-        text = self._text_with(tokens)
-        self.tokens.extend(tokens)
-        cut = min((text.find(s) for s in self.stop_strings if s in text), default=-1)
-        if cut >= 0:
-            text, final, self.stopped = text[:cut], True, True
-        self.text = text
-        safe = len(text)
+    def _safe_delta(self, final: bool) -> str:
+        """The text not yet handed out, less a tail that may still grow into a stop string."""
+        text, safe = self.text, len(self.text)
         if not final:
-            # Hold back a trailing partial character and anything that may grow into a stop string.
-            while safe and text[safe - 1] == "\ufffd":
-                safe -= 1
             for s in self.stop_strings:
                 for k in range(min(len(s) - 1, safe), 0, -1):
                     if text[safe - k : safe] == s[:k]:
@@ -94,11 +127,13 @@ class Output:
         stop_strings: tuple[str, ...] = (),
         hints: list[int] | None = None,
         on_commit: OnCommit | None = None,
+        context: Sequence[int] = (),
     ) -> None:
+        """`context`: the prompt, whose last tokens the answer's text is decoded after."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         self.max_new_tokens, self.eos_ids, self.on_commit = max_new_tokens, eos_ids, on_commit
-        self.stream = TextStream(tokenizer, stop_strings)
+        self.stream = TextStream(tokenizer, stop_strings, context)
         self.hints = list(hints or [])
         self.tokens: list[int] = []
         self.finish = "length"
@@ -121,17 +156,15 @@ class Output:
             if tok in self.eos_ids:
                 new, done, self.finish = new[: i + 1], True, "eos"
                 break
-        keep = self.stream.stop_token_count(new)
-        if keep is not None:
-            new, done, self.finish = new[:keep], True, "stop"
+        keep, text = self.stream.push(new, final=done)
+        new = new[:keep]
+        if self.stream.stopped:
+            self.finish, done = "stop", True
         if self.hints and self.hinted(len(new)) != new:
             self.hints = []  # the output left the hinted path: later hints no longer line up
         self.tokens.extend(new)
-        text = self.stream.push(new, final=done)
         if self.on_commit is not None and (new or text):
             self.on_commit(new, text)
-        if self.stream.stopped:
-            self.finish, done = "stop", True
         self.done = done
         return done
 

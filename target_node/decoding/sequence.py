@@ -72,7 +72,13 @@ class Sequence:
         self.target, self.prompt, self.proposer, self.slot = target, list(prompt), proposer, slot
         eos = target.eos_ids if options.stop_on_eos else frozenset()
         self.output = Output(
-            target.tokenizer, options.max_new_tokens, eos, options.stop_strings, list(options.hint_tokens), on_commit
+            target.tokenizer,
+            options.max_new_tokens,
+            eos,
+            options.stop_strings,
+            list(options.hint_tokens),
+            on_commit,
+            context=self.prompt,
         )
         sampling = options.sampling
         self.sampler = None if sampling is None or sampling.is_greedy else Sampler(sampling, target.device)
