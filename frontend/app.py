@@ -22,7 +22,14 @@ from starlette.exceptions import HTTPException
 
 from frontend.api_key import ApiKey
 from frontend.body_limit import MAX_BODY_BYTES, BodyLimit
-from frontend.errors import APIError, cancelled_by_daemon, from_daemon, from_validation, invalid, unreachable
+from frontend.errors import (
+    APIError,
+    cancelled_by_daemon,
+    from_daemon,
+    from_protocol,
+    from_validation,
+    unreachable,
+)
 from frontend.link import HEARTBEAT_S, ClientGone, DaemonUnreachable, LinkCall, TargetLink, TooManyOpen
 from frontend.metrics import registry_for
 from frontend.responses import DONE_EVENT, Answer, sse
@@ -87,7 +94,7 @@ class Front:
         try:
             call = self.link.generate(body.to_daemon(self.default_max_tokens))
         except ProtocolError as exc:  # beyond what the wire carries (a stop string over 256 chars, ...)
-            raise invalid(exc.message) from exc
+            raise from_protocol(exc.message, body.prompt_param) from exc
         except TooManyOpen as exc:
             raise APIError(429, str(exc), type_="rate_limit_error", code="rate_limit_exceeded") from exc
         try:

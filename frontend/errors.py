@@ -6,6 +6,7 @@ official one raises BadRequestError, RateLimitError, ... from the status) read o
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from fastapi.responses import JSONResponse
@@ -86,7 +87,8 @@ def from_daemon(code: str, message: str, prompt_param: str) -> APIError:
     """The target daemon's `error` reply, as the status an HTTP client expects."""
     if code == ErrorCode.BUSY.value:
         return APIError(429, message, type_="rate_limit_error", code="rate_limit_exceeded")
-    if code == ErrorCode.CONTEXT_LENGTH.value:
+    if code == ErrorCode.CONTEXT_LENGTH.value:  # in the request's words: its max_tokens
+        message = message.replace("max_new_tokens", "max_tokens")
         return APIError(400, message, param=prompt_param, code="context_length_exceeded")
     if code == ErrorCode.UNKNOWN_REQUEST.value:  # the daemon restarted under it: retrying may serve it
         return APIError(503, f"the target daemon lost the request: {message}", type_="service_unavailable_error",
@@ -94,6 +96,22 @@ def from_daemon(code: str, message: str, prompt_param: str) -> APIError:
     if code in {c.value for c in CLIENT_FAULTS}:
         return invalid(message)
     return APIError(500, f"the target daemon failed: {message}", type_="server_error", code=code)
+
+
+# The daemon's generate fields by the request parameter that sets each (None: the prompt's own name).
+PARAMS = {"max_new_tokens": "max_tokens", "stop": "stop", "messages": "messages", "token_ids": None, "prompt": None}
+WIRE_FIELD = re.compile(r"generate\.(?:sampling\.)?(\w+)(\[\d+\])?: (.*)", re.DOTALL)
+
+
+def from_protocol(message: str, prompt_param: str) -> APIError:
+    """A request the wire's limits refuse, worded with the parameter that set the field: the
+    protocol's own names (`generate.max_new_tokens`) read as an internal error (an audit)."""
+    found = WIRE_FIELD.fullmatch(message)
+    if found is None:
+        return invalid(message)
+    field, index, why = found.groups()
+    param = PARAMS.get(field, field) or prompt_param  # sampling's fields are the parameters' own names
+    return invalid(f"{param}{index or ''}: {why}", param)
 
 
 def from_validation(errors: Sequence[dict]) -> APIError:

@@ -453,7 +453,10 @@ class TargetService:
         budget, limit = msg["max_new_tokens"], self.target.max_positions
         if msg["fit_context"]:
             budget = min(budget, self.settings.max_new_tokens_limit)
-            if limit is not None and prompt_tokens < limit:
+            if limit is not None and prompt_tokens >= limit:  # said so: the client set no max_new_tokens
+                why = f"the prompt ({prompt_tokens} tokens) fills the model's {limit} positions, leaving none to answer"
+                raise ContextLengthError(why)
+            if limit is not None:
                 budget = min(budget, limit - prompt_tokens)
         self.target.check_length(prompt_tokens, budget)
         return budget

@@ -61,6 +61,18 @@ CASES = {  # name: (path, body, HTTP status, the parameter named, OpenAI error c
         "context_length_exceeded",
     ),
     "two prompts": (TEXT_PATH, {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "unsupported_value"),
+    # Past what the wire carries: named by the parameter, not the protocol's field (an audit).
+    "huge max_tokens": (CHAT_PATH, {**ASK, "max_tokens": 2**63}, 400, "max_tokens", "invalid_value"),
+    "long stop": (CHAT_PATH, {**ASK, "stop": ["x" * 257]}, 400, "stop", "invalid_value"),
+    "token id below 0": (TEXT_PATH, {"model": MODEL, "prompt": [-1]}, 400, "prompt", "invalid_value"),
+    "top_k past int64": (CHAT_PATH, {**ASK, "top_k": 2**70}, 400, "top_k", "invalid_value"),
+    "full prompt, no max_tokens": (
+        TEXT_PATH,
+        {"model": MODEL, "prompt": "otter " * 2100},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
 }
 
 
@@ -83,6 +95,7 @@ def test_bad_requests_get_their_status_and_the_server_serves_on(server, case):
     send = raw if isinstance(body, bytes) else {"json": body}
     error = assert_openai_error(requests.post(f"{server}{path}", timeout=60, **send), status, param, code)
     assert error["type"] == "invalid_request_error"
+    assert "generate." not in error["message"] and "max_new_tokens" not in error["message"], error["message"]
     reply = requests.post(f"{server}/v1/chat/completions", json=ASK, timeout=60)
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
 
