@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draft_node.config import CheckpointError, DFlashConfig, in_dflash2
@@ -21,7 +23,14 @@ def load_config(folder: str | Path) -> DFlashConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} is not a drafter checkpoint: no config.json")
-    return DFlashConfig.from_json(json.loads(path.read_text()))
+    return DFlashConfig.from_json(read_json(path))
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{path} is not JSON: {exc}") from None
 
 
 def load_drafter(
@@ -32,7 +41,10 @@ def load_drafter(
     weights_path = Path(folder) / "model.safetensors"
     if not weights_path.is_file():
         raise CheckpointError(f"{folder} has no model.safetensors")
-    weights = load_file(str(weights_path))
+    try:
+        weights = load_file(str(weights_path))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{weights_path} cannot be read: {exc}") from None
     with torch.device("meta"):
         skeleton = DFlashDrafter(cfg)
     expected = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
@@ -69,8 +81,8 @@ def load_draft_vocab(folder: str | Path) -> list[int]:
     path = Path(folder) / DRAFT_VOCAB_FILE
     if not path.is_file():
         return []
-    ids = json.loads(path.read_text())
-    if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+    ids = read_json(path)
+    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):  # not true, which is an int
         raise CheckpointError(f"{path} must hold a JSON list of token ids")
     return ids
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from protocol.messages import MAX_BLOCK_SIZE
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 # The two public checkpoint formats, by their config's `architectures`. DFlash2 adds a grouped
@@ -73,12 +75,23 @@ class DFlashConfig:
             problems.append(f"unknown layer types {bad}")
         if SLIDING in self.layer_types and not self.sliding_window:
             problems.append("sliding_attention layers need a positive sliding_window")
-        if self.num_attention_heads % self.num_key_value_heads:
-            problems.append("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.block_size < 2:
-            problems.append(f"block_size must be at least 2, got {self.block_size}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window must be positive, got {self.sliding_window}")
+        sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+        problems += [
+            f"{name} must be at least 1, got {getattr(self, name)}" for name in sizes if getattr(self, name) < 1
+        ]
+        if min(self.num_attention_heads, self.num_key_value_heads) >= 1:
+            if self.num_attention_heads % self.num_key_value_heads:
+                problems.append("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head_dim < 2 or self.head_dim % 2:  # RoPE turns channels in pairs
+            problems.append(f"head_dim must be even and at least 2, got {self.head_dim}")
+        if not 2 <= self.block_size <= MAX_BLOCK_SIZE:  # what the wire carries: a bigger one hung the start
+            problems.append(f"block_size must be in 2..{MAX_BLOCK_SIZE}, got {self.block_size}")
         if not self.target_layer_ids:
             problems.append("target_layer_ids is empty")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            problems.append(f"target_layer_ids {list(self.target_layer_ids)} name a layer twice")
         out_of_range = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if out_of_range:
             problems.append(f"target_layer_ids {out_of_range} outside the target's {self.num_target_layers} layers")
@@ -141,64 +154,97 @@ class DFlashConfig:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> DFlashConfig:
-        dflash = raw.get("dflash_config") or {}
-
-        def pick(name: str, default: Any = None, *, required: bool = True) -> Any:
-            # dflash_config wins; the same field at the top level is the fallback.
-            if name in dflash:
-                return dflash[name]
-            if name in raw:
-                return raw[name]
-            if required:
-                raise CheckpointError(f"config.json has no '{name}' (looked in dflash_config and at the top level)")
-            return default
-
+        """Each field as the type it is, or CheckpointError naming it: int() and bool() read
+        "18142" as five taps and "false" as true, and a string factor went into arithmetic (an
+        audit)."""
+        fields = _Fields(raw)
         if raw.get("attention_bias"):
             raise CheckpointError("attention_bias=true drafters are not supported")
         architecture = (raw.get("architectures") or [DFLASH])[0]
         if architecture not in (DFLASH, DFLASH2):
             raise CheckpointError(f"config.json describes a {architecture!r}, not a {DFLASH} or {DFLASH2} drafter")
-        v2 = architecture == DFLASH2
-        if v2:
-            missing = [k for k in DFLASH2_KEYS if k not in dflash]
-            if missing:
-                raise CheckpointError(f"a {DFLASH2} config needs dflash_config.{', '.join(missing)}")
-        is_causal = raw.get("is_causal", dflash.get("causal"))
+        is_causal = raw.get("is_causal", fields.dflash.get("causal"))
+        if is_causal is not None and not isinstance(is_causal, bool):
+            raise CheckpointError(f"is_causal must be true or false, got {is_causal!r}")
         rope_theta, rope_scaling = read_rope(raw)
-        hidden = int(pick("hidden_size"))
-        heads = int(pick("num_attention_heads"))
-        layer_types = raw.get("layer_types") or ()
+        hidden, heads = fields.whole("hidden_size"), fields.whole("num_attention_heads")
+        taps, layer_types = fields.pick("target_layer_ids"), raw.get("layer_types") or []
+        if not isinstance(taps, list):
+            raise CheckpointError(f"target_layer_ids must be a list of layer ids, got {taps!r}")
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+            raise CheckpointError(f"layer_types must be a list of names, got {layer_types!r}")
+        window, positions = raw.get("sliding_window"), raw.get("max_position_embeddings")
         return cls(
             hidden_size=hidden,
-            num_hidden_layers=int(pick("num_hidden_layers")),
+            num_hidden_layers=fields.whole("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(pick("num_key_value_heads", heads, required=False)),
-            head_dim=int(pick("head_dim", hidden // heads, required=False)),
-            intermediate_size=int(pick("intermediate_size")),
-            target_layer_ids=tuple(int(i) for i in pick("target_layer_ids")),
-            block_size=int(pick("block_size")),
-            mask_token_id=int(pick("mask_token_id")),
-            num_target_layers=int(pick("num_target_layers")),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=fields.whole("num_key_value_heads", heads),
+            head_dim=fields.whole("head_dim", hidden // heads if heads > 0 else 0),
+            intermediate_size=fields.whole("intermediate_size"),
+            target_layer_ids=tuple(_integer("target_layer_ids", i) for i in taps),
+            block_size=fields.whole("block_size"),
+            mask_token_id=fields.whole("mask_token_id"),
+            num_target_layers=fields.whole("num_target_layers"),
+            rms_norm_eps=_real("rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             layer_types=tuple(layer_types),
-            sliding_window=raw.get("sliding_window"),
+            sliding_window=None if window is None else _integer("sliding_window", window),
             rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings"),
+            max_position_embeddings=None if positions is None else _integer("max_position_embeddings", positions),
             architecture=architecture,
-            is_causal=None if is_causal is None else bool(is_causal),
-            **(
-                {k: int(dflash[k]) for k in DFLASH2_KEYS}
-                | {
-                    "vocab_size": int(pick("vocab_size")),
-                    "input_embedding_scale": float(dflash.get("input_embedding_scale", 1.0)),
-                    "output_multiplier": float(pick("output_multiplier", 1.0, required=False) or 1.0),
-                    "final_logit_softcapping": float(pick("final_logit_softcapping", 0.0, required=False) or 0.0),
-                }
-                if v2
-                else {}
-            ),
+            is_causal=is_causal,
+            **(_dflash2_fields(fields) if architecture == DFLASH2 else {}),
         )
+
+
+class _Fields:
+    """A config.json's fields, `dflash_config`'s first and the top level's as the fallback."""
+
+    def __init__(self, raw: Any) -> None:
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"config.json must hold a JSON object, not a {type(raw).__name__}")
+        dflash = raw.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise CheckpointError(f"dflash_config must be a JSON object, not a {type(dflash).__name__}")
+        self.raw, self.dflash = raw, dflash
+
+    def pick(self, name: str, default: Any = None) -> Any:
+        """The field, or `default` where one is given (else a field missing is refused)."""
+        for place in (self.dflash, self.raw):
+            if name in place:
+                return place[name]
+        if default is None:
+            raise CheckpointError(f"config.json has no '{name}' (looked in dflash_config and at the top level)")
+        return default
+
+    def whole(self, name: str, default: int | None = None) -> int:
+        return _integer(name, self.pick(name, default))
+
+
+def _dflash2_fields(fields: _Fields) -> dict[str, Any]:
+    missing = [k for k in DFLASH2_KEYS if k not in fields.dflash]
+    if missing:
+        raise CheckpointError(f"a {DFLASH2} config needs dflash_config.{', '.join(missing)}")
+    return {k: _integer(k, fields.dflash[k]) for k in DFLASH2_KEYS} | {
+        "vocab_size": fields.whole("vocab_size"),
+        "input_embedding_scale": _real("input_embedding_scale", fields.dflash.get("input_embedding_scale", 1.0)),
+        "output_multiplier": _real("output_multiplier", fields.pick("output_multiplier", 1.0) or 1.0),
+        "final_logit_softcapping": _real("final_logit_softcapping", fields.pick("final_logit_softcapping", 0.0) or 0.0),
+    }
+
+
+def _integer(name: str, value: Any) -> int:
+    """A JSON integer (true is not 1, 8.9 is not 8, "16" is not 16)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _real(name: str, value: Any) -> float:
+    """A JSON number (true and "1e-6" are not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CheckpointError(f"{name} must be a number, got {value!r}")
+    return float(value)
 
 
 def in_dflash2(cfg: DFlashConfig, vocab_size: int, rank: int = 0, top_k: int = 0) -> DFlashConfig:
@@ -225,11 +271,13 @@ def read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """`rope_theta` and the scaling of a config.json, from transformers 5's `rope_parameters` or the
     older `rope_theta` + `rope_scaling` (with `type` or `rope_type`); refuses what the drafter
     cannot compute."""
-    params = dict(raw.get("rope_scaling") or {})
-    params.update(raw.get("rope_parameters") or {})
+    scaling, parameters = raw.get("rope_scaling") or {}, raw.get("rope_parameters") or {}
+    if not isinstance(scaling, dict) or not isinstance(parameters, dict):
+        raise CheckpointError(f"rope_scaling and rope_parameters must be JSON objects, got {scaling!r}, {parameters!r}")
+    params = {**scaling, **parameters}
     if any(isinstance(v, dict) for v in params.values()):
         raise CheckpointError("per-layer-type rope_parameters are not supported for drafters")
-    theta = float(params.pop("rope_theta", raw.get("rope_theta", 1_000_000.0)))
+    theta = _real("rope_theta", params.pop("rope_theta", raw.get("rope_theta", 1_000_000.0)))
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if kind == "default":
@@ -246,6 +294,8 @@ def read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     missing = [name for name in ROPE_SCALINGS[kind] if params.get(name) is None]
     if missing:
         raise CheckpointError(f"rope type {kind!r} needs {', '.join(missing)}")
+    for name in ROPE_SCALINGS[kind]:
+        _real(f"rope {name}", params[name])
     return theta, {"rope_type": kind, **params}
 
 

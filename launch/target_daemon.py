@@ -34,7 +34,8 @@ from protocol.messages import MAX_PREDRAFT_OUTCOMES
 from protocol.transport import stop_on_signals
 from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.factory import PROPOSER_KINDS, ProposerSettings, build_proposers
-from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES
+from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES, UnsupportedCache
+from target_node.model.support import ModelLoadError, UnsupportedModel
 from target_node.model.target import TargetModel
 from target_node.serving.daemon import TargetService
 from target_node.serving.settings import ServiceSettings
@@ -162,7 +163,8 @@ def start(argv: list[str] | None) -> None:
         drafting = proposer_settings(args)
     except ValueError as exc:
         parser.error(str(exc))
-    with one_line_errors(parser.prog, DrafterMismatch, CheckpointError):
+    refusals = (DrafterMismatch, CheckpointError, UnsupportedModel, UnsupportedCache, ModelLoadError)
+    with one_line_errors(parser.prog, *refusals):
         try:
             target = TargetModel.load(
                 resolve_model(args.model), args.device, args.dtype, args.cache_policy, slots=args.max_batch

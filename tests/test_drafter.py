@@ -96,6 +96,61 @@ def test_config_validation_names_the_problem():
         drafter_config(target_layer_ids=(0, 9))
 
 
+def _dflash(raw: dict) -> dict:
+    return raw["dflash_config"]
+
+
+# Each was read as something else, or ended the daemon's start in a traceback, a hang or a read
+# past a kernel's rows (an audit).
+HOSTILE_CONFIGS = [
+    (lambda r: r.__setitem__("hidden_size", "big"), "hidden_size must be an integer, got 'big'"),
+    (lambda r: r.__setitem__("hidden_size", None), "hidden_size must be an integer"),
+    (lambda r: r.__setitem__("num_attention_heads", 0), "num_attention_heads must be at least 1"),
+    (lambda r: r.__setitem__("num_key_value_heads", 0), "num_key_value_heads must be at least 1"),
+    (lambda r: (r.__setitem__("num_hidden_layers", 0), r.pop("layer_types")), "num_hidden_layers must be at least 1"),
+    (lambda r: r.__setitem__("head_dim", 7), "head_dim must be even"),
+    (lambda r: r.__setitem__("rms_norm_eps", "x"), "rms_norm_eps must be a number"),
+    (lambda r: r.__setitem__("rope_theta", "abc"), "rope_theta must be a number"),
+    (lambda r: r.__setitem__("rope_scaling", [1, 2]), "must be JSON objects"),
+    (lambda r: r.__setitem__("rope_scaling", {"rope_type": "linear", "factor": "two"}), "rope factor must be a number"),
+    (lambda r: r.__setitem__("sliding_window", "16"), "sliding_window must be an integer"),
+    (lambda r: r.__setitem__("sliding_window", -4), "sliding_window must be positive"),
+    (lambda r: r.__setitem__("is_causal", "false"), "is_causal must be true or false"),
+    (lambda r: r.__setitem__("dflash_config", [1]), "dflash_config must be a JSON object"),
+    (lambda r: _dflash(r).__setitem__("target_layer_ids", "02"), "target_layer_ids must be a list"),
+    (lambda r: _dflash(r).__setitem__("target_layer_ids", [0, 0]), "name a layer twice"),
+    (lambda r: _dflash(r).__setitem__("block_size", 8.9), "block_size must be an integer"),
+    (lambda r: _dflash(r).__setitem__("block_size", True), "block_size must be an integer"),
+    (lambda r: _dflash(r).__setitem__("block_size", 20000), r"block_size must be in 2..128"),
+]
+
+
+@pytest.mark.parametrize("change, message", HOSTILE_CONFIGS)
+def test_a_config_field_of_the_wrong_type_or_size_is_refused_by_name(change, message):
+    raw = json.loads(json.dumps(drafter_config().to_json()))
+    change(raw)
+    with pytest.raises(CheckpointError, match=message):
+        DFlashConfig.from_json(raw)
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("config.json", "{not json", "config.json is not JSON"),
+        ("config.json", "[1, 2]", "must hold a JSON object"),
+        ("model.safetensors", "", "model.safetensors cannot be read"),
+        ("model.safetensors", "garbage" * 100, "model.safetensors cannot be read"),
+        ("draft_vocab.json", "[1, 2", "draft_vocab.json is not JSON"),
+        ("draft_vocab.json", "[true, 3]", "list of token ids"),  # loaded, then refused at every handshake
+    ],
+)
+def test_a_file_that_does_not_read_is_refused_by_name(tmp_path, name, content, message):
+    folder = save_drafter(random_drafter(drafter_config()), tmp_path / "c")
+    (folder / name).write_text(content)
+    with pytest.raises(CheckpointError, match=message):
+        load_drafter(folder)
+
+
 def test_sliding_layer_ignores_context_outside_its_window():
     window = 4
     cfg = drafter_config(num_hidden_layers=1, layer_types=(SLIDING,), sliding_window=window)

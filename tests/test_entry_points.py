@@ -66,6 +66,15 @@ MISTAKES = [
     pytest.param(
         *("launch.local", ["--model", "/nowhere/model", "--prompt", "hi"], "no config.json"), id="local-no-model"
     ),
+    # Each ended in a traceback, or (a tensor missing) served nonsense from random weights (an audit).
+    pytest.param(
+        *("launch.target_daemon", ["--model", "LACKING"], "its weights lack 1 tensors the model needs"),
+        id="target-tensor-missing",
+    ),
+    pytest.param(
+        *("launch.target_daemon", ["--model", "NOT_JSON"], "its config.json does not load"), id="target-config-broken"
+    ),
+    pytest.param(*("launch.draft_daemon", ["--checkpoint", "DRAFT_NOT_JSON"], "is not JSON"), id="draft-config-broken"),
     pytest.param("launch.serve", ["--model", "/nowhere/model"], "no config.json", id="serve-no-model"),
     pytest.param(
         *("launch.train", ["--stage", "train", "--model", "/nowhere/model"], "no config.json"), id="train-no-model"
@@ -89,6 +98,30 @@ MISTAKES = [
 ]
 
 
+def broken_folders(tmp_path, model_dir, wanted) -> dict[str, str]:
+    """Copies of a good model and drafter, each broken one way, for the names in `wanted`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folders = {}
+    if "LACKING" in wanted:
+        folder = shutil.copytree(model_dir, tmp_path / "lacking")
+        weights = load_file(folder / "model.safetensors")
+        weights.pop(sorted(name for name in weights if "layers.0." in name)[0])
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        folders["LACKING"] = str(folder)
+    if "NOT_JSON" in wanted:
+        folder = shutil.copytree(model_dir, tmp_path / "not-json")
+        (folder / "config.json").write_text("{not json")
+        folders["NOT_JSON"] = str(folder)
+    if "DRAFT_NOT_JSON" in wanted:
+        folder = shutil.copytree(DRAFTER, tmp_path / "draft-not-json")
+        (folder / "config.json").write_text("{not json")
+        folders["DRAFT_NOT_JSON"] = str(folder)
+    return folders
+
+
 @pytest.mark.parametrize("module, args, says", MISTAKES)
 def test_a_users_mistake_is_one_line_on_stderr_not_a_traceback(
     module, args, says, tmp_path, taken_address, chat_model_dir
@@ -97,13 +130,17 @@ def test_a_users_mistake_is_one_line_on_stderr_not_a_traceback(
     (tmp_path / "prompts.txt").write_text("Explain tides.\n")
     places = {"EMPTY": str(tmp_path), "TAKEN": taken_address, "FILE": str(tmp_path / "file")}
     places.update(DRAFTER=str(DRAFTER), CHAT=str(chat_model_dir), TEXT=str(tmp_path / "prompts.txt"))
+    places.update(broken_folders(tmp_path, chat_model_dir, args))
     args = [places.get(a, a) for a in args]
     done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120)
     *logged, last = done.stderr.strip().splitlines()
     assert done.returncode == 1, done.stderr[-2000:]
     assert says in last and last.startswith("dflash-"), done.stderr[-2000:]
     # The mistake is one line; what comes before it is the daemon's own log of its start (and
-    # transformers' progress bar where a model loaded), nothing else.
+    # transformers' progress bar where a model loaded, and its report of weights it found lacking),
+    # nothing else.
+    report = next((i for i, line in enumerate(logged) if "LOAD REPORT" in line), len(logged))
+    logged = logged[:report]
     assert all(LOG_RECORD.match(line) or line.startswith("Loading weights") for line in logged), done.stderr[-2000:]
 
 

@@ -22,12 +22,20 @@ class UnsupportedModel(ValueError):
     """A model the target adapter cannot serve; the message says why."""
 
 
-def check_structure(model: nn.Module) -> nn.Module:
-    """What can be seen without running it; returns the decoder stack."""
-    config = model.config
-    name = type(model).__name__
+class ModelLoadError(ValueError):
+    """A model folder that does not load as it is (broken config, weights missing or unreadable)."""
+
+
+def check_config(config, name: str) -> None:
+    """What its config says alone, before any weights load."""
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel(f"{name} is an encoder-decoder model; the target must be a decoder-only causal LM")
+
+
+def check_structure(model: nn.Module) -> nn.Module:
+    """What can be seen without running it; returns the decoder stack."""
+    name = type(model).__name__
+    check_config(model.config, name)
     head = model.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
         raise UnsupportedModel(f"{name} has no LM head (get_output_embeddings)")

@@ -16,13 +16,14 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash_kernels import argmax, bf16_faster, native_bf16
 from target_node.engine.engine import Engine, engine_for
 from target_node.model.default_model import model_folder
 from target_node.model.greedy_head import ScreenedArgmaxHead
-from target_node.model.support import check_structure, probe
+from target_node.model.support import ModelLoadError, check_config, check_structure, probe
 from target_node.model.transformers_path import TransformersPath
 
 # Where configs state the positions a model was built for, by family.
@@ -132,7 +133,7 @@ class TargetModel:
             dtype = torch.bfloat16 if prefer_bf16(device) else torch.float32
         elif isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+        model = load_causal_lm(folder, dtype).to(device)
         # A folder without tokenizer files still serves token-id requests.
         has_tokenizer = any(
             (folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -361,3 +362,32 @@ def prefer_bf16(device: str | torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and native_bf16() and bf16_faster()
+
+
+def load_causal_lm(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The folder's causal LM, or ModelLoadError (UnsupportedModel) saying in one line why not: a
+    broken config, unreadable weights, or weights that lack tensors, which transformers fills
+    with random values and only warns of (such a model served nonsense, an audit)."""
+    unreadable = (OSError, ValueError, KeyError, TypeError, SafetensorError)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # whatever transformers and its validators raise for a config they refuse
+        if isinstance(exc, MemoryError):
+            raise
+        raise ModelLoadError(f"{folder}: its config.json does not load: {_first_line(exc)}") from exc
+    check_config(config, folder.name)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
+    except unreadable as exc:
+        raise ModelLoadError(f"{folder} does not load as a causal LM: {_first_line(exc)}") from exc
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise ModelLoadError(f"{folder}: its weights lack {len(missing)} tensors the model needs ({shown})")
+    return model
+
+
+def _first_line(exc: BaseException) -> str:
+    """The start of an error's message on one line (transformers' can run to a page)."""
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines()[:2])
+    return (text or type(exc).__name__)[:300]
