@@ -8,6 +8,7 @@ process), `ngram` (prompt lookup, no model) or `none` (plain greedy decoding).
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from draft_node.config import CheckpointError
@@ -119,16 +120,14 @@ PROPOSER_FLAGS = {
 
 
 def proposer_settings(args: argparse.Namespace) -> ProposerSettings:
-    """The command line's proposer flags as settings; a local drafter defaults to the shipped one.
-    A value the settings refuse raises ValueError naming the flag."""
-    checkpoint = None
-    if args.proposer == "local":
-        checkpoint = Path(args.drafter_checkpoint or ensure_default_drafter(resolve_model(args.model)))
+    """The command line's proposer flags as settings, checked before anything loads: a value the
+    settings refuse raises ValueError naming the flag. A local drafter not named is the default
+    one for the model, found once the model has loaded (`with_default_drafter`)."""
     try:
         return ProposerSettings(
             args.proposer,
             args.drafter,
-            checkpoint,
+            Path(args.drafter_checkpoint) if args.drafter_checkpoint else None,
             args.fallback,
             args.draft_timeout,
             args.draft_retry,
@@ -141,6 +140,14 @@ def proposer_settings(args: argparse.Namespace) -> ProposerSettings:
         for name, flag in PROPOSER_FLAGS.items():
             message = message.replace(name, flag)
         raise ValueError(message) from None
+
+
+def with_default_drafter(settings: ProposerSettings, model: Path) -> ProposerSettings:
+    """A local proposer without a checkpoint drafts with the model's default drafter (the shipped
+    one for the default model)."""
+    if settings.kind != "local" or settings.checkpoint is not None:
+        return settings
+    return replace(settings, checkpoint=ensure_default_drafter(model))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,16 +172,15 @@ def start(argv: list[str] | None) -> None:
         parser.error(str(exc))
     refusals = (DrafterMismatch, CheckpointError, UnsupportedModel, UnsupportedCache, ModelLoadError)
     with one_line_errors(parser.prog, *refusals):
+        model = resolve_model(args.model)
         try:
-            target = TargetModel.load(
-                resolve_model(args.model), args.device, args.dtype, args.cache_policy, slots=args.max_batch
-            )
+            target = TargetModel.load(model, args.device, args.dtype, args.cache_policy, slots=args.max_batch)
         except RuntimeError as exc:  # torch's allocators say so in a RuntimeError (--max-batch 100000)
             if "alloc" not in str(exc).lower() and "out of memory" not in str(exc).lower():
                 raise
             parser.exit(1, f"{parser.prog}: error: no memory for --max-batch {args.max_batch}: {exc}\n")
         recorder = traffic_recorder(args.record, target.name) if args.record else None
-        proposers = build_proposers(drafting, target, target.slots, drafter_keys)
+        proposers = build_proposers(with_default_drafter(drafting, model), target, target.slots, drafter_keys)
         service = TargetService(target, proposers, settings, recorder, datastore_for(settings.datastore, target.name))
         # Only now: a SIGTERM while the model loads ends the process at once (it waited for the load).
         stop = stop_on_signals()

@@ -74,6 +74,10 @@ MISTAKES = [
     pytest.param(
         *("launch.target_daemon", ["--model", "NOT_JSON"], "its config.json does not load"), id="target-config-broken"
     ),
+    pytest.param(  # its default drafter was looked for before the model loaded, outside the one-line errors
+        *("launch.target_daemon", ["--model", "NOT_JSON", "--proposer", "local"], "its config.json does not load"),
+        id="target-local-config-broken",
+    ),
     pytest.param(*("launch.draft_daemon", ["--checkpoint", "DRAFT_NOT_JSON"], "is not JSON"), id="draft-config-broken"),
     pytest.param("launch.serve", ["--model", "/nowhere/model"], "no config.json", id="serve-no-model"),
     pytest.param(

@@ -109,12 +109,24 @@ def test_a_stop_string_never_matches_a_character_still_being_decoded(byte_level)
 def test_the_answer_keeps_its_first_token_s_leading_space(byte_fallback):
     """A SentencePiece decoder strips the space that starts what it decodes: the answer decoded
     alone lost the space of its first token, so prompt + answer was not the model's text."""
-    prompt = byte_fallback("The capital of", add_special_tokens=False)["input_ids"]
     answer = byte_fallback("France is Paris", add_special_tokens=False)["input_ids"]  # "▁France", ...
     assert byte_fallback.decode(answer) == "France is Paris"  # what decoding the answer alone gives
-    assert run(byte_fallback, answer, [1], prompt=prompt)[2] == " France is Paris"
-    finish, _, text, _ = run(byte_fallback, answer, [1], (" F",), prompt)
-    assert (finish, text) == ("stop", "")  # a stop string may begin with that space
+    # Prompts ending in characters of several byte tokens: the context reaches back to a character's
+    # start, where it cut one and dropped the context, and the space with it (a review).
+    for words in ("The capital of", "The capital of 日本", "I like 🌱🌱"):
+        prompt = byte_fallback(words, add_special_tokens=False)["input_ids"]
+        assert run(byte_fallback, answer, [1], prompt=prompt)[2] == " France is Paris", words
+        finish, _, text, _ = run(byte_fallback, answer, [1], (" F",), prompt)
+        assert (finish, text) == ("stop", ""), words  # a stop string may begin with that space
+
+
+def test_tokens_without_text_do_not_rush_the_character_after_them(byte_level):
+    """Special tokens (no text) counted towards the bound on a character's bytes: after 14 of
+    them an emoji's bytes were given up as U+FFFD (a review)."""
+    special = byte_level.convert_tokens_to_ids("<|im_end|>")
+    for count in (1, 14, 15, 40):
+        tokens = [*byte_level.encode("ok"), *[special] * count, *byte_level.encode("🌱 done")]
+        assert run(byte_level, tokens, [1])[2] == "ok🌱 done", count
 
 
 def test_an_answer_cut_inside_a_character_ends_with_what_its_bytes_decode_to(byte_level, byte_fallback):

@@ -39,14 +39,26 @@ class TextStream:
         self.stop_strings = tuple(s for s in stop_strings if s)
         if self.stop_strings and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        self.ids: list[int] = list(context[-CONTEXT_TOKENS:]) if tokenizer is not None else []
-        self.prefix_text = self._decode(self.ids)
-        if self.prefix_text.endswith("\ufffd"):  # context cut inside a character: decode without it
-            self.ids, self.prefix_text = [], ""
+        self.ids, self.prefix_text = self._context(list(context)) if tokenizer is not None else ([], "")
         self.prefix_offset, self.read_offset = 0, len(self.ids)  # the window: ids[prefix_offset:]
+        self.unfinished_since: int | None = None  # where the window began to end in an unfinished character
         self.text = ""  # settled text of the answer so far (ends at a stop string's start once stopped)
         self.sent = 0  # characters of it already handed out
         self.stopped = False
+
+    def _context(self, prompt: list[int]) -> tuple[list[int], str]:
+        """The prompt's last tokens to decode the answer after, and their text: at least
+        CONTEXT_TOKENS, reaching back past a character their start would cut (a byte-fallback
+        decoder shows the whole run as U+FFFD then, the review of this scheme found); none where
+        the prompt itself ends inside a character."""
+        for length in range(CONTEXT_TOKENS, CONTEXT_TOKENS + MOST_UNSETTLED):
+            tail = prompt[-length:]
+            text = self._decode(tail)
+            if not text.endswith("\ufffd"):
+                return tail, text
+            if length >= len(prompt):
+                break
+        return [], ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None and ids else ""
@@ -55,10 +67,17 @@ class TextStream:
         """Add the text of the tokens past the read offset, unless it ends in an unfinished
         character (or `force`: the answer ended, or too many tokens wait)."""
         window = self._decode(self.ids[self.prefix_offset :])
-        unsettled = len(self.ids) - self.read_offset
-        if not force and (len(window) <= len(self.prefix_text) or window.endswith("\ufffd")):
-            if unsettled < MOST_UNSETTLED:
-                return
+        if not window.endswith("\ufffd"):
+            self.unfinished_since = None
+        elif self.unfinished_since is None:
+            self.unfinished_since = len(self.ids) - 1
+        if not force:
+            if self.unfinished_since is not None:  # a character in the making, up to MOST_UNSETTLED tokens
+                if len(self.ids) - self.unfinished_since < MOST_UNSETTLED:
+                    return
+            elif len(window) <= len(self.prefix_text) and len(self.ids) - self.read_offset < MOST_UNSETTLED:
+                return  # tokens without text yet (special ones): held, as a few, so the window stays short
+        self.unfinished_since = None
         if window.startswith(self.prefix_text):
             added = window[len(self.prefix_text) :]
         else:  # a decoder that rewrote the window's start (byte fallback): the new tokens alone

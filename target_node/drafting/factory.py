@@ -22,7 +22,8 @@ PROPOSER_KINDS = ("remote", "local", "ngram", "none")
 @dataclass(frozen=True)
 class ProposerSettings:
     """`kind`: a draft daemon at `drafter` (`remote`, with `fallback` drafting while it is away),
-    a drafter `checkpoint` in this process (`local`), prompt lookup (`ngram`) or none."""
+    a drafter `checkpoint` in this process (`local`: needed by the time proposers are built),
+    prompt lookup (`ngram`) or none."""
 
     kind: str = "remote"
     drafter: str = ""  # the draft daemon's address, for remote
@@ -39,8 +40,6 @@ class ProposerSettings:
             raise ValueError(f"predraft names 0 to {MAX_PREDRAFT_OUTCOMES} outcomes, got {self.predraft}")
         if self.kind not in PROPOSER_KINDS:
             raise ValueError(f"unknown proposer {self.kind!r}; expected one of {PROPOSER_KINDS}")
-        if self.kind == "local" and self.checkpoint is None:
-            raise ValueError("a local proposer needs a drafter checkpoint")
         if self.ring_capacity < 1:
             raise ValueError(f"ring_capacity must be at least 1, got {self.ring_capacity}")
         if not self.draft_timeout_s > 0:  # not `<= 0`: NaN is refused too
@@ -58,6 +57,8 @@ def build_proposers(
     if settings.kind == "ngram":
         return [NGramProposer() for _ in range(count)]
     if settings.kind == "local":
+        if settings.checkpoint is None:
+            raise ValueError("a local proposer needs a drafter checkpoint")
         drafter = load_drafter(settings.checkpoint, target.device, target.model.dtype)
         problems = fit_problems(drafter.describe(settings.ring_capacity), target.info)
         if problems:  # at start, as a remote drafter is checked, not at every request
