@@ -52,6 +52,16 @@ def test_a_waiting_request_promises_heartbeats_and_keeps_the_promise(tmp_path):
     assert beats[0] == pytest.approx(HEARTBEAT_S, abs=0.5) and beats[1] == pytest.approx(2 * HEARTBEAT_S, abs=0.5)
 
 
+def run_then_stop(main, server: Server, stop: threading.Event, thread: threading.Thread) -> None:
+    """`anyio.run(main)`, then the fake daemon's thread ends and its socket closes."""
+    try:
+        anyio.run(main)
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+
+
 def test_a_flood_of_stats_callers_shares_one_daemon_call_at_a_time(tmp_path):
     """/stats and /metrics stay open under --api-key: 64 callers at once used to make 64 daemon
     calls (each taking the daemon's room for held messages). Callers waiting together now share
@@ -87,12 +97,7 @@ def test_a_flood_of_stats_callers_shares_one_daemon_call_at_a_time(tmp_path):
                     await anyio.sleep(0.1)  # arrivals spread over a call or two
         got.append((len(calls), await link.stats()))  # alone, afterwards: a call of its own
 
-    try:
-        anyio.run(flood)
-    finally:
-        stop.set()
-        thread.join()
-        server.close()
+    run_then_stop(flood, server, stop, thread)
     assert len(got) == 65 and all(figures is not None for _, figures in got)
     assert len(calls) <= 4, f"{len(calls)} daemon calls for 65 callers"
     assert all(figures["call"] > heard_before for heard_before, figures in got), got
@@ -178,11 +183,6 @@ def test_stats_callers_behind_an_unanswered_call_do_not_wait_again(tmp_path):
                 await anyio.sleep(0.02)  # all arrive while the first call waits
         got.append(await link.stats())  # alone, afterwards: a call of its own
 
-    try:
-        anyio.run(flood)
-    finally:
-        stop.set()
-        thread.join()
-        server.close()
+    run_then_stop(flood, server, stop, thread)
     assert got == [None] * 9
     assert calls == ["stats", "stats"], calls
