@@ -89,6 +89,9 @@ class Sequence:
         self.tree_nodes = options.tree_nodes
         # The most known rows, prompt or hints, this request puts in one forward (a pace resizes it).
         self.chunk = options.prefill_chunk if options.prefill_chunk > 0 else NO_CAP
+        # Each hint verified in a sampled step draws a coin: a seeded request verifies them in
+        # chunks of a fixed size, never the pace's (timing's), or its draws would not replay (an audit).
+        self.hint_chunk = self.chunk if seeded else None
         self.stats = Stats(prompt_tokens=len(self.prompt), requests=1)
         self.prefilled = 0  # prompt positions run so far
         self.plan: Plan | None = None
@@ -151,7 +154,7 @@ class Sequence:
         budget = self.output.budget - 1  # the target's own next token always comes on top
         # Hints are known rows like a prompt's: a chunk of them a step, or 16,384 of them would stall
         # every other request for one long forward.
-        hints = self.output.hinted(min(budget, self.chunk))
+        hints = self.output.hinted(min(budget, self.hint_chunk or self.chunk))
         # Known continuations cost no drafting: they are verified whatever the governor thinks of the drafter;
         # neither does a lookup, so every step may verify one.
         governor = self.governor
