@@ -1137,6 +1137,9 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, a
   check(cos.is_contiguous() && sin.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "rope_store: layout");
   check(slot.scalar_type() == at::kInt && index.scalar_type() == at::kInt, "rope_store: int32 slots and indices");
   check(qkv.size(1) == (hq + 2 * hkv) * kc.size(3), "rope_store: head counts");
+  // Rows of cos and sin are read head_dim apart: narrower ones were read past their end (an audit).
+  check(cos.dim() == 2 && cos.size(0) >= qkv.size(0) && cos.size(1) == kc.size(3) && sin.sizes() == cos.sizes(),
+        "rope_store: a cos and sin row of head_dim per qkv row");
   const float* qn = q_norm ? q_norm->data_ptr<float>() : nullptr;
   const float* kn = k_norm ? k_norm->data_ptr<float>() : nullptr;
   const float e = static_cast<float>(eps);

@@ -455,3 +455,23 @@ def test_every_tensor_the_engine_makes_is_placed_where_it_belongs():
         placed = run()
     assert all(t.device.type == "cpu" for t in placed)
     assert all(torch.equal(a, b) for a, b in zip(plain, placed, strict=True))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU kernels")
+def test_the_rope_kernel_refuses_cos_and_sin_rows_narrower_than_a_head():
+    """rope_store read each row's cos and sin head_dim apart without checking their width: a
+    drafter with an odd head_dim (rows one narrower) read past their end (an audit)."""
+    import dflash_kernels
+
+    dflash_kernels.load()
+    rows, heads, dim = 3, 2, 8
+    qkv = torch.randn(rows, 3 * heads * dim)
+    k, v = torch.empty(1, heads, rows, dim), torch.empty(1, heads, rows, dim)
+    slots, index = torch.zeros(rows, dtype=torch.int32), torch.arange(rows, dtype=torch.int32)
+    for width in (dim, dim - 2):
+        cos, sin = torch.randn(rows, width), torch.randn(rows, width)
+        if width == dim:
+            torch.ops.dflash.rope_store(qkv.clone(), cos, sin, k, v, slots, index, heads, heads, None, None, 1e-6)
+        else:
+            with pytest.raises(RuntimeError, match="a cos and sin row of head_dim"):
+                torch.ops.dflash.rope_store(qkv.clone(), cos, sin, k, v, slots, index, heads, heads, None, None, 1e-6)
