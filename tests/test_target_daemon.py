@@ -498,14 +498,15 @@ def test_a_request_that_arrives_during_the_last_step_is_told_the_daemon_stops(mo
     from target_node.serving.settings import ServiceSettings
 
     service = TargetService(TargetModel.load(model_dir), [NoProposer(), NoProposer()], ServiceSettings())
-    stop, armed = threading.Event(), threading.Event()
+    stop, armed, stepping = threading.Event(), threading.Event(), threading.Event()
     advance = service.advance
 
     def last_step() -> None:  # once armed, the step during which the second request arrives, then the stop
-        deadline = time.monotonic() + 30
-        while armed.is_set() and not service.server.held and time.monotonic() < deadline:
-            time.sleep(0.01)
         if armed.is_set():
+            stepping.set()  # the second request is sent now, so the answering helper takes it in
+            deadline = time.monotonic() + 30
+            while not service.server.held and time.monotonic() < deadline:
+                time.sleep(0.01)
             stop.set()
         advance()
 
@@ -522,6 +523,7 @@ def test_a_request_that_arrives_during_the_last_step_is_told_the_daemon_stops(mo
 
         def ask() -> None:
             try:
+                assert stepping.wait(30)
                 second.generate(token_ids=PROMPT, max_new_tokens=4)
             except BaseException as exc:  # the assertion reads it
                 errors.append(exc)
