@@ -24,6 +24,7 @@ import json
 import statistics
 import threading
 import time
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.stats import Stats
 from target_node.drafting.local_backend import LocalDraftBackend
-from target_node.drafting.proposers import DFlashProposer, DraftBackend, NGramProposer, NoProposer
+from target_node.drafting.proposers import DFlashProposer, NGramProposer, NoProposer
 from target_node.drafting.remote import RemoteDraftBackend
 from target_node.model.target import TargetModel
 from target_node.model.tiny import tiny_target
@@ -99,38 +100,41 @@ def run_modes(target: TargetModel, prompts: list[list[int]], modes: list[tuple],
     governors = {name: Governor() for name, *_ in modes}  # as in the daemon: one per proposer
     for _, proposer, _ in modes:
         generate(target, prompts[0], proposer, DecodeOptions(4, adaptive=False))  # warm-up
-    # The backends' counters run on from the warm-up: each mode's figures are what came after.
-    before = {name: dict(p.backend.counters) if p.backend is not None else {} for name, p, _ in modes}
+    # Modes share a backend (every step and adaptive): its counters' moves are summed per run of a
+    # mode, or each row reported both modes' figures pooled (an audit).
+    spent = {name: Counter() for name, *_ in modes}
     for prompt in prompts:
         for name, proposer, adaptive in modes:
+            before = dict(proposer.backend.counters) if proposer.backend is not None else {}
             stats = generate(
                 target, prompt, proposer, DecodeOptions(max_new, adaptive=adaptive), governor=governors[name]
             ).stats
             totals[name].add(stats)
-    return [generation_row(name, totals[name], proposer.backend, before[name]) for name, proposer, _ in modes]
+            if proposer.backend is not None:
+                spent[name].update({k: v - before.get(k, 0) for k, v in proposer.backend.counters.items()})
+    return [generation_row(name, totals[name], spent[name] if p.backend is not None else None) for name, p, _ in modes]
 
 
-def generation_row(name: str, t: Stats, backend: DraftBackend | None, before: dict) -> dict:
-    """A mode's step split: drafting (compute, and for a remote drafter the wire) against verifying."""
+def generation_row(name: str, t: Stats, spent: Counter | None) -> dict:
+    """A mode's step split: drafting (compute, and for a remote drafter the wire) against verifying;
+    `spent`: what its drafter's counters moved by in this mode's runs."""
     row = {
         "mode": name,
         "tok_s": t.decode_tok_s,
         "tau": t.tau,
         "steps": t.steps,
+        "sources": dict(t.sources),
         "propose_ms": 1000 * t.propose_s / t.steps,
         "verify_ms": 1000 * t.verify_s / t.steps,
     }
-    if backend is None:
+    if spent is None:
         return row
-    b, after = before, backend.counters
-    proposals = after["proposals"] - b.get("proposals", 0)
+    proposals = row["proposals"] = spent["proposals"]
     if proposals:
-        row["draft_compute_ms"] = (after["draft_ms"] - b.get("draft_ms", 0)) / proposals
-        if "propose_rtt_ms" in after:
-            rtt = (after["propose_rtt_ms"] - b["propose_rtt_ms"]) / proposals
-            row["wire_ms"] = rtt - row["draft_compute_ms"]
-            sent = after["bytes_out"] - b["bytes_out"] + after["bytes_in"] - b["bytes_in"]
-            row["bytes_per_step"] = sent / proposals
+        row["draft_compute_ms"] = spent["draft_ms"] / proposals
+        if "propose_rtt_ms" in spent:
+            row["wire_ms"] = spent["propose_rtt_ms"] / proposals - row["draft_compute_ms"]
+            row["bytes_per_step"] = (spent["bytes_out"] + spent["bytes_in"]) / proposals
     return row
 
 

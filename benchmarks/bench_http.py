@@ -22,7 +22,7 @@ from launch.common import resolve_model
 from launch.local import daemon, free_address, free_port
 from launch.serve import front_end
 
-PROMPTS = Path(__file__).resolve().parent / "demo_prompts.txt"
+PROMPTS = Path(__file__).resolve().parent.parent / "launch" / "demo_prompts.txt"
 
 
 def timed_msgpack(client: TargetClient, prompt: str, max_tokens: int) -> dict:

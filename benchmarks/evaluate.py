@@ -158,6 +158,7 @@ class Runs:
     max_new: int
     totals: dict[str, Stats] = field(default_factory=dict)  # "plain" first, then the modes
     mismatches: dict[str, int] = field(default_factory=dict)
+    plain_outputs: list[list[int]] = field(default_factory=list)  # each prompt's reference, for a second side's check
 
 
 def prepare_runs(args: argparse.Namespace, target: TargetModel) -> Runs:
@@ -201,6 +202,7 @@ def run_prompt(runs: Runs, text: str) -> dict:
     ids = target.encode_chat([{"role": "user", "content": text}])
     plain = generate(target, ids, NoProposer(), DecodeOptions(runs.max_new, sampling=sampling))
     runs.totals["plain"].add(plain.stats)
+    runs.plain_outputs.append(plain.tokens)
     row = {"prompt": text, "tokens": len(plain.tokens), "plain_tok_s": round(plain.stats.decode_tok_s, 2)}
     for mode, (proposer, (options, governor)) in runs.modes.items():
         spec = generate(

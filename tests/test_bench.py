@@ -52,3 +52,27 @@ def test_quick_benchmark_produces_well_formed_results(tmp_path):
             assert "oneDNN cannot pack" in rows["skipped"]  # nothing of torch's to compare with here
             continue
         assert [r["width"] for r in rows] == [1, 2, 5, 9, 17] and all(r["cost"] > 0 for r in rows)
+
+
+def test_modes_sharing_a_drafter_report_their_own_drafting():
+    """Modes may share one backend, as every-step and adaptive do in the benchmark: each row's
+    drafting figures are what its own runs cost. A snapshot after the warm-up gave each row the
+    pooled figures (an audit: the shipped JSON's two remote rows agreed to every digit). Two
+    every-step modes (deterministic) on one backend each report what one alone on its own does."""
+    from draft_node.checkpoint import config_for_target, random_drafter
+    from target_node.drafting.local_backend import LocalDraftBackend
+    from target_node.model.tiny import tiny_target
+
+    target = tiny_target("llama", seed=0)
+    drafter = random_drafter(config_for_target(target.config, block_size=4, taps=2))
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+
+    def proposer(backend=None):
+        return bench.DFlashProposer(backend or LocalDraftBackend(drafter, 512))
+
+    shared = LocalDraftBackend(drafter, 512)
+    modes = [("plain", bench.NoProposer(), False), ("a", proposer(shared), False), ("b", proposer(shared), False)]
+    rows = {r["mode"]: r for r in bench.run_modes(target, prompts, modes, 12)}
+    alone = bench.run_modes(target, prompts, [("alone", proposer(), False)], 12)[0]
+    assert "proposals" not in rows["plain"] and alone["proposals"] > 0
+    assert rows["a"]["proposals"] == rows["b"]["proposals"] == alone["proposals"]

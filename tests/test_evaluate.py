@@ -55,3 +55,26 @@ def test_the_ab_benchmark_runs_both_sides_in_turns_against_plain(chat_model_dir,
     result = json.loads(out.read_text())
     assert set(result["modes"]) == {"new", "old"} and result["mismatches"] == 0
     assert set(result["new_vs_old"]) == {"plain", "chain", "adaptive"}
+
+
+def test_the_ab_benchmark_sees_a_setting_that_changes_the_plain_output(chat_model_dir, tmp_path, monkeypatch):
+    """Each side was checked against its own plain run only: a setting that broke the greedy head
+    broke both of its side's runs alike and reported 0 mismatches (an audit). The sides' plain
+    outputs are compared with each other now."""
+    from benchmarks import bench_ab
+
+    class OneOff:
+        def __init__(self, target) -> None:
+            self.target, self.greedy = target, target.greedy
+
+        def apply(self, side: str) -> None:
+            wrong = lambda rows: [(t + 1) % self.target.vocab_size for t in self.greedy(rows)]  # noqa: E731
+            self.target.greedy = wrong if side == "new" else self.greedy
+
+    monkeypatch.setitem(bench_ab.SETTINGS, "one-off", OneOff)
+    _, drafter, prompts = drafter_and_prompts(chat_model_dir, tmp_path)
+    argv = ["--compare", "one-off", "--model", str(chat_model_dir), "--drafter", str(drafter)]
+    argv += ["--prompts", str(prompts), "--modes", "chain", "--max-new-tokens", "6"]
+    argv += ["--datastore", "none", "--limit", "2"]
+    result = bench_ab.bench(argv)
+    assert result["sides_differing"] == 2 and result["mismatches"] >= 2
