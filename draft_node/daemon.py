@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_node.kept_prefixes import KeptPrefixes
-from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, drafts_alone_in_one_pass, timed_pass
+from draft_node.kv_cache import (
+    DraftKVCache,
+    DraftStep,
+    OutOfOrderError,
+    drafts_alone_in_one_pass,
+    finish_queued,
+    timed_pass,
+)
 from draft_node.model import DFlashDrafter
 from draft_node.predraft import PassCost, Predrafts, check_outcomes, predraft
 from draft_node.settings import DraftSettings
@@ -244,6 +251,7 @@ class DraftService:
             return encode("predrafts", msg.id, {"draft_ms": 0.0, "outcomes": 0}, {"hidden": heads[:0]}, wire_dtype)
         began = time.perf_counter()
         session.predrafts = drafted = predraft(session.cache, heads[: sum(known[:count])], known[:count], session.mask)
+        finish_queued(session.cache.drafter.device)
         draft_ms = (time.perf_counter() - began) * 1000
         self.pass_cost.record(count, draft_ms)
         self.counters["predrafts"] += 1

@@ -36,6 +36,14 @@ split -b "$part_bytes" -d "$gguf/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/SmolLM2-1
 parts=(.gpu/*.part*)
 last="${parts[-1]}"
 wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
+# The run's minutes from the device time the calls leave (15 minutes a session): the start (about
+# 3), each carrying call (about 25 s), the run's own start and scoring past --minutes (about 1.5),
+# and a minute to spare; a plan of 9 minutes and 8 calls overran that budget (an audit).
+calls=$(( ${#parts[@]} + ( $(stat -c %s "${parts[-1]}") + wheels > part_bytes ? 1 : 0 ) ))
+minutes=$(( (15 * 60 - 3 * 60 - calls * 25 - 90 - 60) / 60 ))
+[ "$minutes" -le 9 ] || minutes=9
+timeout=$(( minutes * 60 + 90 > 595 ? 595 : minutes * 60 + 90 ))
+[ "$minutes" -ge 3 ] || { echo "gpu_prepare.sh: $calls calls leave under 3 minutes to run: carry less" >&2; exit 1; }
 echo "Carry, call by call, back to back on the warm machine (each command \`true\` but the last):"
 for part in "${parts[@]}"; do
   extra=""
@@ -46,7 +54,7 @@ for part in "${parts[@]}"; do
     else
       echo "  [\".whl\"]"
     fi
-    echo "  [$extra\"$part\"] with: bash launch/gpu_run.sh \$OUT --minutes 9 --plan drafter --layers 1,2,4 --format dflash (timeout_s 595)"
+    echo "  [$extra\"$part\"] with: bash launch/gpu_run.sh \$OUT --minutes $minutes --plan drafter --layers 1,2,4 (timeout_s $timeout)"
   else
     echo "  [$extra\"$part\"]"
   fi

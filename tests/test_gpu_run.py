@@ -28,7 +28,7 @@ def run_tiny(tmp_path: Path, *flags: str) -> tuple[Path, dict]:
 
 @pytest.mark.slow  # it converts SmolLM2 once for its tokenizer, like the other real-model tests
 def test_tiny_mode_runs_every_phase(tmp_path):
-    out, results = run_tiny(tmp_path, "--minutes", "4")
+    out, results = run_tiny(tmp_path, "--minutes", "4", "--format", "dflash2")  # the default is dflash
     phases = results["phases"]
     assert list(phases) == [
         "tests",
@@ -150,3 +150,78 @@ def test_the_draft_daemon_goes_to_another_gpu_where_one_is_visible():
     assert gpu_run.second_device("cuda", 2) == "cuda:1" and gpu_run.second_device("cuda:1", 2) == "cuda:0"
     assert gpu_run.second_device("cuda:2", 4) == "cuda:3"
     assert gpu_run.second_device("cuda", 1) is None and gpu_run.second_device("cpu", 0) is None
+
+
+def test_a_phase_that_exits_is_recorded_and_the_next_one_runs(tmp_path):
+    """A daemon that never became ready (or evaluate, or bench_draft_batch) ends in SystemExit:
+    it ended the whole GPU run, its results unwritten (an audit)."""
+
+    def exits() -> dict:
+        raise SystemExit("draft daemon did not become ready")
+
+    run = gpu_run.Run(tmp_path, 1.0)
+    run.phase("split", exits)
+    run.phase("batching", lambda: {"rounds": {}})
+    phases = json.loads((tmp_path / "results.json").read_text())["phases"]
+    assert phases["split"]["ok"] is False and "did not become ready" in phases["split"]["error"]
+    assert phases["batching"]["ok"] is True
+
+
+def test_the_batching_phase_has_its_slots_where_the_engine_declines_auto(chat_model_dir, tmp_path, monkeypatch):
+    """On a GPU the engine declines "auto" ops (not yet verified there), and the batching phase's
+    target got the transformers path's one slot: the phase failed at its second request (an
+    audit). Emulated here by declining "auto" on the CPU as on CUDA."""
+    from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
+    from target_node.engine import engine
+    from target_node.engine.weights import EngineUnsupported
+    from target_node.model.target import TargetModel
+
+    ops_for = engine.ops_for
+
+    def as_on_a_gpu(device, ops):
+        if ops == "auto":
+            raise EngineUnsupported("declined as on CUDA")
+        return ops_for(device, ops)
+
+    monkeypatch.setattr(engine, "ops_for", as_on_a_gpu)
+    assert TargetModel.load(chat_model_dir).engine is None  # the emulation holds
+    cfg = config_for_target(TargetModel.load(chat_model_dir).config, block_size=4, taps=2)
+    drafter = save_drafter(random_drafter(cfg, seed=1), tmp_path / "drafter")
+    result = gpu_run.batching(chat_model_dir, drafter, "cpu", 2, 6, 3)
+    assert set(result["rounds"]) == {f"{k} x{b}" for k in ("plain", "dflash") for b in (1, 3)}
+    assert all(r["differs"] == 0 for r in result["rounds"].values())
+
+
+def test_the_drafter_plans_runs_leave_time_for_their_starts_and_the_scoring():
+    """Split once before the first run, the budget had no room for each run's start (torchrun, the
+    device, the answer store) nor for `estimate`: the scoring ran past the call's limit (an audit).
+    Each run's minutes come from the clock as it stands, its start and the scoring set aside."""
+    sizes = {"eval_minutes": 1.0, "estimate_minutes": 0.5, "train_start_minutes": 0.6}
+    for left, runs, start_late in ((9.0, 3, 0.0), (9.0, 3, 0.4), (6.0, 2, 0.2)):
+        for i in range(runs):
+            minutes = gpu_run.train_minutes(left, sizes, 0.0, runs - i)
+            assert minutes > 0.2
+            left -= minutes + sizes["train_start_minutes"] + (start_late if i == 0 else 0.0)
+        assert left >= sizes["eval_minutes"] + sizes["estimate_minutes"] - 1e-9  # a late start: later runs shorter
+
+
+def test_where_auto_declines_the_device_a_family_the_engine_does_not_serve_still_loads(monkeypatch):
+    """Many-slot work asks for the engine where "auto" declines the device; a family it does not
+    serve (gemma2, MoE, hybrids) then ran into EngineUnsupported at load instead of the
+    transformers path (a review). Emulated on the CPU, as the batching test above does."""
+    from target_node.engine import engine
+    from target_node.engine.weights import EngineUnsupported
+    from target_node.model.tiny import tiny_target
+
+    ops_for = engine.ops_for
+
+    def as_on_a_gpu(device, ops):
+        if ops == "auto":
+            raise EngineUnsupported("declined as on CUDA")
+        return ops_for(device, ops)
+
+    monkeypatch.setattr(engine, "ops_for", as_on_a_gpu)
+    choice = engine.batch_engine("cpu")
+    assert choice == engine.PREFER_DEVICE
+    assert tiny_target("gemma2", engine=choice).engine is None  # the transformers path serves it
+    assert tiny_target("llama", engine=choice, slots=3).slots == 3  # the engine, with its slots

@@ -84,3 +84,17 @@ def test_a_chain_deeper_than_the_drafters_rows_names_outcomes_only_where_it_draf
     named = likeliest_outcomes(logits, grafted, 4, deepest=5)
     assert named and all(node < 2 for node, _ in named)  # only where a row gives the bonus's chance
     assert named == likeliest_outcomes(logits, DraftTree.chain([1, 3]), 4, deepest=5)
+
+
+def test_outcomes_are_computed_on_the_logits_device():
+    """Tensors made without a device sat on the CPU beside a GPU target's logits: every pre-drafting
+    step failed there (an audit). With the default device elsewhere ('meta', as CUDA would be for
+    tensors made without one), outcomes over CPU logits still come out, columns or not."""
+    proposal = columns_logits(4, 500, 60, seed=3)
+    tree = DraftTree.best_first(proposal.logits.log_softmax(-1), 4, 4, 2, proposal.columns)
+    want = likeliest_outcomes(proposal.logits, tree, 8, deepest=5, columns=proposal.columns)
+    full = proposal.full_logits(500)
+    want_full = likeliest_outcomes(full, tree, 8, deepest=5)
+    with torch.device("meta"):
+        assert likeliest_outcomes(proposal.logits, tree, 8, deepest=5, columns=proposal.columns) == want
+        assert likeliest_outcomes(full, tree, 8, deepest=5) == want_full

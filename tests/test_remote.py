@@ -417,3 +417,21 @@ def test_a_stopped_target_closes_its_sessions_so_one_restarted_at_once_drafts(ta
                 finally:
                     client.close()
             assert done["stats"]["sources"].get("dflash", 0) > 0, (run, done["stats"]["sources"])
+
+
+def test_a_target_that_drafted_is_freed_with_its_draft_head():
+    """The draft heads kept per target held their target: every target that drafted stayed alive
+    (on a GPU, its memory too) after its last user let it go (an audit)."""
+    import gc
+    import weakref
+
+    from target_node.drafting.bridge import draft_head
+    from target_node.model.tiny import tiny_target
+
+    target = tiny_target("llama", engine=False)
+    head = draft_head(target, ())
+    assert head.compact(torch.zeros(1, target.config.hidden_size)).shape == (1, target.vocab_size)
+    gone = weakref.ref(target)
+    del target, head
+    gc.collect()
+    assert gone() is None

@@ -85,7 +85,9 @@ class DraftHead:
     small-row matmul beats torch's), torch's matmul elsewhere."""
 
     def __init__(self, target: TargetModel, vocab: tuple[int, ...]) -> None:
-        self.target = target
+        # Weakly: the heads are kept per target in a WeakKeyDictionary, and a value holding its key
+        # kept every target that ever drafted alive, GPU memory and all (an audit).
+        self.target = weakref.proxy(target)
         weight = target.head.weight.detach()
         self.vocab = torch.tensor(vocab, dtype=torch.long, device=target.device) if vocab else None
         # The columns of `compact` logits, ascending: an argmax over them breaks ties as one over

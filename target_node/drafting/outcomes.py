@@ -41,8 +41,10 @@ def likeliest_outcomes(
     # Each node's path: its parent's, plus its own token's at its slot (-inf outside the columns,
     # and past the drafter's rows: a looked-up continuation grafted onto the drafted chain goes
     # deeper than the drafter drafted, and such nodes are never named anyway).
-    at = torch.tensor(tree.tokens, dtype=torch.long)
-    slots = torch.tensor(tree.depths) - 1
+    # On the logits' device: made on the CPU beside a GPU target's logits, they failed every
+    # pre-drafting step there (an audit).
+    at = torch.tensor(tree.tokens, dtype=torch.long, device=logits.device)
+    slots = torch.tensor(tree.depths, device=logits.device) - 1
     beyond = slots >= logprobs.shape[0]
     slots = slots.clamp_max(logprobs.shape[0] - 1)
     if columns is not None:

@@ -316,6 +316,23 @@ def ops_for(device: torch.device, ops: str) -> str:
     return ops
 
 
+PREFER_DEVICE = "prefer-device"  # `TargetModel`'s engine: the device's ops where they serve the model, else none
+
+
+def batch_engine(device: str | torch.device) -> str | None:
+    """`TargetModel.load`'s `engine` for work that needs many slots (generation, batching
+    benchmarks): where "auto" declines the device (off the CPU, until a GPU run has verified the
+    engine there), the engine's ops for the device where it serves the model (PREFER_DEVICE: the
+    transformers path for a family it does not serve); elsewhere what "auto" chooses. Else the
+    transformers path's one slot ran the GPU run's batching phases into an error and its
+    generation at batch 1 (an audit)."""
+    try:
+        ops_for(torch.device(device), "auto")
+    except EngineUnsupported:
+        return PREFER_DEVICE
+    return None
+
+
 def engine_for(model: nn.Module, **kwargs) -> Engine | None:
     """The engine for `model`, or None (logged once, with the reason) where it cannot serve it."""
     try:

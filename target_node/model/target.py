@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash_kernels import argmax, bf16_faster, native_bf16
-from target_node.engine.engine import Engine, engine_for
+from target_node.engine.engine import PREFER_DEVICE, Engine, engine_for
 from target_node.model.default_model import model_folder
 from target_node.model.greedy_head import ScreenedArgmaxHead
 from target_node.model.support import ModelLoadError, check_config, check_structure, probe
@@ -49,7 +49,8 @@ class TargetModel:
         """`model`: a transformers causal LM; `cache_policy`: how recurrent layers roll back
         (`replay`, the default, or `capture`: see recurrent.py); `engine`: None runs the engine
         where it serves the model, False never, True or its ops by name (`Engine`'s `ops`) always
-        or refuse (True: the ops of the model's device, a GPU's too, where None declines one);
+        or refuse (True: the ops of the model's device, a GPU's too, where None declines one),
+        PREFER_DEVICE the device's ops where they serve the model, else none;
         `slots`: sequences the engine's cache holds at once (the transformers path: one)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -66,7 +67,10 @@ class TargetModel:
             ops = engine if isinstance(engine, str) else "device"
             # The cache grows by doubling, never past the positions the model holds.
             room = {"slots": slots, "max_positions": self.max_positions}
-            self.engine = engine_for(model, **room) if engine is None else Engine(model, **room, ops=ops)
+            if engine is None or engine == PREFER_DEVICE:
+                self.engine = engine_for(model, **room, **({"ops": "device"} if engine else {}))
+            else:
+                self.engine = Engine(model, **room, ops=ops)
         self.path: Engine | TransformersPath = self.engine or fallback
         self.greedy_head = self._screened_head_if_faster() if self.engine is None else None
 
