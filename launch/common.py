@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -79,6 +80,25 @@ def at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return whole_number
+
+
+def number_in(low: float, high: float | None = None, above: bool = False) -> Callable[[str], float]:
+    """A parser type: a finite number of at least `low` (more than `low` where `above`), at most
+    `high` where given (--gamma 0 trained to NaN weights and saved them: an audit)."""
+
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (above and value == low) or (high is not None and value > high):
+            bound = f"more than {low:g}" if above else f"at least {low:g}"
+            raise argparse.ArgumentTypeError(
+                f"must be {bound}{f' and at most {high:g}' if high is not None else ''}, got {text}"
+            )
+        return value
+
+    return number
 
 
 def apply_runtime_args(args: argparse.Namespace) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from launch.common import SHIPPED_DRAFTER, at_least, named_dtype, resolve_model
+from launch.common import SHIPPED_DRAFTER, at_least, named_dtype, number_in, resolve_model
 from launch.net import HelpFormatter, one_line_errors
 from protocol import FLOAT_DTYPES
 from target_node import CACHE_ROOT
@@ -39,10 +39,14 @@ STARTER = ROOT.parent / "shared" / "prompts" / "train.jsonl"  # the starter prom
 
 def main(argv: list[str] | None = None) -> None:
     """Run the stages --stage names (training.stages), on this rank of a torchrun job or alone."""
+    from draft_node.config import CheckpointError
+    from training.answer_store import AnswerStoreError
+    from training.features import FeatureCacheError
     from training.stages import run_stages  # it imports transformers, which --help can do without
+    from training.trainer import TrainingError
 
     args = parse_args(argv)
-    with one_line_errors("dflash-train"):
+    with one_line_errors("dflash-train", CheckpointError, TrainingError, FeatureCacheError, AnswerStoreError):
         args.model = str(resolve_model(args.model))
         torch.set_num_threads(args.threads)
         ranks, args.device = start(args.device)  # under torchrun: this rank's place and device
@@ -57,10 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, in the order --help lists them; `--stage selector` starts from the shipped drafter
     unless --init names another."""
     ap = argparse.ArgumentParser(prog="dflash-train", description=__doc__, formatter_class=HelpFormatter)
-    groups = (_run_flags, _data_flags, _shape_flags, _objective_flags, _schedule_flags, _stage_flags)
+    groups = (_run_flags, _data_flags, _shape_flags, _objective_flags, _schedule_flags, _feature_flags, _stage_flags)
     for add in (*groups, _dflash2_flags, _output_flags):
         add(ap)
     args = ap.parse_args(argv)
+    for folder in args.data:  # a mistyped folder trained on nothing more, silently
+        if not Path(folder).is_dir():
+            ap.error(f"--data {folder}: no such folder")
     if args.stage == "selector" and not args.init:
         args.init = SHIPPED_DRAFTER
     if args.out is None:  # a run's drafter stays beside its state until someone ships it
@@ -73,7 +80,7 @@ def _run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct, converted once into the cache)"
     )
-    ap.add_argument("--name", default="smollm2", help="cache folder name under ~/.cache/dflash-split/train/")
+    ap.add_argument("--name", default="smollm2", help="the run's folder under --cache's train/ (its state, its log)")
     ap.add_argument(
         "--stage",
         choices=["gen", "features", "train", "all", "vocab", "variety", "average", "grow", "estimate", "selector"],
@@ -112,20 +119,24 @@ def _data_flags(ap: argparse.ArgumentParser) -> None:
         "serves them; auto: as the daemon's --dtype auto (bf16 where the device computes it natively and "
         "the engine runs the model, else fp32). Training reads the target's embeddings and head in it too",
     )
-    ap.add_argument("--gen-batch", type=int, default=64, help="rows decoded at once (finished rows are refilled)")
-    ap.add_argument("--max-new", type=int, default=192, help="answer token cap")
-    ap.add_argument("--gen-minutes", type=float, default=60.0, help="minutes of answer generation (--stage gen)")
+    ap.add_argument(
+        "--gen-batch", type=at_least(1), default=64, help="rows decoded at once (finished rows are refilled)"
+    )
+    ap.add_argument("--max-new", type=at_least(1), default=192, help="answer token cap")
+    ap.add_argument("--gen-minutes", type=number_in(0), default=60.0, help="minutes of answer generation (--stage gen)")
     ap.add_argument("--gen-seed", type=int, default=0, help="seed of the self-instruct job stream")
 
 
 def _shape_flags(ap: argparse.ArgumentParser) -> None:
     """The drafter's shape."""
     ap.add_argument(
-        "--layers", type=int, default=1, help="drafter layers (a new drafter; --stage grow: the target depth)"
+        "--layers", type=at_least(1), default=1, help="drafter layers (a new drafter; --stage grow: the target depth)"
     )
-    ap.add_argument("--block-size", type=int, default=8, help="tokens a drafted block holds (its anchor included)")
+    ap.add_argument(
+        "--block-size", type=at_least(2), default=8, help="tokens a drafted block holds (its anchor included)"
+    )
     ap.add_argument("--taps", default="", help="comma-separated target layer ids (default: spread over depth)")
-    ap.add_argument("--mask-token-id", type=int, default=0, help="token id of the block's mask slots")
+    ap.add_argument("--mask-token-id", type=at_least(0), default=0, help="token id of the block's mask slots")
 
 
 def _objective_flags(ap: argparse.ArgumentParser) -> None:
@@ -137,7 +148,9 @@ def _objective_flags(ap: argparse.ArgumentParser) -> None:
         help="decay: slot k weighs exp(-(k-1)/gamma); acceptance: as much as the expected accepted length "
         "grows with its log-probability (D-PACE), recomputed every step",
     )
-    ap.add_argument("--gamma", type=float, default=4.0, help="--slot-weights decay: the decay's length")
+    ap.add_argument(
+        "--gamma", type=number_in(0, above=True), default=4.0, help="--slot-weights decay: the decay's length"
+    )
     ap.add_argument(
         "--mix",
         choices=["answers", "jobs"],
@@ -146,13 +159,13 @@ def _objective_flags(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--known",
-        type=float,
+        type=number_in(0, 1),
         default=0.0,
         help="share of blocks given 1..B-2 of the tokens after their anchor (a pre-draft's form); no loss there",
     )
     ap.add_argument(
         "--distill",
-        type=float,
+        type=number_in(0, 1),
         default=0.0,
         help="share of the loss that is the KL divergence from the target's distribution (0: its greedy "
         "token alone); features then cache the target's last layer too, in a folder of their own",
@@ -161,26 +174,41 @@ def _objective_flags(ap: argparse.ArgumentParser) -> None:
 
 def _schedule_flags(ap: argparse.ArgumentParser) -> None:
     """Optimization: the schedule, the batches, evaluation and saving, and where training starts."""
-    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
-    ap.add_argument("--warmup", type=int, default=100, help="steps of linear warm-up to --lr")
-    ap.add_argument("--steps", type=int, default=100000, help="schedule length (cosine to 10%% of lr)")
+    ap.add_argument("--lr", type=number_in(0, above=True), default=1e-3, help="peak learning rate (AdamW)")
+    ap.add_argument("--warmup", type=at_least(0), default=100, help="steps of linear warm-up to --lr")
+    ap.add_argument("--steps", type=at_least(1), default=100000, help="schedule length (cosine to 10%% of lr)")
     ap.add_argument(
         "--minutes",
-        type=float,
+        type=number_in(0),
         default=0.0,
         help="stop training after this long, the schedule's cosine ending then if --steps would end later "
         "(0: run all steps)",
     )
-    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
-    ap.add_argument("--anchors", type=int, default=24, help="anchors (blocks) per sequence")
-    ap.add_argument("--max-len", type=int, default=320, help="longest sequence used (tokens)")
+    ap.add_argument("--batch", type=at_least(1), default=8, help="sequences per step")
+    ap.add_argument("--anchors", type=at_least(1), default=24, help="anchors (blocks) per sequence")
+    ap.add_argument("--max-len", type=at_least(3), default=320, help="longest sequence used (tokens)")
     ap.add_argument(
-        "--conv-lr-scale", type=float, default=1.0, help="DFlash2: the convolutions' learning rate relative to --lr"
+        "--conv-lr-scale",
+        type=number_in(0),
+        default=1.0,
+        help="DFlash2: the convolutions' learning rate relative to --lr",
     )
     ap.add_argument("--seed", type=int, default=0, help="seed of initialisation, anchors and batch order")
-    ap.add_argument("--val-answers", type=int, default=60, help="held-out answers for acceptance estimates")
-    ap.add_argument("--eval-every", type=int, default=200, help="steps between validation losses")
-    ap.add_argument("--save-every", type=int, default=200, help="steps between checkpoints (resumable with --resume)")
+    ap.add_argument("--val-answers", type=at_least(0), default=60, help="held-out answers for acceptance estimates")
+    ap.add_argument("--eval-every", type=at_least(0), default=200, help="steps between validation losses")
+    ap.add_argument(
+        "--save-every", type=at_least(0), default=200, help="steps between checkpoints (resumable with --resume)"
+    )
+    ap.add_argument("--resume", action="store_true", help="continue from the cache's state.pt")
+    ap.add_argument(
+        "--init",
+        help="start from this drafter checkpoint's weights (same shape, or fewer layers: grown to --layers), or "
+        "'target:L1,L2,...' (one per --layers): each drafter layer starts as that target decoder layer",
+    )
+
+
+def _feature_flags(ap: argparse.ArgumentParser) -> None:
+    """Where a step's feature rows and batches come from, and how a step computes."""
     ap.add_argument(
         "--features",
         choices=("auto", "cache", "live"),
@@ -196,7 +224,7 @@ def _schedule_flags(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--feature-minutes",
-        type=float,
+        type=number_in(0),
         default=0.0,
         help="stop filling features after this long and train on what is cached (0: fill them all)",
     )
@@ -208,26 +236,20 @@ def _schedule_flags(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--loader-threads",
-        type=int,
+        type=at_least(-1),
         default=-1,
         help="threads building the next batches while a step runs; -1: 4 on a GPU (where copying the "
         "batch's feature rows bounds the step), none on a CPU (they would take its cores)",
-    )
-    ap.add_argument("--resume", action="store_true", help="continue from the cache's state.pt")
-    ap.add_argument(
-        "--init",
-        help="start from this drafter checkpoint's weights (same shape, or fewer layers: grown to --layers), or "
-        "'target:L1,L2,...' (one per --layers): each drafter layer starts as that target decoder layer",
     )
 
 
 def _stage_flags(ap: argparse.ArgumentParser) -> None:
     """What only --stage average and --stage estimate read."""
     ap.add_argument("--average-with", help="--stage average: the second drafter checkpoint")
-    ap.add_argument("--weight", type=float, default=0.5, help="--stage average: the second drafter's share")
+    ap.add_argument("--weight", type=number_in(0, 1), default=0.5, help="--stage average: the second drafter's share")
     ap.add_argument("--drafters", default="", help="--stage estimate: comma-separated drafter checkpoints")
     ap.add_argument("--prompts", default=str(EVAL_PROMPTS), help="--stage estimate: held-out prompts (jsonl)")
-    ap.add_argument("--estimate-tokens", type=int, default=160, help="--stage estimate: answer length")
+    ap.add_argument("--estimate-tokens", type=at_least(1), default=160, help="--stage estimate: answer length")
 
 
 def _dflash2_flags(ap: argparse.ArgumentParser) -> None:
@@ -241,12 +263,19 @@ def _dflash2_flags(ap: argparse.ArgumentParser) -> None:
         "backbone's outputs once it is done (the --selector-* flags)",
     )
     ap.add_argument(
-        "--selector-rank", type=int, default=0, help="DFlash2 codebook rank (0: the published 256, at most the width)"
+        "--selector-rank",
+        type=at_least(0),
+        default=0,
+        help="DFlash2 codebook rank (0: the published 256, at most the width)",
     )
-    ap.add_argument("--selector-top-k", type=int, default=0, help="DFlash2 candidates per position (0: 16)")
-    ap.add_argument("--selector-steps", type=int, default=400, help="DFlash2 selector: optimizer steps")
-    ap.add_argument("--selector-lr", type=float, default=3e-3, help="DFlash2 selector: learning rate")
-    ap.add_argument("--selector-batches", type=int, default=40, help="DFlash2 selector: batches of rows it learns on")
+    ap.add_argument("--selector-top-k", type=at_least(0), default=0, help="DFlash2 candidates per position (0: 16)")
+    ap.add_argument("--selector-steps", type=at_least(0), default=400, help="DFlash2 selector: optimizer steps")
+    ap.add_argument(
+        "--selector-lr", type=number_in(0, above=True), default=3e-3, help="DFlash2 selector: learning rate"
+    )
+    ap.add_argument(
+        "--selector-batches", type=at_least(1), default=40, help="DFlash2 selector: batches of rows it learns on"
+    )
 
 
 def _output_flags(ap: argparse.ArgumentParser) -> None:
@@ -259,7 +288,7 @@ def _output_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--save-dtype", choices=FLOAT_DTYPES, default="bfloat16", help="checkpoint weights dtype")
     ap.add_argument(
         "--draft-vocab",
-        type=int,
+        type=at_least(0),
         default=8192,
         help="the drafter proposes from the N most frequent answer tokens (0: all)",
     )

@@ -1,6 +1,7 @@
 """Drafter training: it learns, it round-trips, it resumes exactly, and it trains what inference runs."""
 
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -1250,3 +1251,175 @@ def test_off_the_engine_live_features_are_padded_forwards_that_train(setup):
     torch.testing.assert_close(batch.features.float(), want.float(), rtol=5e-3, atol=5e-3)
     losses = [live.train_step() for _ in range(60)]
     assert sum(losses[-10:]) < 0.95 * sum(losses[:10]), losses
+
+
+# --- a training user's mistakes and accidents (an audit) ---------------------------------------
+
+
+def test_a_feature_cache_refuses_another_targets_rows_and_lost_rows(tmp_path):
+    """A cache folder is named after the model folder's name: another model of that name trained
+    on the first one's rows, and one of another width cut the file in half. Rows missing under the
+    index were padded with zeros, and the run trained to NaN. Now: another target or width is
+    refused (recorded in meta.json; a cache from before it, by its rows file's size), the last few
+    entries a crash left without rows are dropped to be filled again, and more lost is refused."""
+    from training.features import LOST_ENTRIES, MAX_ROWS, FeatureCacheError
+
+    one, two = tmp_path / "a" / "model", tmp_path / "b" / "model"
+    for folder, size in ((one, 10), (two, 20)):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"hidden_size": size}))
+    folder = tmp_path / "cache"
+    cache = FeatureCache(folder, 6, model=one)
+    for i in range(2 * LOST_ENTRIES):
+        cache.add(f"k{i}", torch.full((MAX_ROWS, 6), float(i)))
+    with pytest.raises(FeatureCacheError, match="another target"):
+        FeatureCache(folder, 6, model=two)
+    with pytest.raises(FeatureCacheError, match="wide"):
+        FeatureCache(folder, 8, model=one)
+    (folder / "meta.json").unlink()  # a cache from before meta.json
+    size = cache.rows_path.stat().st_size
+    with pytest.raises(FeatureCacheError, match="not this width's cache"):
+        FeatureCache(folder, 3)  # narrower: its rows would have been cut in half
+    with pytest.raises(FeatureCacheError, match="not this width's cache"):
+        FeatureCache(folder, 12)  # wider: every entry's rows past the end
+    assert cache.rows_path.stat().st_size == size
+    assert len(FeatureCache(folder, 6, model=one)) == 2 * LOST_ENTRIES  # its own width: recorded now
+    with open(cache.rows_path, "r+b") as fh:
+        fh.truncate(size - 12)  # the last entry's last row lost
+    again = FeatureCache(folder, 6, model=one)
+    assert len(again) == 2 * LOST_ENTRIES - 1 and cache.rows_path.stat().st_size == size - MAX_ROWS * 12
+    assert float(again.get(f"k{2 * LOST_ENTRIES - 2}")[-1, 0]) == 2 * LOST_ENTRIES - 2
+    with open(cache.rows_path, "r+b") as fh:
+        fh.truncate(MAX_ROWS * 12)  # all but one entry's rows lost
+    with pytest.raises(FeatureCacheError, match="rows were lost"):
+        FeatureCache(folder, 6, model=one)
+
+
+def test_a_feature_cache_index_survives_a_failed_rewrite(tmp_path, monkeypatch):
+    cache = FeatureCache(tmp_path, 6)
+    for i in range(5):
+        cache.add(f"k{i}", torch.full((2, 6), float(i)))
+
+    def disk_full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(features_module.os, "fsync", disk_full)
+    with pytest.raises(OSError):
+        FeatureCache(tmp_path, 6)  # the rewrite fails after writing part of it
+    monkeypatch.undo()
+    again = FeatureCache(tmp_path, 6)
+    assert len(again) == 5 and float(again.get("k4")[0, 0]) == 4.0
+
+
+def test_a_loss_that_is_no_number_stops_the_run_before_it_saves(setup, tmp_path, monkeypatch):
+    """--gamma 0 (or a bad cache) gave a NaN loss, and the run saved NaN weights with exit 0."""
+    from training.trainer import TrainingError
+
+    target, cfg, store, features = setup
+    parts = Trainer._weighted_loss_parts
+
+    def goes_wrong(self, *args, **kwargs):
+        total, weight = parts(self, *args, **kwargs)
+        return (total * float("nan"), weight) if self.step >= 3 else (total, weight)
+
+    monkeypatch.setattr(Trainer, "_weighted_loss_parts", goes_wrong)
+    out, state = tmp_path / "out", tmp_path / "state.pt"
+    with pytest.raises(TrainingError, match="nan at step 4"):
+        train(target, cfg, store.answers, features, opts(steps=10, save_every=1, out=out), state, log=lambda m: None)
+    saved = torch.load(state, weights_only=False)
+    assert saved["step"] == 3 and all(bool(t.isfinite().all()) for t in saved["drafter"].values())
+    assert not (out / "model.safetensors").exists() or load_drafter(out).fc.weight.isfinite().all()
+
+
+def test_answers_whose_prompt_fills_max_len_are_not_trained_on():
+    from training.trainer import samples
+
+    answers = [Answer(f"k{n}", "j", "answer", [], list(range(40)), n) for n in (31, 30, 10)]
+
+    # 31: no anchor with a label after it within 32 tokens
+    assert [s.prompt_len for s in samples(answers, None, max_len=32)] == [30, 10]
+    assert len(samples(answers, None)) == 3
+
+
+def test_ranks_train_on_the_answers_every_rank_holds(monkeypatch):
+    """Ranks that opened a growing store or cache at different moments drew batches from different
+    answers; they now agree on the keys all of them hold."""
+    from training import distributed
+
+    held = [{"a", "b", "c"}, {"a", "c", "d"}]
+    monkeypatch.setattr(distributed.dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), held))
+    assert distributed.Ranks(1, 2).common({"a", "c", "d"}) == {"a", "c"}
+    assert distributed.Ranks().common({"x"}) == {"x"}
+
+
+def test_blocks_given_known_tokens_are_drawn_for_the_whole_batch_on_any_rank_count(setup):
+    from training.distributed import Ranks
+
+    target, cfg, store, features = setup
+    trainer = Trainer(target, cfg, store.answers, features, opts(batch=5, known=0.5))
+    whole = trainer.batch(7)
+    parts = []
+    for rank in (0, 1):
+        trainer.ranks = Ranks(rank, 2)
+        parts.append(trainer.batch(7))
+    assert bool((whole.labels[..., 1:] == -100).any())  # some blocks were given tokens
+    for name in ("block_tokens", "labels"):
+        assert torch.equal(torch.cat([getattr(p, name) for p in parts]), getattr(whole, name)), name
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--gamma", "0"], "--gamma: must be more than 0"),
+        (["--batch", "0"], "--batch: must be at least 1"),
+        (["--known", "2"], "--known: must be at least 0 and at most 1"),
+        (["--lr", "nan"], "--lr: must be more than 0"),
+        (["--data", "/nowhere/at/all"], "--data /nowhere/at/all: no such folder"),
+    ],
+)
+def test_launch_train_refuses_flags_that_would_train_nothing_or_nan(flags, says, capsys):
+    from launch.train import parse_args
+
+    with pytest.raises(SystemExit) as exit:
+        parse_args(flags)
+    assert exit.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_launch_train_ends_a_users_mistake_in_one_line(setup, tmp_path, capsys):
+    """A --resume with no saved state started afresh and overwrote --out; a truncated shard, an
+    --init that is no drafter, a vocabulary of nothing: each a traceback or silence before."""
+    from launch.train import main
+
+    target, cfg, store, features = setup
+    model_dir = tmp_path / "model"
+    target.model.save_pretrained(model_dir)
+    common = ["--model", str(model_dir), "--block-size", "4", "--threads", "1", "--cache", str(tmp_path / "cache")]
+    common += ["--stage", "train", "--steps", "2", "--batch", "2", "--anchors", "2", "--eval-every", "0"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "20260101-000000-00000000.jsonl.xz").write_bytes(shard_paths(store.folder)[0].read_bytes()[:60])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (["--store", str(store.folder), "--name", "typo", "--resume"], "--resume: no saved state"),
+        (["--store", str(broken)], "not a readable answer shard"),
+        (["--store", str(store.folder), "--init", str(tmp_path)], "config.json"),
+        (["--store", str(empty), "--stage", "vocab"], "no answer tokens"),
+    ]
+    for flags, says in cases:
+        with pytest.raises(SystemExit) as exit:
+            main([*common, *flags])
+        err = capsys.readouterr().err
+        assert exit.value.code == 1 and says in err and "Traceback" not in err, err
+
+
+def test_a_batch_smaller_than_the_ranks_is_refused_before_any_work(tmp_path):
+    """--batch 1 on two ranks left one of them an empty share, which crashed inside a reshape."""
+    from launch.train import parse_args
+    from training.distributed import Ranks
+    from training.stages import run_stages
+    from training.trainer import TrainingError
+
+    args = parse_args(["--stage", "train", "--batch", "1", "--cache", str(tmp_path), "--store", str(tmp_path)])
+    with pytest.raises(TrainingError, match="--batch 1 gives 2 ranks"):
+        run_stages(args, Ranks(0, 2))

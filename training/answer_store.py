@@ -153,10 +153,17 @@ def write_shard(path: Path, answers: Iterable[Answer]) -> None:
     tmp.replace(path)
 
 
+class AnswerStoreError(ValueError):
+    """A shard that cannot be read back."""
+
+
 def read_shard(path: Path) -> list[Answer]:
     out = []
-    with open_shard(path) as fh:
-        for line in fh:
-            if line.strip():
-                out.append(Answer(**json.loads(line)))
+    try:
+        with open_shard(path) as fh:
+            for line in fh:
+                if line.strip():
+                    out.append(Answer(**json.loads(line)))
+    except (EOFError, OSError, lzma.LZMAError, json.JSONDecodeError, TypeError) as exc:
+        raise AnswerStoreError(f"{path}: not a readable answer shard ({type(exc).__name__}: {exc})") from exc
     return out

@@ -56,6 +56,15 @@ class Ranks:
         dist.broadcast(sent, 0)
         return float(sent.item())
 
+    def common(self, keys: set[str]) -> set[str]:
+        """The keys every rank holds: what ranks that read a growing store or cache at slightly
+        different times all train on (each drew its own set, and the ranks' batches disagreed)."""
+        if not self.many:
+            return keys
+        everyone: list[set[str] | None] = [None] * self.world
+        dist.all_gather_object(everyone, keys)
+        return set.intersection(*everyone)
+
     def barrier(self) -> None:
         if self.many:
             dist.barrier()

@@ -9,8 +9,11 @@ Generation writes the features it captured on the way for free; anything else (a
 another machine, recorded traffic) is filled in by batched prefill on the same engine.
 
 features.f16 holds rows back to back; index.jsonl maps an answer key to its first row and
-row count. Rows are written before their index line, so a crash leaves at most an
-unreferenced tail, which the next open cuts off. Several processes may fill one cache (two
+row count; meta.json names the row width and the target whose rows they are (a folder is named
+after the model folder's name alone: another model of that name was refused, not read). Rows are
+written before their index line, so a crash leaves at most an unreferenced tail, which the next
+open cuts off; rows missing under an index (a truncated file) are refused, never padded. The index
+is rewritten whole, to a new file renamed over the old one. Several processes may fill one cache (two
 generators on two cores): each write holds an exclusive lock on the folder and takes its
 offset from the file as it is then, never from a count of its own.
 """
@@ -18,7 +21,9 @@ offset from the file as it is then, never from a count of its own.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +41,35 @@ WINDOW = 512  # answers sorted by length together when filling (see FeatureCache
 MAX_ROWS = 1024  # an answer's rows a cache fill or a live forward computes: training reads no further
 KEEP_FREE = 4 * 2**30  # bytes a cache leaves free on its disk at least (see DiskReserve)
 KEEP_FREE_SHARE = 0.10  # and this share of the disk, where that is more
+
+
+class FeatureCacheError(ValueError):
+    """A feature cache that does not hold what its opener asks for, or lost rows."""
+
+
+LOST_ENTRIES = 4  # entries whose rows a cache drops at open, where its file ends before them (more: refused)
+
+
+def _replace(path: Path, text: str) -> None:
+    """`path` holds `text`, whole or not at all: written beside it, then renamed over it."""
+    fresh = path.with_name(path.name + ".tmp")
+    with open(fresh, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    fresh.replace(path)
+
+
+def model_identity(folder: str | Path) -> str:
+    """What tells one target's weights from another's without reading them: its config and its
+    weight files' names and sizes, hashed."""
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    config = folder / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        digest.update(f"{path.name}:{path.stat().st_size};".encode())
+    return digest.hexdigest()[:16]
 
 
 class DiskReserve:
@@ -66,7 +100,9 @@ def feature_folder(cache: str | Path, model: str | Path, layer_ids: tuple[int, .
 
 
 class FeatureCache:
-    def __init__(self, folder: str | Path, width: int, readonly: bool = False) -> None:
+    def __init__(self, folder: str | Path, width: int, readonly: bool = False, model: str | Path | None = None) -> None:
+        """`model`: the target's folder, whose identity the cache records (or checks, where it
+        recorded one): rows of another target are refused."""
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.width = width
@@ -75,13 +111,57 @@ class FeatureCache:
         self.index: dict[str, tuple[int, int]] = {}  # key -> (first row, rows)
         self.rows = 0
         with nullcontext() if readonly else self.locked():
+            meta = self._checked_meta(model_identity(model) if model is not None else None)
             self._read_index()
-            if not readonly:
-                with open(self.rows_path, "ab") as fh:
-                    fh.truncate(self.rows * width * 2)
-                self.index_path.write_text(
-                    "".join(json.dumps({"key": k, "offset": o, "rows": r}) + "\n" for k, (o, r) in self.index.items())
-                )
+            self._check_rows(bool(meta))
+            if readonly:
+                return
+            with open(self.rows_path, "ab") as fh:
+                fh.truncate(self.rows * width * 2)  # an unreferenced tail a crash left
+            lines = "".join(json.dumps({"key": k, "offset": o, "rows": r}) + "\n" for k, (o, r) in self.index.items())
+            _replace(self.index_path, lines)  # a kill mid-write leaves the old index whole
+            wanted = {"width": width, **({"model": model_identity(model)} if model is not None else {}), **meta}
+            if wanted != meta:  # recorded only once the rows are known to fit it
+                _replace(self.folder / "meta.json", json.dumps(wanted) + "\n")
+
+    def _checked_meta(self, model: str | None) -> dict:
+        """The width and target the cache's rows are of (recorded by its first opener), checked."""
+        path = self.folder / "meta.json"
+        try:
+            meta = json.loads(path.read_text()) if path.is_file() else {}
+        except json.JSONDecodeError as exc:
+            raise FeatureCacheError(f"{path} is not JSON ({exc}): delete it, and the cache is checked afresh") from None
+        if meta.get("width", self.width) != self.width:
+            raise FeatureCacheError(
+                f"{self.folder} holds rows {meta['width']} wide, not {self.width}: another target's or taps' "
+                "features; use another --cache or --name"
+            )
+        if model is not None and meta.get("model", model) != model:
+            raise FeatureCacheError(
+                f"{self.folder} holds another target's features (model {meta['model']}, not {model}): "
+                "a model folder of the same name; use another --cache"
+            )
+        return meta
+
+    def _check_rows(self, recorded: bool) -> None:
+        """The rows file against its index. The last few entries' rows missing (a crash or a full
+        disk after their index lines, a copy cut short) are dropped, to be filled again; more is a
+        cache of another width or lost rows, refused, never padded with zeros (a truncated file was
+        padded, and its run trained to NaN: an audit). A cache from before meta.json was written
+        has its width checked by its size: rows missing, or more unreferenced rows than a crash
+        leaves, are a width that is not its own (a narrower opener cut such a file in half)."""
+        unit = self.width * 2
+        held = self.rows_path.stat().st_size // unit if self.rows_path.exists() else 0
+        lost = [key for key, (offset, rows) in self.index.items() if offset + rows > held]
+        tail = held - self.rows
+        if len(lost) > (LOST_ENTRIES if recorded else 0) or (not recorded and tail > LOST_ENTRIES * MAX_ROWS):
+            raise FeatureCacheError(
+                f"{self.rows_path} holds {held} rows {self.width} wide where its index names {self.rows}: "
+                "not this width's cache, or rows were lost; use another --cache, or delete it and fill again"
+            )
+        for key in lost:
+            del self.index[key]
+        self.rows = max((offset + rows for offset, rows in self.index.values()), default=0)
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -101,7 +181,7 @@ class FeatureCache:
             try:
                 entry = json.loads(line)
             except json.JSONDecodeError:
-                break  # a torn last line
+                continue  # a torn line: the entries after it are still good
             self.index[entry["key"]] = (entry["offset"], entry["rows"])
             self.rows = max(self.rows, entry["offset"] + entry["rows"])
 

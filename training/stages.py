@@ -21,6 +21,7 @@ from dflash_kernels import native_bf16
 from draft_node.checkpoint import config_for_target, load_drafter, save_draft_vocab, save_drafter
 from draft_node.config import DFlashConfig
 from protocol.tensors import torch_dtype
+from target_node.engine.engine import batch_engine
 from target_node.model.target import TargetModel
 from training.answer_store import Answer, AnswerStore
 from training.average import average_drafters
@@ -31,7 +32,7 @@ from training.features import FeatureCache, LiveFeatures, feature_folder
 from training.generate import GenerateOptions, generate
 from training.prompts import Ask, HeldOut, jobs, read_prompts
 from training.selector import train_selector
-from training.trainer import Trainer, TrainOptions, draft_vocabulary, samples, train
+from training.trainer import TARGET_INIT, Trainer, TrainingError, TrainOptions, draft_vocabulary, samples, train
 from training.variety import report
 
 Log = Callable[[str], None]
@@ -65,19 +66,10 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
     work = cache / "train" / args.name
     work.mkdir(parents=True, exist_ok=True)
     log = log_to(work / "train.log") if ranks.main else _rank_log(ranks)
-    store = AnswerStore(args.store)
-    if ranks.many and args.stage not in ("gen", "features", "train", "all"):
-        raise SystemExit(f"--stage {args.stage} runs in one process; torchrun runs gen, features and train")
-    if args.stage == "variety":
-        print(json.dumps(report(store.answers), indent=2))
+    check_run(args, ranks)
+    if args.stage in ("variety", "average", "grow"):
+        offline_stage(args, log)
         return
-    if args.stage == "average":
-        average_stage(args, log)
-        return
-    if args.stage == "grow":
-        grow_stage(args, log)
-        return
-
     # The target as the daemon serves it on this device (--feature-dtype "auto": bf16 where the
     # device computes it natively and the engine runs the model), with as many engine slots as
     # generation decodes rows at once (slots cost memory only once used). Its engine computes the
@@ -88,14 +80,16 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
     # Distillation reads the target's last layer too, cached beside the drafter's taps.
     taps = tuple(cfg.target_layer_ids) + ((target.config.num_hidden_layers - 1,) if args.distill else ())
     width = len(taps) * target.config.hidden_size
-    features = FeatureCache(feature_folder(cache, args.model, taps, target.model.dtype), width)
+    folder = feature_folder(cache, args.model, taps, target.model.dtype)
+    features, store = FeatureCache(folder, width, model=args.model), AnswerStore(args.store)
     if args.stage in ("gen", "all"):
-        same = args.gen_dtype == target.model.dtype  # then its answers' features come for free
-        writer = target if same else TargetModel.load(args.model, args.device, args.gen_dtype, slots=args.gen_batch)
-        generate_stage(args, writer, taps, store, features if same else None, log, ranks)
+        generate_stage(args, target, taps, store, features, log, ranks)
+        if ranks.many:  # every rank's answers and rows, not its own alone: rank 0 trained on half of them
+            ranks.barrier()
+            store, features = AnswerStore(args.store), FeatureCache(folder, width, model=args.model)
     answers = list(store.answers)
-    for folder in args.data:
-        answers += [a for a in AnswerStore(folder).answers if a.key not in store.keys]
+    for extra in args.data:
+        answers += [a for a in AnswerStore(extra).answers if a.key not in store.keys]
     live = args.stage in ("train", "all") and live_features(args.features, args.device)
     if args.stage == "features" or (args.stage in ("train", "all") and not args.cached_only and not live):
         deadline = time.time() + args.feature_minutes * 60 if args.feature_minutes else None
@@ -103,21 +97,54 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
         rows = rows_per_forward(args.device)
         added = features.fill(mine, target, taps, batch_tokens=rows, deadline=deadline, log=log)
         ranks.barrier()  # every rank's rows are in before any trains on them
-        features = FeatureCache(features.folder, width)
+        features = FeatureCache(folder, width, model=args.model)
         log(f"features: {added} answers filled by prefill; {len(features)} cached")
-    if args.stage == "estimate":
-        estimate_stage(args, target, store, cache, log)
-        return
-    if args.stage == "selector":
-        selector_stage(args, target, answers, cache, log)
-        return
-    if args.stage == "vocab":
-        ids = draft_vocabulary(samples([a for a in answers if not a.held_out], features), args.draft_vocab)
-        log(f"draft vocabulary: {len(ids)} tokens -> {save_draft_vocab(args.out, ids)}")
+    if args.stage in ("estimate", "selector", "vocab"):
+        target_stage(args, target, store, answers, cache, log)
     if args.stage in ("train", "all"):
+        if ranks.many:  # a store or cache that grew while the ranks read it: what every rank holds
+            common = ranks.common({a.key for a in answers if live or a.key in features})
+            answers = [a for a in answers if a.key in common]
         source = LiveFeatures(target, taps, batch_tokens=rows_per_forward(args.device)) if live else features
         log(f"features: live, from the target's forward on each batch ({args.device})" if live else "features: cached")
         train_stage(args, target, cfg, answers, source, work, log, ranks)
+
+
+def check_run(args: argparse.Namespace, ranks: Ranks) -> None:
+    """What would fail only after minutes of work, refused before any."""
+    if ranks.many and args.stage not in ("gen", "features", "train", "all"):
+        raise SystemExit(f"--stage {args.stage} runs in one process; torchrun runs gen, features and train")
+    if ranks.many and args.stage in ("train", "all") and args.batch < ranks.world:
+        raise TrainingError(f"--batch {args.batch} gives {ranks.world} ranks nothing to share: at least one each")
+    if args.stage in ("train", "all") and args.init and not str(args.init).startswith(TARGET_INIT):
+        load_drafter(args.init)  # a bad --init ends the run before any feature fill, not after it
+
+
+def offline_stage(args: argparse.Namespace, log: Log) -> None:
+    """The stages that need no target: variety, average, grow."""
+    if args.stage == "variety":
+        print(json.dumps(report(AnswerStore(args.store).answers), indent=2))
+    elif args.stage == "average":
+        average_stage(args, log)
+    else:
+        grow_stage(args, log)
+
+
+def target_stage(
+    args: argparse.Namespace, target: TargetModel, store: AnswerStore, answers: list[Answer], cache: Path, log: Log
+) -> None:
+    """The one-process stages that read the target: estimate, selector, vocab."""
+    if args.stage == "estimate":
+        estimate_stage(args, target, store, cache, log)
+    elif args.stage == "selector":
+        selector_stage(args, target, answers, cache, log)
+    else:
+        # The answers' own tokens: counting only those with cached features wrote [] for a fresh
+        # cache, which reads as the whole vocabulary (an audit).
+        ids = draft_vocabulary(samples([a for a in answers if not a.held_out], None), args.draft_vocab)
+        if not ids:
+            raise TrainingError(f"--stage vocab: no answer tokens in {args.store}")
+        log(f"draft vocabulary: {len(ids)} tokens -> {save_draft_vocab(args.out, ids)}")
 
 
 def rows_per_forward(device: str) -> int:
@@ -157,22 +184,29 @@ def generate_stage(
     target: TargetModel,
     taps: tuple[int, ...],
     store: AnswerStore,
-    features: FeatureCache | None,
+    features: FeatureCache,
     log: Log,
     ranks: Ranks,
 ) -> None:
     """Self-instruct answers into the store, until --gen-minutes have passed; rank r of a torchrun
-    job answers the job stream of seed --gen-seed + r (streams of different seeds do not overlap)."""
+    job answers the job stream of seed --gen-seed + r (streams of different seeds do not overlap).
+    The target writes them where it is in --gen-dtype and decodes a batch at once, and its answers'
+    features come for free; else a target that does (where "auto" declines the device, the engine
+    all the same: the transformers path decodes one row at a time) writes, and prefill fills them."""
+    engine = batch_engine(args.device)
+    same = args.gen_dtype == target.model.dtype and (target.slots >= args.gen_batch or engine is None)
+    load = {"engine": engine, "slots": args.gen_batch}
+    writer = target if same else TargetModel.load(args.model, args.device, args.gen_dtype, **load)
     deadline = time.time() + args.gen_minutes * 60
     starter = read_prompts(args.starter) if args.starter and Path(args.starter).is_file() else []
     log(
-        f"gen: {target.model.dtype}, batch {args.gen_batch}, max_new {args.max_new}, {args.threads} threads, "
+        f"gen: {writer.model.dtype}, batch {args.gen_batch}, max_new {args.max_new}, {args.threads} threads, "
         f"taps {list(taps)}, until {time.strftime('%H:%M:%S', time.localtime(deadline))}"
     )
     seed = args.gen_seed + ranks.rank
     opts = GenerateOptions(seed=seed, batch=args.gen_batch, max_new=args.max_new, deadline=deadline)
     openings = jobs(seed, starter=starter if ranks.main else [])
-    generate(target, store, openings, opts, features=features, layer_ids=taps, log=log)
+    generate(writer, store, openings, opts, features=features if same else None, layer_ids=taps, log=log)
 
 
 def train_stage(

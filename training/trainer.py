@@ -147,14 +147,19 @@ def mix_weights(kinds: list[str], shares: dict[str, float]) -> torch.Tensor:
     return torch.tensor([present[k] * scale / counts[k] if k in present else 1.0 / n for k in kinds])
 
 
-def samples(answers: list[Answer], features: FeatureCache | LiveFeatures) -> list[Sample]:
-    """Answers with features (cached, or any for live ones) and at least two answer tokens (one
-    anchor, one label)."""
+class TrainingError(ValueError):
+    """A run that cannot go on as asked: nothing to train on, a loss that is no number."""
+
+
+def samples(answers: list[Answer], features: FeatureCache | LiveFeatures | None, max_len: int = 0) -> list[Sample]:
+    """Answers with features (cached, or any for live ones; None: features not needed) and at least
+    two answer tokens (one anchor, one label) within the first `max_len` tokens (0: all): an
+    answer whose prompt filled them took batch slots and never gave an anchor (an audit)."""
     out = []
     for a in answers:
-        if a.answer_tokens < 2:
+        if a.answer_tokens < 2 or (max_len and a.prompt_len > max_len - 2):
             continue
-        if isinstance(features, LiveFeatures):
+        if features is None or isinstance(features, LiveFeatures):
             offset, rows = -1, min(len(a.tokens) - 1, MAX_ROWS)
         elif a.key in features:
             offset, rows = features.index[a.key]
@@ -216,6 +221,9 @@ def make_batch(
             continue
         pick = torch.randperm(hi - lo + 1, generator=gen)[:anchors] + lo
         chosen.append(pick.sort().values)
+    # Drawn for the whole batch before the rank's share is taken: N ranks build the batch one
+    # process builds (drawn after, two ranks' --known blocks differed from one process's: an audit).
+    coins = torch.rand(2, len(records), anchors, generator=gen)[:, part] if known > 0 else None
     records, chosen = records[part], chosen[part]
     span = max([int(c.max()) for c in chosen if len(c)] + [1])  # context rows needed: < largest anchor
     count, width = len(records), max([min(len(r.tokens), max_len) for r in records] + [0]) + block
@@ -239,16 +247,29 @@ def make_batch(
     toks = torch.full_like(window, mask_id)
     toks[..., 0] = torch.where(real, window[..., 0], mask_id)
     if known > 0:
-        learnable = (labels[..., 1:] >= 0).sum(-1)  # labelled slots after the anchor
-        drawn = real & (learnable >= 2) & (torch.rand(anc.shape, generator=gen) < known)
-        given = (torch.rand(anc.shape, generator=gen) * (learnable - 1).clamp_min(1)).long() + 1  # 1..learnable-1
-        slot = torch.arange(block)
-        shown = drawn[..., None] & (slot >= 1) & (slot <= given[..., None])
-        toks[shown], labels[shown] = window[shown], -100
+        _give_known(window, toks, labels, real, coins, known)
     if features is None:  # every row a context or a teacher reads: those before a + B - 1
         context = [r.tokens[: min(len(r.tokens) - 1, span + block - 1)] for r in records]
         return Batch(None, anc, toks, labels, context=context)
     return Batch(feats, anc, toks, labels, teacher_rows(records, features, cfg, anc))
+
+
+def _give_known(
+    window: torch.Tensor,
+    toks: torch.Tensor,
+    labels: torch.Tensor,
+    real: torch.Tensor,
+    coins: torch.Tensor,
+    known: float,
+) -> None:
+    """A `known` share of the blocks (by `coins[0]`) shown 1..learnable-1 of the target's tokens after
+    their anchor (how many by `coins[1]`), in place of masks and with no loss there."""
+    learnable = (labels[..., 1:] >= 0).sum(-1)  # labelled slots after the anchor
+    drawn = real & (learnable >= 2) & (coins[0] < known)
+    given = (coins[1] * (learnable - 1).clamp_min(1)).long() + 1  # 1..learnable-1
+    slot = torch.arange(window.shape[-1])
+    shown = drawn[..., None] & (slot >= 1) & (slot <= given[..., None])
+    toks[shown], labels[shown] = window[shown], -100
 
 
 def teacher_rows(
@@ -307,8 +328,8 @@ class Trainer:
         self.features = None if self.live else features.array()
         if self.features is not None and not opts.distill:  # a wider cache's teacher columns are read only to distill
             self.features = self.features[:, : cfg.feature_width]
-        self.train_records = samples([a for a in answers if not a.held_out], features)
-        self.val_records = samples([a for a in answers if a.held_out], features)[: opts.val_answers]
+        self.train_records = samples([a for a in answers if not a.held_out], features, opts.max_len)
+        self.val_records = samples([a for a in answers if a.held_out], features, opts.max_len)[: opts.val_answers]
         self.draw = self._draw_weights(answers)
         model = target.model
         self.embed = model.get_input_embeddings().weight.detach().to(self.dev, torch.float32)
@@ -500,6 +521,12 @@ class Trainer:
         # Normalised by the whole batch's weight, times the ranks DDP averages over: the gradient
         # of the loss one process computes on the whole batch.
         weight = self.ranks.total(weight.detach())
+        value = float(self.ranks.total(total.detach()) / weight)
+        if not math.isfinite(value):  # the same on every rank: all stop before the step, none saves
+            raise TrainingError(
+                f"the loss became {value} at step {self.step + 1}: the run stops before it (lower --lr, "
+                "check --gamma and the feature cache)"
+            )
         loss = total / weight * self.ranks.world
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -507,7 +534,6 @@ class Trainer:
         self.optimizer.step()
         self.schedule.step()
         self.step += 1
-        value = float(self.ranks.total(total.detach()) / weight)
         self.history.append(value)
         self.positions += int(labelled.sum()) * self.ranks.world
         return value
@@ -628,9 +654,9 @@ def train(
         log = _quiet
     trainer = Trainer(target, cfg, answers, features, opts, ranks)
     if not trainer.train_records:
-        raise ValueError(
+        raise TrainingError(
             f"nothing to train on: of {len(answers)} answers none outside the held-out split has cached "
-            "features and two answer tokens (generate more, or run --stage features)"
+            f"features and two answer tokens within --max-len {opts.max_len} (generate more, or run --stage features)"
         )
     _start(trainer, target, state_path, log)
     log(
@@ -693,8 +719,16 @@ def _checkpoints(trainer: Trainer, state_path: Path, log: Callable[[str], None])
 def _start(trainer: Trainer, target, state_path: Path, log: Callable[[str], None]) -> None:
     """Where a run's weights start: its saved state (resuming), a checkpoint, target layers, or fresh."""
     init = trainer.opts.init
-    if trainer.opts.resume and state_path.exists():
-        trainer.load_state(torch.load(state_path, map_location=trainer.dev, weights_only=False))
+    if trainer.opts.resume and not state_path.exists():
+        raise TrainingError(f"--resume: no saved state at {state_path} (is --name the run's?)")
+    if trainer.opts.resume:
+        try:
+            state = torch.load(state_path, map_location=trainer.dev, weights_only=False)
+        except (RuntimeError, EOFError, OSError) as exc:  # a copy cut short
+            raise TrainingError(f"--resume: {state_path} cannot be read ({exc})") from exc
+        if state.get("config", trainer.cfg.to_json()) != trainer.cfg.to_json():
+            raise TrainingError(f"--resume: {state_path} is a run of another drafter shape than these flags ask for")
+        trainer.load_state(state)
         log(f"resumed at step {trainer.step}")
     elif init and str(init).startswith(TARGET_INIT):
         layer_ids = [int(x) for x in str(init)[len(TARGET_INIT) :].split(",")]
