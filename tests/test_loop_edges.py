@@ -120,6 +120,37 @@ def test_a_stop_string_in_a_step_of_many_hints_decodes_a_few_tokens_per_token(ta
     assert result.stats.steps <= 3 and Counting.decoded <= 4 * len(result.tokens) + 16, Counting.decoded
 
 
+@pytest.mark.parametrize("ending", ["stop", "eos"])
+@pytest.mark.parametrize("drafts", ["hints", "oracle"])
+def test_stats_count_the_tokens_the_answer_kept(target, reference, ending, drafts):
+    """A step verifies a block; a stop string or EOS inside it ends the answer there. The stats
+    counted the whole block: a stop met in a step of 62 verified hints reported tau 63 for a
+    24-token answer (an audit). They count what the answer kept: tau is its tokens per step."""
+    end = 13  # inside the first verified block, past the prefill's token
+    options = {"stop_on_eos": False}
+    if ending == "stop":
+        text = CharTokenizer().decode(reference)
+        stop = text[end - 2 : end + 1]
+        options["stop_strings"] = (stop,)
+        kept = text.find(stop) + len(stop)
+    else:
+        target.eos_ids, options["stop_on_eos"] = frozenset({reference[end]}), True
+        kept = reference.index(reference[end]) + 1
+    hints = reference[:40] if drafts == "hints" else ()
+    proposer = NoProposer() if drafts == "hints" else oracle(target, reference)
+    target.tokenizer = CharTokenizer()
+    try:
+        result = generate(target, PROMPT, proposer, DecodeOptions(40, hint_tokens=hints, **options))
+    finally:
+        target.tokenizer, target.eos_ids = None, frozenset({target.config.eos_token_id})
+    stats = result.stats
+    assert result.finish_reason == ending and result.tokens == reference[:kept]
+    assert stats.accepted + stats.steps == len(result.tokens) - 1 == stats.decode_tokens
+    assert stats.tau == stats.decode_tokens / stats.steps
+    assert sum(stats.histogram.values()) == stats.steps - stats.plain_steps
+    assert sum(accepted * steps for accepted, steps in stats.histogram.items()) == stats.accepted
+
+
 @pytest.mark.parametrize("right", [True, False])
 def test_hint_tokens_are_verified(target, reference, right):
     hints = list(reference[:20]) if right else [(t + 1) % target.vocab_size for t in reference[:20]]

@@ -13,6 +13,7 @@ from frontend.target_client import TargetClient
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import Sequence, step
 from target_node.drafting.draft_pass import DraftPass
+from target_node.drafting.feature_ring import FeatureRing
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer, NGramProposer, NoProposer
 from target_node.drafting.remote import LinkTiming, RemoteDraftBackend
@@ -147,7 +148,8 @@ def test_reused_rows_leave_the_slot_bit_for_bit_as_a_fresh_prefill_does(dtype):
     target = TargetModel(tiny_target("llama", seed=5, dtype=DTYPES[dtype]).model, slots=2)
     cache = PrefixCache(64 << 20)
     first = run(target, Sequence(target, SYSTEM + [7, 8], NoProposer(), DecodeOptions(20, stop_on_eos=False), slot=0))
-    cache.store(*first.committed(), ())
+    tokens, kv, features, _ = first.committed()
+    cache.store(tokens, kv, features, ())
     prompt = SYSTEM + [7, 8] + first.output.tokens + [40, 41, 42]
     hit = cache.lookup(prompt, ())
     assert hit is not None and hit.length == len(SYSTEM) + 2 + 19
@@ -200,10 +202,60 @@ def assert_each_turn_greedy(target: TargetModel, replies: list[dict], seed: int 
         history += reply["token_ids"]
 
 
-def drafting(target: TargetModel, slots: int) -> list[DFlashProposer]:
+def drafting(target: TargetModel, slots: int, ring: int = 4096) -> list[DFlashProposer]:
     drafter = random_drafter(config_for_target(target.config, block_size=8, taps=2), seed=4)
     together = DraftPass(drafter)
-    return [DFlashProposer(LocalDraftBackend(drafter, drafting_pass=together)) for _ in range(slots)]
+    return [DFlashProposer(LocalDraftBackend(drafter, ring, drafting_pass=together)) for _ in range(slots)]
+
+
+@pytest.mark.parametrize("mode", ["chain", "seeded"])
+def test_a_chat_longer_than_the_drafters_ring_still_starts_from_its_last_turn(mode, tmp_path):
+    """Past the ring's capacity the proposer held no features from position 0, so each entry was
+    stored without them and a drafting request never started from it: every later turn re-ran the
+    whole chat (an audit). An entry now keeps the ring's last rows, and a hit fills the ring as a
+    prefill of the prefix would: the drafts proposed and accepted are those without the cache."""
+    target = TargetModel(tiny_target("llama", seed=5).model, slots=1)
+    sampling = {"temperature": 0.8, "seed": 11} if mode == "seeded" else {}
+    runs = {}
+    for cached in (True, False):
+        cache = (64 << 20) if cached else 0
+        with served(target, drafting(target, 1, ring=48), cache, tmp_path, f"ring-{mode}-{cached}") as (client, svc):
+            runs[cached] = chat(client, 5, sampling)
+            if cached:  # one entry for the chat: each turn's took the earlier rows of the one it extends
+                assert len(svc.prefix_cache.entries) == 1
+    for hit, miss in zip(runs[True], runs[False], strict=True):
+        assert hit["token_ids"] == miss["token_ids"]
+        assert (hit["stats"]["proposed"], hit["stats"]["accepted"]) == (
+            miss["stats"]["proposed"],
+            miss["stats"]["accepted"],
+        )
+    history = len(SYSTEM) + sum(r["stats"]["new_tokens"] for r in runs[True][:1])
+    assert history > 48  # the ring had wrapped by the second turn
+    assert all(r["stats"]["cached_tokens"] > 48 for r in runs[True][1:])
+
+
+def test_an_entry_whose_features_start_past_0_serves_only_what_they_reach():
+    """Features of positions [32, 64): an asker reading 32 positions back may start from all 64
+    positions, not from fewer (its prefill would have left it rows before 32), nor one that reads
+    the whole context back; and it stands in for no entry whose features start earlier."""
+    cache = PrefixCache(1 << 20)
+    tokens = list(range(64))
+    cache.store(tokens, rows(64), torch.ones(32, 8), (0, 2), features_from=32)
+    cache.store(tokens[:32], rows(32), torch.zeros(32, 8), (0, 2))
+    assert len(cache.entries) == 2  # the shorter one serves prefixes the longer cannot
+    hit = cache.lookup(tokens + [1], (0, 2), reach=32)
+    assert hit.length == 64 and hit.features_from == 32 and float(hit.features[0, 0]) == 1.0
+    hit = cache.lookup(tokens[:50] + [1], (0, 2), reach=32)
+    assert hit.length == 32 and hit.features_from == 0  # the shorter entry's, from 0
+    assert cache.lookup(tokens + [1], (0, 2)).length == 32  # reading all the way back: from 0 only
+    assert cache.lookup(tokens + [1], ()).length == 64  # no drafter: the rows alone
+    # Stored the other way round, the longer one takes the shorter one's earlier rows and replaces it.
+    again = PrefixCache(1 << 20)
+    again.store(tokens[:32], rows(32), torch.zeros(32, 8), (0, 2))
+    again.store(tokens, rows(64), torch.ones(32, 8), (0, 2), features_from=32)
+    (entry,) = again.entries.values()
+    assert entry.features_from == 0 and entry.features.shape == (64, 8) and float(entry.features[40, 0]) == 1.0
+    assert again.lookup(tokens[:50] + [1], (0, 2), reach=32).length == 50
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -367,3 +419,22 @@ def test_a_draft_daemon_that_claims_more_restored_rows_than_asked_costs_only_its
     assert sum(b.counters["errors"] for b in backends) >= 2
     assert sum(r["stats"]["sources"].get("dflash", 0) for r in replies[1:]) > 0  # drafting went on
     assert_each_turn_greedy(target, replies)
+
+
+def test_a_feature_ring_may_begin_past_0_and_never_holds_what_it_lost():
+    """A hit past the ring's capacity brings only the rows a prefill of the prefix leaves: the ring
+    begins there. Positions it wrapped past stay gone when a rewrite below its end shortens it (a
+    review: `oldest` came back down over slots later positions held)."""
+    ring = FeatureRing(8, 2, torch.float32, "cpu")
+    ring.write(100, torch.arange(60, dtype=torch.float32).view(30, 2))  # positions [100, 130): the last 8 held
+    assert (ring.oldest, ring.length) == (122, 130)
+    assert torch.equal(ring.read(122, 130)[:, 0], torch.arange(44, 60, 2, dtype=torch.float32))
+    ring.write(127, torch.zeros(1, 2))  # a step rolled back to 127
+    assert (ring.oldest, ring.length) == (122, 128)
+    with pytest.raises(IndexError):
+        ring.read(120, 128)
+    with pytest.raises(ValueError, match="from 122"):
+        ring.write(121, torch.zeros(1, 2))
+    ring.reset()
+    ring.write(0, torch.ones(3, 2))
+    assert (ring.oldest, ring.length) == (0, 3)

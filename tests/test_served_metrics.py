@@ -81,6 +81,19 @@ def test_finished_requests_add_up_and_translate_to_prometheus():
     assert [f.name for f in text_string_to_metric_families(down)] == ["dflash_target_daemon_up"]
 
 
+def test_only_the_fallbacks_steps_count_as_fallback():
+    """A DFlash daemon's steps come from its drafter, its pre-drafts, looked-up branches, hints and,
+    while the drafter is away, its fallback: the last alone is the fallback metric."""
+    metrics = ServedMetrics()
+    sources = Counter({"dflash": 5, "predraft": 2, "lookup": 3, "hint": 1, "ngram": 4})
+    metrics.finish("length", Stats(new_tokens=16, steps=15, sources=sources))
+    stats = {**metrics.to_dict(), "queued": 0, "running": 0, "max_batch": 1, "drafter": {}, "served": 1}
+    for proposer, fallback in (("dflash", 4), ("ngram", 0)):
+        text = generate_latest(registry_for(lambda p=proposer: {**stats, "proposer": p})).decode()
+        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples["dflash_drafter_fallback_steps_total"] == fallback
+
+
 class Backend:
     """A remote backend's visible state: attached or not, and its counters."""
 

@@ -120,29 +120,36 @@ class Sequence:
         self.cancelled = True
         self.output.finish = "cancelled"
 
-    def reuse(self, length: int, rows: torch.Tensor, features: torch.Tensor | None, name: str = "") -> None:
+    def reuse(
+        self, length: int, rows: torch.Tensor, features: torch.Tensor | None, name: str = "", features_from: int = 0
+    ) -> None:
         """Start from the first `length` positions of an earlier request (the prefix cache's hit):
-        its KV `rows` and, for a proposer that reads them, its `features` (and its drafter's own
-        context, where a drafter kept it under `name`); only the rest of the prompt is prefilled.
-        Before the first forward, and never the whole prompt (its last token must run: its logits
-        give the first token)."""
+        its KV `rows` and, for a proposer that reads them, its `features` of positions from
+        `features_from` on (as far back as a prefill of the prefix would have left them in the
+        ring), and its drafter's own context where a drafter kept it under `name`; only the rest
+        of the prompt is prefilled. Before the first forward, and never the whole prompt (its last
+        token must run: its logits give the first token)."""
         if self.prefilled or not 0 < length < len(self.prompt):
             raise ValueError(f"cannot reuse {length} positions of a {len(self.prompt)}-token prompt here")
         self.target.load_rows(self.slot, rows[:, :, :, :length])
         if self.proposer.taps:
-            self.proposer.commit(0, features[:length])
-            if name:
+            self.proposer.commit(features_from, features[: length - features_from])
+            if name and not features_from:  # a drafter keeps contexts that start at 0
                 self.proposer.restore(name, length)
         self.prefilled = self.stats.cached_tokens = length
 
-    def committed(self) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+    def committed(self) -> tuple[list[int], torch.Tensor, torch.Tensor | None, int]:
         """What a later request may start from: the tokens of the positions the slot's cache holds
-        committed, their KV rows, and their features where the proposer reads and still holds them."""
+        committed, their KV rows, and, where the proposer reads features, those it still holds
+        and the first position they cover (past 0 once the ring has wrapped: without them a long
+        chat's turns missed the cache whenever a drafter drafted, an audit)."""
         tokens = (self.prompt + self.output.tokens)[: self.target.length_of(self.slot)]
-        features = self.proposer.held_features(len(tokens)) if self.proposer.taps else None
-        if features is not None:
-            tokens = tokens[: features.shape[0]]
-        return tokens, self.target.cached_rows(self.slot, len(tokens)), features
+        held = self.proposer.held_features(len(tokens)) if self.proposer.taps else None
+        if held is None:
+            return tokens, self.target.cached_rows(self.slot, len(tokens)), None, 0
+        start, features = held
+        tokens = tokens[: start + features.shape[0]]
+        return tokens, self.target.cached_rows(self.slot, len(tokens)), features, start
 
     def prepare(self, batch: int = 1) -> None:
         """Decide the next step before any sequence of the batch plans its own: whether to draft
@@ -206,7 +213,9 @@ class Sequence:
                 self.stats.ttft_s = time.perf_counter() - self.began
             return
         step = finish_step(self.target, self.proposer, self.plan, out, self.sampler, self.slot)
-        self._count(step)
+        before = len(self.output.tokens)
+        self.output.commit(step.committed)
+        self._count(step.kept(len(self.output.tokens) - before))
         if self.governor is not None:
             for source, found in self.plan.lookups.items():
                 self.governor.learn_lookup(found.tokens, step.committed, source, found.chances, found.kind)
@@ -219,7 +228,6 @@ class Sequence:
                 predicted=step.predicted,
                 chain=step.chain,
             )
-        self.output.commit(step.committed)
 
     def _count(self, step: Step) -> None:
         stats = self.stats

@@ -15,18 +15,28 @@ class FeatureRing:
         self.capacity = capacity
         self.rows = torch.zeros(capacity, width, dtype=dtype, device=device)
         self.length = 0  # rows cover positions [oldest, length)
+        self.first = 0  # no position before it is held (a prefix cache hit may start past 0; wrapping moves it)
 
     @property
     def oldest(self) -> int:
-        return max(0, self.length - self.capacity)
+        return max(self.first, self.length - self.capacity)
 
     def reset(self) -> None:
-        self.length = 0
+        self.length = self.first = 0
 
     def write(self, start: int, rows: torch.Tensor) -> None:
-        """Store rows for positions [start, start+len); anything at or after `start` is replaced."""
+        """Store rows for positions [start, start+len); anything at or after `start` is replaced.
+        An empty ring may begin anywhere: a prefix cache hit past its capacity brings only the
+        rows a prefill of the prefix would have left in it."""
+        if start > self.length and self.length == 0:
+            self.first = self.length = start
         if start > self.length:
             raise ValueError(f"feature rows at {start} would leave a gap after position {self.length}")
+        if start < self.oldest:
+            raise ValueError(f"feature rows at {start}: the ring holds positions from {self.oldest} on")
+        # What is gone stays gone: a rewrite below the end must not bring back positions whose
+        # slots later ones took (a review).
+        self.first = self.oldest
         count = rows.shape[0]
         if count > self.capacity:
             start, rows, count = start + count - self.capacity, rows[-self.capacity :], self.capacity

@@ -41,9 +41,13 @@ class Proposer(Protocol):
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         """The target committed positions [start, start + rows); `features` are their taps."""
 
-    def held_features(self, end: int) -> torch.Tensor | None:
-        """The committed features of positions [0, end) it still holds (fewer where it holds fewer
-        from 0), for a later request with the same prefix; None where it holds none from 0."""
+    def held_features(self, end: int) -> tuple[int, torch.Tensor] | None:
+        """The committed features it still holds of positions [0, end), for a later request with
+        the same prefix: (the first position held, its rows on); None where it holds none."""
+
+    @property
+    def reach(self) -> int:
+        """How far back its drafter reads features (its ring's capacity); 0: no limit, or none read."""
 
     def keep(self, name: str, rows: int) -> None:
         """Its drafter keeps its context of positions [0, rows) under `name`, where it can."""
@@ -75,8 +79,12 @@ class NoProposer:
     def commit(self, start: int, features: torch.Tensor | None) -> None:
         pass
 
-    def held_features(self, end: int) -> torch.Tensor | None:
+    def held_features(self, end: int) -> tuple[int, torch.Tensor] | None:
         return None
+
+    @property
+    def reach(self) -> int:
+        return 0
 
     def keep(self, name: str, rows: int) -> None:
         pass
@@ -294,11 +302,15 @@ class DFlashProposer:
             restored = 0
         self.synced, self.base = (restored, 0) if restored else (None, None)
 
-    def held_features(self, end: int) -> torch.Tensor | None:
+    def held_features(self, end: int) -> tuple[int, torch.Tensor] | None:
         ring = self.drafting.ring if self.drafting is not None else None
-        if ring is None or ring.oldest > 0 or ring.length == 0:
+        if ring is None or ring.length == 0 or ring.oldest >= min(end, ring.length):
             return None
-        return ring.read(0, min(end, ring.length))
+        return ring.oldest, ring.read(ring.oldest, min(end, ring.length))
+
+    @property
+    def reach(self) -> int:
+        return self.drafting.ring.capacity if self.drafting is not None else 0
 
     def prefetch(self, tokens: list[int], max_tokens: int) -> None:
         if self.drafting is None:

@@ -521,9 +521,10 @@ class TargetService:
                     on_commit=on_commit,
                     governor=self.governor,
                 )
-                hit = self.prefix_cache.lookup(prompt, proposer.taps) if self.prefix_cache is not None else None
+                cache = self.prefix_cache
+                hit = cache.lookup(prompt, proposer.taps, proposer.reach) if cache is not None else None
                 if hit is not None:
-                    sequence.reuse(hit.length, hit.kv, hit.features, hit.name)
+                    sequence.reuse(hit.length, hit.kv, hit.features, hit.name, hit.features_from)
             except ProtocolError as exc:
                 self.metrics.refuse(exc.code.value)
                 self.send(identity, encode_error(msg.id, exc.code, exc.message))
@@ -588,9 +589,10 @@ class TargetService:
         request and the daemon go on without it."""
         proposer = active.sequence.proposer
         try:
-            tokens, rows, features = active.sequence.committed()
-            name = self.prefix_cache.store(tokens, rows, features, proposer.taps)
-            if drafter_too and name is not None and proposer.taps:
+            tokens, rows, features, features_from = active.sequence.committed()
+            name = self.prefix_cache.store(tokens, rows, features, proposer.taps, features_from)
+            # A drafter keeps contexts from position 0, which a hit whose features start later never restores.
+            if drafter_too and name is not None and proposer.taps and not features_from:
                 proposer.keep(name, len(tokens))
         except Exception:
             log.exception("the prefix cache could not keep request %s's rows", active.job.request.id)

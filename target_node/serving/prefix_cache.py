@@ -43,8 +43,9 @@ class Prefix:
 
     length: int
     kv: torch.Tensor  # [layers, 2, kv_heads, >= length, head_dim] (the engine cache's layout)
-    features: torch.Tensor | None  # [>= length, width] of the taps it was stored with, or None
+    features: torch.Tensor | None  # [rows, width] of the taps it was stored with, from features_from on; or None
     name: str  # the entry's name, under which a draft daemon may keep its own context of it
+    features_from: int = 0  # the position of the features' first row
 
 
 @dataclass(eq=False)
@@ -55,6 +56,27 @@ class _Entry:
     taps: tuple[int, ...]
     hashes: list[int]
     name: str
+    features_from: int = 0  # past 0: the drafter's ring had wrapped, and only its last rows came
+
+    @property
+    def reaches_back(self) -> float:
+        """The first position its features cover (infinity: it has none)."""
+        return self.features_from if self.features is not None else float("inf")
+
+    def serves(self, taps: tuple[int, ...], length: int, reach: int) -> bool:
+        """Whether an asker drafting from `taps`, reading `reach` positions back (0: all), can start
+        from its first `length` positions: the features a prefill of them would leave it are here."""
+        if not taps:
+            return True
+        return self.taps == taps and self.reaches_back <= (max(0, length - reach) if reach else 0)
+
+    def holds(self, other: _Entry) -> bool:
+        """Whether it serves every prefix `other` serves (and so may stand in for it)."""
+        return (
+            self.taps == other.taps
+            and self.tokens[: len(other.tokens)] == other.tokens
+            and (not self.taps or self.reaches_back <= other.reaches_back)
+        )
 
     @property
     def bytes(self) -> int:
@@ -110,57 +132,70 @@ class PrefixCache:
         self.key = secrets.token_bytes(16)  # its block hashes' (see block_hashes)
         self.counters = {"lookups": 0, "hits": 0, "tokens_reused": 0, "stored": 0, "evicted": 0}
 
-    def lookup(self, prompt: list[int], taps: tuple[int, ...]) -> Prefix | None:
+    def lookup(self, prompt: list[int], taps: tuple[int, ...], reach: int = 0) -> Prefix | None:
         """The longest stored prefix of `prompt` (its last token excluded: it must run), with
-        features for `taps` where the asker drafts from them; None when nothing of it is held."""
+        features for `taps` where the asker drafts from them, as far back as it reads them
+        (`reach` positions; 0: all); None when nothing of it is held."""
         self.counters["lookups"] += 1
-        deepest: list[_Entry] = []  # the entries holding every block matched so far
-        blocks = 0
+        levels: list[list[_Entry]] = []  # the entries holding every block up to each depth
         for h in block_hashes(prompt, len(prompt) - 1, self.key):
-            holders = [e for e in self.by_hash.get(h, {}).values() if self._serves(e, taps)]
+            holders = [e for e in self.by_hash.get(h, {}).values() if self._drafts_from(e, taps)]
             if not holders:
                 break
-            deepest, blocks = holders, blocks + 1
-        if not deepest:
-            return None
+            levels.append(holders)
         # Past the last whole block each holder may match a few tokens more: the one that matches
         # most (the latest stored where several do). Taking the latest stored alone re-ran up to 15
         # tokens of a chat's previous turn when another chat with its system prompt came after it
-        # (an audit).
-        # (Less than a block: a holder matching a whole block more would have held its hash.)
-        at = blocks * BLOCK
-        tail = prompt[at : min(len(prompt) - 1, at + BLOCK)]
-        best = max(reversed(deepest), key=lambda e: _common(tail, e.tokens[at : at + BLOCK]))
-        length = _common(prompt[: len(prompt) - 1], best.tokens)
-        if length < BLOCK:  # a hash collision: the tokens disagree early
+        # (an audit). (Less than a block: a holder matching a whole block more would have held its
+        # hash.) Only a holder with the features a prefill of that much would leave the asker: the
+        # deepest level that has one.
+        for blocks in range(len(levels), 0, -1):
+            at = blocks * BLOCK
+            tail = prompt[at : min(len(prompt) - 1, at + BLOCK)]
+            matched = ((at + _common(tail, e.tokens[at : at + BLOCK]), e) for e in reversed(levels[blocks - 1]))
+            serving = [(length, e) for length, e in matched if e.serves(taps, length, reach)]
+            if serving:
+                break
+        else:
+            return None
+        length, best = max(serving, key=lambda m: m[0])
+        if best.tokens[:length] != prompt[:length]:  # a hash collision: the tokens disagree
             return None
         self.entries.move_to_end(id(best))
         self.counters["hits"] += 1
         self.counters["tokens_reused"] += length
-        return Prefix(length, best.kv, best.features, best.name)
+        return Prefix(length, best.kv, best.features, best.name, best.features_from)
 
     @staticmethod
-    def _serves(entry: _Entry, taps: tuple[int, ...]) -> bool:
+    def _drafts_from(entry: _Entry, taps: tuple[int, ...]) -> bool:
         """A drafter reading features needs them for its taps, or it would draft blind over the prefix."""
         return not taps or (entry.taps == taps and entry.features is not None)
 
     def store(
-        self, tokens: list[int], kv: torch.Tensor, features: torch.Tensor | None, taps: tuple[int, ...]
+        self,
+        tokens: list[int],
+        kv: torch.Tensor,
+        features: torch.Tensor | None,
+        taps: tuple[int, ...],
+        features_from: int = 0,
     ) -> str | None:
         """Keep rows [0, len(tokens)) of a sequence: `kv` [layers, 2, kv_heads, n, head_dim] and its
-        `features` for `taps` (None without them). Entries it extends are dropped: it holds theirs.
+        `features` for `taps` of positions [features_from, len(tokens)) (None without them).
+        Entries it holds (it extends them, with features reaching as far back) are dropped.
         Returns the new entry's name, or None where nothing new is kept."""
         if len(tokens) < BLOCK:
             return None
-        entry = _Entry(list(tokens), kv, features, taps, block_hashes(tokens, len(tokens), self.key), next(self.names))
+        hashes = block_hashes(tokens, len(tokens), self.key)
+        entry = _Entry(list(tokens), kv, features, taps, hashes, next(self.names), features_from)
+        self._reach_back(entry)
         if entry.bytes > self.max_bytes:
             return None
         for other in [e for e in self.by_hash.get(entry.hashes[-1], {}).values()]:
-            if other.tokens[: len(tokens)] == entry.tokens and other.taps == taps:
+            if other.holds(entry):
                 self.entries.move_to_end(id(other))  # already held, by a longer sequence
                 return None
         for other in list(self.by_hash.get(entry.hashes[0], {}).values()):
-            if entry.tokens[: len(other.tokens)] == other.tokens and other.taps == taps:
+            if entry.holds(other):
                 self._drop(other)
         self.entries[id(entry)] = entry
         for h in entry.hashes:
@@ -171,6 +206,25 @@ class PrefixCache:
             self._drop(next(iter(self.entries.values())))
             self.counters["evicted"] += 1
         return entry.name if id(entry) in self.entries else None
+
+    def _reach_back(self, entry: _Entry) -> None:
+        """A wrapped ring's entry takes the earlier feature rows of an entry it extends (the same
+        bits: the engine computes a row alike whatever ran with it), so it holds that one and
+        replaces it: without them a long chat kept two entries a turn, each with its whole KV
+        (a review)."""
+        if entry.features is None or not entry.features_from:
+            return
+        for other in self.by_hash.get(entry.hashes[0], {}).values():
+            if (
+                other.taps == entry.taps
+                and other.features is not None
+                and other.features_from < entry.features_from <= len(other.tokens)
+                and entry.tokens[: len(other.tokens)] == other.tokens
+            ):
+                earlier = other.features[: entry.features_from - other.features_from]
+                entry.features = torch.cat([earlier, entry.features.to(earlier.device)])
+                entry.features_from = other.features_from
+                return
 
     def _drop(self, entry: _Entry) -> None:
         self.entries.pop(id(entry))
