@@ -281,3 +281,56 @@ def test_a_drafter_that_raises_as_it_starts_its_drafts_costs_only_its_requests_d
             step(target, [seq for seq in seqs if not seq.done])
     assert [seq.result().tokens for seq in seqs] == want
     assert seqs[0].drafting_failed and "a drafter's bug in prefetch" in caplog.text
+
+
+class FailsToCommit(NGramProposer):
+    """A proposer whose taking of a step's features raises at its `fails_at`-th commit: a bug in
+    acceptance (finish_step), where the slot's state is in doubt, unlike a drafting failure."""
+
+    def __init__(self, fails_at: int) -> None:
+        super().__init__()
+        self.commits, self.fails_at = 0, fails_at
+
+    def commit(self, start, features):
+        self.commits += 1
+        if self.commits == self.fails_at:
+            raise RuntimeError("a bug in taking the step's results")
+
+
+def test_a_request_whose_step_results_raise_ends_alone_and_the_others_go_on(target, tmp_path):
+    """One request's acceptance raising failed every request in the batch with it (left alone for
+    sessions). Now that request ends with the error, in process and in the daemon, and the others'
+    outputs are what they are alone."""
+    from helpers import serving_in_thread
+
+    from frontend.target_client import TargetClient
+    from protocol.errors import ProtocolError
+    from target_node.serving.daemon import TargetService
+    from target_node.serving.settings import ServiceSettings
+
+    opts = DecodeOptions(20, stop_on_eos=False)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6]
+    want = generate(target, prompts[1], NGramProposer(), opts).tokens
+    with pytest.raises(RuntimeError, match="a bug"):
+        generate(target, prompts[0], FailsToCommit(fails_at=4), opts)
+    alone = generate(target, prompts[0], NGramProposer(), opts).tokens
+    seqs = [
+        Sequence(target, prompts[0], FailsToCommit(fails_at=4), opts, slot=0),
+        Sequence(target, prompts[1], NGramProposer(), opts, slot=1),
+    ]
+    while not all(seq.done for seq in seqs):
+        step(target, [seq for seq in seqs if not seq.done])
+    assert isinstance(seqs[0].failed, RuntimeError) and seqs[1].failed is None
+    assert seqs[1].result().tokens == want
+    proposers = [FailsToCommit(fails_at=4), NGramProposer()]
+    service = TargetService(target, proposers, ServiceSettings(prefix_cache_mb=0))
+    address = f"ipc://{tmp_path}/fails.sock"
+    with serving_in_thread(service.serve, address):
+        client = TargetClient(address, timeout_s=60)
+        try:  # the request in slot 0 ends with the error; the daemon serves on, in that slot too
+            with pytest.raises(ProtocolError, match="a bug"):
+                client.generate(token_ids=prompts[0], max_new_tokens=20, stream=False)
+            assert client.generate(token_ids=prompts[0], max_new_tokens=20, stream=False)["token_ids"] == alone
+            assert service.report()["requests"] == {"length": 1}
+        finally:
+            client.close()

@@ -101,6 +101,7 @@ class Sequence:
         self.room = Room()  # what the next step may verify (prepare)
         self.drafting_failed = False  # drafting raised: this request's steps verify only what it knows
         self.cancelled = False
+        self.failed: Exception | None = None  # taking a forward's results raised: this request ends with it
         self.began = time.perf_counter()
         # Room for the whole request at once (within the model's positions): reserving only the
         # prompt had the first verify after it grow, and so copy, every slot's cache (an audit:
@@ -114,7 +115,7 @@ class Sequence:
 
     @property
     def done(self) -> bool:
-        return self.cancelled or self.output.done
+        return self.cancelled or self.failed is not None or self.output.done
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -268,7 +269,9 @@ def step(
     for every row that needs it, and each sequence takes its share. A `pace` sizes the prompt
     chunks in it to a time budget (else each sequence's own `prefill_chunk`), unless one prompt
     runs alone and no other request is `waiting` to start. `prepared`: each sequence's `prepare`
-    ran already (a schedule that starts one group's drafts while another group's forward runs)."""
+    ran already (a schedule that starts one group's drafts while another group's forward runs).
+    A sequence whose taking of its results raises ends `failed`; the others go on (a bug in one
+    request's acceptance failed every request in the batch)."""
     prefilling = [seq for seq in sequences if seq.prefilling]
     hinted = [seq for seq in sequences if not seq.prefilling and seq.output.hinted(1)]
     if pace is not None:  # hints are paced as prompt chunks are
@@ -307,7 +310,11 @@ def step(
     for seq, part, (_, features) in zip(sequences, parts, outs, strict=True):
         end = at + part.head_rows
         mine = None if features is None else _select(features, taps, seq.proposer.taps, target.hidden_size)
-        seq.take(ForwardOut(mine, choices[at:end], None if logits is None else logits[at:end], forward_s))
+        try:
+            seq.take(ForwardOut(mine, choices[at:end], None if logits is None else logits[at:end], forward_s))
+        except Exception as exc:  # its slot alone is in doubt: the others take their rows as if it were not there
+            log.exception("a request failed taking its step's results")
+            seq.failed = exc
         at = end
 
 
@@ -351,4 +358,6 @@ def generate(
             seq.cancel()
             break
         step(target, [seq])
+    if seq.failed is not None:
+        raise seq.failed
     return seq.result()

@@ -556,9 +556,12 @@ class TargetService:
                     self.fail(active.job, exc)
                     self.release(active)
                 return
+            for active in [a for a in running if a.sequence.failed is not None]:  # its own results raised
+                self.fail(active.job, active.sequence.failed)
+                self.release(active)
         if self.prefix_cache is not None:  # a prompt just in: a request arriving now may start from it
             for active in running:
-                if not active.prompt_stored and not active.sequence.prefilling:
+                if not active.prompt_stored and not active.sequence.prefilling and active.sequence.failed is None:
                     active.prompt_stored = True
                     self.keep_prefix(active, drafter_too=False)
         for active in [a for a in self.active.values() if a.sequence.done]:
