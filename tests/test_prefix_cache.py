@@ -255,7 +255,15 @@ def test_an_entry_whose_features_start_past_0_serves_only_what_they_reach():
     again.store(tokens, rows(64), torch.ones(32, 8), (0, 2), features_from=32)
     (entry,) = again.entries.values()
     assert entry.features_from == 0 and entry.features.shape == (64, 8) and float(entry.features[40, 0]) == 1.0
-    assert again.lookup(tokens[:50] + [1], (0, 2), reach=32).length == 50
+    hit = again.lookup(tokens[:50] + [1], (0, 2), reach=32)
+    assert hit.length == 50 and hit.name == ""  # no draft daemon kept a context under its name
+    # Several it extends: it reaches back as far as the furthest, and holds them all.
+    chained = PrefixCache(1 << 20)
+    chained.store(tokens[:48], rows(48), torch.zeros(24, 8), (0, 2), features_from=24)
+    chained.store(tokens[:32], rows(32), torch.zeros(32, 8), (0, 2))
+    chained.store(tokens, rows(64), torch.ones(16, 8), (0, 2), features_from=48)
+    (entry,) = chained.entries.values()
+    assert entry.features_from == 0 and entry.features.shape == (64, 8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1283,6 +1283,12 @@ def test_a_feature_cache_refuses_another_targets_rows_and_lost_rows(tmp_path):
     with pytest.raises(FeatureCacheError, match="not this width's cache"):
         FeatureCache(folder, 12)  # wider: every entry's rows past the end
     assert cache.rows_path.stat().st_size == size
+    small = FeatureCache(tmp_path / "small", 10)
+    small.add("s", torch.ones(50, 10))
+    (small.folder / "meta.json").unlink()
+    with pytest.raises(FeatureCacheError, match="not this width's cache"):
+        FeatureCache(small.folder, 8)  # a little narrower, a small cache: its tail alone tells
+    assert small.rows_path.stat().st_size == 50 * 10 * 2 and not (small.folder / "meta.json").exists()
     assert len(FeatureCache(folder, 6, model=one)) == 2 * LOST_ENTRIES  # its own width: recorded now
     with open(cache.rows_path, "r+b") as fh:
         fh.truncate(size - 12)  # the last entry's last row lost
@@ -1423,3 +1429,21 @@ def test_a_batch_smaller_than_the_ranks_is_refused_before_any_work(tmp_path):
     args = parse_args(["--stage", "train", "--batch", "1", "--cache", str(tmp_path), "--store", str(tmp_path)])
     with pytest.raises(TrainingError, match="--batch 1 gives 2 ranks"):
         run_stages(args, Ranks(0, 2))
+
+
+def test_a_models_identity_is_its_weights_not_its_save(tmp_path):
+    """Re-saved under another transformers version: the same target. Fine-tuned to the same shape
+    and file sizes: another (config bytes and file sizes alone called it the same: a review)."""
+    from training.features import model_identity
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {"hidden_size": 8, "transformers_version": "5.0.0"}
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = folder / "model.safetensors"
+    weights.write_bytes(bytes(3 << 20))
+    base = model_identity(folder)
+    (folder / "config.json").write_text(json.dumps({**config, "transformers_version": "5.24.0"}))
+    assert model_identity(folder) == base
+    weights.write_bytes(bytes(3 << 20)[:-1] + b"\x01")  # the same size, another last weight
+    assert model_identity(folder) != base

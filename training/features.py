@@ -60,15 +60,29 @@ def _replace(path: Path, text: str) -> None:
     fresh.replace(path)
 
 
+VOLATILE_CONFIG = ("transformers_version", "_name_or_path", "_model_name_or_path", "torch_dtype", "dtype")
+SAMPLE_BYTES = 1 << 20  # of each weights file's start and end, hashed into a model's identity
+
+
 def model_identity(folder: str | Path) -> str:
-    """What tells one target's weights from another's without reading them: its config and its
-    weight files' names and sizes, hashed."""
+    """What tells one target's weights from another's without reading them all: its config (less
+    what a save or a transformers version changes) and the first and last MiB of each weights
+    file (a fine-tune of the same shape has the config and the sizes of its base)."""
     folder = Path(folder)
     digest = hashlib.sha256()
     config = folder / "config.json"
-    digest.update(config.read_bytes() if config.is_file() else b"")
+    if config.is_file():
+        try:
+            fields = {k: v for k, v in json.loads(config.read_text()).items() if k not in VOLATILE_CONFIG}
+            digest.update(json.dumps(fields, sort_keys=True).encode())
+        except (json.JSONDecodeError, AttributeError):
+            digest.update(config.read_bytes())
     for path in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
-        digest.update(f"{path.name}:{path.stat().st_size};".encode())
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            digest.update(f"{path.name}:{size};".encode() + fh.read(SAMPLE_BYTES))
+            fh.seek(max(0, size - SAMPLE_BYTES))
+            digest.update(fh.read(SAMPLE_BYTES))
     return digest.hexdigest()[:16]
 
 
@@ -148,13 +162,13 @@ class FeatureCache:
         disk after their index lines, a copy cut short) are dropped, to be filled again; more is a
         cache of another width or lost rows, refused, never padded with zeros (a truncated file was
         padded, and its run trained to NaN: an audit). A cache from before meta.json was written
-        has its width checked by its size: rows missing, or more unreferenced rows than a crash
-        leaves, are a width that is not its own (a narrower opener cut such a file in half)."""
+        has its width checked by its size: its rows file must end where its index does at this width
+        (a narrower opener cut such a file in half; a crash's tail there is refused too, as the
+        width cannot be told from it)."""
         unit = self.width * 2
         held = self.rows_path.stat().st_size // unit if self.rows_path.exists() else 0
         lost = [key for key, (offset, rows) in self.index.items() if offset + rows > held]
-        tail = held - self.rows
-        if len(lost) > (LOST_ENTRIES if recorded else 0) or (not recorded and tail > LOST_ENTRIES * MAX_ROWS):
+        if len(lost) > (LOST_ENTRIES if recorded else 0) or (not recorded and held != self.rows):
             raise FeatureCacheError(
                 f"{self.rows_path} holds {held} rows {self.width} wide where its index names {self.rows}: "
                 "not this width's cache, or rows were lost; use another --cache, or delete it and fill again"

@@ -57,6 +57,7 @@ class _Entry:
     hashes: list[int]
     name: str
     features_from: int = 0  # past 0: the drafter's ring had wrapped, and only its last rows came
+    restorable: bool = True  # a draft daemon may hold its context under `name` (not after taking earlier rows)
 
     @property
     def reaches_back(self) -> float:
@@ -164,7 +165,7 @@ class PrefixCache:
         self.entries.move_to_end(id(best))
         self.counters["hits"] += 1
         self.counters["tokens_reused"] += length
-        return Prefix(length, best.kv, best.features, best.name, best.features_from)
+        return Prefix(length, best.kv, best.features, best.name if best.restorable else "", best.features_from)
 
     @staticmethod
     def _drafts_from(entry: _Entry, taps: tuple[int, ...]) -> bool:
@@ -208,23 +209,25 @@ class PrefixCache:
         return entry.name if id(entry) in self.entries else None
 
     def _reach_back(self, entry: _Entry) -> None:
-        """A wrapped ring's entry takes the earlier feature rows of an entry it extends (the same
-        bits: the engine computes a row alike whatever ran with it), so it holds that one and
-        replaces it: without them a long chat kept two entries a turn, each with its whole KV
-        (a review)."""
-        if entry.features is None or not entry.features_from:
-            return
-        for other in self.by_hash.get(entry.hashes[0], {}).values():
-            if (
-                other.taps == entry.taps
+        """A wrapped ring's entry takes the earlier feature rows of the entries it extends (the same
+        bits: the engine computes a row alike whatever ran with it), reaching as far back as they
+        do, so it holds them and replaces them: without them a long chat kept two entries a turn,
+        each with its whole KV (a review)."""
+        while entry.features is not None and entry.features_from:
+            reaching = [
+                other
+                for other in self.by_hash.get(entry.hashes[0], {}).values()
+                if other.taps == entry.taps
                 and other.features is not None
                 and other.features_from < entry.features_from <= len(other.tokens)
                 and entry.tokens[: len(other.tokens)] == other.tokens
-            ):
-                earlier = other.features[: entry.features_from - other.features_from]
-                entry.features = torch.cat([earlier, entry.features.to(earlier.device)])
-                entry.features_from = other.features_from
+            ]
+            if not reaching:
                 return
+            other = min(reaching, key=lambda e: e.features_from)
+            earlier = other.features[: entry.features_from - other.features_from]
+            entry.features = torch.cat([earlier, entry.features.to(earlier.device)])
+            entry.features_from, entry.restorable = other.features_from, False
 
     def _drop(self, entry: _Entry) -> None:
         self.entries.pop(id(entry))
