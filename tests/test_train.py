@@ -1447,3 +1447,20 @@ def test_a_models_identity_is_its_weights_not_its_save(tmp_path):
     assert model_identity(folder) == base
     weights.write_bytes(bytes(3 << 20)[:-1] + b"\x01")  # the same size, another last weight
     assert model_identity(folder) != base
+
+
+def test_a_resumed_run_learns_at_the_rate_its_options_now_ask_for(setup, tmp_path):
+    """A new --lr on --resume was ignored: the saved rates went on (an audit)."""
+    target, cfg, store, features = setup
+    o = opts(steps=12, warmup=4)
+    first = Trainer(target, cfg, store.answers, features, o)
+    for _ in range(6):
+        first.train_step()
+    first.save(tmp_path / "state.pt", None)
+    lrs = {}
+    for lr in (o.lr, o.lr / 10):
+        resumed = Trainer(target, cfg, store.answers, features, replace(o, lr=lr, resume=True))
+        resumed.load_state(torch.load(tmp_path / "state.pt", weights_only=False))
+        lrs[lr] = resumed.optimizer.param_groups[0]["lr"]
+        assert resumed.schedule.base_lrs[0] == lr
+    assert lrs[o.lr / 10] == pytest.approx(lrs[o.lr] / 10) and lrs[o.lr] == first.optimizer.param_groups[0]["lr"]

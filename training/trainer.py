@@ -619,6 +619,13 @@ class Trainer:
         self.drafter.load_state_dict(state["drafter"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
+        # The rates these options ask for: a resumed run took its saved ones, whatever --lr said (an audit).
+        wanted = [group["lr"] for group in self._param_groups()]
+        for i, (group, lr) in enumerate(zip(self.optimizer.param_groups, wanted, strict=True)):
+            ratio = lr / group["initial_lr"]
+            if ratio != 1.0:
+                group["lr"], group["initial_lr"] = group["lr"] * ratio, lr
+                self.schedule.base_lrs[i] = lr
         self.scale = state["scale"].to(self.dev)
         self.history = list(state["history"])
         self.seconds, self.positions = float(state.get("seconds", 0.0)), int(state.get("positions", 0))
