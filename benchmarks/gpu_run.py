@@ -129,7 +129,7 @@ def run_invariance(device: str, timeout_s: float, tiny: bool = False) -> dict:
     """The engine's bitwise tests on `device` (on a CPU only its torch-ops cases: the CPU kernels'
     run in the suite anyway; in the tiny mode, which tests this script, only the chains')."""
     kind = device.split(":")[0]
-    env = dict(os.environ, DFLASH_ENGINE_TEST_DEVICE=kind)
+    env = dict(os.environ, DFLASH_ENGINE_TEST_DEVICE=device)  # the GPU asked for, not the first one
     select = ["-k", "torch and chain_of_any_width" if tiny else "torch"] if kind == "cpu" else []
     return pytest_run(["tests/test_engine.py", *select], timeout_s, env)
 
@@ -390,7 +390,8 @@ def train_drafter(common: list[str], phase: TrainPhase, stores: list[Path]) -> d
     data = ["--store", str(stores[0]), *(f for s in stores[1:] for f in ("--data", str(s)))]
     data += ["--init", str(phase.init)] if phase.init is not None else []
     device = common[common.index("--device") + 1]
-    ranks = max(torch.cuda.device_count(), 1) if device.startswith("cuda") else 1
+    # One rank per GPU where the run names none (`cuda`); `cuda:N` names one, which one rank takes.
+    ranks = max(torch.cuda.device_count(), 1) if device == "cuda" else 1
     flags = ["--stage", "train", *data, "--minutes", str(phase.minutes), "--steps", str(phase.steps)]
     flags += ["--features", phase.features]
     if phase.features != "live":

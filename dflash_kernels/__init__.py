@@ -34,6 +34,7 @@ __all__ = [
     "linear",
     "load",
     "measured_once",
+    "cuda_bf16",
     "native_bf16",
     "pack",
     "pack_screen",
@@ -322,3 +323,8 @@ def _one_row_seconds(hidden: int, outputs: int) -> dict[str, float]:
             linear(x, weights, out=out)
 
     return best_of_turns({name: lambda w=weights: run(w) for name, weights in packed.items()}, turns=21)
+
+
+def cuda_bf16(device: str | torch.device) -> bool:
+    """Whether a GPU has bf16 units (Ampere on): older ones emulate bf16, slower than fp32."""
+    return torch.cuda.get_device_capability(torch.device(device))[0] >= 8

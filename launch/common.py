@@ -150,10 +150,11 @@ def named_dtype(name: str, device: str) -> torch.dtype:
         return torch_dtype(name)
     import torch
 
-    from dflash_kernels import native_bf16
+    from dflash_kernels import cuda_bf16, native_bf16
 
     kind = torch.device(device).type
-    return torch.bfloat16 if kind == "cuda" or (kind == "cpu" and native_bf16()) else torch.float32
+    native = cuda_bf16(device) if kind == "cuda" else kind == "cpu" and native_bf16()
+    return torch.bfloat16 if native else torch.float32
 
 
 def byte_size(text: str) -> int:

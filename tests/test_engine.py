@@ -32,7 +32,7 @@ CONTEXT = [5, 17, 42, 99, 3, 7, 11, 200, 13, 14, 15, 16, 30, 31, 32, 33, 40, 41,
 WIDEST = 17
 
 
-DEVICE = "cuda" if os.environ.get("DFLASH_ENGINE_TEST_DEVICE") == "cuda" else "cpu"  # gpu_run sets it
+DEVICE = os.environ.get("DFLASH_ENGINE_TEST_DEVICE", "cpu")  # gpu_run sets it: cuda or cuda:N
 CASES = [(f, d, "kernels") for f in ENGINE_FAMILIES for d in DTYPES] if DEVICE == "cpu" else []
 CASES += [("qwen3_sliding", d, "torch") for d in DTYPES]
 

@@ -225,3 +225,16 @@ def test_where_auto_declines_the_device_a_family_the_engine_does_not_serve_still
     assert choice == engine.PREFER_DEVICE
     assert tiny_target("gemma2", engine=choice).engine is None  # the transformers path serves it
     assert tiny_target("llama", engine=choice, slots=3).slots == 3  # the engine, with its slots
+
+
+def test_auto_picks_bf16_only_on_a_gpu_with_bf16_units(monkeypatch):
+    """Before Ampere a GPU emulates bf16, slower than fp32: "auto" took bf16 on any GPU."""
+    import torch
+
+    from launch.common import named_dtype
+    from target_node.model.target import prefer_bf16
+
+    for capability, want in (((7, 0), torch.float32), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert named_dtype("auto", "cuda:1") == want
+        assert prefer_bf16("cuda") == (want == torch.bfloat16)

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dflash_kernels import argmax, bf16_faster, native_bf16
+from dflash_kernels import argmax, bf16_faster, cuda_bf16, native_bf16
 from target_node.engine.engine import PREFER_DEVICE, Engine, engine_for
 from target_node.model.default_model import model_folder
 from target_node.model.greedy_head import ScreenedArgmaxHead
@@ -364,7 +364,7 @@ def prefer_bf16(device: str | torch.device) -> bool:
     engine's bf16 matmul also measures faster than its fp32 one here and now."""
     device = torch.device(device)
     if device.type == "cuda":
-        return True
+        return cuda_bf16(device)
     return device.type == "cpu" and native_bf16() and bf16_faster()
 
 
