@@ -446,3 +446,20 @@ def test_a_feature_ring_may_begin_past_0_and_never_holds_what_it_lost():
     ring.reset()
     ring.write(0, torch.ones(3, 2))
     assert (ring.oldest, ring.length) == (0, 3)
+
+
+def test_entries_are_held_in_host_memory_whatever_device_computed_them():
+    """The cache's budget is a share of host memory; on a GPU its entries took device memory
+    instead (an audit). Rows on another device are copied to the host as they are stored: here a
+    tensor on the meta device stands for a GPU's, and its copy to the host is what is asked for."""
+    asked = []
+
+    class OnDevice(torch.Tensor):
+        def to(self, *args, **kwargs):
+            asked.append(args[0] if args else kwargs.get("device"))
+            return torch.Tensor.to(torch.Tensor.as_subclass(self, torch.Tensor), *args, **kwargs)
+
+    cache = PrefixCache(1 << 20)
+    kv, features = rows(32).as_subclass(OnDevice), torch.zeros(32, 8).as_subclass(OnDevice)
+    cache.store(list(range(32)), kv, features, (0, 2))
+    assert asked == ["cpu", "cpu"] and len(cache.entries) == 1

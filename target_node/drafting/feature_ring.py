@@ -41,7 +41,7 @@ class FeatureRing:
         if count > self.capacity:
             start, rows, count = start + count - self.capacity, rows[-self.capacity :], self.capacity
         slots = torch.arange(start, start + count, device=self.rows.device) % self.capacity
-        self.rows[slots] = rows.to(self.rows.dtype)
+        self.rows[slots] = rows.to(self.rows.device, self.rows.dtype)  # a prefix cache's rows come from the host
         self.length = start + count
 
     def read(self, start: int, end: int) -> torch.Tensor:

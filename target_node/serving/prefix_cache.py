@@ -187,6 +187,10 @@ class PrefixCache:
         if len(tokens) < BLOCK:
             return None
         hashes = block_hashes(tokens, len(tokens), self.key)
+        # Held in host memory, which its budget is sized from: on a GPU the rows would take the
+        # device memory a running request's cache may need to grow into (an audit). A hit copies
+        # them back into the slot.
+        kv, features = kv.to("cpu"), features.to("cpu") if features is not None else None
         entry = _Entry(list(tokens), kv, features, taps, hashes, next(self.names), features_from)
         self._reach_back(entry)
         if entry.bytes > self.max_bytes:
