@@ -179,7 +179,7 @@ def prepare_runs(args: argparse.Namespace, target: TargetModel) -> Runs:
         proposers["@predraft"] = DFlashProposer(backend, predraft=args.predraft)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
-    datastore = datastore_for(args.datastore, target.name)
+    datastore = datastore_for(args.datastore, target.name, vocab_size=target.vocab_size)
     costs = VerifyCosts()
     if any(m.startswith("adaptive") for m in names):
         costs.measure(target, range(1, args.tree_nodes + 2))

@@ -147,7 +147,7 @@ def exactness(model: Path, drafter: Path, device: str, prompts: int, max_new: in
     from training.prompts import read_prompts
 
     texts = read_prompts(ROOT / "data" / "eval_prompts.jsonl")[:prompts]
-    datastore = datastore_for("auto", model.name)
+    datastore = datastore_for("auto", model.name)  # the committed store: this very model's ids
     results = {}
     for dtype in ("bfloat16", "float32"):
         for engine in (True, False):

@@ -41,7 +41,7 @@ from target_node.model.target import TargetModel
 from target_node.serving.daemon import TargetService
 from target_node.serving.settings import ServiceSettings
 from training.answer_index import datastore_for
-from training.traffic import traffic_recorder
+from training.traffic import TrafficError, TrafficRecorder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,7 +170,7 @@ def start(argv: list[str] | None) -> None:
         drafting = proposer_settings(args)
     except ValueError as exc:
         parser.error(str(exc))
-    refusals = (DrafterMismatch, CheckpointError, UnsupportedModel, UnsupportedCache, ModelLoadError)
+    refusals = (DrafterMismatch, CheckpointError, UnsupportedModel, UnsupportedCache, ModelLoadError, TrafficError)
     with one_line_errors(parser.prog, *refusals):
         model = resolve_model(args.model)
         try:
@@ -179,9 +179,10 @@ def start(argv: list[str] | None) -> None:
             if "alloc" not in str(exc).lower() and "out of memory" not in str(exc).lower():
                 raise
             parser.exit(1, f"{parser.prog}: error: no memory for --max-batch {args.max_batch}: {exc}\n")
-        recorder = traffic_recorder(args.record, target.name) if args.record else None
+        recorder = TrafficRecorder(args.record, target.name) if args.record else None
         proposers = build_proposers(with_default_drafter(drafting, model), target, target.slots, drafter_keys)
-        service = TargetService(target, proposers, settings, recorder, datastore_for(settings.datastore, target.name))
+        datastore = datastore_for(settings.datastore, target.name, vocab_size=target.vocab_size)
+        service = TargetService(target, proposers, settings, recorder, datastore)
         # Only now: a SIGTERM while the model loads ends the process at once (it waited for the load).
         stop = stop_on_signals()
         service.serve(args.bind, stop, curve, args.insecure_plaintext)

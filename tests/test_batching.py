@@ -334,3 +334,29 @@ def test_a_request_whose_step_results_raise_ends_alone_and_the_others_go_on(targ
             assert service.report()["requests"] == {"length": 1}
         finally:
             client.close()
+
+
+def test_a_recorder_that_fails_never_fails_the_request_it_records(target, tmp_path):
+    """A recorder raising after a request's `done` sent that request an `error` too (two replies
+    for one request: an audit); it is logged now, and the daemon serves on."""
+    from helpers import serving_in_thread
+
+    from frontend.target_client import TargetClient
+    from target_node.serving.daemon import TargetService
+    from target_node.serving.settings import ServiceSettings
+
+    def broken_recorder(msg, prompt, result):
+        raise NotADirectoryError("the record folder is a file")
+
+    service = TargetService(target, [NGramProposer()], ServiceSettings(prefix_cache_mb=0), broken_recorder)
+    address = f"ipc://{tmp_path}/recorder.sock"
+    with serving_in_thread(service.serve, address):
+        client = TargetClient(address, timeout_s=60)
+        try:
+            for prompt in ([5, 6, 7, 8], [9, 10, 11]):
+                done = client.generate(token_ids=prompt, max_new_tokens=6, stream=False)
+                assert done["token_ids"] == generate(target, prompt, NoProposer(), DecodeOptions(6)).tokens
+            report = service.report()
+        finally:
+            client.close()
+    assert sum(report["requests"].values()) == 2 and report["refused"] == {}

@@ -4,6 +4,7 @@ verified as one more branch of every greedy tree; it changes speed, never output
 import gzip
 import json
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -165,3 +166,48 @@ def test_the_offline_lookup_walk_steps_as_a_live_chain_does():
     store = Datastore.build([a.tokens[a.prompt_len :] for a in answers[:3]])
     known, unknown = lookup_tau(store, answers[:3]), lookup_tau(store, answers[3:])
     assert known["tau"] > 2 * unknown["tau"] and unknown["tau"] >= 1.0
+
+
+def test_a_datastore_proposes_no_token_past_the_served_vocabulary(tmp_path):
+    """A store of a same-named model with more tokens offered id 327 to a 320-token target: the
+    forward's embedding lookup failed every request in the batch (an audit)."""
+    write_store(tmp_path / "store", "tiny", [[5, 6, 7, 327, 8]] * 3)
+    store = datastore_for(str(tmp_path / "store"), "tiny", tmp_path / "cache", vocab_size=320)
+    assert store([4, 5, 6], 4).tokens == [7]  # cut before the id the target does not have
+    assert datastore_for(str(tmp_path / "store"), "tiny", tmp_path / "cache")([4, 5, 6], 4).tokens == [7, 327, 8]
+
+
+def test_a_broken_shard_or_index_costs_the_datastore_not_the_daemon(tmp_path, monkeypatch, caplog):
+    """One unreadable shard stopped every daemon's start with a traceback; an index cut short was
+    mapped at every start and failed it; a build that could not be written left its part behind."""
+    import training.answer_index as answer_index
+
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    write_store(store, "tiny", [[5, 6, 7, 8]])
+    (store / "20261205-000001-abcd.jsonl.xz").write_bytes(b"not xz at all")
+    with caplog.at_level("WARNING", logger="datastore"):
+        assert datastore_for(str(store), "tiny", cache)([4, 5, 6], 2).tokens == [7, 8]
+    assert "cannot be read" in caplog.text
+    (index,) = (cache / "datastore").iterdir()
+    (index / "keys.npy").write_bytes((index / "keys.npy").read_bytes()[:40])  # cut short
+    assert datastore_for(str(store), "tiny", cache)([4, 5, 6], 2).tokens == [7, 8]  # built again
+    for folder in (cache / "datastore").iterdir():
+        shutil.rmtree(folder)
+
+    def disk_full(self, folder):
+        (folder / "part").parent.mkdir(parents=True, exist_ok=True)
+        (folder / "part").write_text("half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(answer_index.Datastore, "save", disk_full)
+    assert datastore_for(str(store), "tiny", cache) is None  # served without it
+    assert list((cache / "datastore").iterdir()) == []  # nothing left behind
+
+
+def test_a_missing_datastore_folder_is_refused_before_the_model_loads(tmp_path):
+    """It was refused only after the target had loaded (minutes for a large model: an audit)."""
+    from target_node.serving.settings import ServiceSettings
+
+    with pytest.raises(ValueError, match="no such answer store folder"):
+        ServiceSettings(datastore=str(tmp_path / "missing"))
+    assert ServiceSettings(datastore=str(tmp_path)).datastore == str(tmp_path)

@@ -1464,3 +1464,27 @@ def test_a_resumed_run_learns_at_the_rate_its_options_now_ask_for(setup, tmp_pat
         lrs[lr] = resumed.optimizer.param_groups[0]["lr"]
         assert resumed.schedule.base_lrs[0] == lr
     assert lrs[o.lr / 10] == pytest.approx(lrs[o.lr] / 10) and lrs[o.lr] == first.optimizer.param_groups[0]["lr"]
+
+
+def test_the_traffic_recorder_keeps_greedy_answers_privately_and_its_failures_to_itself(tmp_path):
+    """`--record` into a folder it cannot write started, then answered every request `done` and
+    then `error` (two replies); recorded files were world-readable; sampled answers, which are no
+    greedy answers of the target's, went into training data (an audit)."""
+    from protocol import Message
+    from target_node.decoding.sequence import Result
+    from target_node.decoding.stats import Stats
+    from training.traffic import TrafficError, TrafficRecorder
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(TrafficError, match="cannot write there"):
+        TrafficRecorder(str(blocker / "rec"), "tiny")
+    recorder = TrafficRecorder(str(tmp_path / "rec"), "tiny")
+    assert (tmp_path / "rec").stat().st_mode & 0o777 == 0o700
+    done = Result([7, 8], "", "length", Stats())
+    for i, sampling in enumerate(({}, {"temperature": 0.8, "seed": 1}, {"temperature": 0.0})):
+        fields = {"prompt": "", "messages": [{"role": "user", "content": f"q{i}"}], "sampling": sampling}
+        recorder(Message("generate", i, fields), [1, 2, i], done)
+    recorder.close()
+    recorded = AnswerStore(tmp_path / "rec").answers
+    assert [a.messages[0][1] for a in recorded] == ["q0", "q2"] and all(a.model == "tiny" for a in recorded)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import lzma
 import os
 import shutil
 from collections.abc import Iterable
@@ -14,15 +15,21 @@ from pathlib import Path
 
 from target_node import CACHE_ROOT
 from target_node.drafting.datastore import Datastore
-from training.answer_store import STORE, open_shard, read_shard, shard_paths
+from training.answer_store import STORE, AnswerStoreError, open_shard, read_shard, shard_paths
 
 log = logging.getLogger("datastore")
 
 
-def datastore_for(choice: str, model_name: str, cache: Path = CACHE_ROOT) -> Datastore | None:
+def datastore_for(
+    choice: str, model_name: str, cache: Path = CACHE_ROOT, vocab_size: int | None = None
+) -> Datastore | None:
     """`choice`: `none`; `auto`, the committed answer store (data/answers), where it exists; or an
     answer store's folder (a deployment's recorded traffic, say). Only answers `model_name` wrote
-    are indexed (token ids mean nothing to another model); None where there are none."""
+    are indexed (token ids mean nothing to another model), and only ids below `vocab_size` are
+    proposed (a store of a same-named model with more tokens crashed the forward: an audit);
+    None where there are none. A shard that cannot be read is skipped, an index that cannot be
+    read is built again, and one that cannot be written leaves the daemon without (each logged):
+    the datastore is a shortcut, never a reason not to serve."""
     if choice == "none":
         return None
     folder = STORE if choice == "auto" else Path(choice)
@@ -33,20 +40,55 @@ def datastore_for(choice: str, model_name: str, cache: Path = CACHE_ROOT) -> Dat
         log.info("datastore: no answers of %s in %s", model_name, folder)
         return None
     where = cache / "datastore" / f"{model_name}-{fingerprint(shards, model_name)}"
-    if not (where / "bits").is_file():
-        answers = [a for shard in shards for a in read_shard(shard) if a.model == model_name]
-        built = Datastore.build(a.tokens[a.prompt_len :] for a in answers)
-        # Written aside and renamed whole: two daemons starting at once each build, one keeps its copy.
-        aside = built.save(where.with_name(f"{where.name}.{os.getpid()}.tmp"))
+    store = _load(where)
+    if store is None:
         try:
-            aside.rename(where)
-        except OSError:
-            shutil.rmtree(aside, ignore_errors=True)
-        log.info("datastore: %d answers of %s indexed into %s", len(answers), model_name, where)
-        prune(where.parent, model_name, keep=KEEP)
-    store = Datastore.load(where)
+            _build(where, shards, model_name)
+        except OSError as exc:  # a full disk, a folder not ours
+            log.error("datastore: could not write %s (%s): serving without it", where, exc)
+            return None
+        store = Datastore.load(where)
+    store.vocab_size = vocab_size
     log.info("datastore: %d positions of %s's earlier answers, mapped from %s", len(store), model_name, where)
     return store
+
+
+def _load(where: Path) -> Datastore | None:
+    """The index at `where`, or None where there is none whole (one cut short is removed)."""
+    if not (where / "bits").is_file():
+        return None
+    try:
+        store = Datastore.load(where)
+        store.check()
+        return store
+    except (OSError, ValueError, EOFError) as exc:
+        log.warning("datastore: the index %s cannot be read (%s): building it again", where, exc)
+        shutil.rmtree(where, ignore_errors=True)
+        return None
+
+
+def _build(where: Path, shards: list[Path], model_name: str) -> None:
+    answers = [a for shard in shards for a in _readable(shard) if a.model == model_name]
+    built = Datastore.build(a.tokens[a.prompt_len :] for a in answers)
+    # Written aside and renamed whole: two daemons starting at once each build, one keeps its copy.
+    aside = where.with_name(f"{where.name}.{os.getpid()}.tmp")
+    try:
+        built.save(aside)
+        aside.rename(where)
+    except OSError:
+        shutil.rmtree(aside, ignore_errors=True)  # a build cut short left its part behind for good
+        if not (where / "bits").is_file():
+            raise
+    log.info("datastore: %d answers of %s indexed into %s", len(answers), model_name, where)
+    prune(where.parent, model_name, keep=KEEP)
+
+
+def _readable(shard: Path) -> list:
+    try:
+        return read_shard(shard)
+    except AnswerStoreError as exc:
+        log.warning("datastore: %s", exc)
+        return []
 
 
 KEEP = 3  # a model's indexes kept: a store that grows (recorded traffic) would leave one per restart
@@ -72,10 +114,15 @@ def _is_index(folder: Path, model_name: str) -> bool:
 
 
 def first_model(shard: Path) -> str:
-    """The model that wrote a shard's first answer (a shard is one run's: one model's)."""
-    with open_shard(shard) as fh:
-        line = fh.readline()
-    return json.loads(line).get("model", "") if line.strip() else ""
+    """The model that wrote a shard's first answer (a shard is one run's: one model's); "" for a
+    shard that cannot be read (one broken file stopped every daemon's start: an audit)."""
+    try:
+        with open_shard(shard) as fh:
+            line = fh.readline()
+        return json.loads(line).get("model", "") if line.strip() else ""
+    except (OSError, EOFError, lzma.LZMAError, json.JSONDecodeError, AttributeError) as exc:
+        log.warning("datastore: skipping %s, which cannot be read (%s)", shard, exc)
+        return ""
 
 
 def fingerprint(files: Iterable[Path], *extra: str) -> str:

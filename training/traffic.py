@@ -5,27 +5,54 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from protocol import Message
+from protocol.sampling import SamplingParams
 from target_node.decoding.sequence import Result
 from training.answer_store import Answer, AnswerStore
 
+FLUSH_EVERY_S = 10.0  # recorded answers are written out at least this often, and when the daemon stops
 
-def traffic_recorder(folder: str, model_name: str) -> Callable[[Message, list[int], Result], None]:
-    """Record every served request (prompt and answer token ids, and the chat messages) as drafter
-    training data in the answer-store format, so `launch.train --data FOLDER` can learn from it."""
-    store = AnswerStore(Path(folder), shard_records=256)  # small shards: each answer is written out at once
 
-    def record(msg: Message, prompt: list[int], result: Result) -> None:
+class TrafficError(ValueError):
+    """A record folder this daemon cannot write."""
+
+
+class TrafficRecorder:
+    """Record served greedy requests (prompt and answer token ids, and the chat messages) as drafter
+    training data in the answer-store format, so `launch.train --data FOLDER` learns from them.
+
+    Written out every FLUSH_EVERY_S and at `close`, not after each request: rewriting the open
+    shard (xz, its strongest preset) after each one stalled the serving loop for 44-136 ms a
+    request, and seconds for long chats (an audit). The folder is the operator's alone (0700): it
+    holds users' prompts. Sampled answers are not the target's own greedy answers, which training
+    and the datastore read: they are not recorded."""
+
+    def __init__(self, folder: str, model_name: str) -> None:
+        path = Path(folder)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            path.chmod(0o700)
+            probe = path / ".writable"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise TrafficError(f"--record {folder}: cannot write there ({exc})") from None
+        self.model_name = model_name
+        self.store = AnswerStore(path, shard_records=256)
+
+    def __call__(self, msg: Message, prompt: list[int], result: Result) -> None:
+        if not SamplingParams.from_dict(msg["sampling"]).is_greedy:
+            return
         messages = [[m["role"], m["content"]] for m in msg["messages"]]
         if not messages and msg["prompt"]:
             messages = [["user", msg["prompt"]]]
         tokens = prompt + result.tokens
         key = hashlib.sha1(json.dumps([messages, tokens]).encode()).hexdigest()[:20]
-        finish = result.finish_reason
-        store.add(Answer(key, f"traffic-{key}", "traffic", messages, tokens, len(prompt), finish, "", model_name))
-        store.flush()
+        answer = Answer(key, f"traffic-{key}", "traffic", messages, tokens, len(prompt), result.finish_reason)
+        self.store.add(replace(answer, model=self.model_name), flush_every_s=FLUSH_EVERY_S)
 
-    return record
+    def close(self) -> None:
+        self.store.flush()

@@ -36,6 +36,7 @@ class Datastore:
         self.tokens, self.keys, self.positions, self.bits = tokens, keys, positions, bits
         self.context = min(MAX_CONTEXT, 64 // bits)
         self.none = (1 << bits) - 1  # no token: before a sequence's start, and between sequences
+        self.vocab_size: int | None = None  # ids at or past it are never proposed (another model's store)
 
     @classmethod
     def build(cls, sequences: Iterable[list[int]]) -> Datastore:
@@ -77,6 +78,13 @@ class Datastore:
         arrays = [np.load(folder / f"{name}.npy", mmap_mode="r") for name in ("tokens", "keys", "positions")]
         return cls(*arrays, int((folder / "bits").read_text()))
 
+    def check(self) -> None:
+        """Raise ValueError where the arrays do not belong together (an index cut short)."""
+        if len(self.keys) != len(self.positions) or not 1 <= self.bits <= 32:
+            raise ValueError(f"{len(self.keys)} keys for {len(self.positions)} positions, {self.bits} bits")
+        if len(self.positions) and int(np.max(self.positions)) >= len(self.tokens):
+            raise ValueError(f"positions past its {len(self.tokens)} tokens")
+
     def __len__(self) -> int:
         return len(self.positions)
 
@@ -113,6 +121,8 @@ class Datastore:
                 break
             values, counts = np.unique(column, return_counts=True)
             best = values[counts.argmax()]
+            if self.vocab_size is not None and best >= self.vocab_size:
+                break
             out.append(int(best))
             chances.append(float(counts.max()) / (len(column) + 1))
             follow = follow[follow[:, d] == best]

@@ -385,7 +385,17 @@ class TargetService:
             finally:
                 self.server.close(linger_ms=SHUTDOWN_LINGER_MS)
                 self.close_drafters()
+                self.close_recorder()
                 log.info("target daemon stopped")
+
+    def close_recorder(self) -> None:
+        """What the recorder holds, written out (it writes every few seconds, not every request)."""
+        close = getattr(self.on_finished, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # stopping all the same
+                log.exception("could not write the recorded requests out")
 
     def close_drafters(self) -> None:
         """Close every slot's drafter session, all at once (each waits a moment for the daemon's
@@ -583,8 +593,11 @@ class TargetService:
         if reply is None:
             return
         self.send(job.identity, reply)
-        if self.on_finished is not None and result.finish_reason != "cancelled":
-            self.on_finished(msg, active.prompt, result)
+        if self.on_finished is not None and result.finish_reason != "cancelled" and refused is None:
+            try:  # after the reply: what fails here is the recorder's, never the request's (it had two replies)
+                self.on_finished(msg, active.prompt, result)
+            except Exception:
+                log.exception("could not record request %s", msg.id)
 
     def keep_prefix(self, active: Active, drafter_too: bool) -> None:
         """The request's committed rows into the prefix cache (and, `drafter_too`, the drafter's

@@ -8,6 +8,7 @@ so a limit is written once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from draft_node.settings import setting
 from protocol.messages import MAX_REPLY_TOKENS
@@ -98,3 +99,5 @@ class ServiceSettings:
             raise ValueError("max_silence must be 0 (wait forever) or a number of seconds")
         if self.prefix_cache_mb < 0:
             raise ValueError("prefix_cache_mb must be 0 (off) or a number of MB")
+        if self.datastore not in ("auto", "none") and not Path(self.datastore).is_dir():  # before a model loads
+            raise ValueError(f"datastore {self.datastore}: no such answer store folder")
