@@ -1488,3 +1488,22 @@ def test_the_traffic_recorder_keeps_greedy_answers_privately_and_its_failures_to
     recorder.close()
     recorded = AnswerStore(tmp_path / "rec").answers
     assert [a.messages[0][1] for a in recorded] == ["q0", "q2"] and all(a.model == "tiny" for a in recorded)
+
+
+def test_a_quiet_recorder_writes_out_what_it_holds(tmp_path, monkeypatch):
+    """Written out now and then, not after each request: the daemon ticks it between steps, so
+    requests before a quiet spell reach the disk without waiting for the next one or the stop."""
+    import training.traffic as traffic
+    from protocol import Message
+    from target_node.decoding.sequence import Result
+    from target_node.decoding.stats import Stats
+
+    now = [1000.0]
+    monkeypatch.setattr(traffic.time, "monotonic", lambda: now[0])
+    recorder = traffic.TrafficRecorder(str(tmp_path / "rec"), "tiny")
+    message = Message("generate", 1, {"prompt": "hi", "messages": [], "sampling": None})
+    recorder(message, [1, 2], Result([7], "", "length", Stats()))
+    assert len(AnswerStore(tmp_path / "rec")) == 0  # not yet: the serving loop is not held up
+    now[0] += traffic.FLUSH_EVERY_S
+    recorder.tick()
+    assert len(AnswerStore(tmp_path / "rec")) == 1

@@ -371,6 +371,7 @@ class TargetService:
                 for proposer in self.proposers:  # a remote drafter's sessions stay this live target's
                     if proposer.backend is not None:
                         proposer.backend.keepalive()
+                self.recorder_call("tick")  # a recorder writes out what it holds now and then
                 if not (self.active or self.queues):
                     continue
                 # Pings are answered during the step too: a prefill or a wide verify is never deaf.
@@ -385,16 +386,17 @@ class TargetService:
             finally:
                 self.server.close(linger_ms=SHUTDOWN_LINGER_MS)
                 self.close_drafters()
-                self.close_recorder()
+                self.recorder_call("close")
                 log.info("target daemon stopped")
 
-    def close_recorder(self) -> None:
-        """What the recorder holds, written out (it writes every few seconds, not every request)."""
-        close = getattr(self.on_finished, "close", None)
-        if close is not None:
+    def recorder_call(self, name: str) -> None:
+        """The recorder's `tick` (write out what it holds, now and then) or `close`, where it has
+        them: what fails there (a full disk) is logged, and the daemon serves or stops all the same."""
+        call = getattr(self.on_finished, name, None)
+        if call is not None:
             try:
-                close()
-            except Exception:  # stopping all the same
+                call()
+            except Exception:
                 log.exception("could not write the recorded requests out")
 
     def close_drafters(self) -> None:
