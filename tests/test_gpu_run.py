@@ -167,14 +167,11 @@ def test_a_phase_that_exits_is_recorded_and_the_next_one_runs(tmp_path):
     assert phases["batching"]["ok"] is True
 
 
-def test_the_batching_phase_has_its_slots_where_the_engine_declines_auto(chat_model_dir, tmp_path, monkeypatch):
-    """On a GPU the engine declines "auto" ops (not yet verified there), and the batching phase's
-    target got the transformers path's one slot: the phase failed at its second request (an
-    audit). Emulated here by declining "auto" on the CPU as on CUDA."""
-    from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
+@pytest.fixture
+def auto_declined(monkeypatch):
+    """The engine declines "auto" ops on the CPU, as it does on CUDA until a GPU run verifies it."""
     from target_node.engine import engine
     from target_node.engine.weights import EngineUnsupported
-    from target_node.model.target import TargetModel
 
     ops_for = engine.ops_for
 
@@ -184,6 +181,16 @@ def test_the_batching_phase_has_its_slots_where_the_engine_declines_auto(chat_mo
         return ops_for(device, ops)
 
     monkeypatch.setattr(engine, "ops_for", as_on_a_gpu)
+    return engine
+
+
+def test_the_batching_phase_has_its_slots_where_the_engine_declines_auto(chat_model_dir, tmp_path, auto_declined):
+    """On a GPU the engine declines "auto" ops (not yet verified there), and the batching phase's
+    target got the transformers path's one slot: the phase failed at its second request (an
+    audit). Emulated here by declining "auto" on the CPU as on CUDA."""
+    from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
+    from target_node.model.target import TargetModel
+
     assert TargetModel.load(chat_model_dir).engine is None  # the emulation holds
     cfg = config_for_target(TargetModel.load(chat_model_dir).config, block_size=4, taps=2)
     drafter = save_drafter(random_drafter(cfg, seed=1), tmp_path / "drafter")
@@ -205,24 +212,14 @@ def test_the_drafter_plans_runs_leave_time_for_their_starts_and_the_scoring():
         assert left >= sizes["eval_minutes"] + sizes["estimate_minutes"] - 1e-9  # a late start: later runs shorter
 
 
-def test_where_auto_declines_the_device_a_family_the_engine_does_not_serve_still_loads(monkeypatch):
+def test_where_auto_declines_the_device_a_family_the_engine_does_not_serve_still_loads(auto_declined):
     """Many-slot work asks for the engine where "auto" declines the device; a family it does not
     serve (gemma2, MoE, hybrids) then ran into EngineUnsupported at load instead of the
     transformers path (a review). Emulated on the CPU, as the batching test above does."""
-    from target_node.engine import engine
-    from target_node.engine.weights import EngineUnsupported
     from target_node.model.tiny import tiny_target
 
-    ops_for = engine.ops_for
-
-    def as_on_a_gpu(device, ops):
-        if ops == "auto":
-            raise EngineUnsupported("declined as on CUDA")
-        return ops_for(device, ops)
-
-    monkeypatch.setattr(engine, "ops_for", as_on_a_gpu)
-    choice = engine.batch_engine("cpu")
-    assert choice == engine.PREFER_DEVICE
+    choice = auto_declined.batch_engine("cpu")
+    assert choice == auto_declined.PREFER_DEVICE
     assert tiny_target("gemma2", engine=choice).engine is None  # the transformers path serves it
     assert tiny_target("llama", engine=choice, slots=3).slots == 3  # the engine, with its slots
 
