@@ -461,16 +461,22 @@ def test_a_drafter_can_start_from_the_targets_own_layers(setup, tmp_path):
         fresh.init_from_target(target.model, [0, 1, 2])
 
 
+def trained(setup, o: TrainOptions, steps: int, state: Path | None = None) -> Trainer:
+    """A trainer `steps` steps into the run `o` asks for, its state saved at `state` where given."""
+    target, cfg, store, features = setup
+    trainer = Trainer(target, cfg, store.answers, features, o)
+    for _ in range(steps):
+        trainer.train_step()
+    if state is not None:
+        trainer.save(state, None)
+    return trainer
+
+
 def test_resume_replays_the_same_run(setup, tmp_path):
     target, cfg, store, features = setup
     o = opts(steps=12, warmup=4)
-    straight = Trainer(target, cfg, store.answers, features, o)
-    for _ in range(12):
-        straight.train_step()
-    first = Trainer(target, cfg, store.answers, features, o)
-    for _ in range(6):
-        first.train_step()
-    first.save(tmp_path / "state.pt", None)
+    straight = trained(setup, o, 12)
+    trained(setup, o, 6, tmp_path / "state.pt")
     resumed = train(
         target, cfg, store.answers, features, replace(o, resume=True), tmp_path / "state.pt", log=lambda m: None
     )
@@ -1453,10 +1459,7 @@ def test_a_resumed_run_learns_at_the_rate_its_options_now_ask_for(setup, tmp_pat
     """A new --lr on --resume was ignored: the saved rates went on (an audit)."""
     target, cfg, store, features = setup
     o = opts(steps=12, warmup=4)
-    first = Trainer(target, cfg, store.answers, features, o)
-    for _ in range(6):
-        first.train_step()
-    first.save(tmp_path / "state.pt", None)
+    first = trained(setup, o, 6, tmp_path / "state.pt")
     lrs = {}
     for lr in (o.lr, o.lr / 10):
         resumed = Trainer(target, cfg, store.answers, features, replace(o, lr=lr, resume=True))

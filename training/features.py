@@ -12,7 +12,8 @@ features.f16 holds rows back to back; index.jsonl maps an answer key to its firs
 row count; meta.json names the row width and the target whose rows they are (a folder is named
 after the model folder's name alone: another model of that name was refused, not read). Rows are
 written before their index line, so a crash leaves at most an unreferenced tail, which the next
-open cuts off; rows missing under an index (a truncated file) are refused, never padded. The index
+open cuts off; rows missing under an index are never padded: the last few entries' (a crash after
+their index lines) are dropped, to be filled again, and more (a truncated copy) are refused. The index
 is rewritten whole, to a new file renamed over the old one. Several processes may fill one cache (two
 generators on two cores): each write holds an exclusive lock on the folder and takes its
 offset from the file as it is then, never from a count of its own.
@@ -125,7 +126,8 @@ class FeatureCache:
         self.index: dict[str, tuple[int, int]] = {}  # key -> (first row, rows)
         self.rows = 0
         with nullcontext() if readonly else self.locked():
-            meta = self._checked_meta(model_identity(model) if model is not None else None)
+            identity = model_identity(model) if model is not None else None  # reads 2 MiB a weights file: once
+            meta = self._checked_meta(identity)
             self._read_index()
             self._check_rows(bool(meta))
             if readonly:
@@ -134,7 +136,7 @@ class FeatureCache:
                 fh.truncate(self.rows * width * 2)  # an unreferenced tail a crash left
             lines = "".join(json.dumps({"key": k, "offset": o, "rows": r}) + "\n" for k, (o, r) in self.index.items())
             _replace(self.index_path, lines)  # a kill mid-write leaves the old index whole
-            wanted = {"width": width, **({"model": model_identity(model)} if model is not None else {}), **meta}
+            wanted = {"width": width, **({"model": identity} if identity is not None else {}), **meta}
             if wanted != meta:  # recorded only once the rows are known to fit it
                 _replace(self.folder / "meta.json", json.dumps(wanted) + "\n")
 
