@@ -28,9 +28,10 @@ from frontend.errors import (
     from_daemon,
     from_protocol,
     from_validation,
+    misspoke,
     unreachable,
 )
-from frontend.link import HEARTBEAT_S, ClientGone, DaemonUnreachable, LinkCall, TargetLink, TooManyOpen
+from frontend.link import HEARTBEAT_S, ClientGone, DaemonMisspoke, DaemonUnreachable, LinkCall, TargetLink, TooManyOpen
 from frontend.metrics import registry_for
 from frontend.responses import DONE_EVENT, Answer, sse
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, check_model
@@ -128,6 +129,10 @@ def _error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(DaemonMisspoke)
+    async def daemon_misspoke(request: Request, exc: DaemonMisspoke) -> JSONResponse:
+        return misspoke(str(exc)).response()
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return from_validation(exc.errors()).response()
@@ -209,6 +214,8 @@ async def events(call: LinkCall, reply: Message, answer: Answer, body: Generatio
             reply = await call.next()
     except DaemonUnreachable as exc:
         yield sse(unreachable(str(exc)).body())
+    except DaemonMisspoke as exc:
+        yield sse(misspoke(str(exc)).body())
     finally:
         await call.close()
     yield DONE_EVENT

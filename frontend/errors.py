@@ -51,6 +51,13 @@ def unreachable(message: str) -> APIError:
     return APIError(503, message, type_="service_unavailable_error", code="target_unreachable")
 
 
+def misspoke(message: str) -> APIError:
+    """502 for a target daemon whose replies this front end cannot read (another protocol version)."""
+    return APIError(
+        502, f"the target daemon's reply could not be read: {message}", type_="server_error", code="upstream_protocol"
+    )
+
+
 def cancelled_by_daemon(heartbeat_s: float) -> APIError:
     """503 for an answer the target daemon ended unasked: it heard no heartbeat for three of them
     (a stream its client stopped reading, which holds the heartbeats up), or it lost the request."""

@@ -17,7 +17,7 @@ import zmq
 from anyio import to_thread
 
 from frontend.target_client import GenerateCall
-from protocol import Message
+from protocol import Message, ProtocolError
 from protocol.keys import ClientKeys
 from protocol.transport import request
 
@@ -60,6 +60,11 @@ def open_call_limit(raise_soft_limit: bool = False) -> int:
 
 class DaemonUnreachable(RuntimeError):
     """The target daemon did not answer a ping in time."""
+
+
+class DaemonMisspoke(RuntimeError):
+    """The target daemon answered with a reply this side cannot read: another protocol version
+    (its `bad_version` error comes in its own envelope), or a field this version does not know."""
 
 
 class TooManyOpen(RuntimeError):
@@ -106,7 +111,10 @@ class TargetLink:
 
     def call_sync(self, type_: str) -> Message | None:
         """One `ping` or `stats` on a fresh socket; None when the daemon does not answer in time."""
-        reply = request(self.address, type_, timeout_s=self.daemon_timeout_s, curve=self.curve)
+        try:
+            reply = request(self.address, type_, timeout_s=self.daemon_timeout_s, curve=self.curve)
+        except ProtocolError as exc:
+            raise DaemonMisspoke(str(exc)) from exc
         if reply is None or reply.type == "error":
             return None
         self.heard = time.monotonic()
@@ -189,11 +197,15 @@ class LinkCall:
         """The next `chunk`, `done` or `error` reply.
 
         Raises ClientGone when `gone()` says the HTTP client left, DaemonUnreachable when the
-        daemon stays silent and does not answer a ping either.
+        daemon stays silent and does not answer a ping either, DaemonMisspoke for a reply this
+        side cannot read.
         """
         quiet_since = time.monotonic()
         while True:
-            reply = await to_thread.run_sync(self.call.next, WAIT_SLICE_S, limiter=self.link.limiter)
+            try:
+                reply = await to_thread.run_sync(self.call.next, WAIT_SLICE_S, limiter=self.link.limiter)
+            except ProtocolError as exc:
+                raise DaemonMisspoke(str(exc)) from exc
             if reply is not None:
                 self.link.heard = time.monotonic()
                 return reply

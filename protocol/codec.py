@@ -212,19 +212,25 @@ def _decode(frames: Sequence[Any], max_frame_bytes: int) -> Message:
             f"header frame is {head.nbytes} bytes, limit {MAX_HEADER_BYTES}",
         )
     header = _unpack(head)
+    request_id = _readable_id(header.get("id"))
     try:
         return _check(header, views[1:], max_frame_bytes)
     except ProtocolError as exc:
-        exc.request_id = _readable_id(header.get("id"))
+        exc.request_id = request_id
         raise
+    except Exception as exc:  # a bug here must still reach the peer, at the id it can match
+        raise ProtocolError(
+            ErrorCode.INTERNAL, f"decoder failed: {type(exc).__name__}: {exc}", request_id=request_id
+        ) from exc
 
 
 def _check(header: dict[str, Any], payload: list[memoryview], max_frame_bytes: int) -> Message:
     version = header.get("v")
     if not (is_int(version) and version == PROTOCOL_VERSION):
+        sent = version if is_int(version) else describe(version)
         raise ProtocolError(
             ErrorCode.BAD_VERSION,
-            f"protocol version mismatch: peer sent v={version!r}, this side speaks v={PROTOCOL_VERSION}",
+            f"protocol version mismatch: peer sent v={sent}, this side speaks v={PROTOCOL_VERSION}",
         )
     type = header.get("type")
     schema_for(type)
@@ -273,6 +279,23 @@ def _readable_id(value: object) -> int | None:
     return None
 
 
+def _str_keyed(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """A map as the README has it: str keys, each once (msgpack itself keeps the last of a
+    repeated key and lets bin keys through)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if not isinstance(key, str):
+            raise ValueError(f"map keys must be str, got {describe(key)}")
+        if key in out:
+            raise ValueError(f"map key {describe(key)} appears twice")
+        out[key] = value
+    return out
+
+
+def _no_ext(code: int, data: bytes) -> None:
+    raise ValueError(f"ext types are forbidden, got ext {code}")
+
+
 def _unpack(head: memoryview) -> dict[str, Any]:
     try:
         header = msgpack.unpackb(
@@ -284,6 +307,8 @@ def _unpack(head: memoryview) -> dict[str, Any]:
             max_array_len=MAX_HEADER_ARRAY,
             max_map_len=MAX_HEADER_MAP,
             max_ext_len=0,
+            object_pairs_hook=_str_keyed,
+            ext_hook=_no_ext,
         )
     except Exception as exc:  # msgpack raises a zoo of types on bad input
         raise ProtocolError(

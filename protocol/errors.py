@@ -6,6 +6,7 @@ switch on them; the Python side keeps them as an Enum so typos fail early.
 
 from __future__ import annotations
 
+import reprlib
 from enum import Enum
 
 
@@ -49,9 +50,16 @@ class ProtocolError(Exception):
         self.remote = remote
 
 
+# A peer's value may nest as deep as msgpack allows (1024), past what repr() can recurse:
+# this one stops at a few levels and a few items, so the error path cannot fail.
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel = 3
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 60
+
+
 def describe(value: object, limit: int = 60) -> str:
-    """Short `type value` rendering for error messages; never huge."""
-    text = repr(value)
+    """Short `type value` rendering for error messages; never huge, never deep."""
+    text = _SHORT.repr(value)
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return f"{type(value).__name__} {text}"

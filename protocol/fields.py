@@ -181,7 +181,7 @@ class Json:
         if isinstance(value, int):
             return Int().check(path, value)
         if isinstance(value, float):
-            return float(value)
+            return Float().check(path, value)
         if isinstance(value, (list, tuple)):
             return [self._walk(f"{path}[{i}]" if named else path, v, depth + 1, named) for i, v in enumerate(value)]
         if isinstance(value, dict):

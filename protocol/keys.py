@@ -15,6 +15,7 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+from zmq.utils import z85
 
 
 class KeyFileError(ValueError):
@@ -43,8 +44,14 @@ def create_keypair(folder: str | Path, name: str) -> tuple[Path, Path]:
     """Write `name.key` (public) and `name.key_secret` (readable by its owner only) into `folder`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    public, secret = (Path(p) for p in zmq.auth.create_certificates(folder, name))
-    os.chmod(secret, 0o600)
+    # Written owner-only from the start: made with the usual umask and then narrowed, the secret
+    # was readable by every local user for a moment (an audit).
+    umask = os.umask(0o077)
+    try:
+        public, secret = (Path(p) for p in zmq.auth.create_certificates(folder, name))
+    finally:
+        os.umask(umask)
+    os.chmod(public, 0o644)  # the public half is for handing out
     return public, secret
 
 
@@ -53,6 +60,10 @@ def load_keypair(path: str | Path) -> tuple[bytes, bytes]:
     public, secret = _load(path)
     if secret is None:
         raise KeyFileError(f"{path} holds only a public key; give the .key_secret file made with it")
+    if os.name == "posix" and os.stat(path).st_mode & 0o077:
+        raise KeyFileError(f"{path} holds a secret key and others may read it: chmod 600 {path}")
+    if zmq.curve_public(secret) != public:
+        raise KeyFileError(f"{path}: its public key is not the one of its secret key (a file edited by hand?)")
     return public, secret
 
 
@@ -90,4 +101,9 @@ def _load(path: str | Path) -> tuple[bytes, bytes | None]:
     for key in (public, secret):
         if key is not None and len(key) != 40:
             raise KeyFileError(f"{path}: a CURVE key is 40 z85 characters, found {len(key)}")
+        try:  # checked here, or ZeroMQ refused it as a bare "Invalid argument" once the model had loaded
+            if key is not None:
+                z85.decode(key)
+        except (KeyError, ValueError):
+            raise KeyFileError(f"{path}: not a CURVE key (a character outside z85's alphabet)") from None
     return public, secret

@@ -57,10 +57,11 @@ def _check_generate(fields: Mapping[str, Any], tensors: Mapping[str, TensorSpec]
             ErrorCode.BAD_FIELD,
             f"generate: give exactly one of 'messages', 'prompt' or 'token_ids' (got {given or 'none'})",
         )
-    if 0 < fields["heartbeat_s"] < MIN_HEARTBEAT_S:
+    if 0 < fields["heartbeat_s"] < MIN_HEARTBEAT_S or fields["heartbeat_s"] > MAX_HEARTBEAT_S:
         raise ProtocolError(
             ErrorCode.BAD_FIELD,
-            f"generate: heartbeat_s is 0 (none) or at least {MIN_HEARTBEAT_S} s, got {fields['heartbeat_s']}",
+            f"generate: heartbeat_s is 0 (none) or in [{MIN_HEARTBEAT_S}, {MAX_HEARTBEAT_S:g}] s, "
+            f"got {fields['heartbeat_s']}",
         )
 
 
@@ -206,6 +207,11 @@ MAX_PROMPT_CHARS = 512 * 1024
 # (heartbeats, or anything else) for this many intervals: the client is gone or stuck.
 HEARTBEAT_MISSES = 3
 MIN_HEARTBEAT_S = 0.05
+# A promise of a beat every hour or more is no promise: it would keep a vanished client's requests
+# running far past the daemon's own bound for silence (--max-silence).
+MAX_HEARTBEAT_S = 3600.0
+# Why a generate ended: its end of sequence, its token limit, one of its stop strings, a cancel.
+FINISH_REASONS = ("eos", "length", "stop", "cancelled")
 # A target pings the draft daemon at least this often while it holds sessions there, busy or not;
 # a draft daemon takes sessions only from a peer silent much longer (--reclaim-after), so no
 # newcomer, however many identities it has, evicts a live target's idle slots.
@@ -334,7 +340,7 @@ SCHEMAS: dict[str, Schema] = {
             {
                 "text": Str(0, MAX_PROMPT_CHARS),
                 "token_ids": List(Int(0), 0, MAX_REPLY_TOKENS),
-                "finish_reason": Str(1, 32),
+                "finish_reason": Str(1, 32, FINISH_REASONS),
                 "stats": Json(),
             }
         )

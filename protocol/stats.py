@@ -9,6 +9,7 @@ defaults for the rest, so an older or newer daemon's reply still reads.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
@@ -16,14 +17,27 @@ from typing import Any, TypeVar
 T = TypeVar("T", bound="_Figures")
 
 
+def _finite(value: Any) -> Any:
+    """NaN and Inf as nil: the wire carries finite floats only (and JSON has no others), and a
+    figure nobody could measure must not cost a request its reply."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
 class _Figures:
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)  # type: ignore[call-overload]
+        return _finite(asdict(self))  # type: ignore[call-overload]
 
     @classmethod
     def from_dict(cls: type[T], data: Mapping[str, Any] | None) -> T:
         known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        return cls(**{key: value for key, value in (data or {}).items() if key in known})
+        # nil: not measured (see _finite), so the default stands
+        return cls(**{key: value for key, value in (data or {}).items() if key in known and value is not None})
 
 
 @dataclass

@@ -411,6 +411,60 @@ def test_a_bad_value_deep_in_a_free_form_map_is_named_by_its_path():
     assert info.value.code is ErrorCode.BAD_FIELD
 
 
+def test_a_value_nested_as_deep_as_msgpack_allows_is_named_not_an_internal_error():
+    """repr() overflowed at ~990 levels, msgpack allows 1024: the error path raised, and the
+    peer got `internal` at id 0, which it could not match to its request."""
+    pack = lambda o: msgpack.packb(o, use_bin_type=True)  # noqa: E731
+    head = b"\x86" + pack("v") + pack(PROTOCOL_VERSION) + pack("type") + pack("generate") + pack("id") + pack(9)
+    head += pack("tensors") + b"\x90" + pack("max_new_tokens") + pack(1) + pack("prompt") + b"\x91" * 1020 + b"\xc0"
+    with pytest.raises(ProtocolError) as info:
+        decode([head])
+    assert info.value.code is ErrorCode.BAD_FIELD and info.value.request_id == 9, info.value
+    assert "generate.prompt: expected str" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "header, why",
+    [
+        (b"\x82\xa1v\x07\xa1v\x07", "appears twice"),  # {"v": 7, "v": 7}: msgpack kept the last
+        (b"\x81\xc4\x01v\x07", "keys must be str"),  # a bin key passed strict_map_key
+        (b"\x81\xa1v\xd4\x05\x00", "ext"),  # a one-byte fixext
+        (b"\x81\xa1v\xc7\x00\x05", "ext types are forbidden"),  # a zero-length ext passed max_ext_len=0
+    ],
+)
+def test_a_header_the_readme_forbids_is_malformed(header, why):
+    with pytest.raises(ProtocolError, match=why) as info:
+        decode([header])
+    assert info.value.code is ErrorCode.MALFORMED
+
+
+def test_free_form_maps_carry_finite_floats_only_and_figures_send_nan_as_nil():
+    from protocol.stats import RequestStats
+
+    for bad in (float("nan"), float("inf")):
+        frames = tamper(encode("stats_ok", 1, {"stats": {}}), lambda h, bad=bad: h.update(stats={"tau": [bad]}))
+        assert code_of(frames) is ErrorCode.BAD_FIELD
+    figures = RequestStats(tau=float("nan"), governor={"cost": float("inf"), "widths": [1.0, float("nan")]})
+    sent = decode(encode("stats_ok", 1, {"stats": figures.to_dict()}))["stats"]
+    assert sent["tau"] is None and sent["governor"] == {"cost": None, "widths": [1.0, None]}
+    assert RequestStats.from_dict(sent).tau == 0.0  # nil reads as not measured
+
+
+def test_done_names_one_of_the_finish_reasons():
+    done = {"text": "", "token_ids": [], "stats": {}}
+    for reason in ("eos", "length", "stop", "cancelled"):
+        assert decode(encode("done", 1, {**done, "finish_reason": reason}))["finish_reason"] == reason
+    frames = tamper(encode("done", 1, {**done, "finish_reason": "eos"}), lambda h: h.update(finish_reason="exploded"))
+    assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
+@pytest.mark.parametrize("heartbeat_s", [0.01, 3600.5, 1e300])
+def test_a_heartbeat_promise_is_none_or_within_bounds(heartbeat_s):
+    generate = encode("generate", 1, {"max_new_tokens": 1, "prompt": "x"})
+    frames = tamper(generate, lambda h: h.update(heartbeat_s=heartbeat_s))
+    assert code_of(frames) is ErrorCode.BAD_FIELD
+
+
 def open_frames():
     return encode("open", 1, {"session": "s"}, {"mask": torch.randn(1, HIDDEN)})
 

@@ -183,6 +183,43 @@ def test_handshake_refuses_a_drafter_for_another_target(checkpoint, tmp_path):
             RemoteDraftBackend(address, other)
 
 
+@pytest.mark.parametrize("ahead", [1, -1])
+def test_a_draft_daemon_of_another_protocol_version_is_a_misfit_not_a_daemon_away(target, tmp_path, ahead):
+    """A daemon a version ahead or behind answers `hello` with `bad_version` in its own envelope.
+    That counted as a daemon away: the target started, logged "no drafter answered yet", and
+    said hello again at every request's start for ever (an audit). It is now refused at start,
+    as a drafter for another target is."""
+    import msgpack
+    import zmq
+
+    from protocol import PROTOCOL_VERSION
+
+    address, stop, heard = f"ipc://{tmp_path}/other_version.sock", threading.Event(), []
+    daemon = zmq.Context.instance().socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    daemon.bind(address)
+
+    def answer():
+        while not stop.is_set():
+            if daemon.poll(50):
+                identity, head, *_ = daemon.recv_multipart()
+                request = msgpack.unpackb(head)
+                heard.append(request["type"])
+                reply = {"v": PROTOCOL_VERSION + ahead, "type": "error", "id": request["id"], "tensors": []}
+                daemon.send_multipart([identity, msgpack.packb({**reply, "code": "bad_version", "message": "v"})])
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        with pytest.raises(DrafterMismatch, match=f"another protocol.*v={PROTOCOL_VERSION + ahead}"):
+            RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=2.0))
+    finally:
+        stop.set()
+        thread.join()
+        daemon.close(0)
+    assert heard == ["hello"]
+
+
 def test_a_target_started_before_its_drafter_picks_it_up(target, checkpoint, tmp_path):
     """No daemon yet: requests run exactly on the fallback. Once it answers, the next request drafts."""
     address = f"ipc://{tmp_path}/late.sock"

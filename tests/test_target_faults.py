@@ -442,9 +442,16 @@ def test_a_client_silent_past_the_daemons_bound_loses_its_requests(served, tmp_p
             sock.send_multipart(encode("cancel", 3, {}))
             while (reply := receive(sock, 3, time.monotonic() + 5)).type == "chunk":
                 chunks += 1
+            # A promise of beats an hour apart does not outlast the bound either (it did: 3 hours).
+            promised = time.monotonic()
+            sock.send_multipart(encode("generate", 4, dict(fields, heartbeat_s=3600.0)))
+            late = receive(sock, 4, promised + 15)
+            late_s = time.monotonic() - promised
         finally:
             sock.close(0)
     assert reply["finish_reason"] == "cancelled" and chunks > 100, (reply, chunks)
+    assert late is not None and late.type == "done" and late["finish_reason"] == "cancelled", late
+    assert 1.5 < late_s < 10, late_s
     assert sorted(replies) == [1, 2] and all(r.type == "done" for r in replies.values()), replies
     assert [replies[rid]["finish_reason"] for rid in (1, 2)] == ["cancelled", "cancelled"]
     assert len(replies[1]["token_ids"]) < LONG  # cut short

@@ -161,6 +161,9 @@ class RemoteDraftBackend:
         try:
             reply = self.client.wait(sent, type_, timeout_s)
         except ProtocolError as exc:
+            if type_ == "hello" and exc.code is ErrorCode.BAD_VERSION:  # a misfit, not a daemon away
+                self.client.close()
+                raise DrafterMismatch(f"draft daemon at {self.address} speaks another protocol: {exc.message}") from exc
             self._drop(f"bad reply to {type_}: {exc.message}")
             raise DrafterUnavailable(exc.message) from exc
         if reply is None:

@@ -16,6 +16,7 @@ other messages in for the next step, so the daemon is never deaf for a step's le
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
@@ -307,22 +308,25 @@ class TargetService:
             log.warning("client %s: %s; dropped its %d request(s)", identity.hex()[:16], why, len(jobs))
 
     def reap(self) -> None:
-        """Abandon clients silent for HEARTBEAT_MISSES of the heartbeat interval they asked for,
-        or, having promised none, for `max_silence_s`."""
+        """Abandon clients silent for HEARTBEAT_MISSES of the heartbeat interval they asked for
+        (at most `max_silence`: a client's promise does not outlast the operator's bound), or,
+        having promised none, for `max_silence`."""
         now = time.monotonic()
         jobs = [job for queue in self.queues.values() for job in queue]
         jobs += [active.job for active in self.active.values()]
+        limit = self.settings.max_silence
         for job in jobs:
             interval = job.request["heartbeat_s"]
             heard = self.heard.get(job.identity, now)
-            if interval > 0 and now - heard > HEARTBEAT_MISSES * interval:
-                why = f"silent for {now - heard:.1f} s (promised a heartbeat every {interval:g} s)"
+            promised = min(HEARTBEAT_MISSES * interval, limit or math.inf)
+            if interval > 0 and now - heard > promised:
+                why = f"silent for {now - heard:.1f} s (promised a heartbeat every {interval:g} s"
+                why += ")" if promised == HEARTBEAT_MISSES * interval else f"; --max-silence {limit:g} s)"
                 self.abandon(job.identity, why, listening=True)
                 continue
             # Without heartbeats promised, a client that takes its streamed replies is there too:
             # ZeroMQ refuses a reply once a client stops reading (its queue fills), or is gone.
             silent = now - max(heard, self.reached.get(job.identity, 0.0))
-            limit = self.settings.max_silence
             if interval == 0 and 0 < limit < silent:
                 why = f"silent for {silent:.1f} s, with no heartbeats promised (--max-silence {limit:g} s)"
                 self.abandon(job.identity, why, listening=True)

@@ -67,7 +67,7 @@ class ServiceSettings:
         600.0,
         "seconds a client that promised no heartbeats (heartbeat_s 0) may send nothing while its requests run or "
         "wait; then they are cancelled, as for a client gone (0: wait forever). Clients that heartbeat "
-        "(dflash-client, dflash-serve) are dropped after 3 missed beats instead",
+        "(dflash-client, dflash-serve) are dropped after 3 missed beats instead, or this long where that is sooner",
         unit="s",
     )
     prefix_cache_mb: float = setting(

@@ -240,6 +240,69 @@ def test_an_answer_the_daemon_cut_off_unasked_is_an_error_not_a_stop():
     assert err.value.status == 503
 
 
+def test_a_daemon_of_another_protocol_version_is_a_502_that_names_it(tmp_path):
+    """A target daemon a version ahead answers every request with its `bad_version` error in its
+    own envelope, which this side cannot read: every route was a bare 500 "Internal Server Error"
+    (an audit). Now each is a 502 in OpenAI's shape naming both versions, and a stream that meets
+    such a reply after its first ends with an error event."""
+    import asyncio
+
+    import msgpack
+    import zmq
+    from starlette.testclient import TestClient
+
+    from frontend.app import create_app, events
+    from frontend.link import DaemonMisspoke, TargetLink
+    from frontend.responses import Answer
+    from frontend.schemas import ChatCompletionRequest
+    from protocol import PROTOCOL_VERSION, Message
+
+    address, stop = f"ipc://{tmp_path}/ahead.sock", threading.Event()
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(address)
+
+    def ahead():  # every request answered as a daemon of the next version answers it
+        while not stop.is_set():
+            if router.poll(50):
+                identity, head, *_ = router.recv_multipart()
+                why = f"protocol version mismatch: peer sent v={PROTOCOL_VERSION}"
+                reply = {"v": PROTOCOL_VERSION + 1, "type": "error", "id": msgpack.unpackb(head)["id"], "tensors": []}
+                router.send_multipart([identity, msgpack.packb({**reply, "code": "bad_version", "message": why})])
+
+    thread = threading.Thread(target=ahead)
+    thread.start()
+    try:
+        for name in (None, MODEL):  # the model asked of the daemon, or named at start
+            app = create_app(TargetLink(address, daemon_timeout_s=2.0), model_name=name)
+            with TestClient(app, raise_server_exceptions=False) as client:
+                paths = ("/health", "/stats", "/metrics") + (() if name else ("/v1/models",))  # named: not asked
+                replies = [client.get(path) for path in paths]
+                replies += [client.post(CHAT_PATH, json={**ASK, "stream": stream}) for stream in (False, True)]
+            for reply in replies:
+                error = assert_openai_error(reply, 502, None, "upstream_protocol")
+                assert f"v={PROTOCOL_VERSION + 1}" in error["message"], error
+    finally:
+        stop.set()
+        thread.join()
+        router.close(0)
+
+    class Misspoken:  # a stream whose second reply cannot be read
+        async def next(self, gone=None):
+            raise DaemonMisspoke("bad_version: protocol version mismatch")
+
+        async def close(self):
+            pass
+
+    async def stream():
+        first = Message("chunk", 1, {"text": "Ot", "token_ids": [1, 2]})
+        body = ChatCompletionRequest(model=MODEL, messages=CHAT, stream=True)
+        return [e async for e in events(Misspoken(), first, Answer(True, MODEL), body)]
+
+    sent = [e.decode() for e in asyncio.run(stream())]
+    assert json.loads(sent[-2].split("data: ", 1)[1])["error"]["code"] == "upstream_protocol" and "[DONE]" in sent[-1]
+
+
 def test_a_lone_surrogate_echoed_in_an_error_is_escaped_not_a_500():
     """JSON may carry a lone surrogate (\\ud800), UTF-8 cannot: an unknown model named so was echoed
     in the 404's message, whose rendering then failed with a bare 500 (an audit)."""

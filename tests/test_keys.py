@@ -1,0 +1,68 @@
+"""CURVE key files: a secret is never readable by others, and a key that cannot work is refused
+as it is read, before a daemon loads its model."""
+
+import os
+
+import pytest
+import zmq.auth
+
+from protocol import keys
+from protocol.keys import KeyFileError, client_keys, create_keypair, load_keypair
+
+
+def test_a_secret_is_written_owner_only_from_the_start(tmp_path, monkeypatch):
+    """It was written with the usual umask (0644) and narrowed afterwards: readable by every local
+    user for a moment (an audit). The mode is now taken right as the certificate is written."""
+    written = zmq.auth.create_certificates
+    modes = {}
+
+    def watched(folder, name):
+        public, secret = written(folder, name)
+        modes.update(public=os.stat(public).st_mode & 0o777, secret=os.stat(secret).st_mode & 0o777)
+        return public, secret
+
+    monkeypatch.setattr(keys.zmq.auth, "create_certificates", watched)
+    before = os.umask(0o022)
+    try:
+        public, secret = create_keypair(tmp_path, "daemon")
+        assert os.umask(0o022) == 0o022  # the process's umask is given back
+    finally:
+        os.umask(before)
+    assert modes["secret"] == 0o600, oct(modes["secret"])
+    assert os.stat(secret).st_mode & 0o777 == 0o600 and os.stat(public).st_mode & 0o777 == 0o644
+    assert load_keypair(secret)[0] == keys.load_public(public)
+
+
+def test_a_secret_others_may_read_is_refused(tmp_path):
+    _, secret = create_keypair(tmp_path, "daemon")
+    os.chmod(secret, 0o644)
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        load_keypair(secret)
+
+
+def rewrite(path, old: bytes, new: bytes) -> None:
+    text = path.read_bytes()
+    assert old in text
+    path.write_bytes(text.replace(old, new))
+
+
+def test_a_key_outside_z85_is_refused_as_read_not_by_zeromq_later(tmp_path):
+    """ZeroMQ refused such a key only as the daemon bound, after its model loaded, as a bare
+    "Invalid argument" traceback (an audit)."""
+    public, secret = create_keypair(tmp_path, "daemon")
+    key = keys.load_public(public)
+    rewrite(public, key, b"~" + key[1:])
+    with pytest.raises(KeyFileError, match="z85"):
+        keys.load_public(public)
+    _, client_secret = create_keypair(tmp_path, "client")
+    with pytest.raises(KeyFileError, match="z85"):
+        client_keys(client_secret, public)
+
+
+def test_a_key_pair_whose_halves_do_not_match_is_refused(tmp_path):
+    _, secret = create_keypair(tmp_path, "one")
+    other, _ = create_keypair(tmp_path, "two")
+    mine, theirs = load_keypair(secret)[0], keys.load_public(other)
+    rewrite(secret, mine, theirs)
+    with pytest.raises(KeyFileError, match="not the one of its secret key"):
+        load_keypair(secret)
