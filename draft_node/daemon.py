@@ -32,7 +32,7 @@ from draft_node.settings import DraftSettings
 from protocol import FLOAT_DTYPES, MAX_HEADER_BYTES, ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
 from protocol.messages import fit_problems
-from protocol.tensors import ITEMSIZE, wire_dtype_of
+from protocol.tensors import ITEMSIZE, MAX_MAGNITUDE, moderate, wire_dtype_of
 from protocol.transport import FRAME_OVERHEAD, Server
 
 log = logging.getLogger("draft_daemon")
@@ -169,9 +169,11 @@ class DraftService:
         """Free a slot for a new session of `peer`, or answer busy. Never a session in use: at its
         quota a peer gives up its own longest-idle one (a restarted target's leftovers) if idle
         `reclaim_after`; in a full daemon, that, else a session another peer left idle as long
-        while silent as long itself (a live target pings: see KEEPALIVE_S) and holding more than
-        its fair share (max_sessions over the peers). So no peer, however many identities it
-        has, takes a session of a live target, and a peer keeping many alive takes no one's."""
+        while silent as long itself (a live target pings: see KEEPALIVE_S, so such a peer is
+        gone), first of the peers holding more than their fair share (max_sessions over the
+        peers), oldest first. So no peer, however many identities it has, takes a session of a
+        live target; a gone peer's sessions all come free (one at or under its share kept them
+        until --idle-timeout, and a live newcomer got `busy`: an audit)."""
         self.evict_idle()
         now = time.monotonic()
         held = Counter(owner for owner, _ in self.sessions)
@@ -195,17 +197,13 @@ class DraftService:
         idle = [
             key
             for key, s in self.sessions.items()
-            if held[key[0]] > share
-            and now - s.last_used > self.settings.reclaim_after
-            and now - self.heard.get(key[0], 0.0) > self.settings.reclaim_after
+            if now - s.last_used > reclaim_after and now - self.heard.get(key[0], 0.0) > reclaim_after
         ]
         if not idle:
             raise ProtocolError(
-                ErrorCode.BUSY,
-                f"all {self.settings.max_sessions} sessions are in use or belong to live peers at their fair share; "
-                "retry later",
+                ErrorCode.BUSY, f"all {self.settings.max_sessions} sessions belong to live peers; retry later"
             )
-        self.evict(min(idle, key=lambda k: self.sessions[k].last_used))
+        self.evict(min(idle, key=lambda k: (held[k[0]] <= share, self.sessions[k].last_used)))
 
     def session(self, msg: Message) -> Session:
         # Another peer's session answers exactly as one that does not exist.
@@ -519,13 +517,15 @@ def tensor_bytes(request: Message | ProtocolError) -> int:
 
 
 def finite(msg: Message, name: str, drafter: DFlashDrafter) -> torch.Tensor:
-    """A tensor on the drafter's device and dtype, refused if it holds NaN or Inf: one such
-    row would poison every later draft of its session."""
+    """A tensor on the drafter's device and dtype, refused if it holds NaN, Inf or a value past
+    MAX_MAGNITUDE: one such row would poison every later draft of its session."""
     tensor = msg.tensor(name, drafter.device, drafter.dtype)
-    bad = ~torch.isfinite(tensor)
-    if bad.any():
+    if not moderate(tensor):
+        bad = ~(tensor.abs() <= MAX_MAGNITUDE)
         rows = bad.reshape(tensor.shape[0], -1).any(-1).nonzero().flatten().tolist()
-        raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor {name!r} holds NaN or Inf (rows {rows[:8]})")
+        raise ProtocolError(
+            ErrorCode.BAD_TENSOR, f"tensor {name!r} holds NaN, Inf or values over {MAX_MAGNITUDE:g} (rows {rows[:8]})"
+        )
     return tensor
 
 

@@ -9,12 +9,15 @@ Scoped as sessions are where peers are CURVE keys: by (peer, name), so one key's
 invisible to every other. Without CURVE a peer is a connection and each of a target's slots has
 its own, so a prefix kept from one slot must be found from another: there the name alone keys it,
 and names are capabilities (the target draws 128 random bits per process into each). Bounded in
-bytes, least recently used out first; a miss is answered with 0 rows and the target ships them.
+bytes; when full, the peer that keeps the most bytes loses its least recently used entry, so a peer
+that floods the store with keeps evicts its own entries, not everyone else's (an audit: one peer's
+48 keeps of 4,096 rows emptied it of every other target's prefixes). A miss is answered with 0 rows
+and the target ships them.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import torch
 
@@ -22,9 +25,10 @@ import torch
 class KeptPrefixes:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        # (peer, name) -> (keys, values, their bytes)
-        self.entries: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
+        # (peer, name) -> (keys, values, their bytes, the peer that kept them)
+        self.entries: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, int, str]] = OrderedDict()
         self.held = 0
+        self.held_by: Counter[str] = Counter()  # bytes each peer kept
         self.counters = {"kept": 0, "restored": 0, "missed": 0, "evicted": 0}
         self.by_peer = True  # scope names by peer (CURVE keys); False: names alone (see above)
 
@@ -38,11 +42,13 @@ class KeptPrefixes:
         self._drop(key)
         if size > self.max_bytes:
             return False
-        self.entries[key] = (keys, values, size)
+        self.entries[key] = (keys, values, size, peer)
         self.held += size
+        self.held_by[peer] += size
         self.counters["kept"] += 1
         while self.held > self.max_bytes:
-            self._drop(next(iter(self.entries)))
+            largest = max(self.held_by, key=self.held_by.__getitem__)
+            self._drop(next(k for k, entry in self.entries.items() if entry[3] == largest))
             self.counters["evicted"] += 1
         return True
 
@@ -55,13 +61,16 @@ class KeptPrefixes:
             return None
         self.entries.move_to_end(key)
         self.counters["restored"] += 1
-        keys, values, _ = found
+        keys, values, _, _ = found
         return keys[:, :, :rows], values[:, :, :rows]
 
     def _drop(self, key: tuple[str, str]) -> None:
         found = self.entries.pop(key, None)
         if found is not None:
             self.held -= found[2]
+            self.held_by[found[3]] -= found[2]
+            if not self.held_by[found[3]]:
+                del self.held_by[found[3]]
 
     def of(self, peer: str) -> int:
         """Entries this peer holds (what its own `stats` may show; 0 where names alone key them)."""

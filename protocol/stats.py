@@ -49,6 +49,7 @@ class RequestStats(_Figures):
     new_tokens: int = 0
     steps: int = 0  # target forward passes after the prefill
     plain_steps: int = 0  # of which had nothing to verify
+    drafter_steps: int = 0  # of which asked the drafter, whatever it gave (a step that got nothing is also plain)
     proposed: int = 0
     accepted: int = 0
     acceptance_rate: float = 0.0

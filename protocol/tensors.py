@@ -33,6 +33,16 @@ FLOAT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 MAX_RANK = 4
 MAX_DIM = 2**31 - 1
 MAX_NAME_LEN = 64
+# The largest magnitude a float row on the wire may hold where its receiver computes with it (each
+# peer checks what it takes in). Hidden states and features sit far below it; past it a row's squares
+# overflow fp32 in a norm: finite rows of 3e38 turned a target's softmax NaN, and left NaN keys and
+# values in a drafter session's context, which then drafted NaN until reset (audits).
+MAX_MAGNITUDE = 1e15
+
+
+def moderate(rows: torch.Tensor, bound: float = MAX_MAGNITUDE) -> bool:
+    """Every value finite and within `bound` (NaN fails the comparison too)."""
+    return rows.numel() == 0 or bool(rows.abs().amax() <= bound)
 
 
 def _bad(message: str) -> ProtocolError:

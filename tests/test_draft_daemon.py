@@ -146,13 +146,30 @@ def test_a_full_table_evicts_no_live_session_and_no_live_peers_idle_one():
     for round_ in range(3):  # the target idles between requests but pings; the sybils keep coming
         time.sleep(0.06)
         assert call(svc, "ping", peer="target")["sessions"] == 4
-        for i in range(4, 40):
-            assert error_code(call(svc, "open", peer=f"sybil{i}-{round_}", session="s")) == "busy"
+        opened = [call(svc, "open", peer=f"sybil{i}-{round_}", session="s").type for i in range(4, 40)]
+        assert opened == ["ok"] * 4 + ["error"] * 32  # the last round's sybils, gone silent, only
     assert {name for owner, name in svc.sessions if owner == "target"} == {"t0", "t1", "t2", "t3"}
     assert all(call(svc, "reset", peer="target", session=f"t{i}", position=0).type == "ok" for i in range(4))
     time.sleep(0.06)  # now a target that fell silent: over its fair share, its idle sessions may go
     assert call(svc, "open", peer="newcomer", session="n").type == "ok"
     assert sum(owner == "target" for owner, _ in svc.sessions) == 3
+
+
+def test_the_sessions_of_peers_gone_silent_come_free_whatever_their_share():
+    """A peer silent past --reclaim-after is gone (targets ping every 10 s). Its sessions stayed
+    taken while it held no more than its share, and the gone peers counted in the share: 7 tenants
+    gone of 8 left a newcomer 1 of the 8 sessions it asked for, for 10 minutes (an audit)."""
+    svc = DraftService(
+        random_drafter(CFG),
+        DraftSettings(ring_capacity=16, max_sessions=16, reclaim_after=0.05, max_sessions_per_peer=8),
+    )
+    for tenant in range(8):
+        for i in range(2):
+            assert call(svc, "open", peer=f"tenant{tenant}", session=f"s{i}").type == "ok"
+    time.sleep(0.1)  # all fall silent but tenant 0, which pings
+    call(svc, "ping", peer="tenant0")
+    assert [call(svc, "open", peer="newcomer", session=f"n{i}").type for i in range(8)] == ["ok"] * 8
+    assert sum(owner == "tenant0" for owner, _ in svc.sessions) == 2  # live: kept
 
 
 def test_a_peer_keeping_many_sessions_alive_takes_no_other_peers_slot():
@@ -166,12 +183,13 @@ def test_a_peer_keeping_many_sessions_alive_takes_no_other_peers_slot():
         assert call(svc, "open", peer="squatter", session=f"s{i}").type == "ok"
     refused = call(svc, "open", peer="squatter", session="s4")
     assert error_code(refused) == "busy" and "holds 4 sessions (limit 4)" in refused["message"]
-    time.sleep(0.1)  # the victim's sessions idle past reclaim_after; the squatter keeps its own alive
+    time.sleep(0.1)  # the victim's sessions idle past reclaim_after (it pings); the squatter keeps its own alive
     for i in range(4):
         call(svc, "reset", peer="squatter", session=f"s{i}", position=0)
+    call(svc, "ping", peer="victim")
     assert error_code(call(svc, "open", peer="newcomer", session="n0")) == "busy"
-    assert {name for owner, name in svc.sessions if owner == "victim"} == {"v0", "v1"}  # at its fair share (6 // 3)
-    time.sleep(0.1)  # now the squatter's are idle too: it holds more than its share, so one of its goes
+    assert {name for owner, name in svc.sessions if owner == "victim"} == {"v0", "v1"}
+    time.sleep(0.1)  # now both fell silent: the squatter holds more than its share, so one of its goes first
     assert call(svc, "open", peer="newcomer", session="n0").type == "ok"
     assert {name for owner, name in svc.sessions if owner == "victim"} == {"v0", "v1"}
     assert sum(owner == "squatter" for owner, _ in svc.sessions) == 3
@@ -274,6 +292,23 @@ def test_a_kept_prefix_starts_another_session_of_the_peer_as_its_rows_would():
     assert call(service, "open", session="c", peer="other").type == "ok"
     assert call(service, "restore", session="c", name="chat-1", rows=10, peer="other")["rows"] == 0
     assert call(service, "stats")["stats"]["kept_prefixes"] == 1
+
+
+def test_a_peer_flooding_the_kept_prefixes_evicts_its_own_not_the_others():
+    """One LRU pool for every peer: one peer's keeps under new names emptied it of every other
+    target's prefixes (an audit: 48 keeps of 4,096 rows in 0.13 s). The peer keeping the most bytes
+    now loses its own oldest entry first."""
+    svc = DraftService(random_drafter(CFG), DraftSettings(ring_capacity=64, max_sessions=4, keep_mb=40_000 / (1 << 20)))
+    for peer in ("victim", "flood"):
+        call(svc, "open", session="a", peer=peer)
+        propose(svc, position=40, peer=peer)
+    assert call(svc, "keep", session="a", name="chat", rows=40, peer="victim")["rows"] == 40
+    for i in range(200):
+        assert call(svc, "keep", session="a", name=f"junk{i}", rows=40, peer="flood").type == "kept"
+        assert svc.kept.held <= 40_000
+    assert call(svc, "restore", session="a", name="chat", rows=40, peer="victim")["rows"] == 40
+    assert call(svc, "restore", session="a", name="junk199", rows=40, peer="flood")["rows"] == 40
+    assert svc.kept.counters["evicted"] >= 190
 
 
 def test_kept_prefixes_stay_within_their_bytes_under_a_flood():

@@ -178,7 +178,10 @@ def test_fuzzed_messages_get_typed_errors_and_the_daemon_stays_healthy(target, k
     assert result.stats.sources == {"dflash": result.stats.steps - result.stats.plain_steps}
 
 
-def test_nan_features_are_refused_and_do_not_poison_the_session(keys, drafter):
+@pytest.mark.parametrize("bad", [float("nan"), 3e38])
+def test_nan_or_huge_features_are_refused_and_do_not_poison_the_session(keys, drafter, bad):
+    """Finite rows of 3e38 passed, overflowed in the drafter, and left NaN keys and values in the
+    session's context: every later draft of it was NaN until a reset (an audit)."""
     hidden, width = drafter.cfg.hidden_size, drafter.cfg.feature_width
     client = Client(drafter.address, curve=link(keys, "other"))
     try:
@@ -187,7 +190,7 @@ def test_nan_features_are_refused_and_do_not_poison_the_session(keys, drafter):
         clean = client.call("propose", {"session": "n", "start": 0, "position": 4},
                             {"features": features, "noise": torch.ones(1, hidden)}, timeout_s=10)  # fmt: skip
         poisoned = features.clone()
-        poisoned[2, 5] = float("nan")
+        poisoned[2, 5] = bad
         reply = client.call("propose", {"session": "n", "start": 0, "position": 4},
                             {"features": poisoned, "noise": torch.ones(1, hidden)}, timeout_s=10)  # fmt: skip
         assert reply["code"] == "bad_tensor" and "rows [2]" in reply["message"]

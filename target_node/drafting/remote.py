@@ -25,6 +25,7 @@ from draft_node.predraft import Predrafts
 from protocol import FLOAT_DTYPES, ErrorCode, Message, ProtocolError
 from protocol.keys import ClientKeys
 from protocol.messages import FORMATS, KEEPALIVE_S, MAX_CODEBOOK_ROWS, fit_problems
+from protocol.tensors import MAX_MAGNITUDE, moderate
 from protocol.transport import FRAME_OVERHEAD, Client
 from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.proposers import DrafterUnavailable
@@ -32,10 +33,6 @@ from target_node.model.target import TargetModel
 
 log = logging.getLogger("remote_drafter")
 
-# The largest value a drafted row or gate may hold. Hidden states sit far below it; past it a row's
-# squares overflow fp32 in the target's norm and head, and a sampled step's softmax turned NaN and
-# failed every request in the batch (finite rows of 3e38 did it).
-MAX_MAGNITUDE = 1e15
 # A selector codebook's largest value: trained ones sit near 1; a pair score multiplies two of them
 # with a gate (up to MAX_MAGNITUDE), which must stay finite in fp32 over any rank.
 MAX_CODEBOOK = 1e6
@@ -46,11 +43,6 @@ MAX_CODEBOOK = 1e6
 # target by 1.6 GB, and up to 1000 x 256 MiB was possible (an audit).
 REPLY_FRAME = 64 << 20
 REPLY_QUEUE = 8
-
-
-def _moderate(rows: torch.Tensor, bound: float = MAX_MAGNITUDE) -> bool:
-    """Every value finite and within `bound` (NaN fails the comparison too)."""
-    return rows.numel() == 0 or bool(rows.abs().amax() <= bound)
 
 
 @dataclass
@@ -397,11 +389,11 @@ class RemoteDraftBackend:
         """Why drafted rows (fresh or pre-drafted) cannot be used, or None: checked on one rule, so
         a reply no path can use fails no batch (a gate of the wrong rank broke the selector's einsum
         for every request in it)."""
-        if hidden.shape[1] != self.info["hidden_size"] or not _moderate(hidden):
+        if hidden.shape[1] != self.info["hidden_size"] or not moderate(hidden):
             return f"rows {list(hidden.shape)} misshapen or holding NaN, Inf or values over {MAX_MAGNITUDE:g}"
         selector = self.info.get("selector")
         if gate is not None and (
-            not selector or tuple(gate.shape) != (hidden.shape[0], selector["rank"]) or not _moderate(gate)
+            not selector or tuple(gate.shape) != (hidden.shape[0], selector["rank"]) or not moderate(gate)
         ):
             return f"gate {list(gate.shape)} misshapen or holding NaN, Inf or values over {MAX_MAGNITUDE:g}"
         return None
@@ -419,7 +411,7 @@ class RemoteDraftBackend:
             reply = self._call("codebook", {"start": start, "rows": rows})
             for name, into in zip(("predecessor", "successor"), pieces, strict=True):
                 piece = reply.tensor(name, self.target.device).float()
-                if tuple(piece.shape) != (rows, selector["rank"]) or not _moderate(piece, MAX_CODEBOOK):
+                if tuple(piece.shape) != (rows, selector["rank"]) or not moderate(piece, MAX_CODEBOOK):
                     raise DrafterUnavailable(
                         f"codebook rows {list(piece.shape)}, expected [{rows}, {selector['rank']}] of finite "
                         f"values within {MAX_CODEBOOK:g}"
