@@ -255,7 +255,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def drafted_share(r: dict) -> float:
-    """Of the round's steps, the share that drafted (the governor's choice as the batch grows)."""
+    """Of the round's steps, the share that verified drafts (as the batch grows, the governor drafts
+    less; a step that asked the drafter and got nothing back counts as plain here: `drafter_steps`
+    in each request's stats counts those too)."""
     return (r["steps"] - r["plain_steps"]) / r["steps"] if r["steps"] else 0.0
 
 

@@ -135,3 +135,95 @@ def test_acceptance_statistics_set_the_chain_budget_and_follow_the_drafter():
     for _ in range(200):
         gov.record(True, 2, 0.02, width=4, predicted=4.0, chain=False)
     assert gov.calibration == pytest.approx(0.25, abs=0.02)
+
+
+def batch_step(governor, batch, good=True, draft_s=0.002):
+    """One step of `batch` sequences sharing a governor, in sequence.step's call order: each one's
+    decision, then each one's record of the one forward (tokens 4 a drafting step when `good`)."""
+    kinds = [governor.should_draft(batch) for _ in range(batch)]
+    for drafted in kinds:
+        tokens = (4 if good else 1) if drafted else 1
+        governor.record(drafted, tokens, 0.012 + (draft_s if drafted else 0.0), width=5, draft_s=draft_s)
+    return kinds
+
+
+def test_a_batch_drafts_again_after_one_slow_draft():
+    """At a batch of 2 or more, `pays_at` judged drafting from the last drafting steps' cost and
+    nothing re-measured it: one slow draft (a timeout, a daemon restarting) left drafting off for
+    as long as two requests ran (an audit: 108 tok/s down to 26). It is now switched off like a
+    losing drafter, and probed again."""
+    gov = Governor(costs=VerifyCosts({w: 0.010 + 0.0004 * w for w in range(1, 64)}))
+    for _ in range(2):
+        gov.record(False, 1, 0.010)
+    assert all(all(batch_step(gov, 2)) for _ in range(10))
+    batch_step(gov, 2, draft_s=1.0)  # one draft waits a second
+    kinds = [k for _ in range(200) for k in batch_step(gov, 2)]
+    assert not all(kinds[:4]), "the slow step's cost must tell"
+    assert all(kinds[-100:]) and sum(kinds) > 0.8 * len(kinds), sum(kinds)
+
+
+def test_a_drafter_that_loses_at_a_batch_is_probed_with_backoff_not_every_step():
+    gov = Governor(costs=VerifyCosts({w: 0.010 + 0.0004 * w for w in range(1, 64)}))
+    for _ in range(2):
+        gov.record(False, 1, 0.010)
+    kinds = [k for _ in range(400) for k in batch_step(gov, 4, good=False, draft_s=0.02)]
+    assert sum(kinds) < 0.1 * len(kinds), sum(kinds)
+
+
+def test_one_losing_step_of_a_batch_is_one_switch():
+    """Every sequence of a batch records the one losing step; each record judged again, so one
+    step of 8 counted 6 switches and doubled the backoff to its cap (an audit)."""
+    gov = Governor(costs=VerifyCosts({w: 0.010 + 0.0004 * w for w in range(1, 64)}))
+    for _ in range(2):
+        gov.record(False, 1, 0.010)
+    while gov.switches == 0:
+        batch_step(gov, 8, good=False, draft_s=0.02)
+    assert gov.switches == 1 and gov.backoff == gov.probe_every
+
+
+def test_a_plain_step_that_waited_for_a_failed_draft_is_not_the_plain_rate():
+    """A step that asked the drafter and got nothing (a timeout, then the fallback's nothing) was
+    recorded as plain with the wait in its seconds: plain decoding looked 10x slower for the rest
+    of the run, and a drafter that lost drafted on for good (an audit). It is a drafting step."""
+    target = tiny_target("llama", seed=7)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    cfg = config_for_target(target.config, block_size=8, taps=2)
+
+    class StallsOnce(SlowBackend):  # 30 ms a draft, useless, and once 1.5 s with nothing back
+        calls = 0
+
+        def draft(self, *args):
+            StallsOnce.calls += 1
+            if StallsOnce.calls == 3:
+                time.sleep(1.5)
+                from target_node.drafting.proposers import DrafterUnavailable
+
+                raise DrafterUnavailable("timed out")
+            return super().draft(*args)
+
+    gov = Governor()
+    proposer = DFlashProposer(StallsOnce(random_drafter(cfg)))
+    result = generate(target, prompt, proposer, DecodeOptions(80), governor=gov)
+    assert result.tokens == greedy(target, prompt, 80)
+    assert max(seconds for _, seconds in gov.plain) < 0.5, list(gov.plain)
+    assert gov.switches >= 1 and result.stats.plain_steps > 0.6 * result.stats.steps, gov.to_dict()
+
+
+def test_each_request_decides_with_its_own_fork_and_gives_it_back():
+    """A request whose drafts always fail no longer sets the drafting of the requests beside it;
+    what it learned seeds the next request; the verify costs stay one table."""
+    shared = Governor(costs=VerifyCosts({1: 0.01}))
+    good, bad = shared.fork(), shared.fork()
+    assert good.costs is shared.costs and good.depth_hits is not shared.depth_hits
+    for _ in range(2):
+        good.record(False, 1, 0.010)
+        bad.record(False, 1, 0.010)
+    for _ in range(40):
+        bad.record(bad.should_draft(), 1, 0.030, width=5, draft_s=0.02)
+        good.record(good.should_draft(), 5, 0.015, width=5, draft_s=0.002)
+    assert good.drafting and good.switches == 0 and bad.switches >= 1
+    assert good.depth_hits[1] > bad.depth_hits[1]
+    shared.absorb(bad)
+    shared.absorb(good)
+    assert shared.switches == bad.switches and shared.depth_hits == good.depth_hits
+    assert shared.fork().switches == 0

@@ -19,12 +19,16 @@ Two decisions, both from what this machine measures:
   accepted lately. The governor verifies the n that maximises expected tokens per second,
   (1 + accepted(n)) / (draft cost + verify cost(n + 1)), and n may be 0.
 
-A daemon keeps one governor across requests, so a new request starts from what the last
-ones learned.
+A daemon keeps one governor across requests, and each request decides with its own copy of it
+(`fork`), given back when it ends (`absorb`): a new request starts from what the last ones learned,
+and a request whose drafts always fail (a hostile prompt, another tenant's) no longer sets the
+drafting and the verify depth of the requests beside it (an audit: 2-5x slower for them). The
+verify costs, measured by the width of a batch's forward, stay one table for all.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections import deque
@@ -118,6 +122,7 @@ class Governor:
     switches: int = 0
     probes: int = 0
     draft_s: float = 0.0  # running estimate of what drafting costs a step
+    batch: int = 1  # sequences stepping together, as the last decision saw them
     width: float = 1.0  # running estimate of the rows a drafting step verifies (1 + drafts)
     # Decayed sums: accepted drafts against what the drafter's probabilities predicted.
     predicted: float = 0.0
@@ -139,7 +144,14 @@ class Governor:
 
     # --- whether to draft ---------------------------------------------------
 
-    def should_draft(self) -> bool:
+    def should_draft(self, batch: int = 1) -> bool:
+        """Whether this step drafts, for one of `batch` sequences stepping together."""
+        self.batch = batch
+        if self.drafting and not self.probing and not self.pays_at(batch):
+            # Judged off like a losing drafter, so probes come back to it: one slow draft (a
+            # timeout, a restarting daemon) left `draft_s` high, and nothing ever re-measured it
+            # while two or more requests ran (an audit: 108 tok/s down to 26 for good).
+            self._switch_off()
         if self.drafting:
             # Measure a couple of plain steps once, so there is something to compare against.
             if len(self.spec) >= self.min_spec_steps and len(self.plain) < 2 and self.spec_tau() < self.sure_tau:
@@ -161,32 +173,43 @@ class Governor:
         draft_s: float = 0.0,
         predicted: float | None = None,
         chain: bool = True,
+        timed: bool = True,
     ) -> None:
-        """One step: whether it drafted, tokens committed, its seconds (draft_s of them drafting),
-        the width verified, and the accepted drafts the drafter's probabilities predicted (if any).
-        What the forward cost by its width is `measured` apart: in a batch, one forward is every
+        """One step: whether it drafted (asked the drafter, whatever came back), tokens committed,
+        its seconds (draft_s of them drafting), the width verified, and the accepted drafts the
+        drafter's probabilities predicted (if any). `timed` False: its seconds are not its own
+        (the forward also ran another request's prompt), so they are not compared. What the
+        forward cost by its width is `measured` apart: in a batch, one forward is every
         sequence's, and its width is theirs together."""
         if drafted:
-            self.draft_s = draft_s if not self.spec else 0.8 * self.draft_s + 0.2 * draft_s
+            if timed:
+                self.draft_s = draft_s if not self.spec else 0.8 * self.draft_s + 0.2 * draft_s
             self.width = width if not self.spec else 0.8 * self.width + 0.2 * width
             self._learn_acceptance(tokens - 1, width - 1, predicted, chain)
-            self.spec.append((tokens, seconds))
+            if timed:
+                self.spec.append((tokens, seconds))
             while len(self.spec) > self.window:
                 self.spec.popleft()
             self.plain_streak = 0
         else:
-            self.plain.append((tokens, seconds))
+            if timed:
+                self.plain.append((tokens, seconds))
             while len(self.plain) > self.window:
                 self.plain.popleft()
             self.plain_streak += 1
-        if drafted and len(self.spec) >= self.min_spec_steps and self.plain:
+        # Judged once drafting is on: in a batch every sequence records the one losing step, and
+        # each judgement switched off again, doubling the backoff (8 sequences: to its cap at once).
+        if drafted and self.drafting and len(self.spec) >= self.min_spec_steps and self.plain:
             self.probing = False
-            if self.loses():
-                self.drafting = False
-                self.switches += 1
-                self.backoff = min(self.max_probe_every, self.backoff * 2 if self.backoff else self.probe_every)
+            if self.loses() or not self.pays_at(self.batch):
+                self._switch_off()
             else:
                 self.backoff = 0
+
+    def _switch_off(self) -> None:
+        self.drafting = self.probing = False
+        self.switches += 1
+        self.backoff = min(self.max_probe_every, self.backoff * 2 if self.backoff else self.probe_every)
 
     def loses(self) -> bool:
         """Whether the recent drafting steps were slower than plain steps, with confidence: each
@@ -209,6 +232,24 @@ class Governor:
         drafting = batch * self.spec_tau() / (batch * self.draft_s + self.costs(round(batch * self.width)))
         plain = batch / self.costs(batch)
         return drafting >= self.margin * plain
+
+    def fork(self) -> Governor:
+        """A request's own governor: what this one learned, its own from here on (`absorb` gives it
+        back), and the one table of verify costs."""
+        mine = copy.copy(self)
+        for name, value in vars(self).items():
+            if name != "costs":
+                setattr(mine, name, copy.deepcopy(value))
+        mine.switches = mine.probes = 0  # the request's own, for its stats
+        return mine
+
+    def absorb(self, fork: Governor) -> None:
+        """What a request's governor learned becomes what the next request starts from."""
+        switches, probes = self.switches + fork.switches, self.probes + fork.probes
+        for name, value in vars(fork).items():
+            if name != "costs":
+                setattr(self, name, copy.deepcopy(value))
+        self.switches, self.probes = switches, probes
 
     def measured(self, width: int, seconds: float) -> None:
         """A target forward of `width` rows (a batch's together) took `seconds`."""

@@ -100,6 +100,7 @@ class Sequence:
         self.lookups = (*context, options.datastore) if options.datastore is not None else context
         self.room = Room()  # what the next step may verify (prepare)
         self.drafting_failed = False  # drafting raised: this request's steps verify only what it knows
+        self.asked = False  # this step asked the drafter (whatever came back)
         self.cancelled = False
         self.failed: Exception | None = None  # taking a forward's results raised: this request ends with it
         self.began = time.perf_counter()
@@ -156,7 +157,7 @@ class Sequence:
         """Decide the next step before any sequence of the batch plans its own: whether to draft
         (the governor, at `batch` sequences) and how deep, and start the drafts, so a remote
         drafter works on this request's while the others' requests are on their way."""
-        self.room = Room()
+        self.room, self.asked = Room(), False
         if self.prefilling:
             return
         budget = self.output.budget - 1  # the target's own next token always comes on top
@@ -169,8 +170,9 @@ class Sequence:
         if self.drafting_failed:
             self.room = Room(0, tuple(hints))
             return
-        drafting = governor is None or bool(hints) or (governor.pays_at(batch) and governor.should_draft())
+        drafting = governor is None or bool(hints) or governor.should_draft(batch)
         limit = budget if drafting else 0
+        self.asked = limit > 0
         self.room = Room(limit, tuple(hints), self.tree_nodes, budget if self.lookups else 0, self.lookups)
         if limit > 0:
             try:  # drafting starts here for a drafter elsewhere: what it raises fails only this request's drafts
@@ -184,7 +186,7 @@ class Sequence:
         lookups (greedy, its output the same; sampled, another draw from the same law), and the
         log has the traceback."""
         log.exception("drafting failed; this request decodes on without drafts")
-        self.drafting_failed = True
+        self.drafting_failed, self.asked = True, False
         self.room = Room(0, self.room.hints)
 
     def part(self) -> Part:
@@ -220,20 +222,25 @@ class Sequence:
         if self.governor is not None:
             for source, found in self.plan.lookups.items():
                 self.governor.learn_lookup(found.tokens, step.committed, source, found.chances, found.kind)
+            # A step that asked the drafter is a drafting step though nothing came back: recorded as
+            # plain, a drafter's 2-s timeout made plain decoding look slow, and drafting that lost
+            # ran on for good (an audit).
             self.governor.record(
-                step.drafted,
+                step.drafted or self.asked,
                 len(step.committed),
                 step.propose_s + step.verify_s,
                 width=step.drafts + 1,
                 draft_s=step.propose_s,
                 predicted=step.predicted,
                 chain=step.chain,
+                timed=out.timed,
             )
 
     def _count(self, step: Step) -> None:
         stats = self.stats
         stats.steps += 1
         stats.plain_steps += not step.drafts
+        stats.drafter_steps += self.asked
         stats.proposed += step.drafts
         stats.accepted += step.accepted
         stats.propose_s += step.propose_s
@@ -303,15 +310,17 @@ def step(
     width = sum(len(p.tokens) for p in parts)
     if pace is not None:
         pace.record(width, prompt_rows, forward_s)
-    if not prefilling:  # a decode forward: what its width costs (once per governor, shared or not)
-        for governor in {id(seq.governor): seq.governor for seq in sequences if seq.governor is not None}.values():
+    if not prefilling:  # a decode forward: what its width costs (once per table: a daemon's requests share one)
+        governors = [seq.governor for seq in sequences if seq.governor is not None]
+        for governor in {id(governor.costs): governor for governor in governors}.values():
             governor.measured(width, forward_s)
     at = 0
     for seq, part, (_, features) in zip(sequences, parts, outs, strict=True):
         end = at + part.head_rows
         mine = None if features is None else _select(features, taps, seq.proposer.taps, target.hidden_size)
         try:
-            seq.take(ForwardOut(mine, choices[at:end], None if logits is None else logits[at:end], forward_s))
+            picked = None if logits is None else logits[at:end]
+            seq.take(ForwardOut(mine, choices[at:end], picked, forward_s, timed=not prefilling))
         except Exception as exc:  # its slot alone is in doubt: the others take their rows as if it were not there
             log.exception("a request failed taking its step's results")
             seq.failed = exc

@@ -16,6 +16,7 @@ class Stats:
     decode_tokens: int = 0  # tokens after the first (which comes from the prefill)
     steps: int = 0  # target forward passes after the prefill
     plain_steps: int = 0  # of which had nothing to verify
+    drafter_steps: int = 0  # of which asked the drafter, whatever it gave (a step that got nothing is also plain)
     proposed: int = 0
     accepted: int = 0
     histogram: Counter = field(default_factory=Counter)  # accepted drafts per step -> count
@@ -59,6 +60,7 @@ class Stats:
             new_tokens=self.new_tokens,
             steps=self.steps,
             plain_steps=self.plain_steps,
+            drafter_steps=self.drafter_steps,
             proposed=self.proposed,
             accepted=self.accepted,
             acceptance_rate=self.accepted / self.proposed if self.proposed else 0.0,

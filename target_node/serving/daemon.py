@@ -118,7 +118,8 @@ class TargetService:
         self.datastore = datastore
         self.target = target
         self.adaptive = not settings.always_draft
-        # One governor for all: it learns across requests, from verify costs measured here.
+        # One governor for all: each request decides with its own fork of it, which it gives back
+        # at its end, so the next starts from what the last learned; verify costs measured here.
         self.governor = Governor(max_nodes=max(settings.tree_nodes, 1))
         if self.adaptive:
             # A step's width: one request's tree, up to every slot's (batches are measured sparsely).
@@ -535,7 +536,7 @@ class TargetService:
                     options,
                     slot=slot,
                     on_commit=on_commit,
-                    governor=self.governor,
+                    governor=self.governor.fork(),  # its own decisions; given back in `finish`
                 )
                 cache = self.prefix_cache
                 hit = cache.lookup(prompt, proposer.taps, proposer.reach) if cache is not None else None
@@ -590,6 +591,8 @@ class TargetService:
     def finish(self, active: Active) -> None:
         job, msg = active.job, active.job.request
         result = active.sequence.result()
+        if active.sequence.governor is not None:
+            self.governor.absorb(active.sequence.governor)
         if self.prefix_cache is not None and result.finish_reason != "cancelled":
             self.keep_prefix(active, drafter_too=True)
         self.release(active)
