@@ -101,21 +101,23 @@ def from_daemon(code: str, message: str, prompt_param: str) -> APIError:
         return APIError(503, f"the target daemon lost the request: {message}", type_="service_unavailable_error",
                         code="target_request_lost")  # fmt: skip
     if code in {c.value for c in CLIENT_FAULTS}:
+        if "max_new_tokens" in message:  # the daemon's limit, in the request's words
+            return invalid(message.replace("max_new_tokens", "max_tokens"), "max_tokens")
         return invalid(message)
     return APIError(500, f"the target daemon failed: {message}", type_="server_error", code=code)
 
 
 # The daemon's generate fields by the request parameter that sets each (None: the prompt's own name).
 PARAMS = {"max_new_tokens": "max_tokens", "stop": "stop", "messages": "messages", "token_ids": None, "prompt": None}
-WIRE_FIELD = re.compile(r"generate\.(?:sampling\.)?(\w+)(\[\d+\])?: (.*)", re.DOTALL)
+WIRE_FIELD = re.compile(r"generate\.(?:sampling\.)?(\w+)((?:\[\d+\])?(?:\.\w+)*): (.*)", re.DOTALL)
 
 
 def from_protocol(message: str, prompt_param: str) -> APIError:
     """A request the wire's limits refuse, worded with the parameter that set the field: the
     protocol's own names (`generate.max_new_tokens`) read as an internal error (an audit)."""
     found = WIRE_FIELD.fullmatch(message)
-    if found is None:
-        return invalid(message)
+    if found is None:  # the header as a whole (too large, or text UTF-8 cannot carry): the prompt's
+        return invalid(message.removeprefix("generate: "), prompt_param if message.startswith("generate: ") else None)
     field, index, why = found.groups()
     param = PARAMS.get(field, field) or prompt_param  # sampling's fields are the parameters' own names
     return invalid(f"{param}{index or ''}: {why}", param)

@@ -65,7 +65,7 @@ class ChatMessage(BaseModel):
     def to_daemon(self) -> dict[str, str]:
         content = self.content or ""
         if not isinstance(content, str):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)  # as vLLM: parts' words stay apart
         # Chat templates know the system role; OpenAI's newer name for it is developer.
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
@@ -80,6 +80,9 @@ class GenerationRequest(BaseModel):
         "presence_penalty": (0,),
         "frequency_penalty": (0,),
         "logit_bias": ({},),
+        "store": (False,),
+        "metadata": ({},),
+        "service_tier": ("auto", "default"),
     }
 
     model: str | None = None
@@ -87,7 +90,7 @@ class GenerationRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # not OpenAI's; as vLLM, for clients that want it (-1, 0: off)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    seed: int | None = Field(None, ge=-SEED_LIMIT, lt=SEED_LIMIT)  # OpenAI's: any int64
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -96,6 +99,9 @@ class GenerationRequest(BaseModel):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
 
     _null_is_false = field_validator("stream", mode="before")(null_is_false)
 
@@ -128,7 +134,7 @@ class GenerationRequest(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed % SEED_LIMIT,  # a negative int64 seed as the same bits
         )
         return options.to_dict()
 
@@ -185,14 +191,14 @@ class ChatCompletionRequest(GenerationRequest):
 class CompletionRequest(GenerationRequest):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         **GenerationRequest.NEUTRAL,
-        "logprobs": (0,),
+        "logprobs": (),  # 0 asks for the chosen token's logprob (OpenAI, vLLM): not offered here
         "echo": (False,),
         "best_of": (1,),
         "suffix": ("",),
     }
     DEFAULT_MAX_TOKENS: ClassVar[int] = 16  # OpenAI's default for this endpoint
 
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: Any = None
     echo: Any = None
     best_of: Any = None
@@ -203,8 +209,12 @@ class CompletionRequest(GenerationRequest):
     def to_daemon(self, default_max_tokens: int) -> dict:
         fields = self.common_fields(self.max_tokens, self.DEFAULT_MAX_TOKENS)
         prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+            prompt = prompt[0]  # one prompt as a list of token lists (OpenAI's array of arrays)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return {**fields, "token_ids": list(prompt)}
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            raise invalid("one prompt per request is supported", "prompt", "unsupported_value")
         if isinstance(prompt, list):
             if len(prompt) > 1:
                 raise invalid("one prompt per request is supported", "prompt", "unsupported_value")

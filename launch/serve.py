@@ -88,7 +88,7 @@ def exit_on_signals() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from launch.common import byte_size
+    from launch.common import at_least, byte_size, number_in
     from launch.local import add_daemon_args
 
     parser = argparse.ArgumentParser(prog="dflash-serve", description=__doc__, formatter_class=HelpFormatter)
@@ -106,11 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model id clients name in requests (default: the name of the target daemon's model folder)",
     )
     parser.add_argument(
-        "--default-max-tokens", type=int, default=512, help="chat answers' token limit when a request gives none"
+        "--default-max-tokens",
+        type=at_least(1),
+        default=512,
+        help="chat answers' token limit when a request gives none (default %(default)s)",
     )
     parser.add_argument(
         "--daemon-timeout",
-        type=float,
+        type=number_in(0, above=True),
         default=5.0,
         help="seconds the target daemon may leave a ping unanswered before requests get 503 (default %(default)s)",
     )

@@ -190,6 +190,9 @@ REFUSED_FLAGS = [
     ("launch.target_daemon", ["--draft-retry", "-1"], "--draft-retry must be 0 or more"),
     ("launch.target_daemon", ["--predraft", "99"], "--predraft names 0 to 16 outcomes, got 99"),  # a traceback
     ("launch.serve", ["--port", "70000"], "a port of 1-65535"),  # was: three tracebacks from uvicorn's bind
+    # Was: a server whose every chat naming no max_tokens got a 400 blaming the client (an audit).
+    ("launch.serve", ["--default-max-tokens", "0"], "must be at least 1, got 0"),
+    ("launch.serve", ["--daemon-timeout", "0"], "must be more than 0"),
 ]
 
 

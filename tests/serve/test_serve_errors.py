@@ -61,6 +61,10 @@ CASES = {  # name: (path, body, HTTP status, the parameter named, OpenAI error c
         "context_length_exceeded",
     ),
     "two prompts": (TEXT_PATH, {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "unsupported_value"),
+    "two token prompts": (TEXT_PATH, {"model": MODEL, "prompt": [[1], [2]]}, 400, "prompt", "unsupported_value"),
+    # 0 asks for the chosen token's logprob (OpenAI, vLLM): it was answered 200 with null (an audit).
+    "logprobs 0": (TEXT_PATH, {"model": MODEL, "prompt": "a", "logprobs": 0}, 400, "logprobs", "unsupported_parameter"),
+    "store true": (CHAT_PATH, {**ASK, "store": True}, 400, "store", "unsupported_parameter"),
     # Past what the wire carries: named by the parameter, not the protocol's field (an audit).
     "huge max_tokens": (CHAT_PATH, {**ASK, "max_tokens": 2**63}, 400, "max_tokens", "invalid_value"),
     "long stop": (CHAT_PATH, {**ASK, "stop": ["x" * 257]}, 400, "stop", "invalid_value"),
@@ -120,6 +124,33 @@ def test_a_chat_that_names_no_limit_gets_the_room_its_prompt_leaves(server):
     named = ChatCompletionRequest(model=MODEL, messages=CHAT, max_tokens=5).to_daemon(512)
     unnamed = ChatCompletionRequest(model=MODEL, messages=CHAT).to_daemon(512)
     assert "fit_context" not in named and unnamed["fit_context"] is True and unnamed["max_new_tokens"] == 512
+
+
+def test_what_openai_clients_send_reads_as_openai_means_it():
+    """Each refused before, or read otherwise (an audit): a negative int64 seed (clients draw
+    random ones), one prompt as a list of token lists, OpenAI's store/metadata/service_tier at
+    their neutral values, and text parts, which were glued word to word."""
+    from frontend.schemas import ChatCompletionRequest, CompletionRequest
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "hi"}]}]
+    chat = ChatCompletionRequest(model=MODEL, messages=parts, seed=-1, store=False, metadata={}, service_tier="auto")
+    chat.check_supported()
+    sent = chat.to_daemon(512)
+    assert sent["messages"][0]["content"] == "Translate:\nhi" and sent["sampling"]["seed"] == 2**63 - 1
+    assert ChatCompletionRequest(model=MODEL, messages=CHAT, seed=-(2**63)).sampling()["seed"] == 0
+    assert CompletionRequest(model=MODEL, prompt=[[5, 6, 7]]).to_daemon(512)["token_ids"] == [5, 6, 7]
+
+
+def test_the_daemons_and_the_wires_refusals_name_the_parameter():
+    """They came back with param null and the protocol's names (an audit)."""
+    from frontend.errors import from_daemon, from_protocol
+
+    limit = from_daemon("bad_field", "max_new_tokens 5000 exceeds this daemon's limit 4096", "messages")
+    assert (limit.param, limit.message) == ("max_tokens", "max_tokens 5000 exceeds this daemon's limit 4096")
+    nested = from_protocol("generate.messages[0].content: expected str of 0..524288 chars, got str", "messages")
+    assert nested.param == "messages" and nested.message.startswith("messages[0].content: expected str")
+    whole = from_protocol("generate: header is 1800264 bytes, limit 1048576", "prompt")
+    assert (whole.param, whole.message) == ("prompt", "header is 1800264 bytes, limit 1048576")
 
 
 MAX_BODY = 8 << 20  # dflash-serve's default --max-body-size
