@@ -71,8 +71,8 @@ class DraftService:
     def __init__(self, drafter: DFlashDrafter, settings: DraftSettings | None = None) -> None:
         """Sessions are shared fairly between peers: one peer holds at most
         `max_sessions_per_peer`, and a full daemon takes a slot from another peer only if that
-        peer holds more than its fair share, left that session idle for `reclaim_after` and has
-        itself said nothing for as long (a live target pings at least every KEEPALIVE_S)."""
+        peer left that session idle for `reclaim_after` and has itself said nothing for as long
+        (a live target pings at least every KEEPALIVE_S), first from peers over their fair share."""
         self.settings = settings = settings or DraftSettings()
         self.drafter = drafter
         self.config = drafter.config

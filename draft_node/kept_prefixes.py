@@ -11,8 +11,9 @@ its own, so a prefix kept from one slot must be found from another: there the na
 and names are capabilities (the target draws 128 random bits per process into each). Bounded in
 bytes; when full, the peer that keeps the most bytes loses its least recently used entry, so a peer
 that floods the store with keeps evicts its own entries, not everyone else's (an audit: one peer's
-48 keeps of 4,096 rows emptied it of every other target's prefixes). A miss is answered with 0 rows
-and the target ships them.
+48 keeps of 4,096 rows emptied it of every other target's prefixes). A keep that would make its
+peer the largest holder with nothing older of its own to give up is refused, evicting nothing. A
+miss is answered with 0 rows and the target ships them.
 """
 
 from __future__ import annotations
@@ -21,18 +22,21 @@ from collections import Counter, OrderedDict
 
 import torch
 
+Key = tuple[str, str]
+
 
 class KeptPrefixes:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         # (peer, name) -> (keys, values, their bytes, the peer that kept them)
-        self.entries: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, int, str]] = OrderedDict()
+        self.entries: dict[Key, tuple[torch.Tensor, torch.Tensor, int, str]] = {}
+        self.by_owner: dict[str, OrderedDict[Key, None]] = {}  # each peer's entries, least recently used first
         self.held = 0
         self.held_by: Counter[str] = Counter()  # bytes each peer kept
         self.counters = {"kept": 0, "restored": 0, "missed": 0, "evicted": 0}
         self.by_peer = True  # scope names by peer (CURVE keys); False: names alone (see above)
 
-    def _key(self, peer: str, name: str) -> tuple[str, str]:
+    def _key(self, peer: str, name: str) -> Key:
         return (peer if self.by_peer else "", name)
 
     def keep(self, peer: str, name: str, keys: torch.Tensor, values: torch.Tensor) -> bool:
@@ -40,17 +44,38 @@ class KeptPrefixes:
         size = 2 * keys.numel() * keys.element_size()
         key = self._key(peer, name)
         self._drop(key)
-        if size > self.max_bytes:
+        victims = self._room_for(peer, size)
+        if victims is None:
             return False
+        for victim in victims:
+            self._drop(victim)
+            self.counters["evicted"] += 1
         self.entries[key] = (keys, values, size, peer)
+        self.by_owner.setdefault(peer, OrderedDict())[key] = None
         self.held += size
         self.held_by[peer] += size
         self.counters["kept"] += 1
-        while self.held > self.max_bytes:
-            largest = max(self.held_by, key=self.held_by.__getitem__)
-            self._drop(next(k for k, entry in self.entries.items() if entry[3] == largest))
-            self.counters["evicted"] += 1
         return True
+
+    def _room_for(self, peer: str, size: int) -> list[Key] | None:
+        """The entries to evict so `size` more bytes of `peer`'s fit (each the oldest of the peer then
+        holding the most, the new entry counted as `peer`'s), or None where the new entry would be
+        the one to go."""
+        need = self.held + size - self.max_bytes
+        held_by = Counter(self.held_by)
+        held_by[peer] += size
+        oldest = {owner: iter(keys) for owner, keys in self.by_owner.items()}  # nothing changes while read
+        victims: list[Key] = []
+        while need > 0:
+            largest = max(held_by, key=held_by.__getitem__)
+            victim = next(oldest.get(largest, iter(())), None)
+            if victim is None:  # only the new entry is left of the largest holder's
+                return None
+            victims.append(victim)
+            freed = self.entries[victim][2]
+            held_by[largest] -= freed
+            need -= freed
+        return victims
 
     def take(self, peer: str, name: str, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The first `rows` (or fewer, as held) positions' keys and values of (peer, name), or None."""
@@ -59,18 +84,21 @@ class KeptPrefixes:
         if found is None:
             self.counters["missed"] += 1
             return None
-        self.entries.move_to_end(key)
+        self.by_owner[found[3]].move_to_end(key)
         self.counters["restored"] += 1
         keys, values, _, _ = found
         return keys[:, :, :rows], values[:, :, :rows]
 
-    def _drop(self, key: tuple[str, str]) -> None:
+    def _drop(self, key: Key) -> None:
         found = self.entries.pop(key, None)
-        if found is not None:
-            self.held -= found[2]
-            self.held_by[found[3]] -= found[2]
-            if not self.held_by[found[3]]:
-                del self.held_by[found[3]]
+        if found is None:
+            return
+        size, owner = found[2], found[3]
+        self.held -= size
+        self.held_by[owner] -= size
+        del self.by_owner[owner][key]
+        if not self.by_owner[owner]:
+            del self.by_owner[owner], self.held_by[owner]
 
     def of(self, peer: str) -> int:
         """Entries this peer holds (what its own `stats` may show; 0 where names alone key them)."""

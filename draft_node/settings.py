@@ -30,9 +30,9 @@ class DraftSettings:
     idle_timeout: float = setting(600.0, "seconds before an idle session is evicted", unit="s")
     reclaim_after: float = setting(
         30.0,
-        "when all sessions are taken, a session idle this many seconds may be evicted if its target holds more "
-        f"than its fair share and has said nothing for as long (live targets ping every {KEEPALIVE_S:g} s, so "
-        "keep this well above that)",
+        "when all sessions are taken, a session idle this many seconds may be evicted if its target has said "
+        "nothing for as long, first of targets holding more than their fair share (live targets ping every "
+        f"{KEEPALIVE_S:g} s, so keep this well above that)",
         unit="s",
         limit=False,
     )
@@ -46,8 +46,9 @@ class DraftSettings:
     # The shipped SmolLM2 drafter holds 1,536 bytes a position in bf16: 256 MB is ~170K positions.
     keep_mb: float = setting(
         256.0,
-        "MB of prefixes' context keys and values kept for targets' prefix caches (`keep`), over all peers, least "
-        "recently used out first: a target's later request with that prefix sends none of its feature rows (0: off)",
+        "MB of prefixes' context keys and values kept for targets' prefix caches (`keep`), over all peers; when "
+        "full, the peer keeping the most loses its least recently used first: a target's later request with that "
+        "prefix sends none of its feature rows (0: off)",
     )
 
     def __post_init__(self) -> None:

@@ -116,8 +116,9 @@ def from_protocol(message: str, prompt_param: str) -> APIError:
     """A request the wire's limits refuse, worded with the parameter that set the field: the
     protocol's own names (`generate.max_new_tokens`) read as an internal error (an audit)."""
     found = WIRE_FIELD.fullmatch(message)
-    if found is None:  # the header as a whole (too large, or text UTF-8 cannot carry): the prompt's
-        return invalid(message.removeprefix("generate: "), prompt_param if message.startswith("generate: ") else None)
+    if found is None:  # the header as a whole: too large is the prompt's doing (unpackable text may be a stop's)
+        too_large = message.startswith("generate: header is ")
+        return invalid(message.removeprefix("generate: "), prompt_param if too_large else None)
     field, index, why = found.groups()
     param = PARAMS.get(field, field) or prompt_param  # sampling's fields are the parameters' own names
     return invalid(f"{param}{index or ''}: {why}", param)

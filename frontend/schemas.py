@@ -134,7 +134,7 @@ class GenerationRequest(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),
-            seed=None if self.seed is None else self.seed % SEED_LIMIT,  # a negative int64 seed as the same bits
+            seed=None if self.seed is None else self.seed % SEED_LIMIT,  # any int64 seed, modulo 2^63
         )
         return options.to_dict()
 

@@ -14,8 +14,10 @@ import sys
 from pathlib import Path
 
 from frontend.target_client import TargetClient
+from launch.common import number_in
 from launch.net import TARGET_ADDRESS, HelpFormatter, address, client_security, one_line_errors
 from protocol.keys import ClientKeys
+from protocol.messages import MAX_HEARTBEAT_S
 from protocol.stats import RequestStats
 from protocol.transport import wait_ready
 
@@ -108,7 +110,7 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="also write answers and stats to this JSON file")
     parser.add_argument(
         "--heartbeat",
-        type=float,
+        type=number_in(0, MAX_HEARTBEAT_S),
         default=1.0,
         help="seconds between heartbeats while waiting; the daemon drops a request after 3 missed (0: none)",
     )

@@ -1,14 +1,16 @@
 """CURVE key files: who a daemon is, whom it lets in, and whom a client expects to reach.
 
 The files are ZeroMQ's own certificate format (`zmq.auth`), so keys made by any ZeroMQ
-tool work: `NAME.key` holds a public key and may be handed out; `NAME.key_secret` holds
-the key pair and never leaves its host. A server needs its key pair and an allow-list of
-client public keys; a client needs its key pair and the server's public key.
+tool work, once the secret is readable by its owner only (`chmod 600`): `NAME.key` holds a
+public key and may be handed out; `NAME.key_secret` holds the key pair and never leaves its host.
+A server needs its key pair and an allow-list of client public keys; a client needs its key pair
+and the server's public key.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,8 @@ def create_keypair(folder: str | Path, name: str) -> tuple[Path, Path]:
     # was readable by every local user for a moment (an audit).
     umask = os.umask(0o077)
     try:
+        for old in (folder / f"{name}.key", folder / f"{name}.key_secret"):
+            old.unlink(missing_ok=True)  # rewritten in place, a file keeps its old mode (--force over 0644)
         public, secret = (Path(p) for p in zmq.auth.create_certificates(folder, name))
     finally:
         os.umask(umask)
@@ -104,6 +108,8 @@ def _load(path: str | Path) -> tuple[bytes, bytes | None]:
         try:  # checked here, or ZeroMQ refused it as a bare "Invalid argument" once the model had loaded
             if key is not None:
                 z85.decode(key)
-        except (KeyError, ValueError):
-            raise KeyFileError(f"{path}: not a CURVE key (a character outside z85's alphabet)") from None
+        except (KeyError, ValueError, struct.error):  # a character outside the alphabet, or a group past 32 bits
+            raise KeyFileError(
+                f"{path}: not a CURVE key (not z85: a character outside its alphabet or a group past 32 bits)"
+            ) from None
     return public, secret

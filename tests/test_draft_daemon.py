@@ -311,6 +311,30 @@ def test_a_peer_flooding_the_kept_prefixes_evicts_its_own_not_the_others():
     assert svc.kept.counters["evicted"] >= 190
 
 
+def test_a_keep_that_would_be_its_own_victim_is_refused_and_evicts_nothing():
+    """Evicting the largest holder's oldest until the store fits made the keeper the largest part
+    way, and its new entry went too: the other peer lost entries for nothing and the reply still
+    said `kept` (a review). Such a keep is now refused (0 rows), and nothing is evicted."""
+    from draft_node.kept_prefixes import KeptPrefixes
+
+    store = KeptPrefixes(max_bytes=256)
+    rows = torch.zeros(1, 1, 1, 8)  # 64 bytes as keys and values
+
+    def entry(n):  # n rows: 64 n bytes
+        return rows.expand(1, 1, n, 8).contiguous(), rows.expand(1, 1, n, 8).contiguous()
+
+    for i in range(3):
+        assert store.keep("a", f"a{i}", *entry(1))
+    assert not store.keep("b", "big", *entry(3))  # 192 bytes: b would be the largest with nothing older
+    assert sorted(store.entries) == [("a", "a0"), ("a", "a1"), ("a", "a2")] and store.held == 192
+    assert store.keep("b", "fits", *entry(2))  # 128: a (192) is the largest, gives up its oldest
+    assert sorted(store.entries) == [("a", "a1"), ("a", "a2"), ("b", "fits")] and store.held == 256
+    assert store.take("a", "a1", 1) is not None  # used: a2 is a's oldest now
+    assert store.keep("a", "a3", *entry(1))
+    assert sorted(store.entries) == [("a", "a1"), ("a", "a3"), ("b", "fits")]
+    assert store.held == sum(e[2] for e in store.entries.values()) == sum(store.held_by.values())
+
+
 def test_kept_prefixes_stay_within_their_bytes_under_a_flood():
     svc = DraftService(random_drafter(CFG), DraftSettings(ring_capacity=64, max_sessions=2, keep_mb=40_000 / (1 << 20)))
     call(svc, "open", session="a")

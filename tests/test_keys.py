@@ -66,3 +66,20 @@ def test_a_key_pair_whose_halves_do_not_match_is_refused(tmp_path):
     rewrite(secret, mine, theirs)
     with pytest.raises(KeyFileError, match="not the one of its secret key"):
         load_keypair(secret)
+
+
+def test_a_pair_made_again_over_a_readable_one_is_owner_only_too(tmp_path):
+    """Rewritten in place (dflash-keys --force), a secret file kept its old 0644 mode, and the new
+    secret was readable by every local user, then refused at load (a review)."""
+    public, secret = zmq.auth.create_certificates(tmp_path, "daemon")
+    os.chmod(secret, 0o644)
+    _, secret = create_keypair(tmp_path, "daemon")
+    assert os.stat(secret).st_mode & 0o777 == 0o600
+    assert load_keypair(secret)
+
+
+def test_a_key_of_z85_characters_past_32_bits_a_group_is_refused_as_a_key_error(tmp_path):
+    public, _ = create_keypair(tmp_path, "daemon")
+    rewrite(public, keys.load_public(public), b"%" * 40)
+    with pytest.raises(KeyFileError, match="z85"):
+        keys.load_public(public)

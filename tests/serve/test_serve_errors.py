@@ -151,6 +151,8 @@ def test_the_daemons_and_the_wires_refusals_name_the_parameter():
     assert nested.param == "messages" and nested.message.startswith("messages[0].content: expected str")
     whole = from_protocol("generate: header is 1800264 bytes, limit 1048576", "prompt")
     assert (whole.param, whole.message) == ("prompt", "header is 1800264 bytes, limit 1048576")
+    unpackable = from_protocol("generate: header cannot be packed: 'utf-8' codec can't encode", "messages")
+    assert unpackable.param is None  # a stop string's as likely as the prompt's (a review)
 
 
 MAX_BODY = 8 << 20  # dflash-serve's default --max-body-size
