@@ -173,6 +173,27 @@ def test_a_flood_of_hints_is_verified_a_paced_chunk_a_step(target):
     assert max(widths[1:]) <= FIRST_CHUNK + 2, widths  # a chunk of hints, the flooding request's own token, the other's
 
 
+def test_a_step_beside_another_requests_prompt_or_hints_is_not_timed_as_its_own(target):
+    """Its seconds are mostly the other request's chunk: taken as this step's, a request beside a
+    flood of hints saw its steps 10x slower than alone (a review), and its governor judged on that."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(5)] for _ in range(2)]
+    hints = generate(target, prompts[0], NoProposer(), DecodeOptions(80, stop_on_eos=False)).tokens
+    seqs = [
+        Sequence(
+            target, prompts[0], NoProposer(), DecodeOptions(80, stop_on_eos=False, hint_tokens=tuple(hints)), slot=0
+        ),
+        Sequence(target, prompts[1], NoProposer(), DecodeOptions(30, stop_on_eos=False), slot=1, governor=Governor()),
+    ]
+    for seq in seqs:  # both prompts in, so what follows is hints beside a plain decode
+        step(target, [seq])
+    timed, take = [], seqs[1].take
+    seqs[1].take = lambda out: (timed.append(out.timed), take(out))
+    step(target, seqs)  # the hints' chunk beside seqs[1]'s one row
+    step(target, seqs[1:])  # seqs[1] alone
+    assert timed == [False, True], timed
+
+
 def test_the_pace_follows_the_measured_rate_and_grows_at_most_twofold():
     pace = PrefillPace(budget_s=0.2, most=1000)
     assert pace.chunk() == FIRST_CHUNK  # nothing measured yet

@@ -227,3 +227,32 @@ def test_each_request_decides_with_its_own_fork_and_gives_it_back():
     shared.absorb(good)
     assert shared.switches == bad.switches and shared.depth_hits == good.depth_hits
     assert shared.fork().switches == 0
+
+
+def test_drafting_switched_off_by_a_batch_is_tried_again_once_the_request_runs_alone():
+    """Switched off as not paying at 8 sequences, a request left alone stayed plain until its
+    backoff ran out, up to 256 steps, though drafting pays alone (a review)."""
+    gov = Governor(costs=VerifyCosts({w: 0.010 + 0.004 * w for w in range(1, 200)}))  # wide rows cost
+    for _ in range(2):
+        gov.record(False, 1, 0.010)
+    while gov.switches == 0:
+        batch_step(gov, 8, draft_s=0.004)
+    assert not gov.drafting and gov.off_at == 8
+    assert gov.should_draft(1), gov.to_dict()  # alone: a probe at once
+
+
+def test_a_requests_fork_decides_afresh_and_gives_back_only_what_it_learned():
+    """Whole state given back, a request whose drafts all failed (a sampled one at temperature 2,
+    another tenant's) left the next request plain with a backoff of 128 (a review)."""
+    shared = Governor(costs=VerifyCosts({w: 0.010 for w in range(1, 40)}))
+    for _ in range(2):
+        shared.record(False, 1, 0.010)
+    losing = shared.fork()
+    while losing.drafting or losing.backoff < 16:
+        losing.record(losing.should_draft(), 1, 0.030, width=5, draft_s=0.02)
+    shared.absorb(losing)
+    assert shared.switches == losing.switches and shared.depth_hits == losing.depth_hits
+    nxt = shared.fork()
+    assert nxt.drafting and nxt.backoff == 0 and not nxt.spec and nxt.switches == 0
+    assert list(nxt.plain) == list(losing.plain)  # the plain rate is the machine's: kept
+    assert nxt.should_draft()

@@ -20,7 +20,8 @@ Two decisions, both from what this machine measures:
   (1 + accepted(n)) / (draft cost + verify cost(n + 1)), and n may be 0.
 
 A daemon keeps one governor across requests, and each request decides with its own copy of it
-(`fork`), given back when it ends (`absorb`): a new request starts from what the last ones learned,
+(`fork`), whose rates and acceptance statistics are given back when it ends (`absorb`): a new
+request starts from what the last ones learned and finds out for itself whether drafting pays,
 and a request whose drafts always fail (a hostile prompt, another tenant's) no longer sets the
 drafting and the verify depth of the requests beside it (an audit: 2-5x slower for them). The
 verify costs, measured by the width of a batch's forward, stay one table for all.
@@ -123,6 +124,7 @@ class Governor:
     probes: int = 0
     draft_s: float = 0.0  # running estimate of what drafting costs a step
     batch: int = 1  # sequences stepping together, as the last decision saw them
+    off_at: int = 0  # drafting was switched off as not paying at this batch (0: as losing alone)
     width: float = 1.0  # running estimate of the rows a drafting step verifies (1 + drafts)
     # Decayed sums: accepted drafts against what the drafter's probabilities predicted.
     predicted: float = 0.0
@@ -151,7 +153,9 @@ class Governor:
             # Judged off like a losing drafter, so probes come back to it: one slow draft (a
             # timeout, a restarting daemon) left `draft_s` high, and nothing ever re-measured it
             # while two or more requests ran (an audit: 108 tok/s down to 26 for good).
-            self._switch_off()
+            self._switch_off(batch)
+        if not self.drafting and batch < self.off_at:  # the batch that made it lose has shrunk: try now
+            self.plain_streak = self.backoff
         if self.drafting:
             # Measure a couple of plain steps once, so there is something to compare against.
             if len(self.spec) >= self.min_spec_steps and len(self.plain) < 2 and self.spec_tau() < self.sure_tau:
@@ -201,13 +205,17 @@ class Governor:
         # each judgement switched off again, doubling the backoff (8 sequences: to its cap at once).
         if drafted and self.drafting and len(self.spec) >= self.min_spec_steps and self.plain:
             self.probing = False
-            if self.loses() or not self.pays_at(self.batch):
+            if self.loses():
                 self._switch_off()
+            elif not self.pays_at(self.batch):
+                self._switch_off(self.batch)
             else:
                 self.backoff = 0
 
-    def _switch_off(self) -> None:
+    def _switch_off(self, batch: int = 0) -> None:
+        """Plain steps from here until a probe; `batch`: drafting lost only at that many sequences."""
         self.drafting = self.probing = False
+        self.off_at = batch
         self.switches += 1
         self.backoff = min(self.max_probe_every, self.backoff * 2 if self.backoff else self.probe_every)
 
@@ -233,23 +241,31 @@ class Governor:
         plain = batch / self.costs(batch)
         return drafting >= self.margin * plain
 
+    # What a request's fork starts afresh: whether it drafts is its own to find out (a tenant whose
+    # drafts all failed left the next request, anyone's, plain for up to 256 steps: a review).
+    DECISION = ("drafting", "probing", "plain_streak", "backoff", "off_at", "batch", "spec", "switches", "probes")
+
     def fork(self) -> Governor:
-        """A request's own governor: what this one learned, its own from here on (`absorb` gives it
-        back), and the one table of verify costs."""
+        """A request's own governor: the rates and acceptance this one learned, the one table of
+        verify costs, and its decisions its own from scratch (drafting on, judged after its first
+        steps against the plain rate known already); `absorb` gives it back."""
         mine = copy.copy(self)
         for name, value in vars(self).items():
             if name != "costs":
                 setattr(mine, name, copy.deepcopy(value))
-        mine.switches = mine.probes = 0  # the request's own, for its stats
+        fresh = Governor()
+        for name in self.DECISION:
+            setattr(mine, name, getattr(fresh, name))
         return mine
 
     def absorb(self, fork: Governor) -> None:
-        """What a request's governor learned becomes what the next request starts from."""
-        switches, probes = self.switches + fork.switches, self.probes + fork.probes
+        """What a request's governor learned (its rates and acceptance, not its decisions) becomes
+        what the next request starts from."""
         for name, value in vars(fork).items():
-            if name != "costs":
+            if name != "costs" and name not in self.DECISION:
                 setattr(self, name, copy.deepcopy(value))
-        self.switches, self.probes = switches, probes
+        self.switches += fork.switches
+        self.probes += fork.probes
 
     def measured(self, width: int, seconds: float) -> None:
         """A target forward of `width` rows (a batch's together) took `seconds`."""

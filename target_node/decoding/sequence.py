@@ -172,7 +172,7 @@ class Sequence:
             return
         drafting = governor is None or bool(hints) or governor.should_draft(batch)
         limit = budget if drafting else 0
-        self.asked = limit > 0
+        self.asked = limit > 0 and self.proposer.drafts
         self.room = Room(limit, tuple(hints), self.tree_nodes, budget if self.lookups else 0, self.lookups)
         if limit > 0:
             try:  # drafting starts here for a drafter elsewhere: what it raises fails only this request's drafts
@@ -240,7 +240,7 @@ class Sequence:
         stats = self.stats
         stats.steps += 1
         stats.plain_steps += not step.drafts
-        stats.drafter_steps += self.asked
+        stats.drafter_steps += self.asked or step.drafted
         stats.proposed += step.drafts
         stats.accepted += step.accepted
         stats.propose_s += step.propose_s
@@ -320,7 +320,9 @@ def step(
         mine = None if features is None else _select(features, taps, seq.proposer.taps, target.hidden_size)
         try:
             picked = None if logits is None else logits[at:end]
-            seq.take(ForwardOut(mine, choices[at:end], picked, forward_s, timed=not prefilling))
+            # Timed only where the forward was this step's alone: another request's prompt or hint chunk is not.
+            timed = not prefilling and all(other is seq for other in hinted)
+            seq.take(ForwardOut(mine, choices[at:end], picked, forward_s, timed=timed))
         except Exception as exc:  # its slot alone is in doubt: the others take their rows as if it were not there
             log.exception("a request failed taking its step's results")
             seq.failed = exc

@@ -24,6 +24,7 @@ class Proposer(Protocol):
     name: str
     taps: tuple[int, ...]  # target layers whose outputs it reads; () for none
     backend: DraftBackend | None  # the DFlash drafter it drafts with (its state and counters); None for none
+    drafts: bool  # whether a propose now asks anything that may draft (a drafter, n-grams): a step's cost to judge
 
     def begin(self, target: TargetModel) -> None:
         """A new request starts: forget per-request state."""
@@ -63,6 +64,7 @@ class NoProposer:
     name = "none"
     taps: tuple[int, ...] = ()
     backend: DraftBackend | None = None
+    drafts = False
 
     def begin(self, target: TargetModel) -> None:
         pass
@@ -156,6 +158,7 @@ class NGramProposer(NoProposer):
     """Prompt lookup: continue the most recent earlier occurrence of the last n tokens."""
 
     name = "ngram"
+    drafts = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 8) -> None:
         self.max_ngram, self.min_ngram, self.max_draft = max_ngram, min_ngram, max_draft
@@ -245,6 +248,10 @@ class DFlashProposer:
     @property
     def taps(self) -> tuple[int, ...]:
         return self.drafting.taps if self.drafting is not None else ()
+
+    @property
+    def drafts(self) -> bool:
+        return self.drafting is not None or self.fallback.drafts
 
     def begin(self, target: TargetModel) -> None:
         self.backend.begin_request()
