@@ -357,6 +357,31 @@ def test_a_request_whose_step_results_raise_ends_alone_and_the_others_go_on(targ
             client.close()
 
 
+def test_the_daemon_gives_each_request_a_fork_of_its_governor_and_takes_back_what_it_learned(target, tmp_path):
+    """The wiring of the governor's fork and absorb: each request decides with its own governor,
+    and what it learned (here, how deep its n-gram drafts were right) is the daemon's afterwards."""
+    from helpers import serving_in_thread
+
+    from frontend.target_client import TargetClient
+    from target_node.serving.daemon import TargetService
+    from target_node.serving.settings import ServiceSettings
+
+    service = TargetService(target, [NGramProposer()], ServiceSettings(prefix_cache_mb=0))
+    forks, fork = [], service.governor.fork
+    service.governor.fork = lambda: forks.append(fork()) or forks[-1]
+    untaught = list(service.governor.depth_tries)
+    address = f"ipc://{tmp_path}/forks.sock"
+    with serving_in_thread(service.serve, address):
+        client = TargetClient(address, timeout_s=60)
+        try:
+            for _ in range(2):
+                client.generate(token_ids=[7, 8, 9] * 6, max_new_tokens=24, stream=False)
+        finally:
+            client.close()
+    assert len(forks) == 2 and all(f is not service.governor and f.costs is service.governor.costs for f in forks)
+    assert service.governor.depth_tries == forks[-1].depth_tries != untaught
+
+
 def test_a_recorder_that_fails_never_fails_the_request_it_records(target, tmp_path):
     """A recorder raising after a request's `done` sent that request an `error` too (two replies
     for one request: an audit); it is logged now, and the daemon serves on."""
