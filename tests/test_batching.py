@@ -263,7 +263,8 @@ def test_a_drafter_that_raises_costs_its_request_its_drafts_and_nothing_else(tar
     whose drafting raised decodes on without drafts, its output the same as alone (greedy: the
     target's own), and the others never notice."""
     sampling = SamplingParams(temperature=0.8, top_k=40, seed=5) if sampled else None
-    opts = DecodeOptions(24, stop_on_eos=False, sampling=sampling, tree_nodes=6)
+    # Drafting every step (no governor): its third propose raises whatever a governor would decide.
+    opts = DecodeOptions(24, stop_on_eos=False, sampling=sampling, tree_nodes=6, adaptive=False)
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6]
     want = [generate(target, prompts[0], BrokenProposer(fails_at=3), opts).tokens]
     want.append(generate(target, prompts[1], NGramProposer(), opts).tokens)

@@ -20,10 +20,10 @@ Two decisions, both from what this machine measures:
   (1 + accepted(n)) / (draft cost + verify cost(n + 1)), and n may be 0.
 
 A daemon keeps one governor across requests, and each request decides with its own copy of it
-(`fork`), whose rates and acceptance statistics are given back when it ends (`absorb`): a new
-request starts from what the last ones learned and finds out for itself whether drafting pays,
-and a request whose drafts always fail (a hostile prompt, another tenant's) no longer sets the
-drafting and the verify depth of the requests beside it (an audit: 2-5x slower for them). The
+(`fork`), given back when it ends (`absorb`): a new request starts from what the last ones learned
+(rates, acceptance, whether drafting was on) but judges drafting on its own steps, within a short
+backoff, and a request whose drafts always fail (a hostile prompt, another tenant's) no longer sets
+the drafting and the verify depth of the requests beside it (an audit: 2-5x slower for them). The
 verify costs, measured by the width of a batch's forward, stay one table for all.
 """
 
@@ -87,6 +87,28 @@ class VerifyCosts:
         target.reset()
 
 
+@dataclass
+class BatchProbes:
+    """When a batch where drafting does not pay (`Governor.pays_at`) drafts one step anyway, to
+    measure its cost anew: after `every` blocked decisions, doubling while it keeps not paying, up
+    to `most`; back to `least` once it pays. One for all of a daemon's requests: their batch is one."""
+
+    least: int = 8
+    most: int = 256
+    every: int = 8
+    blocked: int = 0
+
+    def due(self) -> bool:
+        self.blocked += 1
+        if self.blocked < self.every:
+            return False
+        self.blocked, self.every = 0, min(self.most, 2 * self.every)
+        return True
+
+    def paid(self) -> None:
+        self.every, self.blocked = self.least, 0
+
+
 CHANCE_PRIOR = 2.0  # tokens' worth of evidence a lookup's own chance counts for (Governor.chance_reach)
 
 
@@ -123,8 +145,8 @@ class Governor:
     switches: int = 0
     probes: int = 0
     draft_s: float = 0.0  # running estimate of what drafting costs a step
-    batch: int = 1  # sequences stepping together, as the last decision saw them
-    off_at: int = 0  # drafting was switched off as not paying at this batch (0: as losing alone)
+    batch_probes: BatchProbes = field(default_factory=lambda: BatchProbes())  # shared by a daemon's forks
+    refresh: bool = False  # the next drafting step's cost replaces the running estimate (a batch probe)
     width: float = 1.0  # running estimate of the rows a drafting step verifies (1 + drafts)
     # Decayed sums: accepted drafts against what the drafter's probabilities predicted.
     predicted: float = 0.0
@@ -148,14 +170,16 @@ class Governor:
 
     def should_draft(self, batch: int = 1) -> bool:
         """Whether this step drafts, for one of `batch` sequences stepping together."""
-        self.batch = batch
-        if self.drafting and not self.probing and not self.pays_at(batch):
-            # Judged off like a losing drafter, so probes come back to it: one slow draft (a
-            # timeout, a restarting daemon) left `draft_s` high, and nothing ever re-measured it
-            # while two or more requests ran (an audit: 108 tok/s down to 26 for good).
-            self._switch_off(batch)
-        if not self.drafting and batch < self.off_at:  # the batch that made it lose has shrunk: try now
-            self.plain_streak = self.backoff
+        if self.drafting and not self.probing and batch > 1:
+            if self.pays_at(batch):
+                self.batch_probes.paid()
+            elif self.batch_probes.due():
+                # What drafting costs is measured only on drafting steps: one slow draft (a timeout,
+                # a restarting daemon) kept a batch plain for good (an audit: 108 tok/s down to 26).
+                # Now and then, backing off while it does not pay, one step drafts to measure it anew.
+                self.refresh = True
+            else:
+                return False
         if self.drafting:
             # Measure a couple of plain steps once, so there is something to compare against.
             if len(self.spec) >= self.min_spec_steps and len(self.plain) < 2 and self.spec_tau() < self.sure_tau:
@@ -186,9 +210,10 @@ class Governor:
         forward cost by its width is `measured` apart: in a batch, one forward is every
         sequence's, and its width is theirs together."""
         if drafted:
+            anew, self.refresh = not self.spec or self.refresh, False
             if timed:
-                self.draft_s = draft_s if not self.spec else 0.8 * self.draft_s + 0.2 * draft_s
-            self.width = width if not self.spec else 0.8 * self.width + 0.2 * width
+                self.draft_s = draft_s if anew else 0.8 * self.draft_s + 0.2 * draft_s
+            self.width = width if anew else 0.8 * self.width + 0.2 * width
             self._learn_acceptance(tokens - 1, width - 1, predicted, chain)
             if timed:
                 self.spec.append((tokens, seconds))
@@ -207,15 +232,11 @@ class Governor:
             self.probing = False
             if self.loses():
                 self._switch_off()
-            elif not self.pays_at(self.batch):
-                self._switch_off(self.batch)
             else:
                 self.backoff = 0
 
-    def _switch_off(self, batch: int = 0) -> None:
-        """Plain steps from here until a probe; `batch`: drafting lost only at that many sequences."""
+    def _switch_off(self) -> None:
         self.drafting = self.probing = False
-        self.off_at = batch
         self.switches += 1
         self.backoff = min(self.max_probe_every, self.backoff * 2 if self.backoff else self.probe_every)
 
@@ -241,28 +262,31 @@ class Governor:
         plain = batch / self.costs(batch)
         return drafting >= self.margin * plain
 
-    # What a request's fork starts afresh: whether it drafts is its own to find out (a tenant whose
-    # drafts all failed left the next request, anyone's, plain for up to 256 steps: a review).
-    DECISION = ("drafting", "probing", "plain_streak", "backoff", "off_at", "batch", "spec", "switches", "probes")
+    # A request's own: where it is in its backoff, its counts for its stats. (The drafting steps
+    # it inherits are judged with its own until a probe clears them: at most 2 x probe_every
+    # steps, where the whole state given back let one request whose drafts all failed leave the
+    # next, anyone's, plain for up to 256: a review.)
+    OWN = ("probing", "plain_streak", "refresh", "switches", "probes")
+    SHARED = ("costs", "batch_probes")  # one for all of a daemon's requests
 
     def fork(self) -> Governor:
-        """A request's own governor: the rates and acceptance this one learned, the one table of
-        verify costs, and its decisions its own from scratch (drafting on, judged after its first
-        steps against the plain rate known already); `absorb` gives it back."""
+        """A request's own governor: what the last requests learned (rates, acceptance, recent
+        drafting steps, whether drafting was on), the one table of verify costs, and a backoff of
+        at most 2 x probe_every before it probes on its own steps. `absorb` takes it back."""
         mine = copy.copy(self)
         for name, value in vars(self).items():
-            if name != "costs":
+            if name not in self.SHARED:
                 setattr(mine, name, copy.deepcopy(value))
         fresh = Governor()
-        for name in self.DECISION:
+        for name in self.OWN:
             setattr(mine, name, getattr(fresh, name))
+        mine.backoff = min(self.backoff, 2 * self.probe_every)
         return mine
 
     def absorb(self, fork: Governor) -> None:
-        """What a request's governor learned (its rates and acceptance, not its decisions) becomes
-        what the next request starts from."""
+        """What a request's governor learned becomes what the next request starts from."""
         for name, value in vars(fork).items():
-            if name != "costs" and name not in self.DECISION:
+            if name not in self.SHARED and name not in self.OWN:
                 setattr(self, name, copy.deepcopy(value))
         self.switches += fork.switches
         self.probes += fork.probes
