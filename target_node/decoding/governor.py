@@ -89,24 +89,28 @@ class VerifyCosts:
 
 @dataclass
 class BatchProbes:
-    """When a batch where drafting does not pay (`Governor.pays_at`) drafts one step anyway, to
-    measure its cost anew: after `every` blocked decisions, doubling while it keeps not paying, up
-    to `most`; back to `least` once it pays. One for all of a daemon's requests: their batch is one."""
+    """What a daemon's requests share about drafting in a batch: the one estimate of what a draft
+    costs a step (`draft_s`: the drafter's, whoever asked), and when a batch where drafting does
+    not pay (`Governor.pays_at`) drafts a step anyway to measure it anew: after `every` batch steps
+    blocked, doubling while it keeps not paying, up to `most`; back to `least` once it pays. Kept
+    per request, one probe refreshed one request's estimate and its paying reset the count, so the
+    others stayed plain with theirs (a review)."""
 
     least: int = 8
     most: int = 256
     every: int = 8
-    blocked: int = 0
+    blocked: float = 0.0  # batch steps blocked since the last probe (each of B sequences counts 1/B)
+    draft_s: float = 0.0
 
-    def due(self) -> bool:
-        self.blocked += 1
+    def due(self, batch: int) -> bool:
+        self.blocked += 1 / batch
         if self.blocked < self.every:
             return False
-        self.blocked, self.every = 0, min(self.most, 2 * self.every)
+        self.blocked, self.every = 0.0, min(self.most, 2 * self.every)
         return True
 
     def paid(self) -> None:
-        self.every, self.blocked = self.least, 0
+        self.every, self.blocked = self.least, 0.0
 
 
 CHANCE_PRIOR = 2.0  # tokens' worth of evidence a lookup's own chance counts for (Governor.chance_reach)
@@ -144,7 +148,6 @@ class Governor:
     probing: bool = False  # the drafting steps since a probe began decide whether it succeeded
     switches: int = 0
     probes: int = 0
-    draft_s: float = 0.0  # running estimate of what drafting costs a step
     batch_probes: BatchProbes = field(default_factory=lambda: BatchProbes())  # shared by a daemon's forks
     refresh: bool = False  # the next drafting step's cost replaces the running estimate (a batch probe)
     width: float = 1.0  # running estimate of the rows a drafting step verifies (1 + drafts)
@@ -170,20 +173,20 @@ class Governor:
 
     def should_draft(self, batch: int = 1) -> bool:
         """Whether this step drafts, for one of `batch` sequences stepping together."""
-        if self.drafting and not self.probing and batch > 1:
-            if self.pays_at(batch):
-                self.batch_probes.paid()
-            elif self.batch_probes.due():
-                # What drafting costs is measured only on drafting steps: one slow draft (a timeout,
-                # a restarting daemon) kept a batch plain for good (an audit: 108 tok/s down to 26).
-                # Now and then, backing off while it does not pay, one step drafts to measure it anew.
-                self.refresh = True
-            else:
-                return False
         if self.drafting:
             # Measure a couple of plain steps once, so there is something to compare against.
             if len(self.spec) >= self.min_spec_steps and len(self.plain) < 2 and self.spec_tau() < self.sure_tau:
                 return False
+            if not self.probing and batch > 1:
+                if self.pays_at(batch):
+                    self.batch_probes.paid()
+                elif self.batch_probes.due(batch):
+                    # What drafting costs is measured only on drafting steps: one slow draft (a timeout,
+                    # a restarting daemon) kept a batch plain for good (an audit: 108 tok/s down to 26).
+                    # Now and then, backing off while it does not pay, one step drafts to measure it anew.
+                    self.refresh = True
+                else:
+                    return False
             return True
         if self.plain_streak >= self.backoff:
             self.probes += 1
@@ -211,8 +214,8 @@ class Governor:
         sequence's, and its width is theirs together."""
         if drafted:
             anew, self.refresh = not self.spec or self.refresh, False
-            if timed:
-                self.draft_s = draft_s if anew else 0.8 * self.draft_s + 0.2 * draft_s
+            # Timed or not: the draft's wait comes before the forward, whatever else ran in it.
+            self.draft_s = draft_s if anew else 0.8 * self.draft_s + 0.2 * draft_s
             self.width = width if anew else 0.8 * self.width + 0.2 * width
             self._learn_acceptance(tokens - 1, width - 1, predicted, chain)
             if timed:
@@ -294,6 +297,15 @@ class Governor:
     def measured(self, width: int, seconds: float) -> None:
         """A target forward of `width` rows (a batch's together) took `seconds`."""
         self.costs.update(width, seconds)
+
+    @property
+    def draft_s(self) -> float:
+        """The running estimate of what drafting costs a step: one for all of a daemon's requests."""
+        return self.batch_probes.draft_s
+
+    @draft_s.setter
+    def draft_s(self, seconds: float) -> None:
+        self.batch_probes.draft_s = seconds
 
     # --- how many drafts to verify ---------------------------------------------
 
