@@ -310,10 +310,8 @@ def step(
     width = sum(len(p.tokens) for p in parts)
     if pace is not None:
         pace.record(width, prompt_rows, forward_s)
-    if not prefilling:  # a decode forward: what its width costs (once per table: a daemon's requests share one)
-        governors = [seq.governor for seq in sequences if seq.governor is not None]
-        for governor in {id(governor.costs): governor for governor in governors}.values():
-            governor.measured(width, forward_s)
+    if not prefilling:
+        _measured(sequences, width, forward_s)
     at = 0
     for seq, part, (_, features) in zip(sequences, parts, outs, strict=True):
         end = at + part.head_rows
@@ -327,6 +325,13 @@ def step(
             log.exception("a request failed taking its step's results")
             seq.failed = exc
         at = end
+
+
+def _measured(sequences: list[Sequence], width: int, seconds: float) -> None:
+    """A decode forward: what its width costs, once per table (a daemon's requests share one)."""
+    governors = [seq.governor for seq in sequences if seq.governor is not None]
+    for governor in {id(governor.costs): governor for governor in governors}.values():
+        governor.measured(width, seconds)
 
 
 def _share_draft_time(sequences: list[Sequence], seconds: float) -> None:
