@@ -209,7 +209,7 @@ class Governor:
         """One step: whether it drafted (asked the drafter, whatever came back), tokens committed,
         its seconds (draft_s of them drafting), the width verified, and the accepted drafts the
         drafter's probabilities predicted (if any). `timed` False: its seconds are not its own
-        (the forward also ran another request's prompt), so they are not compared. What the
+        (the forward also ran another request's prompt or hints), so they are not compared. What the
         forward cost by its width is `measured` apart: in a batch, one forward is every
         sequence's, and its width is theirs together."""
         if drafted:

@@ -211,7 +211,7 @@ class ForwardOut:
     choices: list[int]
     logits: torch.Tensor | None
     forward_s: float
-    timed: bool = True  # forward_s is this step's cost (no other request's prompt ran in it)
+    timed: bool = True  # forward_s is this step's cost (no other request's prompt or hint chunk ran in it)
 
 
 def finish_step(

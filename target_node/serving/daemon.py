@@ -536,7 +536,7 @@ class TargetService:
                     options,
                     slot=slot,
                     on_commit=on_commit,
-                    governor=self.governor.fork(),  # its own decisions; given back in `finish`
+                    governor=self.governor.fork(),  # its own copy; what it learned is given back in `finish`
                 )
                 cache = self.prefix_cache
                 hit = cache.lookup(prompt, proposer.taps, proposer.reach) if cache is not None else None
