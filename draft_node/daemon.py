@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -293,20 +294,30 @@ class DraftService:
     def on_propose(self, msg: Message) -> list:
         return self.draft_together([msg])[0]
 
-    def handle_all(self, requests: list[Message | ProtocolError]) -> list[list]:
+    def handle_all(
+        self, requests: list[Message | ProtocolError], send: Callable[[int, list], None] | None = None
+    ) -> list[list]:
         """Replies to requests that arrived together, in their order. A run of proposes for
         distinct sessions (a batching target's step: one per slot) is drafted in one pass where
-        the drafter computes each row alone, so each gets the bits of its propose alone."""
+        the drafter computes each row alone, so each gets the bits of its propose alone. `send`
+        (request index, reply) takes each reply as soon as it is made: sent at the burst's end,
+        every reply waited for every pass after it, and one target's pre-draft held another
+        target's drafted propose 1-1.5 s instead of 0.4 s (an audit)."""
         replies: list[list] = [[] for _ in requests]
         run: list[int] = []
         self.burst_began = time.perf_counter()
+
+        def answer(i: int, reply: list) -> None:
+            replies[i] = reply
+            if send is not None:
+                send(i, reply)
 
         def flush() -> None:
             self.counters["requests"] += len(run)
             for i in run:
                 self.heard[requests[i].peer] = time.monotonic()
             for i, reply in zip(run, self.draft_together([requests[i] for i in run]), strict=True):
-                replies[i] = reply
+                answer(i, reply)
             run.clear()
 
         try:
@@ -317,7 +328,7 @@ class DraftService:
                     run.append(i)
                     continue
                 flush()
-                replies[i] = self.handle(request)
+                answer(i, self.handle(request))
             flush()
         finally:
             self.burst_began = None
@@ -554,8 +565,8 @@ def serve(
             request = server.next(100)
             if request is not None:
                 burst = take_burst(server, request)
-                for (identity, _), reply in zip(burst, service.handle_all([m for _, m in burst]), strict=True):
-                    server.send(identity, reply)
+                peers = [identity for identity, _ in burst]
+                service.handle_all([m for _, m in burst], send=lambda i, reply, to=peers: server.send(to[i], reply))
             service.evict_idle()
     finally:
         server.close()

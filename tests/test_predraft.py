@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import draft_daemon, greedy, serving_in_thread, tiny_target
 
+import draft_node.daemon as draft_daemon_module
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
 from draft_node.daemon import DraftService, serve
 from draft_node.kv_cache import DraftKVCache
@@ -23,8 +24,8 @@ from protocol.sampling import SamplingParams
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.local_backend import LocalDraftBackend
-from target_node.drafting.proposers import DFlashProposer, NGramProposer
-from target_node.drafting.remote import LinkTiming, RemoteDraftBackend
+from target_node.drafting.proposers import DFlashProposer, DrafterUnavailable, NGramProposer
+from target_node.drafting.remote import LinkTiming, Reachability, RemoteDraftBackend
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [40, 41, 42, 43, 44, 45, 46]]
 MAX_NEW = 48
@@ -186,6 +187,33 @@ def test_a_hit_in_a_burst_of_proposes_is_answered_beside_the_fresh_drafts(cfg):
     assert [r.type for r in replies] == ["proposal", "proposal"]
     assert replies[0]["predrafted"] and not replies[1]["predrafted"]
     assert replies[0].tensor("hidden").shape[0] == cfg.block_size - 3 and replies[1].tensor("hidden").shape[0] == 7
+
+
+def test_a_reply_goes_out_as_soon_as_it_is_made_not_after_a_later_predraft_in_its_burst(cfg, monkeypatch):
+    """Replies went out at the burst's end: one target's pre-draft held another's drafted propose
+    for the pre-draft's whole pass (an audit: 1-1.5 s where 0.4 s). Here b's propose is sent
+    before a's pre-draft begins, and a's pre-draft after it is made."""
+    drafter = random_drafter(cfg, seed=3, std=0.1)
+    a, b = Session(cfg, seed=0, name="a", drafter=drafter), Session(cfg, seed=1, name="b", drafter=drafter)
+    b.svc = a.svc
+    assert call(a.svc, "open", {"mask": b.mask}, session="b").type == "ok"
+    a.propose(0, 4), b.propose(0, 4)
+    tensors = {"features": b.features[4:6], "noise": b.noise[6]}
+    propose = decode(encode("propose", 7, dict(session="b", start=4, position=6, predraft=-1), tensors))
+    fields = dict(session="a", position=4, known=[3, 2], budget_ms=0.0)
+    pre = decode(encode("predraft", 8, fields, {"heads": a.heads[:5]}))
+    propose.peer = pre.peer = "peer"
+    sent, seen_by_predraft = [], []
+    drafting = draft_daemon_module.predraft
+
+    def watched(*args, **kwargs):
+        seen_by_predraft.append(list(sent))
+        return drafting(*args, **kwargs)
+
+    monkeypatch.setattr(draft_daemon_module, "predraft", watched)
+    replies = a.svc.handle_all([propose, pre], send=lambda i, reply: sent.append(decode(reply).type))
+    assert seen_by_predraft == [["proposal"]] and sent == ["proposal", "predrafts"]
+    assert [decode(r).type for r in replies] == sent
 
 
 @pytest.mark.parametrize(
@@ -432,6 +460,46 @@ def test_a_drafter_killed_mid_predraft_costs_one_timeout_and_nothing_else(target
     assert backend.counters["timeouts"] == 1 and backend.counters["predrafts"] == 4
     assert result.stats.sources["dflash"] >= 3 and result.stats.sources.get("ngram", 0) > 0
     backend.close()
+
+
+def test_a_batch_whose_daemon_hangs_with_predrafts_in_hand_waits_one_timeout_not_one_per_slot(
+    cfg, checkpoint, tmp_path
+):
+    """Each slot's pre-draft wait ran its own timeout_s from when it began waiting: 4 slots of a
+    batch stalled one step 4 x timeout_s (an audit). The deadline runs from the send, so the
+    waits of a batch whose daemon hung add up to about one timeout."""
+    target, address, slots = tiny_target("qwen3", seed=4), f"ipc://{tmp_path}/hung.sock", 4
+    g = torch.Generator().manual_seed(5)
+    width, hidden, block = cfg.feature_width, cfg.hidden_size, cfg.block_size
+    features = torch.randn(8, width, generator=g)
+    mask = target.embed([cfg.mask_token_id])
+    noise = torch.cat([torch.randn(1, hidden, generator=g), mask.expand(block - 1, -1)])
+    heads = torch.randn(7, hidden, generator=g)
+    with draft_daemon(address, checkpoint) as proc:
+        reach, timing = Reachability(), LinkTiming(timeout_s=1.0, retry_s=60.0)
+        backends = [RemoteDraftBackend(address, target, timing=timing, reach=reach, name=f"s{i}") for i in range(slots)]
+        waits = []
+        for backend in backends:
+            backend.draft(0, features[:5], noise, 5, block - 1)
+            wait = backend.client.wait
+            backend.client.wait = lambda sent, type_, timeout_s, wait=wait: (
+                waits.append(timeout_s) or wait(sent, type_, timeout_s)
+            )
+        os.kill(proc.pid, signal.SIGSTOP)  # the daemon hangs with every slot's pre-draft in hand
+        try:
+            for backend in backends:
+                backend.predraft(5, heads, [3, 4])
+            for backend in backends:
+                backend.send_draft(5, features[5:8], noise, 8, block - 1, predraft=1)
+            for backend in backends:
+                with pytest.raises(DrafterUnavailable):
+                    backend.draft(5, features[5:8], noise, 8, block - 1, predraft=1)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert [b.counters["timeouts"] for b in backends] == [1] * slots
+        assert len(waits) == slots and sum(waits) <= 1.0 + 0.01 * slots, waits
+        for backend in backends:
+            backend.close()
 
 
 def test_a_remote_hit_takes_the_drafts_sent_during_the_verify_and_waits_for_no_reply(target, checkpoint, tmp_path):

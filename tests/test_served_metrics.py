@@ -97,12 +97,26 @@ def test_only_the_fallbacks_steps_count_as_fallback():
 class Backend:
     """A remote backend's visible state: attached or not, and its counters."""
 
-    attached = False
-    counters = {"round_trips": 9, "timeouts": 2, "errors": 1, "proposals": 6}
+    def __init__(self, attached: bool = False, timeouts: int = 2, errors: int = 1, proposals: int = 6) -> None:
+        self.attached = attached
+        self.counters = {"round_trips": 9, "timeouts": timeouts, "errors": errors, "proposals": proposals}
 
 
 def test_drafter_state_reads_whatever_the_proposer_has():
-    assert drafter_state(NGramProposer()) == {}
-    assert drafter_state(DFlashProposer(Backend())) == {"reachable": False, "timeouts": 2, "errors": 1, "proposals": 6}
+    assert drafter_state([NGramProposer()]) == {}
+    assert drafter_state([DFlashProposer(Backend())]) == {
+        **{"reachable": False, "slots_attached": 0, "slots": 1},
+        **{"timeouts": 2, "errors": 1, "proposals": 6},
+    }
     local = type("Local", (), {"counters": {"proposals": 3}, "attached": True})()  # in process: always there
-    assert drafter_state(DFlashProposer(local)) == {"reachable": True, "proposals": 3}
+    state = drafter_state([DFlashProposer(local)])
+    assert state == {"reachable": True, "slots_attached": 1, "slots": 1, "proposals": 3}
+
+
+def test_drafter_state_adds_up_every_slot_and_counts_a_shared_backend_once():
+    """Read from slot 0 alone, the stats said 0 timeouts where the other slots had 9 (an audit)."""
+    slots = [Backend(True, 0, 0, 10), Backend(False, 4, 1, 40), Backend(False, 5, 3, 50)]
+    state = drafter_state([DFlashProposer(b) for b in slots])
+    assert state == {"reachable": True, "slots_attached": 1, "slots": 3, "timeouts": 9, "errors": 4, "proposals": 100}
+    shared = Backend(True)
+    assert drafter_state([DFlashProposer(shared), DFlashProposer(shared)])["proposals"] == 6

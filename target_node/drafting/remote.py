@@ -101,7 +101,8 @@ class RemoteDraftBackend:
         # unreachable, none probes it again before `retry_at`.
         self.reach = reach or Reachability()
         self.pending: tuple[tuple[int, int, int], int, float] | None = None  # a propose sent ahead (send_draft)
-        self.predrafting: tuple[int, int, list[int]] | None = None  # the last predraft: (its id, position, known)
+        # The last predraft: its id, position, outcomes named (known) and when it went out.
+        self.predrafting: tuple[int, int, list[int], float] | None = None
         self.window_began: float | None = None  # when the last predraft went out, until the next propose
         self.window_ms = 0.0  # the time a pre-draft has (`_close_window`); 0 until measured: no limit
         self.last_sent = time.monotonic()
@@ -274,7 +275,8 @@ class RemoteDraftBackend:
         budget_ms = self.window_ms if self.predraft_budget else 0.0
         fields = {"session": self.session, "position": position, "known": known, "budget_ms": budget_ms}
         sent = self._send("predraft", fields, {"heads": heads})
-        self.predrafting, self.window_began = (sent, position, list(known)), time.perf_counter()
+        self.window_began = time.perf_counter()
+        self.predrafting = (sent, position, list(known), self.window_began)
         self.counters["predrafts"] += 1
 
     def _fitting(self, known: list[int]) -> list[int]:
@@ -367,8 +369,12 @@ class RemoteDraftBackend:
         predrafting, self.predrafting = self.predrafting, None
         if predrafting is None or outcome < 0:
             return None
-        sent, base, known = predrafting
-        reply = self._receive("predraft", sent, self.timeout_s)
+        sent, base, known, began = predrafting
+        # The deadline runs from the send, as a propose sent ahead's does: a batch's pre-drafts to
+        # a daemon that hung expire together, where each waiting its own timeout_s stalled a step
+        # N x timeout_s at N slots (an audit: 4.03 s at 4 slots of 1 s).
+        timeout_s = max(0.001, self.timeout_s - (time.perf_counter() - began))
+        reply = self._receive("predraft", sent, timeout_s)
         if reply.type == "error":  # the propose that follows gets its answer (or the same error)
             log.debug("predraft refused: %s: %s", reply["code"], reply["message"])
             return None

@@ -262,7 +262,7 @@ class TargetService:
             running=len(self.active),
             max_batch=self.max_batch,
             proposer=self.proposer.name,
-            drafter=drafter_state(self.proposer),
+            drafter=drafter_state(self.proposers),
             prefill=self.pace.to_dict() if self.pace is not None else {"chunk": self.settings.prefill_chunk},
             prefix_cache=self.prefix_cache.to_dict() if self.prefix_cache is not None else None,
             **self.counters,

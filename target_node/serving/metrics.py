@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from target_node.decoding.stats import Stats
@@ -157,15 +158,24 @@ def accepted_at_position(histogram: Counter) -> dict[str, int]:
     return {str(k): at[k] for k in range(1, deepest + 1)}
 
 
-def drafter_state(proposer: Proposer) -> dict:
-    """Whether the drafter answers, and its failure counters, for whichever proposer serves.
+DRAFTER_COUNTERS = ("timeouts", "errors", "proposals", "predrafts", "predraft_hits")
+
+
+def drafter_state(proposers: Sequence[Proposer]) -> dict:
+    """Whether the drafter answers, and its counters, over every slot's proposer.
 
     Only a DFlash proposer has a backend; a remote one knows whether it is `attached` and
     counts timeouts and errors (each one a step that fell back), a local one is always there.
+    Each slot has its own link: read from the first alone, the figures hid the other slots'
+    timeouts and errors (an audit: 0 reported where 3 slots had 9). `reachable`: some slot is
+    attached (an idle slot attaches again only when it next drafts), `slots_attached` how many.
     """
-    backend = proposer.backend
-    if backend is None:
+    backends = list({id(p.backend): p.backend for p in proposers if p.backend is not None}.values())
+    if not backends:
         return {}
-    state = {"reachable": bool(backend.attached)}
-    state.update({k: backend.counters[k] for k in ("timeouts", "errors", "proposals") if k in backend.counters})
+    attached = sum(bool(backend.attached) for backend in backends)
+    state = {"reachable": attached > 0, "slots_attached": attached, "slots": len(backends)}
+    for key in DRAFTER_COUNTERS:
+        if any(key in backend.counters for backend in backends):
+            state[key] = sum(backend.counters.get(key, 0) for backend in backends)
     return state
