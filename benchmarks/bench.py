@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 from collections import Counter
@@ -35,7 +36,7 @@ from dflash_kernels import Packed
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
 from draft_node.config import CheckpointError
 from draft_node.kv_cache import DraftKVCache
-from launch.common import ensure_default_drafter, resolve_model
+from launch.common import at_least, ensure_default_drafter, resolve_model
 from launch.local import daemon, free_address
 from launch.net import HelpFormatter, one_line_errors
 from protocol import decode, encode
@@ -49,7 +50,7 @@ from target_node.drafting.proposers import DFlashProposer, NGramProposer, NoProp
 from target_node.drafting.remote import RemoteDraftBackend
 from target_node.model.target import TargetModel
 from target_node.model.tiny import tiny_target
-from training.prompts import read_prompts
+from training.prompts import EVAL_PROMPTS, read_prompts
 
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, with a docstring.",
@@ -593,9 +594,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt")
     parser.add_argument("--repeats", type=int, default=12, help="timed repetitions per micro-benchmark")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads in this process and the draft daemon")
+    parser.add_argument(
+        "--threads", type=at_least(1), default=2, help="torch threads in this process and the draft daemon"
+    )
     parser.add_argument("--out", default="bench_results", help="folder for bench.json and the plot")
-    parser.add_argument("--prompts", default="data/eval_prompts.jsonl", help="prompts of the engines table (jsonl)")
+    parser.add_argument("--prompts", default=str(EVAL_PROMPTS), help="prompts of the engines table (jsonl)")
     parser.add_argument("--prompt-limit", type=int, default=12, help="how many of them")
     parser.add_argument("--skip-engines", action="store_true", help="leave out the engines and peers table")
     parser.add_argument("--replot", metavar="JSON", help="only redraw the plot from an earlier bench.json")
@@ -609,7 +612,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.max_new_tokens = min(args.max_new_tokens, 24)
     with one_line_errors(parser.prog, CheckpointError):
-        run(args)
+        report = run(args)
+    # A drafted output that is not plain decoding's is a failure, not a table entry: it exited 0 (an audit).
+    differing = differing_outputs(report)
+    if differing:
+        print(f"dflash-bench: {differing} outputs differ from plain decoding", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def differing_outputs(report: dict) -> int:
+    """How many of a report's drafted outputs differ from plain decoding's, over every engines table."""
+    return sum(
+        row.get("differs_from_plain", 0)
+        for model in report["models"].values()
+        for row in model.get("engines", {}).get("rows", [])
+    )
 
 
 if __name__ == "__main__":

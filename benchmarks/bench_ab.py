@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.evaluate import Runs, mode_table, parse_args, prepare_runs, run_prompt
-from launch.common import resolve_model
+from launch.common import SHIPPED_DRAFTER, resolve_model
 
 
 class Head:
@@ -99,7 +99,7 @@ def bench(argv: list[str] | None = None) -> dict:
     ap.add_argument("--compare", choices=sorted(SETTINGS), required=True)
     ap.add_argument("--out", default="", help="where to write the JSON (default: print only)")
     own, rest = ap.parse_known_args(argv)
-    args = parse_args(["--drafter", "drafters/smollm2", "--modes", "adaptive", "--max-new-tokens", "96", *rest])
+    args = parse_args(["--drafter", str(SHIPPED_DRAFTER), "--modes", "adaptive", "--max-new-tokens", "96", *rest])
     from target_node.model.target import TargetModel
     from training.prompts import read_prompts
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from contextlib import ExitStack
@@ -26,7 +27,7 @@ from pathlib import Path
 from frontend.target_client import TargetClient
 from launch.common import ensure_default_drafter, resolve_model
 from launch.local import daemon, free_address
-from training.prompts import read_prompts
+from training.prompts import EVAL_PROMPTS, read_prompts
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -131,7 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--min-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2, help="torch threads per daemon")
-    ap.add_argument("--prompts", default="data/eval_prompts.jsonl")
+    ap.add_argument("--prompts", default=str(EVAL_PROMPTS), help="held-out prompts (jsonl)")
     ap.add_argument("--long-prompt", type=int, default=3000, help="tokens of the long prompt (0: skip that part)")
     ap.add_argument("--extra", default="", help="more target daemon flags, space-separated")
     ap.add_argument("--json", default="bench_results/bench_serving.json")
@@ -251,6 +252,11 @@ def main(argv: list[str] | None = None) -> dict:
     out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
     print(f"wrote {out}")
+    # An answer under load that is not the one alone is a failure: it showed as a column and exited 0 (an audit).
+    short = [r for r in report["rounds"] if r["identical_to_alone"] != r["requests"]]
+    if short:
+        print(f"dflash-bench-serving: {len(short)} rounds answered differently than alone", file=sys.stderr)
+        raise SystemExit(1)
     return report
 
 

@@ -40,6 +40,7 @@ import torch
 from draft_node.config import CheckpointError
 from launch.common import DTYPE_CHOICES, dtype_of, resolve_model
 from launch.net import HelpFormatter, one_line_errors
+from training.prompts import EVAL_PROMPTS
 
 if TYPE_CHECKING:
     from protocol.sampling import SamplingParams
@@ -63,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also run every mode with pre-drafting of N outcomes (rows MODE@predraft), through the draft daemon "
         "at --baseline-address (else --drafter-address; else in process, where it overlaps nothing)",
     )
-    ap.add_argument("--prompts", default="data/eval_prompts.jsonl", help='jsonl of {"prompt": ...}')
+    ap.add_argument("--prompts", default=str(EVAL_PROMPTS), help='jsonl of {"prompt": ...}')
     ap.add_argument("--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--device", default="cpu", help="torch device for both models")
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: as the daemons resolve it")
@@ -71,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     ap.add_argument(
         "--modes",
+        type=mode_names,
         default="chain",
         help="comma-separated: chain, tree:N (the drafter alone), tree:N+lookup, tree:N+store, tree:N+lookup+store "
         "(with the branches looked up in the context, in the datastore), adaptive (the daemon's default: governed "
@@ -125,7 +127,9 @@ def mode_options(mode: str, tree_nodes: int, costs, datastore) -> tuple[dict, ob
     if base == "chain" and not (lookup or store):
         return {"adaptive": False, "tree_nodes": 0, "lookup": False}, None
     if base.startswith("tree:"):
-        nodes = int(base.split(":", 1)[1])
+        nodes = int(base.split(":", 1)[1]) if base.split(":", 1)[1].isdigit() else 0
+        if nodes < 1:
+            raise SystemExit(f"mode {mode!r}: tree:N takes a whole number of nodes N >= 1")
         return {
             "adaptive": False,
             "tree_nodes": nodes,
@@ -146,6 +150,16 @@ def mode_options(mode: str, tree_nodes: int, costs, datastore) -> tuple[dict, ob
 
 
 ADAPTIVE = ("adaptive", "adaptive-lookup", "adaptive-drafter", "adaptive-chain")
+
+
+def mode_names(text: str) -> str:
+    """--modes, checked as it is parsed: a misspelt mode ended the run after the models loaded (an audit)."""
+    for mode in (m.strip() for m in text.split(",") if m.strip()):
+        try:
+            mode_options(mode, 16, None, None)
+        except SystemExit as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 @dataclass

@@ -54,7 +54,7 @@ import zmq
 
 from benchmarks.bench_serving import percentile
 from launch.local import colocated_env, free_address
-from launch.processes import rss_mb, stop
+from launch.processes import end_on_sigterm, rss_mb, stop
 from protocol import Message, decode, encode
 from protocol.transport import dealer, receive, request, wait_ready
 
@@ -273,11 +273,17 @@ def pinger(address: str, end: float, rtts: list[tuple[float, float]]) -> None:
 
 
 def spawn(module: str, address: str, args: list[str], log: Path) -> subprocess.Popen:
+    end_on_sigterm()
     out = open(log, "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--bind", address, *args], env=colocated_env(), stdout=out, stderr=out
     )
-    if not wait_ready(address, 300, alive=lambda: proc.poll() is None):
+    try:
+        ready = wait_ready(address, 300, alive=lambda: proc.poll() is None)
+    except BaseException:  # a SIGTERM or Ctrl-C while it loads
+        stop(proc)
+        raise
+    if not ready:
         stop(proc)  # one still loading must not outlive the soak that gave up on it
         raise SystemExit(f"{module} did not become ready at {address}; see {log}")
     return proc

@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 from frontend.target_client import TargetClient
-from launch.common import number_in
+from launch.common import at_least, number_in
 from launch.net import TARGET_ADDRESS, HelpFormatter, address, client_security, one_line_errors
 from protocol.keys import ClientKeys
 from protocol.messages import MAX_HEARTBEAT_S
+from protocol.sampling import SamplingParams
 from protocol.stats import RequestStats
 from protocol.transport import wait_ready
 
@@ -46,6 +47,20 @@ def prompt_of(line: str, where: str) -> str:
     if not isinstance(record.get("prompt"), str):
         raise SystemExit(f'dflash-client: error: {where}: a JSON line needs a "prompt" string')
     return record["prompt"]
+
+
+def check_client_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse prompts and sampling values no daemon would take, before anything connects or loads:
+    dflash-local loaded both models first (10-15 s, longer with SmolLM2) to say "no prompts" (an audit)."""
+    try:
+        if not read_prompts(args):
+            parser.error("no prompts: give --prompt TEXT or --prompts-file FILE")
+    except OSError as exc:
+        parser.error(f"--prompts-file: {exc.strerror}: {exc.filename}")
+    try:
+        SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def request_fields(prompt: str, args: argparse.Namespace) -> dict:
@@ -96,7 +111,7 @@ def run(args: argparse.Namespace, keys: ClientKeys | None = None, out=sys.stdout
 def add_client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     parser.add_argument("--prompts-file", help="file of prompts: one per line, or JSON lines with a 'prompt' key")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most per prompt")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=128, help="tokens to generate at most per prompt")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     parser.add_argument("--no-stream", action="store_true", help="print each answer when it is complete")
@@ -106,7 +121,9 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
     parser.add_argument("--seed", type=int, help="sampling seed, for reproducible sampled answers")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each reply")
+    parser.add_argument(
+        "--timeout", type=number_in(0, above=True), default=300.0, help="seconds to wait for each reply"
+    )
     parser.add_argument("--json", help="also write answers and stats to this JSON file")
     parser.add_argument(
         "--heartbeat",
@@ -126,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     add_client_args(parser)
     args = parser.parse_args(argv)
     keys = client_security(parser, args.curve_key, args.server_key, "--server-key")
+    check_client_args(parser, args)
     try:
         with one_line_errors(parser.prog):
             run(args, keys)

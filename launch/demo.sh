@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # The main job: set up (or reuse) .venv, convert the default model once, then start the
 # draft daemon and the target daemon as separate processes and stream answers to a few
-# prompts through the client. Extra arguments go to `python -m launch.local`.
+# prompts through the client. Extra arguments go to `python -m launch.local`; with a
+# --prompt or --prompts-file of its own, the demo's prompts are left out.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${DFLASH_VENV:-$root/.venv}"
 bash "$root/launch/setup_env.sh"
 cd "$root"
-exec .venv/bin/python -m launch.local --prompts-file launch/demo_prompts.txt --max-new-tokens 128 "$@"
+prompts=(--prompts-file launch/demo_prompts.txt)
+for arg in "$@"; do
+  case "$arg" in --prompt | --prompt=* | --prompts-file | --prompts-file=*) prompts=() ;; esac
+done
+exec "$venv/bin/python" -m launch.local ${prompts[@]+"${prompts[@]}"} --max-new-tokens 128 "$@"

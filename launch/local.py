@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,10 +18,10 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from launch import client
-from launch.common import DTYPE_CHOICES, ensure_default_drafter, resolve_model
+from launch.common import DTYPE_CHOICES, at_least, device_name, ensure_default_drafter, number_in, resolve_model
 from launch.keys import LocalKeys
 from launch.net import HelpFormatter, address, one_line_errors
-from launch.processes import stop
+from launch.processes import end_on_sigterm, stop
 from protocol.keys import ClientKeys
 from protocol.transport import request, wait_ready
 
@@ -66,6 +65,7 @@ def daemon(
     # loads, and the run would use a stranger's daemon, model and keys (an audit).
     if request(address, "ping", timeout_s=0.3) is not None:
         raise SystemExit(f"{name}: something already answers at {address}; stop it or pick another address")
+    end_on_sigterm()  # whoever runs this (a benchmark too) stops it on SIGTERM, through the finally below
     out = open(log, "ab") if log is not None else None
     proc = None
     try:
@@ -87,8 +87,12 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `local_daemons`: models, devices, addresses."""
     parser.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter-checkpoint", help="drafter folder (default: the default model's drafter)")
-    parser.add_argument("--target-device", default="cpu", help="torch device for the target daemon, e.g. cpu, cuda:0")
-    parser.add_argument("--draft-device", default="cpu", help="torch device for the draft daemon, e.g. cpu, cuda:1")
+    parser.add_argument(
+        "--target-device", type=device_name, default="cpu", help="torch device for the target daemon, e.g. cpu, cuda:0"
+    )
+    parser.add_argument(
+        "--draft-device", type=device_name, default="cpu", help="torch device for the draft daemon, e.g. cpu, cuda:1"
+    )
     parser.add_argument(
         "--dtype", default="auto", choices=DTYPE_CHOICES, help="weights dtype of both models (auto: see the daemons)"
     )
@@ -98,8 +102,12 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target-address", type=address, help="where the target daemon binds (default: a free 127.0.0.1 port)"
     )
-    parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for each daemon")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads per daemon (0: torch's default)")
+    parser.add_argument(
+        "--ready-timeout", type=number_in(0, above=True), default=180.0, help="seconds to wait for each daemon"
+    )
+    parser.add_argument(
+        "--threads", type=at_least(0), default=0, help="torch CPU threads per daemon (0: torch's default)"
+    )
     parser.add_argument(
         "--curve", action="store_true", help="CURVE on both links, with throwaway keys made for this run"
     )
@@ -151,22 +159,13 @@ def local_daemons(args: argparse.Namespace) -> Iterator[str]:
         yield target_address
 
 
-def leave(signum: int, frame: object) -> None:
-    """SIGTERM: end as Ctrl-C does, through the code that stops the daemons; a second signal then
-    must not cut that short (it skipped the SIGKILL of a daemon that would not stop, a review)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise SystemExit(143)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dflash-local", description=__doc__, formatter_class=HelpFormatter)
     add_daemon_args(parser)
     client.add_client_args(parser)
     args = parser.parse_args(argv)
-    # A SIGTERM (systemd, docker stop, kill) ends the run as Ctrl-C does, through the code that stops
-    # both daemons: by default it ended this process alone and left them running (an audit).
-    signal.signal(signal.SIGTERM, leave)
+    client.check_client_args(parser, args)
+    end_on_sigterm()
     try:
         with one_line_errors(parser.prog), local_daemons(args) as target_address:
             args.address = target_address

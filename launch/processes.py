@@ -4,7 +4,25 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 from pathlib import Path
+
+
+def _leave(signum: int, frame: object) -> None:
+    """SIGTERM: end as Ctrl-C does, through the code that stops the daemons; a second signal then
+    must not cut that short (it skipped the SIGKILL of a daemon that would not stop, a review)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise SystemExit(143)
+
+
+def end_on_sigterm() -> None:
+    """Make a SIGTERM (systemd, docker stop, kill) end this process through its `finally` blocks,
+    which stop the daemons it started: by default it ended the process alone and left them
+    running (dflash-local, then every benchmark that starts daemons: audits). Only where nothing
+    else handles SIGTERM, and only from the main thread (where Python runs handlers)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _leave)
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:

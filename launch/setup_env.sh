@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Create or reuse .venv and install what the project needs. Idempotent: a stamp records
-# what was installed, so a second run only checks it. Source it or run it.
+# what was installed, so a second run only checks it. Run it (sourced, its `set -e` would stay
+# in the caller's shell).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${DFLASH_VENV:-$root/.venv}"
 py="${PYTHON:-python3}"
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+# A first run stopped during ensurepip leaves bin/python without pip (every later run failed).
+"$venv/bin/python" -m pip --version >/dev/null 2>&1 || "$venv/bin/python" -m ensurepip --upgrade >/dev/null
 stamp="$venv/.dflash-split-installed"
 want="$(cat "$root/pyproject.toml" "$root/launch/setup_env.sh" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then

@@ -2,6 +2,7 @@
 # The test command: set up (or reuse) .venv, lint, then run the whole suite.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${DFLASH_VENV:-$root/.venv}"
 bash "$root/launch/setup_env.sh"
 # The live page's test drives a real browser: Debian's chromium and chromedriver, installed
 # here where apt-get can (CI runs as root on Debian). Elsewhere that one test skips and says why.
@@ -14,5 +15,5 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
   fi
 fi
 cd "$root"
-.venv/bin/ruff check .
-.venv/bin/python -m pytest -q "$@"
+"$venv/bin/ruff" check .
+"$venv/bin/python" -m pytest -q "$@"

@@ -4,6 +4,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from benchmarks import bench
 
 
@@ -76,3 +78,33 @@ def test_modes_sharing_a_drafter_report_their_own_drafting():
     alone = bench.run_modes(target, prompts, [("alone", proposer(), False)], 12)[0]
     assert "proposals" not in rows["plain"] and alone["proposals"] > 0
     assert rows["a"]["proposals"] == rows["b"]["proposals"] == alone["proposals"]
+
+
+def test_the_benchmarks_exit_1_when_a_drafted_output_is_not_plain_decodings(monkeypatch, tmp_path):
+    """dflash-bench and dflash-bench-serving showed a differing output as a table entry and exited
+    0 (an audit): a script reading their exit code saw success."""
+    from benchmarks import bench_serving
+
+    rows = [{"differs_from_plain": 0}, {"differs_from_plain": 2}]
+    monkeypatch.setattr(bench, "run", lambda args: {"models": {"tiny": {"engines": {"rows": rows}}}})
+    with pytest.raises(SystemExit) as ended:
+        bench.main(["--quick"])
+    assert ended.value.code == 1
+    rows[1]["differs_from_plain"] = 0
+    bench.main(["--quick"])  # all equal: no exit
+
+    monkeypatch.setattr(bench_serving, "resolve_model", lambda folder: tmp_path)
+    monkeypatch.setattr(bench_serving, "chat_asks", lambda args, count: [{}] * count)
+    monkeypatch.setattr(bench_serving, "start_daemons", lambda *args: {"serial plain": "", "batched": ""})
+    monkeypatch.setattr(bench_serving, "alone_outputs", lambda address, asks: [])
+    monkeypatch.setattr(bench_serving, "print_table", lambda report: None)
+    for same, code in ((3, None), (2, 1)):
+        round_ = {"daemon": "batched", "clients": 1, "tok_s": 1.0, "requests": 3, "identical_to_alone": same}
+        monkeypatch.setattr(bench_serving, "rounds_of", lambda *args, r=round_: [r])
+        argv = ["--drafter", "d", "--clients", "1", "--long-prompt", "0", "--json", str(tmp_path / "out.json")]
+        if code is None:
+            bench_serving.main(argv)
+        else:
+            with pytest.raises(SystemExit) as ended:
+                bench_serving.main(argv)
+            assert ended.value.code == code

@@ -1,6 +1,7 @@
 """Every console script the package declares imports and explains itself."""
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -310,6 +311,52 @@ def test_a_sigterm_to_the_all_in_one_launcher_stops_both_daemons(chat_model_dir)
     assert not alive, f"daemons left running: {alive}"
 
 
+SCRIPT_STARTING_A_DAEMON = """
+import sys, time
+from launch.local import daemon, free_address
+flags = ["--checkpoint", sys.argv[1], "--threads", "1"]
+with daemon("draft daemon", "launch.draft_daemon", free_address(), flags, 120) as p:
+    print("started", p.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_sigterm_to_any_script_that_starts_a_daemon_stops_the_daemon(tmp_path):
+    """Only dflash-local turned SIGTERM into an orderly exit: a benchmark killed with SIGTERM
+    (soak, flood, bench_serving) left its daemons running with no parent (an audit). `daemon()`
+    itself now makes a SIGTERM end its caller through the code that stops them."""
+    import signal
+    import time
+
+    from helpers import drafter_config
+
+    from draft_node.checkpoint import random_drafter, save_drafter
+
+    checkpoint = save_drafter(random_drafter(drafter_config()), tmp_path / "drafter")
+    run = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT_STARTING_A_DAEMON, str(checkpoint)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=DRAFTER.parent.parent,
+    )
+    pid = None
+    try:
+        for line in run.stdout:
+            if line.startswith("started"):
+                pid = int(line.split()[1])
+                break
+        assert pid is not None and _running(pid)
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(60) == 143
+    finally:
+        run.kill()
+    deadline = time.monotonic() + 20
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(pid), "the daemon outlived the script that started it"
+
+
 def _running(pid: int) -> bool:
     import os
 
@@ -322,3 +369,87 @@ def _running(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_flood_benchmark_refuses_a_long_prompt_the_model_cannot_hold(chat_model_dir, capsys):
+    """A prompt past the model's context was refused by the daemon at once, so the flood met no
+    long step and yet passed (an audit); now it is refused before any daemon starts."""
+    from benchmarks import flood
+
+    context = json.loads((chat_model_dir / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(SystemExit) as ended:
+        flood.main(["--model", str(chat_model_dir), "--only", "flood", "--prompt-tokens", str(context)])
+    assert ended.value.code == 2 and "holds" in capsys.readouterr().err
+
+
+def _fake_venv(folder: Path, pip_works: bool = True) -> Path:
+    """A venv whose python logs its arguments (and has pip or not), stamped as set up: what
+    launch/*.sh run, without installing anything."""
+    root = DRAFTER.parent.parent
+    bin_ = folder / "bin"
+    bin_.mkdir(parents=True)
+    pip = "exit 0" if pip_works else '[ -f "$(dirname "$0")/../pip-installed" ] || exit 1'
+    script = f"""#!/usr/bin/env bash
+echo "$@" >> "$(dirname "$0")/../calls"
+if [ "$1 $2" = "-m pip" ] && [ "$3" = "--version" ]; then {pip}; fi
+if [ "$1 $2" = "-m ensurepip" ]; then touch "$(dirname "$0")/../pip-installed"; fi
+"""
+    for name in ("python", "ruff"):
+        (bin_ / name).write_text(script)
+        (bin_ / name).chmod(0o755)
+    import hashlib
+
+    stamp = hashlib.sha256((root / "pyproject.toml").read_bytes() + (root / "launch/setup_env.sh").read_bytes())
+    (folder / ".dflash-split-installed").write_text(stamp.hexdigest() + "\n")
+    return folder
+
+
+def test_the_demo_takes_the_callers_venv_and_its_own_prompts_replace_the_demos(tmp_path):
+    """demo.sh ran .venv/bin/python whatever DFLASH_VENV said, and always added its prompts file,
+    so `--prompt Hi` answered Hi and the three demo prompts (an audit)."""
+    import os
+
+    venv = _fake_venv(tmp_path / "venv")
+    env = dict(os.environ, DFLASH_VENV=str(venv))
+    for extra, demo_prompts in ((["--prompt", "Hi"], False), (["--max-new-tokens", "5"], True)):
+        (venv / "calls").unlink(missing_ok=True)
+        subprocess.run(["bash", str(DRAFTER.parent.parent / "launch/demo.sh"), *extra], env=env, check=True)
+        run = (venv / "calls").read_text().splitlines()[-1]
+        assert run.startswith("-m launch.local") and run.endswith(" ".join(extra))
+        assert ("demo_prompts.txt" in run) == demo_prompts
+
+
+def test_a_venv_left_without_pip_by_an_interrupted_setup_gets_pip_back(tmp_path):
+    """A first run stopped during ensurepip left bin/python without pip, and every later run
+    failed with `No module named pip` (an audit)."""
+    import os
+
+    venv = _fake_venv(tmp_path / "venv", pip_works=False)
+    env = dict(os.environ, DFLASH_VENV=str(venv))
+    subprocess.run(["bash", str(DRAFTER.parent.parent / "launch/setup_env.sh")], env=env, check=True)
+    assert "-m ensurepip --upgrade" in (venv / "calls").read_text().splitlines()
+    assert (venv / "pip-installed").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        ([], "no prompts"),
+        (["--prompts-file", "/nonexistent/prompts.txt"], "No such file"),
+        (["--prompt", "hi", "--max-new-tokens", "-3"], "at least 1"),
+        (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (["--prompt", "hi", "--top-p", "0"], "top_p"),
+        (["--prompt", "hi", "--ready-timeout", "-5"], "more than 0"),
+        (["--prompt", "hi", "--timeout", "0"], "more than 0"),
+        (["--prompt", "hi", "--target-device", "tpu:7"], "torch device"),
+    ],
+)
+def test_the_all_in_one_launcher_refuses_bad_client_values_before_it_loads_a_model(flags, says, capsys, monkeypatch):
+    """It loaded both models (10-15 s with tiny ones) before it said "no prompts" or passed a
+    negative length to the daemon (an audit)."""
+    from launch import local
+
+    monkeypatch.setattr(local, "local_daemons", lambda args: pytest.fail("started daemons"))
+    with pytest.raises(SystemExit) as ended:
+        local.main(["--model", "/nonexistent", *flags])
+    assert ended.value.code == 2 and says in capsys.readouterr().err

@@ -78,3 +78,14 @@ def test_the_ab_benchmark_sees_a_setting_that_changes_the_plain_output(chat_mode
     argv += ["--datastore", "none", "--limit", "2"]
     result = bench_ab.bench(argv)
     assert result["sides_differing"] == 2 and result["mismatches"] >= 2
+
+
+@pytest.mark.parametrize("modes", ["chian", "chain,tree:x", "tree:0", "tree:-3", "adaptive+store"])
+def test_a_mode_no_run_knows_is_refused_as_the_arguments_are_parsed(modes, capsys):
+    """`--modes chian` ended the run with `unknown mode` after both models loaded (an audit)."""
+    from benchmarks.evaluate import parse_args
+
+    with pytest.raises(SystemExit) as ended:
+        parse_args(["--drafter", "d", "--modes", modes])
+    assert ended.value.code == 2 and "--modes" in capsys.readouterr().err
+    assert parse_args(["--drafter", "d", "--modes", "chain,tree:8+lookup,adaptive"]).modes

@@ -1510,3 +1510,37 @@ def test_a_quiet_recorder_writes_out_what_it_holds(tmp_path, monkeypatch):
     now[0] += traffic.FLUSH_EVERY_S
     recorder.tick()
     assert len(AnswerStore(tmp_path / "rec")) == 1
+
+
+def test_a_recorder_holds_the_open_shard_not_every_answer_it_ever_recorded(tmp_path, monkeypatch):
+    """A recording daemon kept every answer it served in memory, and a restarted one read every
+    answer in the folder back (an audit: 10.5 KiB a request, for good). Its store now holds the
+    open shard's answers and a bounded set of recent keys; what it wrote reads back whole."""
+    import training.answer_store as answer_store
+    from protocol import Message
+    from target_node.decoding.sequence import Result
+    from target_node.decoding.stats import Stats
+    from training.traffic import TrafficRecorder
+
+    def serve(recorder, count, first=0):
+        for i in range(first, first + count):
+            fields = {"prompt": "", "messages": [{"role": "user", "content": f"q{i}"}], "sampling": {}}
+            recorder(Message("generate", i, fields), [1, 2, 3], Result([7, i], "", "length", Stats()))
+
+    recorder = TrafficRecorder(str(tmp_path / "rec"), "tiny")
+    serve(recorder, 600)
+    serve(recorder, 5)  # the same requests again: recent keys are not written twice
+    store = recorder.store
+    assert store.answers == [] and len(store._shard_answers) <= 256 and len(store._recent) == 600
+    recorder.close()
+    again = TrafficRecorder(str(tmp_path / "rec"), "tiny")  # a restart reads no answer back
+    assert again.store.answers == [] and not again.store._recent
+    serve(again, 10, first=600)
+    again.close()
+    written = AnswerStore(tmp_path / "rec")
+    assert len(written) == 610 and [a.messages[0][1] for a in written.answers] == [f"q{i}" for i in range(610)]
+    monkeypatch.setattr(answer_store, "RECENT_KEYS", 4)
+    bounded = AnswerStore(tmp_path / "other", remember=False)
+    for answer in written.answers[:10]:
+        assert bounded.add(answer, flush_every_s=float("inf"))
+    assert len(bounded._recent) == 4

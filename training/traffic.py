@@ -43,7 +43,7 @@ class TrafficRecorder:
         except OSError as exc:
             raise TrafficError(f"--record {folder}: cannot write there ({exc})") from None
         self.model_name = model_name
-        self.store = AnswerStore(path, shard_records=256)
+        self.store = AnswerStore(path, shard_records=256, remember=False)
         self.unwritten, self.written_at = 0, time.monotonic()
 
     def __call__(self, msg: Message, prompt: list[int], result: Result) -> None:
