@@ -242,7 +242,8 @@ class DraftService:
             check_outcomes(known, heads.shape[0], self.config.block_size)
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"predraft: {exc}") from exc
-        count = self.pass_cost.fitting(len(known), self.budget_left(msg["budget_ms"]))
+        reads = min(session.cache.length, session.cache.capacity) + self.config.block_size  # rows a block reads
+        count = self.pass_cost.fitting(len(known), self.budget_left(msg["budget_ms"]), reads)
         self.counters["predraft_outcomes_cut"] += len(known) - count
         session.predraft_outcomes_cut += len(known) - count
         wire_dtype = msg.tensors["heads"][0].dtype
@@ -252,7 +253,7 @@ class DraftService:
         session.predrafts = drafted = predraft(session.cache, heads[: sum(known[:count])], known[:count], session.mask)
         finish_queued(session.cache.drafter.device)
         draft_ms = (time.perf_counter() - began) * 1000
-        self.pass_cost.record(count, draft_ms)
+        self.pass_cost.record(count, draft_ms, count * reads)
         self.counters["predrafts"] += 1
         self.counters["draft_ms"] += draft_ms
         hidden, gate = drafted.joined()
@@ -370,7 +371,9 @@ class DraftService:
         # own rows: a ring resent after a restart (~120 ms for 4,096 rows) is no measure of drafting,
         # and six of them had cut every other target's pre-drafts to none (an audit).
         if sum(step.features.shape[0] for _, _, step in group) <= len(group) * self.config.block_size:
-            self.pass_cost.record(len(group), draft_ms * len(group))
+            block = self.config.block_size
+            reads = sum(min(step.cache.length, step.cache.capacity) + block for _, _, step in group)
+            self.pass_cost.record(len(group), draft_ms * len(group), reads)
         if len(group) > 1:
             self.counters["batched"] += len(group)
         for (i, session, step), (hidden, gate) in zip(group, drafted, strict=True):

@@ -50,16 +50,26 @@ def checkpoint(cfg, tmp_path_factory):
 
 
 @pytest.mark.parametrize("dflash2", [False, True], ids=["dflash", "dflash2"])
-def test_outcomes_drafted_in_one_pass_equal_each_drafted_alone(target, dflash2):
+@pytest.mark.parametrize("capacity, passes", [(16, [1, 1, 1, 1]), (64, [2, 2]), (256, [4])])
+def test_outcomes_drafted_in_one_pass_equal_each_drafted_alone(target, dflash2, capacity, passes, monkeypatch):
+    """Bit for bit what a fresh draft of each gives, in passes whose copies of the context hold
+    at most one ring's rows: at a full ring, one outcome a pass (16 at once held 17.6 rings, an audit)."""
+    import draft_node.predraft as predraft_module
+
     cfg = config_for_target(target.config, block_size=8, taps=3, dflash2=dflash2)
     drafter = random_drafter(cfg, seed=2, std=0.1)
     g = torch.Generator().manual_seed(0)
-    cache = DraftKVCache(drafter, capacity=16)  # 20 rows: the ring has wrapped
+    cache = DraftKVCache(drafter, capacity=capacity)  # 20 rows: at 16, the ring has wrapped
     cache.append(0, torch.randn(20, cfg.feature_width, generator=g))
     mask = torch.randn(1, cfg.hidden_size, generator=g)
     known = [2, 5, 3, 7]
     heads = torch.randn(sum(known), cfg.hidden_size, generator=g)
+    one_pass, groups = predraft_module._predraft_pass, []
+    monkeypatch.setattr(
+        predraft_module, "_predraft_pass", lambda c, h, k, m: groups.append(len(k)) or one_pass(c, h, k, m)
+    )
     drafted = predraft(cache, heads, known, mask)
+    assert groups == passes
     assert drafted.base == cache.length == 20  # the context is left as it was
     for (hidden, gate), head in zip(drafted.drafted, heads.split(known), strict=True):
         noise = torch.cat([head, mask.expand(cfg.block_size - head.shape[0], -1)])
@@ -276,6 +286,7 @@ def test_a_flood_of_predrafts_keeps_one_per_session_and_others_are_served(cfg):
 
 
 def test_pass_cost_fits_a_line_through_recent_passes_and_drafts_what_fits_the_budget():
+    """Blocks alone here (no context rows): see the next test for the context's part."""
     cost = PassCost()
     assert cost.estimate(8) == 0.0 and cost.fitting(8, 5.0) == 8  # nothing measured: try them all
     cost.record(4, 8.0)
@@ -287,6 +298,36 @@ def test_pass_cost_fits_a_line_through_recent_passes_and_drafts_what_fits_the_bu
     assert cost.fitting(8, 11.0) == 5 and cost.fitting(8, 10.9) == 4 and cost.fitting(3, 100.0) == 3
     assert cost.fitting(8, 2.0) == 0  # not even one block
     assert cost.fitting(8, 0.0) == 8  # no budget given: every outcome named
+
+
+def test_pass_cost_prices_the_context_a_pass_reads_and_cuts_long_contexts_pre_drafts_to_fit():
+    """Fit on blocks alone, short sessions' passes set the price, and a session of 4,000 rows
+    pre-drafted 16 outcomes in 559 ms for a budget of 35 (an audit). Here a pass costs 1 ms, 0.5 ms
+    a block and 0.01 ms a context row read; the fit finds it from passes over short and long contexts."""
+    cost = PassCost()
+    for blocks, context in ((1, 100), (4, 100), (1, 4000), (4, 4000), (2, 1000)) * 3:
+        cost.record(blocks, 1.0 + 0.5 * blocks + 0.01 * blocks * context, blocks * context)
+    assert cost.estimate(16, 16 * 4000) == pytest.approx(1.0 + 8.0 + 640.0)
+    assert cost.fitting(16, 35.0, context=100) == 16  # 1 + 16 x 1.5 = 25 ms
+    assert cost.fitting(16, 35.0, context=4000) == 0  # one block over 4,000 rows: 41.5 ms
+    assert cost.fitting(16, 100.0, context=4000) == 2
+    one_size = PassCost()
+    one_size.record(2, 10.0, 200)  # one size seen: in proportion, by blocks or rows, whichever is more
+    assert one_size.estimate(1, 400) == pytest.approx(20.0) and one_size.estimate(4, 100) == pytest.approx(20.0)
+
+
+def test_the_daemon_prices_a_predraft_by_its_sessions_context(cfg):
+    drafter = random_drafter(cfg, seed=3, std=0.1)
+    short, long = Session(cfg, name="short", drafter=drafter), Session(cfg, name="long", drafter=drafter)
+    long.svc = short.svc
+    assert call(short.svc, "open", {"mask": long.mask}, session="long").type == "ok"
+    short.propose(0, 5), long.propose(0, 36)  # a block reads 13 and 44 rows (block 8)
+    short.svc.pass_cost.recent.clear()
+    for blocks, rows in ((1, 10), (4, 40), (1, 60), (4, 240), (2, 50)) * 3:  # 1 ms, 0.5 a block, 1 a row
+        short.svc.pass_cost.record(blocks, 1.0 + 0.5 * blocks + rows, rows)
+    assert short.predraft(5, [2, 3, 2, 4], budget_ms=40.0)["outcomes"] == 2  # 2 x 13.5 + 1 = 28 ms
+    assert long.predraft(36, [2, 3, 2, 4], budget_ms=40.0)["outcomes"] == 0  # one: 45.5 ms
+    assert short.svc.pass_cost.recent[-1][::2] == (2, 26)  # the short one's pass, with the rows it read
 
 
 def test_a_resent_ring_is_no_measure_of_what_a_drafting_pass_costs(cfg):
@@ -304,21 +345,21 @@ def test_a_predraft_drafts_only_the_likeliest_outcomes_that_fit_its_budget(cfg):
     s = Session(cfg)
     s.propose(0, 5)
     s.svc.pass_cost.recent.clear()  # that pass's real time (long on a loaded machine) aside
-    s.svc.pass_cost.recent.extend([(1, 2.0), (4, 5.0)] * 4)  # 1 ms fixed + 1 ms a block, as measured
+    s.svc.pass_cost.recent.extend([(1, 2.0, 0), (4, 5.0, 0)] * 4)  # 1 ms fixed + 1 ms a block, as measured
     reply = s.predraft(5, [2, 3, 2, 4], budget_ms=3.5)
     assert reply.type == "predrafts" and reply["outcomes"] == 2
     assert reply.tensor("hidden").shape[0] == (cfg.block_size - 2) + (cfg.block_size - 3)
     assert s.svc.counters["predraft_outcomes_cut"] == 2
     assert s.propose(5, 7, outcome=2)["predrafted"] is False  # a cut outcome is a miss
-    s.svc.pass_cost.recent.extend([(1, 2.0), (4, 5.0)] * 32)  # the miss's pass, forgotten
+    s.svc.pass_cost.recent.extend([(1, 2.0, 0), (4, 5.0, 0)] * 32)  # the miss's pass, forgotten
     assert s.predraft(7, [2, 3], budget_ms=100.0)["outcomes"] == 2
     hit = s.propose(7, 9, outcome=1)  # outcome 1 knew 3 tokens: its block starts at 7 + 3 - 1
     assert hit["predrafted"] and hit.tensor("hidden").shape[0] == cfg.block_size - 3
 
 
 def test_predrafts_arriving_together_share_one_budget_and_the_rest_of_the_burst_is_served(cfg, monkeypatch):
-    """A burst's replies all leave at its end, so targets' pre-drafts queued behind others have only
-    what is left of their budgets: a flood of them runs no pass past the budget, and a propose in
+    """Pre-drafts of a burst queue for the one drafter, so those behind others have only what is
+    left of their budgets: a flood of them runs no pass past the budget, and a propose in
     the burst is still answered."""
     import draft_node.daemon as daemon
 
@@ -331,7 +372,7 @@ def test_predrafts_arriving_together_share_one_budget_and_the_rest_of_the_burst_
     for s in sessions:
         s.propose(0, 5)
     svc = first.svc
-    svc.pass_cost.recent.extend([(1, 10.0), (4, 40.0)] * 4)  # 10 ms a block, as measured
+    svc.pass_cost.recent.extend([(1, 10.0, 0), (4, 40.0, 0)] * 4)  # 10 ms a block, as measured
 
     def slow(*args):  # a pass as long as its estimate, whatever this machine's speed
         time.sleep(0.045)
