@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Container, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -61,6 +61,7 @@ DEFAULT_RECEIVE_QUEUE = 1000
 # one peer's cannot crowd out the others' (their heartbeats and cancels still get in).
 HELD_MAX = 256
 HELD_PER_PEER = 64
+MAX_ENVELOPED = 1024  # REQ peers remembered until their error reply leaves
 # The helper's intake, in messages a second after its first HELD_MAX: it keeps reading through a
 # step (a flood of pings must not make it deaf) but cannot take the step's share of the GIL;
 # past this rate ZeroMQ queues, and takes from peers in turn, so a lone ping is read soon.
@@ -385,6 +386,9 @@ class Server:
         self.heard_at: dict[bytes, float] = {}
         self.outbox: deque[tuple[bytes, Frames]] = deque()  # replies sent while the helper holds the socket
         self.undelivered_ids: deque[bytes] = deque()  # peers a reply sent meanwhile did not reach
+        # Peers whose last message came in a REQ socket's envelope: their error reply goes out in one
+        # too, or REQ drops it and its user waits for ever (an audit). At most MAX_ENVELOPED.
+        self.enveloped: OrderedDict[bytes, None] = OrderedDict()
 
     def next(self, timeout_ms: int = 0) -> tuple[bytes, Message | ProtocolError] | None:
         """One request, waiting up to timeout_ms: (peer identity, the message or its decode error)."""
@@ -423,6 +427,13 @@ class Server:
 
     def _take(self) -> tuple[bytes, Message | ProtocolError]:
         identity, *frames = self.sock.recv_multipart(copy=False)
+        if len(frames) > 1 and len(frames[0]) == 0:  # [b"", header, ...]: a REQ socket's envelope
+            self.enveloped[identity.bytes] = None
+            while len(self.enveloped) > MAX_ENVELOPED:
+                self.enveloped.popitem(last=False)
+            return identity.bytes, ProtocolError(
+                ErrorCode.MALFORMED, "a REQ socket's empty delimiter frame: connect with a DEALER socket"
+            )
         try:
             message = decode(frames, max_frame_bytes=self.max_frame_bytes)
         except ProtocolError as exc:
@@ -557,6 +568,9 @@ class Server:
                 self.undelivered_ids.append(identity)
 
     def _deliver(self, identity: bytes, frames: Frames) -> bool:
+        if identity in self.enveloped:
+            del self.enveloped[identity]
+            frames = [b"", *frames]
         try:
             self.sock.send_multipart([identity, *frames], copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:

@@ -345,3 +345,30 @@ def test_kept_prefixes_stay_within_their_bytes_under_a_flood():
     assert svc.kept.counters["evicted"] > 400
     assert call(svc, "restore", session="a", name="p499", rows=40)["rows"] == 1 + 499 % 40  # the newest is held
     assert call(svc, "restore", session="a", name="p0", rows=40)["rows"] == 0  # the oldest went
+
+
+def test_a_req_socket_gets_an_error_naming_the_dealer_socket_instead_of_waiting_for_ever(tmp_path):
+    """A REQ socket sends an empty delimiter before the message and drops any reply without one:
+    its user waited for ever (an audit). The reply now comes in REQ's envelope and says what to
+    use, and the daemon serves a DEALER beside it as before."""
+    from helpers import serving_in_thread
+
+    from draft_node.daemon import serve
+    from protocol.transport import request
+
+    address = f"ipc://{tmp_path}/req.sock"
+    svc = DraftService(random_drafter(CFG), DraftSettings(ring_capacity=16))
+    context = zmq.Context.instance()
+    with serving_in_thread(lambda where, stop: serve(svc, where, stop), address):
+        asker = context.socket(zmq.REQ)
+        asker.connect(address)
+        try:
+            asker.send_multipart(encode("ping", 1, {}))
+            assert asker.poll(5000), "no reply reached the REQ socket"
+            reply = decode(asker.recv_multipart())
+        finally:
+            asker.close(0)
+        assert reply.type == "error" and reply["code"] == "malformed" and "DEALER" in reply["message"]
+        pong = request(address, "ping", timeout_s=5)
+        assert pong is not None and pong.type == "pong"
+    assert svc.counters["errors"] >= 1
