@@ -25,6 +25,7 @@ from benchmarks.bench_http import stream_chat
 from frontend.target_client import TargetClient
 from launch.common import resolve_model
 from launch.local import daemon, free_address, free_port
+from launch.processes import ends_on_sigterm
 from launch.serve import front_end
 from protocol.transport import request
 
@@ -214,6 +215,7 @@ def report(summary: dict) -> str:
     return "\n".join(lines)
 
 
+@ends_on_sigterm
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_chat",

@@ -20,6 +20,7 @@ from pathlib import Path
 from frontend.target_client import TargetClient
 from launch.common import resolve_model
 from launch.local import daemon, free_address, free_port
+from launch.processes import ends_on_sigterm
 from launch.serve import front_end
 
 PROMPTS = Path(__file__).resolve().parent.parent / "launch" / "demo_prompts.txt"
@@ -138,6 +139,7 @@ def report(summary: dict) -> str:
     )
 
 
+@ends_on_sigterm
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_http",

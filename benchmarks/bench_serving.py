@@ -27,6 +27,7 @@ from pathlib import Path
 from frontend.target_client import TargetClient
 from launch.common import ensure_default_drafter, resolve_model
 from launch.local import daemon, free_address
+from launch.processes import ends_on_sigterm
 from training.prompts import EVAL_PROMPTS, read_prompts
 
 
@@ -61,7 +62,8 @@ def round_of(address: str, per_client: list[list[dict]]) -> dict:
     """Every client at once, each with its own requests in turn; the round's figures."""
     outs = [[{} for _ in asks] for asks in per_client]
     threads = [
-        threading.Thread(target=client_of, args=(address, asks, o)) for asks, o in zip(per_client, outs, strict=True)
+        threading.Thread(target=client_of, args=(address, asks, o), daemon=True)  # a signal must not wait on them
+        for asks, o in zip(per_client, outs, strict=True)
     ]
     began = time.monotonic()
     for t in threads:
@@ -94,7 +96,7 @@ def long_prefill(address: str, prompt_tokens: int, short: dict, count: int, voca
     """Short requests arriving one after another while a long prompt is in prefill: their TTFT."""
     long_ask = {"token_ids": [3 + (i * 7) % (vocab - 10) for i in range(prompt_tokens)], "max_new_tokens": 8}
     held = {}
-    runner = threading.Thread(target=request, args=(address, long_ask, held))
+    runner = threading.Thread(target=request, args=(address, long_ask, held), daemon=True)
     runner.start()
     time.sleep(0.2)  # the long prompt is in
     ttfts = []
@@ -232,6 +234,7 @@ def compare_to_serial(rounds: list[dict], counts: list[int]) -> None:
             batched["vs_serial"] = round(batched["tok_s"] / serial["tok_s"], 3)
 
 
+@ends_on_sigterm
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     model = resolve_model(args.model)

@@ -37,8 +37,10 @@ import zmq
 from frontend.target_client import TargetClient
 from launch.common import resolve_model
 from launch.local import daemon, free_address
+from launch.processes import ends_on_sigterm
 from protocol import decode, encode
 from protocol.transport import dealer, receive, request
+from target_node.model.target import POSITION_FIELDS
 
 LIMIT = 64  # --max-new-tokens-limit of the daemons here: one more is refused
 
@@ -146,7 +148,7 @@ def flood_during_a_step(args: argparse.Namespace, prompt: list[int], small: list
             with Prober(address) as prober:
                 began = time.monotonic()
                 asker.send_multipart(encode("generate", 1, {"token_ids": prompt, "max_new_tokens": 1, "stream": False}))
-                beating = threading.Thread(target=beat)
+                beating = threading.Thread(target=beat, daemon=True)
                 beating.start()
                 time.sleep(0.2)
                 for i in range(args.flood_pings):
@@ -217,6 +219,7 @@ def long_prompt(args: argparse.Namespace, prompt: list[int]) -> dict:
     }
 
 
+@ends_on_sigterm
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(
         prog="dflash-flood", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -234,7 +237,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     args.model = resolve_model(args.model)
     config = json.loads((Path(args.model) / "config.json").read_text())
-    vocab, context = config["vocab_size"], config.get("max_position_embeddings")
+    text = config.get("text_config") or config  # where a multimodal model keeps its decoder's
+    vocab = text.get("vocab_size", config.get("vocab_size"))
+    context = next((text[name] for name in POSITION_FIELDS if isinstance(text.get(name), int)), None)
     if context is not None and args.prompt_tokens + 1 > context:
         ap.error(f"--prompt-tokens {args.prompt_tokens}: the model holds {context} positions, the prompt and a token")
     rng = random.Random(0)

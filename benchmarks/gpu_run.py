@@ -65,6 +65,8 @@ from pathlib import Path
 
 import torch
 
+from launch.processes import ends_on_sigterm
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -654,6 +656,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+@ends_on_sigterm
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

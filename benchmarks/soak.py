@@ -54,7 +54,7 @@ import zmq
 
 from benchmarks.bench_serving import percentile
 from launch.local import colocated_env, free_address
-from launch.processes import end_on_sigterm, rss_mb, stop
+from launch.processes import ends_on_sigterm, rss_mb, stop
 from protocol import Message, decode, encode
 from protocol.transport import dealer, receive, request, wait_ready
 
@@ -273,7 +273,6 @@ def pinger(address: str, end: float, rtts: list[tuple[float, float]]) -> None:
 
 
 def spawn(module: str, address: str, args: list[str], log: Path) -> subprocess.Popen:
-    end_on_sigterm()
     out = open(log, "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--bind", address, *args], env=colocated_env(), stdout=out, stderr=out
@@ -421,9 +420,11 @@ def run_load(args: argparse.Namespace, daemons: Daemons, pool: list[dict], want:
     tally, rtts = Tally(), []
     end = time.monotonic() + seconds
     address = daemons.target_address
-    workers = [threading.Thread(target=pinger, args=(address, end, rtts))]
+    # Daemon threads: a soak stopped by a signal stops its daemons and ends, instead of waiting on
+    # requests to daemons that are gone (up to 120 s each, a review).
+    workers = [threading.Thread(target=pinger, args=(address, end, rtts), daemon=True)]
     workers += [
-        threading.Thread(target=client, args=(address, pool, want, tally, end, args.seed * 1000 + c))
+        threading.Thread(target=client, args=(address, pool, want, tally, end, args.seed * 1000 + c), daemon=True)
         for c in range(args.clients)
     ]
     for w in workers:
@@ -503,6 +504,7 @@ def finish(report: dict, args: argparse.Namespace) -> dict:
     return report
 
 
+@ends_on_sigterm
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     seconds = args.seconds if args.seconds is not None else 60 * args.minutes

@@ -21,7 +21,7 @@ from launch import client
 from launch.common import DTYPE_CHOICES, at_least, device_name, ensure_default_drafter, number_in, resolve_model
 from launch.keys import LocalKeys
 from launch.net import HelpFormatter, address, one_line_errors
-from launch.processes import end_on_sigterm, stop
+from launch.processes import ends_on_sigterm, stop
 from protocol.keys import ClientKeys
 from protocol.transport import request, wait_ready
 
@@ -65,7 +65,6 @@ def daemon(
     # loads, and the run would use a stranger's daemon, model and keys (an audit).
     if request(address, "ping", timeout_s=0.3) is not None:
         raise SystemExit(f"{name}: something already answers at {address}; stop it or pick another address")
-    end_on_sigterm()  # whoever runs this (a benchmark too) stops it on SIGTERM, through the finally below
     out = open(log, "ab") if log is not None else None
     proc = None
     try:
@@ -159,13 +158,13 @@ def local_daemons(args: argparse.Namespace) -> Iterator[str]:
         yield target_address
 
 
+@ends_on_sigterm
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dflash-local", description=__doc__, formatter_class=HelpFormatter)
     add_daemon_args(parser)
     client.add_client_args(parser)
     args = parser.parse_args(argv)
     client.check_client_args(parser, args)
-    end_on_sigterm()
     try:
         with one_line_errors(parser.prog), local_daemons(args) as target_address:
             args.address = target_address

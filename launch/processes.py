@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _leave(signum: int, frame: object) -> None:
@@ -16,13 +22,28 @@ def _leave(signum: int, frame: object) -> None:
     raise SystemExit(143)
 
 
-def end_on_sigterm() -> None:
-    """Make a SIGTERM (systemd, docker stop, kill) end this process through its `finally` blocks,
-    which stop the daemons it started: by default it ended the process alone and left them
-    running (dflash-local, then every benchmark that starts daemons: audits). Only where nothing
-    else handles SIGTERM, and only from the main thread (where Python runs handlers)."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _leave)
+def ends_on_sigterm(main: Callable[P, R]) -> Callable[P, R]:
+    """A script's `main` (one that starts daemons) ends on SIGTERM (systemd, docker stop, kill)
+    through its `finally` blocks, which stop them: by default it ended the script alone and left
+    them running (dflash-local, then the benchmarks: audits). The handlers it found are back when
+    `main` returns or raises, so a signal after the clean-up (threads still winding down) ends the
+    process as usual. Scripts only: set by the library's daemon(), it made a test run ignore
+    SIGTERM and Ctrl-C for good (a review)."""
+
+    @functools.wraps(main)
+    def ending(*args: P.args, **kwargs: P.kwargs) -> R:
+        if threading.current_thread() is not threading.main_thread():
+            return main(*args, **kwargs)
+        before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+        if before[0] is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _leave)
+        try:
+            return main(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGTERM, before[0])
+            signal.signal(signal.SIGINT, before[1])
+
+    return ending
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:

@@ -90,7 +90,12 @@ def add_proposer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fallback", default="ngram", choices=["ngram", "none"], help="who drafts while the draft daemon is down"
     )
-    parser.add_argument("--draft-timeout", type=float, default=2.0, help="seconds to wait for a draft reply")
+    parser.add_argument(
+        "--draft-timeout",
+        type=float,
+        default=2.0,
+        help="seconds to wait for a draft reply, counted from the request's send",
+    )
     parser.add_argument("--draft-retry", type=float, default=5.0, help="seconds between probes of a dead draft daemon")
     parser.add_argument("--wire-dtype", choices=FLOAT_DTYPES, help="feature dtype on the wire (default: negotiated)")
     parser.add_argument(

@@ -314,17 +314,23 @@ def test_a_sigterm_to_the_all_in_one_launcher_stops_both_daemons(chat_model_dir)
 SCRIPT_STARTING_A_DAEMON = """
 import sys, time
 from launch.local import daemon, free_address
-flags = ["--checkpoint", sys.argv[1], "--threads", "1"]
-with daemon("draft daemon", "launch.draft_daemon", free_address(), flags, 120) as p:
-    print("started", p.pid, flush=True)
-    time.sleep(600)
+from launch.processes import ends_on_sigterm
+
+@ends_on_sigterm
+def main():
+    flags = ["--checkpoint", sys.argv[1], "--threads", "1"]
+    with daemon("draft daemon", "launch.draft_daemon", free_address(), flags, 120) as p:
+        print("started", p.pid, flush=True)
+        time.sleep(600)
+
+main()
 """
 
 
 def test_a_sigterm_to_any_script_that_starts_a_daemon_stops_the_daemon(tmp_path):
     """Only dflash-local turned SIGTERM into an orderly exit: a benchmark killed with SIGTERM
-    (soak, flood, bench_serving) left its daemons running with no parent (an audit). `daemon()`
-    itself now makes a SIGTERM end its caller through the code that stops them."""
+    (soak, flood, bench_serving) left its daemons running with no parent (an audit). Each
+    script's main now ends on SIGTERM through the code that stops them."""
     import signal
     import time
 
@@ -355,6 +361,32 @@ def test_a_sigterm_to_any_script_that_starts_a_daemon_stops_the_daemon(tmp_path)
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _running(pid), "the daemon outlived the script that started it"
+
+
+def test_only_a_scripts_main_ends_on_sigterm_and_the_handlers_come_back_after_it(tmp_path):
+    """Set by the library's daemon(), the handler stayed for good: a test run that started a
+    daemon ignored SIGTERM and Ctrl-C after one of them (a review). The daemon leaves the
+    handlers alone; a script's main has them back as it found them when it ends."""
+    import signal
+
+    from helpers import draft_daemon, drafter_config
+
+    from draft_node.checkpoint import random_drafter, save_drafter
+    from launch.processes import ends_on_sigterm
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    checkpoint = save_drafter(random_drafter(drafter_config()), tmp_path / "drafter")
+    with draft_daemon(f"ipc://{tmp_path}/d.sock", checkpoint):
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    seen = []
+
+    @ends_on_sigterm
+    def main() -> str:
+        seen.append(signal.getsignal(signal.SIGTERM))
+        return "done"
+
+    assert main() == "done" and seen[0] not in (before[0], signal.SIG_IGN)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
 def _running(pid: int) -> bool:
@@ -453,3 +485,14 @@ def test_the_all_in_one_launcher_refuses_bad_client_values_before_it_loads_a_mod
     with pytest.raises(SystemExit) as ended:
         local.main(["--model", "/nonexistent", *flags])
     assert ended.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_front_ends_flags_parse_without_torch():
+    """A device flag's check imported torch for the default "cpu": `dflash-serve --target` (a
+    front end alone, which never loads a model) took 2.4 s and 220 MB to parse (a review)."""
+    script = (
+        "import sys\nfrom launch.serve import build_parser\n"
+        "build_parser().parse_args(['--target', 'tcp://127.0.0.1:5555'])\nprint('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=DRAFTER.parent.parent)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr

@@ -925,3 +925,25 @@ def test_a_server_closed_and_bound_again_at_once_on_its_ipc_path_is_not_refused(
     address = f"ipc://{tmp_path}/again.sock"
     for _ in range(20):
         Server(address).close()
+
+
+def test_a_wait_past_its_deadline_still_reads_the_replies_already_here(tmp_path):
+    """A pre-draft's wait counts from its send, so after a long verify it begins past its deadline;
+    its reply, queued behind a stale one, was given up on and the healthy daemon dropped (a review)."""
+    address = f"ipc://{tmp_path}/late.sock"
+    server, client = Server(address), Client(address)
+    try:
+        stale, wanted = client.send("stats"), client.send("stats")
+        for _ in range(2):
+            identity, msg = server.next(2000)
+            assert server.send(identity, encode("stats_ok", msg.id, {"stats": {"id": msg.id}}))
+        deadline = time.monotonic() + 2
+        while client.sock.poll(0) == 0 and time.monotonic() < deadline:  # both replies here
+            time.sleep(0.01)
+        time.sleep(0.1)
+        reply = client.wait(wanted, "stats", timeout_s=-1.0)  # the deadline long past
+        assert reply is not None and reply["stats"] == {"id": wanted} and stale != wanted
+        assert client.wait(client.send("stats"), "stats", timeout_s=-1.0) is None  # nothing here: no wait
+    finally:
+        client.close()
+        server.close()
