@@ -71,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--record",
         metavar="DIR",
-        help="record every served request's prompt and answer (token ids and chat messages) into DIR as drafter "
-        "training data (`dflash-train --data DIR`). Off by default: these are your users' conversations, "
-        "kept in plain form on disk; enable it only where storing them is allowed",
+        help="record each greedy request that ends done, its prompt and answer (token ids and chat messages), "
+        "into DIR as drafter training data (`dflash-train --data DIR`). Off by default: these are your users' "
+        "conversations, kept in plain form on disk; enable it only where storing them is allowed",
     )
     add_settings(parser, ServiceSettings)
     add_server_security_args(parser)
@@ -111,7 +111,7 @@ def add_proposer_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with a draft daemon: as each chain verify starts, have it draft the next block for the N likeliest "
         f"outcomes (at most {MAX_PREDRAFT_OUTCOMES}) while the target verifies; a step whose outcome was named "
-        "waits for no drafting (0: off; see docs/deployment.md for when it pays)",
+        "and drafted in the verify's time waits for no drafting (0: off; see docs/deployment.md for when it pays)",
     )
 
 
