@@ -240,17 +240,44 @@ def bf16_matmul(folder: Path) -> str:
 def measured_once(folder: Path, name: str, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
     """Timings kept beside the kernels (`name`.json): a choice remeasured by every process flips with
     the load of the moment (on a busy 2-core machine 1 in 8 did), and two daemons that chose
-    differently give different outputs. A damaged record is measured again; delete it to remeasure."""
+    differently give different outputs. A damaged record is measured again; delete it to remeasure.
+
+    Measured on one thread: at two beside a busy core, every option timed the same (the other
+    core's wait), and the choice kept for good was noise (an audit). A folder that cannot be written
+    (a read-only cache) gets a measurement for this process alone, with a warning, not a traceback."""
     record = folder / f"{name}.json"
-    with locked(folder):
-        try:
-            return {str(k): float(v) for k, v in json.loads(record.read_text())["seconds"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass
-        seconds = measure()
-        record.write_text(json.dumps({"seconds": seconds}))
-    log.info("measured once for this machine (%s): %s", name, seconds)
+    seconds = _read_record(record)  # written whole (a rename), so read without the lock
+    if seconds is not None:
+        return seconds
+    try:
+        with locked(folder):
+            seconds = _read_record(record)
+            if seconds is None:
+                seconds = _on_one_thread(measure)
+                partial = record.with_suffix(".partial")
+                partial.write_text(json.dumps({"seconds": seconds}))
+                os.replace(partial, record)
+                log.info("measured once for this machine (%s): %s", name, seconds)
+    except OSError as err:
+        log.warning("cannot keep the measurement %s in %s (%s): measured for this process alone", name, folder, err)
+        seconds = _on_one_thread(measure)
     return seconds
+
+
+def _read_record(record: Path) -> dict[str, float] | None:
+    try:
+        return {str(k): float(v) for k, v in json.loads(record.read_text())["seconds"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _on_one_thread(measure: Callable[[], dict[str, float]]) -> dict[str, float]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _path_seconds() -> dict[str, float]:

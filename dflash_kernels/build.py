@@ -19,6 +19,8 @@ import platform
 import shutil
 import subprocess
 import sysconfig
+import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -29,8 +31,14 @@ import torch
 SOURCE = Path(__file__).with_name("cpu.cpp")
 # Beside the project's other rebuildable files ($DFLASH_SPLIT_CACHE, as target_node.CACHE_ROOT), which
 # this package, below both nodes, cannot import.
-KERNEL_CACHE = Path(os.environ.get("DFLASH_SPLIT_CACHE", Path.home() / ".cache" / "dflash-split")) / "kernels"
+# Absolute: a relative $DFLASH_SPLIT_CACHE kept each working directory's daemons apart (an audit).
+KERNEL_CACHE = (
+    Path(os.environ.get("DFLASH_SPLIT_CACHE", Path.home() / ".cache" / "dflash-split")).expanduser().absolute()
+    / "kernels"
+)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c++20", "-fopenmp"]
+
+FAILED_RETRY_S = 600.0  # a failed build is not tried again for this long (each try takes a daemon's start 20-60 s)
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +74,12 @@ def _compiler() -> str:
 @cache
 def load() -> Path:
     """Build (if needed) and load the kernels into torch.ops.dflash; returns their folder, which is
-    this machine's (its key names the source, compiler, torch and CPU flags)."""
+    this machine's (its key names the source, compiler, torch and CPU flags).
+
+    A library is loaded only once its checksum says it is whole: a truncated one (a full disk, a
+    crash before write-back) killed every process with a bus error, for good (an audit). Any
+    trouble with the folder (read-only, not a folder) makes the kernels unavailable, with the
+    reason, where it was a traceback; a whole library in a read-only folder still loads."""
 
     compiler = _compiler()
     try:
@@ -78,12 +91,31 @@ def load() -> Path:
     ).hexdigest()[:16]
     folder = KERNEL_CACHE / key
     library = folder / "dflash_kernels.so"
-    folder.mkdir(parents=True, exist_ok=True)
-    with locked(folder):
-        if not library.is_file():
-            _compile(compiler, library)
-    torch.ops.load_library(str(library))
+    if not _whole(library):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with locked(folder):
+                if not _whole(library):
+                    _compile(compiler, library)
+        except OSError as err:
+            raise KernelsUnavailable(f"cannot build the kernels in {folder}: {err}") from err
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as err:
+        raise KernelsUnavailable(f"cannot load {library}: {err}") from err
     return folder
+
+
+def _checksum(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _whole(library: Path) -> bool:
+    """Whether `library` is there with the checksum its build wrote beside it."""
+    try:
+        return library.with_suffix(".sha256").read_text().strip() == _checksum(library)
+    except OSError:
+        return False
 
 
 @contextmanager
@@ -95,10 +127,18 @@ def locked(folder: Path) -> Iterator[None]:
 
 
 def _compile(compiler: str, library: Path) -> None:
+    """Compile into a file of this process's own (a killed build's orphaned compiler wrote the one
+    the next build renamed, an audit), flushed to disk before it takes the library's name, and its
+    checksum written last. A failure is kept beside it, and not tried again for FAILED_RETRY_S."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
+    failed = library.with_suffix(".failed")
+    if failed.is_file() and time.time() - failed.stat().st_mtime < FAILED_RETRY_S:
+        raise KernelsUnavailable(f"{failed.read_text().strip()} (an earlier build; delete {failed} to try again)")
     libs = library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    handle, partial = tempfile.mkstemp(dir=library.parent, suffix=".partial")
+    os.close(handle)
     command = [
         compiler,
         *FLAGS,
@@ -107,15 +147,37 @@ def _compile(compiler: str, library: Path) -> None:
         f"-I{sysconfig.get_paths()['include']}",
         str(SOURCE),
         "-o",
-        str(library.with_suffix(".partial")),
+        partial,
         *(f"-L{p}" for p in libs),
         *(f"-Wl,-rpath,{p}" for p in libs),
         "-lc10",
         "-ltorch_cpu",
     ]
     log.info("compiling the CPU kernels (once per machine): %s", library.parent)
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        errors = [line for line in done.stderr.splitlines() if "error" in line][:5]
-        raise KernelsUnavailable("compiling dflash_kernels/cpu.cpp failed: " + " | ".join(errors))
-    library.with_suffix(".partial").rename(library)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            lines = done.stderr.splitlines()
+            why = [line for line in lines if "error" in line][:5] or lines[-3:] or [f"exit code {done.returncode}"]
+            message = "compiling dflash_kernels/cpu.cpp failed: " + " | ".join(why)
+            failed.write_text(message + "\n")
+            raise KernelsUnavailable(message)
+        _durable(Path(partial))
+        os.replace(partial, library)
+    finally:
+        Path(partial).unlink(missing_ok=True)
+    checksum = library.with_suffix(".sha256")
+    checksum.with_suffix(".partial").write_text(_checksum(library) + "\n")
+    _durable(checksum.with_suffix(".partial"))
+    os.replace(checksum.with_suffix(".partial"), checksum)
+    failed.unlink(missing_ok=True)
+    _durable(library.parent)
+
+
+def _durable(path: Path) -> None:
+    """Flush a file's (or a folder's entries') writes to disk before anything depends on them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

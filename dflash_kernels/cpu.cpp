@@ -373,7 +373,8 @@ void panel_bf16(const uint32_t* xpairs, int64_t ldx, const bf16* w, int64_t K2, 
   for (int r = 0; r < R; r++)
     for (int v = 0; v < PV; v++) _mm512_storeu_ps(acc + r * PANEL + v * W, a[r][v]);
 #else
-  // No native bf16 dot products: the pair (k, k + 1) of each lane widened exactly, two FMAs in order.
+  // No native bf16 dot products: the pair (k, k + 1) of each lane widened exactly, two FMAs in
+  // VDPBF16PS's order, k + 1 first (k first, 1 output in 3 differed from a CPU that has it: an audit).
   V a[R][PV];
   for (int r = 0; r < R; r++)
     for (int v = 0; v < PV; v++) a[r][v] = vzero();
@@ -393,7 +394,7 @@ void panel_bf16(const uint32_t* xpairs, int64_t ldx, const bf16* w, int64_t K2, 
       const uint32_t pair = xpairs[r * ldx + k];
       V x0 = vset(bf16_to_float(static_cast<bf16>(pair & 0xffffu)));
       V x1 = vset(bf16_to_float(static_cast<bf16>(pair >> 16)));
-      for (int v = 0; v < PV; v++) a[r][v] = vfma(x1, hi[v], vfma(x0, lo[v], a[r][v]));
+      for (int v = 0; v < PV; v++) a[r][v] = vfma(x0, lo[v], vfma(x1, hi[v], a[r][v]));
     }
   }
   for (int r = 0; r < R; r++)

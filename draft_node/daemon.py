@@ -28,7 +28,7 @@ from draft_node.kv_cache import (
     timed_pass,
 )
 from draft_node.model import DFlashDrafter
-from draft_node.predraft import PassCost, Predrafts, check_outcomes, predraft
+from draft_node.predraft import PassCost, Predrafts, check_outcomes, outcomes_per_pass, predraft
 from draft_node.settings import DraftSettings
 from protocol import FLOAT_DTYPES, MAX_HEADER_BYTES, ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
@@ -243,7 +243,8 @@ class DraftService:
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"predraft: {exc}") from exc
         reads = min(session.cache.length, session.cache.capacity) + self.config.block_size  # rows a block reads
-        count = self.pass_cost.fitting(len(known), self.budget_left(msg["budget_ms"]), reads)
+        per_pass = outcomes_per_pass(session.cache)
+        count = self.pass_cost.fitting(len(known), self.budget_left(msg["budget_ms"]), reads, per_pass)
         self.counters["predraft_outcomes_cut"] += len(known) - count
         session.predraft_outcomes_cut += len(known) - count
         wire_dtype = msg.tensors["heads"][0].dtype
@@ -253,7 +254,7 @@ class DraftService:
         session.predrafts = drafted = predraft(session.cache, heads[: sum(known[:count])], known[:count], session.mask)
         finish_queued(session.cache.drafter.device)
         draft_ms = (time.perf_counter() - began) * 1000
-        self.pass_cost.record(count, draft_ms, count * reads)
+        self.pass_cost.record(count, draft_ms, count * reads, -(-count // per_pass))
         self.counters["predrafts"] += 1
         self.counters["draft_ms"] += draft_ms
         hidden, gate = drafted.joined()

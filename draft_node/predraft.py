@@ -68,55 +68,70 @@ class Predrafts:
         return hidden, None if gates[0] is None else torch.cat(gates)
 
 
+# The subsets of (passes, blocks, rows) a pass's price is fit on, blocks before rows: where every pass
+# read the same context the two are one, and priced by rows a short session's blocks came free (a review).
+PRICE_TERMS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,))
+
+
 @dataclass
 class PassCost:
-    """What one draft pass costs this daemon: ms ~ fixed + per block x blocks + per row x the
-    context rows its blocks read, fit by least squares over its recent passes (one-block proposes
-    and pre-drafts of many blocks, over short contexts and long). A pre-draft that outlasts the
-    verify delays the propose behind it, hit or miss (a drafter of 8 layers pre-drafting 8
-    outcomes made every chain step wait 18-31 ms where a fresh draft took 17), so the daemon
-    drafts only the likeliest outcomes that fit the time the target gives it. Fit on blocks
-    alone, a session of 4,000 rows pre-drafted 16 outcomes in 559 ms for a budget of 35 that
-    short sessions' passes had set (an audit)."""
+    """What a pre-draft costs this daemon: ms ~ per pass x passes + per block x blocks + per row x
+    the context rows its blocks read, every price >= 0, fit over its recent passes (one-block
+    proposes and pre-drafts of many blocks, over short contexts and long). A pre-draft that
+    outlasts the verify delays the propose behind it, hit or miss (a drafter of 8 layers
+    pre-drafting 8 outcomes made every chain step wait 18-31 ms where a fresh draft took 17), so
+    the daemon drafts only the likeliest outcomes that fit the time the target gives it. Priced
+    by blocks alone, a session of 4,000 rows pre-drafted 16 outcomes in 559 ms for a budget of 35
+    (an audit); with a free sign, a negative price for passes let a spent budget fit them all (a
+    review). No pass is priced below the cheapest one seen."""
 
-    recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (blocks, ms, context rows read)
+    recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (blocks, ms, context rows read, passes)
 
-    def record(self, blocks: int, ms: float, rows: int = 0) -> None:
-        self.recent.append((blocks, ms, rows))
+    def record(self, blocks: int, ms: float, rows: int = 0, passes: int = 1) -> None:
+        self.recent.append((blocks, ms, rows, passes))
 
-    def model(self) -> Callable[[int, int], float]:
-        """The expected ms of a pass of `blocks` blocks reading `rows` context rows in all; 0
-        before any pass (optimistic: try it)."""
+    def model(self) -> Callable[[int, int, int], float]:
+        """The expected ms of `blocks` blocks reading `rows` context rows in all, in `passes`
+        passes; 0 before any pass (optimistic: try it)."""
         if not self.recent:
-            return lambda blocks, rows: 0.0
+            return lambda blocks, rows, passes: 0.0
         data = np.array(self.recent, dtype=np.float64)
-        blocks, ms, rows = data[:, 0], data[:, 1], data[:, 2]
-        if np.ptp(blocks) == 0 and np.ptp(rows) == 0:  # one size seen so far: in proportion, the larger way
-            mean_ms, mean_blocks, mean_rows = ms.mean(), blocks[0], rows[0]
-            return lambda b, r: mean_ms * max(b / mean_blocks, r / mean_rows if mean_rows else 0.0)
-        best = None
-        for columns in ((0, 2), (0,), (2,)):  # slopes that are never negative, the closest fit
-            design = np.column_stack([np.ones_like(ms), *(data[:, c] for c in columns)])
+        ms, terms = data[:, 1], data[:, [3, 0, 2]]  # passes, blocks, rows
+        floor = float(ms.min())
+        if (np.ptp(terms, axis=0) == 0).all():  # one size seen so far: in proportion, the larger way
+            mean, blocks, rows = float(ms.mean()), terms[0, 1], terms[0, 2]
+            return lambda b, r, p: mean * max(b / blocks, r / rows if rows else 0.0)
+        scale = np.where(terms.max(axis=0) > 0, terms.max(axis=0), 1.0)
+        best, prices = float("inf"), None
+        for chosen in PRICE_TERMS:  # the closest fit with no negative price and no two terms alike
+            design = terms[:, chosen] / scale[list(chosen)]
+            if np.linalg.matrix_rank(design, tol=1e-6) < len(chosen):
+                continue
             coef = np.linalg.lstsq(design, ms, rcond=None)[0]
             residual = float(((design @ coef - ms) ** 2).sum())
-            if (coef[1:] >= 0).all() and (best is None or residual < best[0] - 1e-9):
-                slopes = dict(zip(columns, coef[1:], strict=True))
-                best = (residual, float(coef[0]), float(slopes.get(0, 0.0)), float(slopes.get(2, 0.0)))
-        if best is None:  # every slope negative (noise): the mean pass
-            return lambda b, r: float(ms.mean())
-        _, fixed, per_block, per_row = best
-        return lambda b, r: fixed + per_block * b + per_row * r
+            if (coef >= 0).all() and residual < best - 1e-9 * max(1.0, float(ms @ ms)):
+                best, prices = residual, np.zeros(3)
+                prices[list(chosen)] = coef / scale[list(chosen)]
+        if prices is None:
+            mean = float(ms.mean())
+            return lambda b, r, p: mean
+        per_pass, per_block, per_row = (float(x) for x in prices)
+        return lambda b, r, p: max(floor, per_pass * p + per_block * b + per_row * r)
 
-    def estimate(self, blocks: int, rows: int = 0) -> float:
-        return self.model()(blocks, rows)
+    def estimate(self, blocks: int, rows: int = 0, passes: int = 1) -> float:
+        return self.model()(blocks, rows, passes)
 
-    def fitting(self, named: int, budget_ms: float, context: int = 0) -> int:
-        """How many of `named` outcomes (likeliest first), each a block reading `context` rows, one
-        pass drafts within `budget_ms`; all where the budget is 0 (none given)."""
+    def fitting(self, named: int, budget_ms: float, context: int = 0, per_pass: int = MAX_PREDRAFT_OUTCOMES) -> int:
+        """How many of `named` outcomes (likeliest first), each a block reading `context` rows, in
+        passes of `per_pass` outcomes (`outcomes_per_pass`), are drafted within `budget_ms`; all
+        where the budget is 0 (none given)."""
         if budget_ms <= 0:
             return named
         cost = self.model()
-        return max((n for n in range(named + 1) if n == 0 or cost(n, n * context) <= budget_ms), default=0)
+        return max(
+            (n for n in range(named + 1) if n == 0 or cost(n, n * context, -(-n // per_pass)) <= budget_ms + 1e-9),
+            default=0,
+        )
 
 
 def check_outcomes(known: list[int], head_rows: int, block_size: int) -> None:
@@ -137,20 +152,28 @@ def predraft(cache: DraftKVCache, heads: torch.Tensor, known: list[int], mask: t
     """Draft every outcome over `cache`'s context as it is (which it leaves unchanged): `heads`
     [sum(known), hidden] are the outcomes' known tokens embedded, one run of `known[i]` rows
     each, `mask` [1, hidden] the mask token's embedding. The outcomes share the context, so each
-    reads a copy of it with room for its own block's keys and values; in passes whose copies
-    hold at most one ring's rows in all: 16 outcomes in one pass held 17.6 rings at a full
-    ring (an audit). Each outcome's rows are its own whatever its pass (row_independence)."""
+    reads a copy of it with room for its own block's keys and values, in passes of
+    `outcomes_per_pass`. Each outcome's rows are its own whatever its pass (row_independence)."""
     drafter = cache.drafter
     block = drafter.config.block_size
     check_outcomes(known, heads.shape[0], block)
-    live = min(cache.length, cache.capacity)
-    per_pass = max(1, (cache.capacity + block) // (live + block))
+    per_pass = outcomes_per_pass(cache)
     drafted: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     for first in range(0, len(known), per_pass):
         group = known[first : first + per_pass]
         rows_before = sum(known[:first])
         drafted += _predraft_pass(cache, heads[rows_before : rows_before + sum(group)], group, mask)
     return Predrafts(cache.length, list(known), drafted)
+
+
+COPY_RINGS = 4  # a pre-draft's copies of its session's context hold at most this many rings' rows
+
+
+def outcomes_per_pass(cache: DraftKVCache) -> int:
+    """How many outcomes one pass drafts: their copies of the context within COPY_RINGS rings (16
+    in one pass held 17.6 rings at a full ring, an audit; one a pass cost 2.7-9x the time, a review)."""
+    block = cache.drafter.config.block_size
+    return max(1, COPY_RINGS * (cache.capacity + block) // (min(cache.length, cache.capacity) + block))
 
 
 def _predraft_pass(

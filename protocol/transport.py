@@ -62,6 +62,8 @@ DEFAULT_RECEIVE_QUEUE = 1000
 HELD_MAX = 256
 HELD_PER_PEER = 64
 MAX_ENVELOPED = 1024  # REQ peers remembered until their error reply leaves
+REQ_REFUSED = "a REQ socket's empty delimiter frame: connect with a DEALER socket"
+REQ_REFUSAL = bytes(encode_error(None, ErrorCode.MALFORMED, REQ_REFUSED)[0])  # its error reply's header
 LATE_READS = 64  # replies already queued that a wait past its deadline still reads (`receive`)
 # The helper's intake, in messages a second after its first HELD_MAX: it keeps reading through a
 # step (a flood of pings must not make it deaf) but cannot take the step's share of the GIL;
@@ -440,9 +442,7 @@ class Server:
             self.enveloped[identity.bytes] = None
             while len(self.enveloped) > MAX_ENVELOPED:
                 self.enveloped.popitem(last=False)
-            return identity.bytes, ProtocolError(
-                ErrorCode.MALFORMED, "a REQ socket's empty delimiter frame: connect with a DEALER socket"
-            )
+            return identity.bytes, ProtocolError(ErrorCode.MALFORMED, REQ_REFUSED)
         try:
             message = decode(frames, max_frame_bytes=self.max_frame_bytes)
         except ProtocolError as exc:
@@ -577,7 +577,9 @@ class Server:
                 self.undelivered_ids.append(identity)
 
     def _deliver(self, identity: bytes, frames: Frames) -> bool:
-        if identity in self.enveloped:
+        # Only the refusal goes in the envelope: a peer's other replies (a DEALER that sent one such
+        # message and then a ping) went out with the delimiter, and its client missed them (a review).
+        if identity in self.enveloped and bytes(frames[0]) == REQ_REFUSAL:
             del self.enveloped[identity]
             frames = [b"", *frames]
         try:

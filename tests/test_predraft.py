@@ -50,19 +50,19 @@ def checkpoint(cfg, tmp_path_factory):
 
 
 @pytest.mark.parametrize("dflash2", [False, True], ids=["dflash", "dflash2"])
-@pytest.mark.parametrize("capacity, passes", [(16, [1, 1, 1, 1]), (64, [2, 2]), (256, [4])])
+@pytest.mark.parametrize("capacity, passes", [(16, [4, 2]), (256, [6])])
 def test_outcomes_drafted_in_one_pass_equal_each_drafted_alone(target, dflash2, capacity, passes, monkeypatch):
     """Bit for bit what a fresh draft of each gives, in passes whose copies of the context hold
-    at most one ring's rows: at a full ring, one outcome a pass (16 at once held 17.6 rings, an audit)."""
+    at most COPY_RINGS rings' rows: at a full ring, 4 outcomes a pass (16 at once held 17.6 rings, an audit)."""
     import draft_node.predraft as predraft_module
 
     cfg = config_for_target(target.config, block_size=8, taps=3, dflash2=dflash2)
     drafter = random_drafter(cfg, seed=2, std=0.1)
     g = torch.Generator().manual_seed(0)
-    cache = DraftKVCache(drafter, capacity=capacity)  # 20 rows: at 16, the ring has wrapped
+    cache = DraftKVCache(drafter, capacity=capacity)  # 20 rows: at 16, the ring has wrapped and is full
     cache.append(0, torch.randn(20, cfg.feature_width, generator=g))
     mask = torch.randn(1, cfg.hidden_size, generator=g)
-    known = [2, 5, 3, 7]
+    known = [2, 5, 3, 7, 4, 6]
     heads = torch.randn(sum(known), cfg.hidden_size, generator=g)
     one_pass, groups = predraft_module._predraft_pass, []
     monkeypatch.setattr(
@@ -316,6 +316,29 @@ def test_pass_cost_prices_the_context_a_pass_reads_and_cuts_long_contexts_pre_dr
     assert one_size.estimate(1, 400) == pytest.approx(20.0) and one_size.estimate(4, 100) == pytest.approx(20.0)
 
 
+def test_pass_cost_never_prices_a_pass_below_what_was_seen_nor_a_short_session_by_long_ones_rows():
+    """A review: where every pass read a full ring, rows and blocks were one term and the fit put
+    the whole block's price on rows, so a new short session's 16 outcomes were priced 4.6 ms for
+    19.7; a fit with a negative price per pass priced passes below 0, and a spent budget (1e-9)
+    fitted all 16. Prices are never negative, terms alike are fit as one (blocks), no pass is
+    priced below the cheapest seen, and a pre-draft in many passes pays for each."""
+    ring = PassCost()
+    for blocks in (1, 2, 4, 8, 16) * 3:  # 2 ms a pass, 1 ms a block, 0.0005 ms a row, all at 4,112 rows a block
+        ring.record(blocks, 2.0 + blocks + 0.0005 * 4112 * blocks, 4112 * blocks)
+    true_short = 2.0 + 16 + 0.0005 * 216 * 16
+    assert ring.estimate(16, 216 * 16) >= true_short  # priced as long ones: conservative, never free
+    assert ring.fitting(16, 10.0, context=216) <= 2
+    convex = PassCost()  # flat, then steep: a least-squares line through it crosses 0
+    for blocks, ms in ((1, 6.2), (2, 6.2), (4, 6.3), (8, 6.5), (16, 9.2), (32, 30.0)):
+        convex.record(blocks, ms, 20 * blocks)
+    assert convex.estimate(1, 20) >= 6.2 and convex.fitting(16, 1e-9, context=20) == 0
+    passes = PassCost()  # 5 ms a pass, 1 ms a block
+    for blocks, count in ((1, 1), (4, 1), (4, 4), (8, 2), (16, 4)):
+        passes.record(blocks, 5.0 * count + blocks, 0, count)
+    assert passes.estimate(16, 0, 16) == pytest.approx(96.0) and passes.estimate(16, 0, 1) == pytest.approx(21.0)
+    assert passes.fitting(16, 30.0, per_pass=4) == 12 and passes.fitting(16, 30.0) == 16  # 12 + 3 x 5; 16 + 5
+
+
 def test_the_daemon_prices_a_predraft_by_its_sessions_context(cfg):
     drafter = random_drafter(cfg, seed=3, std=0.1)
     short, long = Session(cfg, name="short", drafter=drafter), Session(cfg, name="long", drafter=drafter)
@@ -345,13 +368,13 @@ def test_a_predraft_drafts_only_the_likeliest_outcomes_that_fit_its_budget(cfg):
     s = Session(cfg)
     s.propose(0, 5)
     s.svc.pass_cost.recent.clear()  # that pass's real time (long on a loaded machine) aside
-    s.svc.pass_cost.recent.extend([(1, 2.0, 0), (4, 5.0, 0)] * 4)  # 1 ms fixed + 1 ms a block, as measured
+    s.svc.pass_cost.recent.extend([(1, 2.0, 0, 1), (4, 5.0, 0, 1)] * 4)  # 1 ms a pass + 1 ms a block, as measured
     reply = s.predraft(5, [2, 3, 2, 4], budget_ms=3.5)
     assert reply.type == "predrafts" and reply["outcomes"] == 2
     assert reply.tensor("hidden").shape[0] == (cfg.block_size - 2) + (cfg.block_size - 3)
     assert s.svc.counters["predraft_outcomes_cut"] == 2
     assert s.propose(5, 7, outcome=2)["predrafted"] is False  # a cut outcome is a miss
-    s.svc.pass_cost.recent.extend([(1, 2.0, 0), (4, 5.0, 0)] * 32)  # the miss's pass, forgotten
+    s.svc.pass_cost.recent.extend([(1, 2.0, 0, 1), (4, 5.0, 0, 1)] * 32)  # the miss's pass, forgotten
     assert s.predraft(7, [2, 3], budget_ms=100.0)["outcomes"] == 2
     hit = s.propose(7, 9, outcome=1)  # outcome 1 knew 3 tokens: its block starts at 7 + 3 - 1
     assert hit["predrafted"] and hit.tensor("hidden").shape[0] == cfg.block_size - 3
@@ -373,7 +396,7 @@ def test_predrafts_arriving_together_share_one_budget_and_the_rest_of_the_burst_
         s.propose(0, 5)
     svc = first.svc
     svc.pass_cost.recent.clear()  # the proposes' real passes (long on a loaded machine) aside
-    svc.pass_cost.recent.extend([(1, 10.0, 0), (4, 40.0, 0)] * 4)  # 10 ms a block, as measured
+    svc.pass_cost.recent.extend([(1, 10.0, 13, 1), (4, 40.0, 52, 1)] * 4)  # 10 ms a block (of 13 rows), as measured
 
     def slow(*args):  # a pass as long as its estimate, whatever this machine's speed
         time.sleep(0.045)

@@ -947,3 +947,31 @@ def test_a_wait_past_its_deadline_still_reads_the_replies_already_here(tmp_path)
     finally:
         client.close()
         server.close()
+
+
+def test_only_the_refusal_of_an_enveloped_message_goes_out_in_an_envelope(tmp_path):
+    """A peer that sent one message in a REQ envelope had its next reply, whichever it was, sent
+    with the delimiter: a DEALER's pong arrived as [b"", pong] and its client missed it (a review)."""
+    from protocol.errors import ErrorCode
+    from protocol.transport import REQ_REFUSED
+
+    address = f"ipc://{tmp_path}/envelope.sock"
+    server = Server(address)
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.connect(address)
+    try:
+        peer.send_multipart([b"", *encode("ping", 1, {})])
+        peer.send_multipart(encode("ping", 2, {}))
+        (who, refused), (_, ping) = server.next(2000), server.next(2000)
+        assert isinstance(refused, ProtocolError) and ping.type == "ping"
+        assert server.send(who, encode("pong", 2, {"time": 0.0, "sessions": 0}))  # answered first
+        assert server.send(who, encode_error(refused.request_id, ErrorCode.MALFORMED, REQ_REFUSED))
+        assert peer.poll(2000)
+        pong = peer.recv_multipart()
+        assert decode(pong).type == "pong"
+        assert peer.poll(2000)
+        delimiter, *error = peer.recv_multipart()
+        assert delimiter == b"" and decode(error)["code"] == "malformed" and not server.enveloped
+    finally:
+        peer.close(0)
+        server.close()

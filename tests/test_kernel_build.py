@@ -1,0 +1,124 @@
+"""Building and loading the CPU kernels (dflash_kernels/build.py) when the cache is not as it
+should be: a damaged library, a folder that cannot be written, a compiler that fails. A fake
+compiler stands in for g++ (a real build takes 20-60 s)."""
+
+import os
+import stat
+
+import pytest
+
+from dflash_kernels import build
+
+COMPILER = """#!/bin/sh
+# Writes its -o file, or fails as an out-of-memory-killed cc1plus does (no line saying "error").
+echo "$@" >> "$(dirname "$0")/calls"
+if [ -f "$(dirname "$0")/fail" ]; then echo "cc1plus: internal compiler fault" >&2; echo "killed" >&2; exit 4; fi
+while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then printf 'a whole library' > "$2"; fi; shift; done
+"""
+
+
+@pytest.fixture
+def compiler(tmp_path):
+    path = tmp_path / "bin" / "fake-g++"
+    path.parent.mkdir()
+    path.write_text(COMPILER)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def calls(compiler) -> int:
+    """Compilations run (`--version` aside)."""
+    log = compiler.parent / "calls"
+    return sum(" -o " in f" {line} " for line in log.read_text().splitlines()) if log.exists() else 0
+
+
+def test_a_build_leaves_a_whole_library_with_its_checksum_and_nothing_else(tmp_path, compiler):
+    library = tmp_path / "key" / "dflash_kernels.so"
+    library.parent.mkdir()
+    build._compile(str(compiler), library)
+    assert library.read_bytes() == b"a whole library" and build._whole(library)
+    assert sorted(p.name for p in library.parent.iterdir()) == ["dflash_kernels.sha256", "dflash_kernels.so"]
+
+
+def test_a_damaged_library_is_built_again_and_never_loaded(tmp_path, compiler, monkeypatch):
+    """A truncated library (a full disk, a crash before write-back) was loaded as it was: every
+    process died of a bus error, for good (an audit)."""
+    monkeypatch.setattr(build, "KERNEL_CACHE", tmp_path / "kernels")
+    monkeypatch.setenv("CXX", str(compiler))
+    loaded = []
+    monkeypatch.setattr(build.torch.ops, "load_library", lambda path: loaded.append(open(path, "rb").read()))
+    folder = build.load.__wrapped__()
+    library = folder / "dflash_kernels.so"
+    assert loaded == [b"a whole library"] and calls(compiler) == 1
+    library.write_bytes(b"a whole lib")  # truncated after its checksum was written
+    build.load.__wrapped__()
+    assert loaded[-1] == b"a whole library" and calls(compiler) == 2
+    build.load.__wrapped__()  # whole: loaded as it is
+    assert calls(compiler) == 2 and len(loaded) == 3
+
+
+def test_a_whole_library_in_a_folder_no_one_may_write_loads_and_a_folder_that_cannot_be_made_says_why(
+    tmp_path, compiler, monkeypatch
+):
+    """A read-only cache raised OSError from the lock file even with the library built, and the
+    target and the drafter died with a traceback (an audit)."""
+    monkeypatch.setattr(build, "KERNEL_CACHE", tmp_path / "kernels")
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setattr(build.torch.ops, "load_library", lambda path: None)
+    build.load.__wrapped__()
+
+    def refused(folder):
+        raise OSError(30, "Read-only file system", str(folder / ".lock"))
+
+    monkeypatch.setattr(build, "locked", refused)
+    assert build.load.__wrapped__().is_dir()  # whole: no lock taken
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(build, "KERNEL_CACHE", blocker / "kernels")
+    with pytest.raises(build.KernelsUnavailable, match="cannot build the kernels in"):
+        build.load.__wrapped__()
+
+
+def test_a_failed_build_says_why_and_is_not_tried_again_by_every_start(tmp_path, compiler, monkeypatch):
+    """A failure whose output had no line with "error" said nothing ("failed: "), and every daemon
+    start compiled again for 20-60 s (an audit)."""
+    (compiler.parent / "fail").write_text("")
+    library = tmp_path / "key" / "dflash_kernels.so"
+    library.parent.mkdir()
+    with pytest.raises(build.KernelsUnavailable, match="internal compiler fault | killed"):
+        build._compile(str(compiler), library)
+    with pytest.raises(build.KernelsUnavailable, match="an earlier build"):
+        build._compile(str(compiler), library)
+    assert calls(compiler) == 1 and not list(library.parent.glob("*.partial"))
+    os.utime(library.with_suffix(".failed"), (0, 0))  # long ago: tried again
+    (compiler.parent / "fail").unlink()
+    build._compile(str(compiler), library)
+    assert calls(compiler) == 2 and build._whole(library) and not library.with_suffix(".failed").exists()
+
+
+def test_a_measurement_runs_on_one_thread_and_a_folder_that_cannot_keep_it_costs_a_warning(
+    tmp_path, monkeypatch, caplog
+):
+    """At two threads beside a busy core every option timed the same and the noise was kept for
+    good; a read-only cache raised from the lock file (an audit)."""
+    import torch
+
+    import dflash_kernels
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        measure = lambda: seen.append(torch.get_num_threads()) or {"a": 1.0, "b": 2.0}  # noqa: E731
+        assert dflash_kernels.measured_once(tmp_path, "choice", measure) == {"a": 1.0, "b": 2.0}
+        assert dflash_kernels.measured_once(tmp_path, "choice", measure) == {"a": 1.0, "b": 2.0}  # kept
+        assert seen == [1] and torch.get_num_threads() == 2
+
+        def refused(folder):
+            raise OSError(30, "Read-only file system")
+
+        monkeypatch.setattr(dflash_kernels, "locked", refused)
+        assert dflash_kernels.measured_once(tmp_path, "other", measure) == {"a": 1.0, "b": 2.0}
+        assert seen == [1, 1] and "cannot keep the measurement other" in caplog.text
+    finally:
+        torch.set_num_threads(threads)
