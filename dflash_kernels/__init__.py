@@ -92,7 +92,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)` of fp32 rows [M, N] on the CPU, the same indices (the first maximum; the first
     NaN where a row has one), in two vectorised passes: torch's CPU argmax reads about a value a
     nanosecond, so a chain verify's 8 x 49K logits cost 1 ms of a 31 ms step. Anything else: torch's."""
-    if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and runs_on(x.device):
+    # A one-column view ([7, 1] of a row's transpose) is contiguous with stride(1) != 1: the kernel
+    # refused it (an audit); one column's argmax is 0 anyway.
+    if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 1 and runs_on(x.device):
         out = torch.empty(x.shape[0], dtype=torch.long)
         torch.ops.dflash.argmax(x if x.stride(1) == 1 else x.contiguous(), out)
         return out
@@ -190,7 +192,8 @@ def available() -> bool:
     """Whether the kernels build and load here (a machine without a compiler runs torch's ops)."""
     try:
         load()
-    except KernelsUnavailable:
+    except KernelsUnavailable as err:  # said once a process (a drafter fell back without a word: an audit)
+        log.warning("the CPU kernels are unavailable here, torch's ops compute instead: %s", err)
         return False
     return True
 

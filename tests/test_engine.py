@@ -401,6 +401,8 @@ def test_the_kernels_argmax_is_torchs_argmax_ties_infinities_and_nans_included()
     assert torch.equal(dflash_kernels.argmax(batch), batch.argmax(-1))
     assert torch.equal(dflash_kernels.argmax(batch[:, ::2]), batch[:, ::2].argmax(-1))  # strided rows
     assert torch.equal(dflash_kernels.argmax(batch.double()), batch.double().argmax(-1))  # not fp32: torch's
+    column = batch[:1, :7].T  # [7, 1], "contiguous" with stride(1) 7: the kernel refused it (an audit)
+    assert torch.equal(dflash_kernels.argmax(column), column.argmax(-1))
 
 
 def test_bench_paths_times_each_path_this_machine_has_in_turns(tmp_path, one_thread):
