@@ -214,7 +214,8 @@ def load() -> Path:
     (`bf16_matmul`) before any matmul runs; returns the kernels' folder."""
     folder = build.load()
     torch.ops.dflash.linear_path(BF16_PATHS[bf16_matmul(folder)])
-    seconds = measured_once(folder, "prefetch-576x3072", _prefetch_seconds)
+    name = f"prefetch-576x3072-{torch.get_num_threads()}threads"
+    seconds = measured_once(folder, name, _prefetch_seconds, one_thread=False)
     torch.ops.dflash.prefetch_level(PREFETCH_LEVELS[min(seconds, key=lambda level: seconds[level])])
     return folder
 
@@ -240,13 +241,17 @@ def bf16_matmul(folder: Path) -> str:
     return min(seconds, key=lambda path: seconds[path])
 
 
-def measured_once(folder: Path, name: str, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
+def measured_once(
+    folder: Path, name: str, measure: Callable[[], dict[str, float]], one_thread: bool = True
+) -> dict[str, float]:
     """Timings kept beside the kernels (`name`.json): a choice remeasured by every process flips with
     the load of the moment (on a busy 2-core machine 1 in 8 did), and two daemons that chose
     differently give different outputs. A damaged record is measured again; delete it to remeasure.
 
-    Measured on one thread: at two beside a busy core, every option timed the same (the other
-    core's wait), and the choice kept for good was noise (an audit). A folder that cannot be written
+    `one_thread`, for a choice that changes bits (the bf16 path, the dtype): at two threads beside a
+    busy core, every option timed the same (the other core's wait), and the choice kept for good was
+    noise (an audit). A choice of speed alone (the prefetch level, the screen's widths) is measured
+    at the process's threads, under a name that says how many (a review). A folder that cannot be written
     (a read-only cache) gets a measurement for this process alone, with a warning, not a traceback."""
     record = folder / f"{name}.json"
     seconds = _read_record(record)  # written whole (a rename), so read without the lock
@@ -256,14 +261,14 @@ def measured_once(folder: Path, name: str, measure: Callable[[], dict[str, float
         with locked(folder):
             seconds = _read_record(record)
             if seconds is None:
-                seconds = _on_one_thread(measure)
+                seconds = _on_one_thread(measure) if one_thread else measure()
                 partial = record.with_suffix(".partial")
                 partial.write_text(json.dumps({"seconds": seconds}))
                 os.replace(partial, record)
                 log.info("measured once for this machine (%s): %s", name, seconds)
     except OSError as err:
         log.warning("cannot keep the measurement %s in %s (%s): measured for this process alone", name, folder, err)
-        seconds = _on_one_thread(measure)
+        seconds = _on_one_thread(measure) if one_thread else measure()
     return seconds
 
 

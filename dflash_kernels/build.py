@@ -160,7 +160,8 @@ def _compile(compiler: str, library: Path) -> None:
             lines = done.stderr.splitlines()
             why = [line for line in lines if "error" in line][:5] or lines[-3:] or [f"exit code {done.returncode}"]
             message = "compiling dflash_kernels/cpu.cpp failed: " + " | ".join(why)
-            failed.write_text(message + "\n")
+            if done.returncode > 0:  # a compiler killed by a signal (out of memory, a stop) may do next time
+                failed.write_text(message + "\n")
             raise KernelsUnavailable(message)
         _durable(Path(partial))
         os.replace(partial, library)

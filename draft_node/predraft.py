@@ -68,9 +68,10 @@ class Predrafts:
         return hidden, None if gates[0] is None else torch.cat(gates)
 
 
-# The subsets of (passes, blocks, rows) a pass's price is fit on, blocks before rows: where every pass
-# read the same context the two are one, and priced by rows a short session's blocks came free (a review).
-PRICE_TERMS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,))
+# The subsets of (passes, blocks, rows) a pass's price is fit on, blocks before rows and passes: where
+# every pass read the same context, or was one block, two terms are one, and priced by rows or passes a
+# short session's blocks, or a pre-draft's, came free (reviews).
+PRICE_TERMS = ((0, 1, 2), (0, 1), (1, 2), (0, 2), (1,), (0,), (2,))
 
 
 @dataclass
@@ -83,7 +84,7 @@ class PassCost:
     the daemon drafts only the likeliest outcomes that fit the time the target gives it. Priced
     by blocks alone, a session of 4,000 rows pre-drafted 16 outcomes in 559 ms for a budget of 35
     (an audit); with a free sign, a negative price for passes let a spent budget fit them all (a
-    review). No pass is priced below the cheapest one seen."""
+    review). No pass is priced below a recorded one no larger than it."""
 
     recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (blocks, ms, context rows read, passes)
 
@@ -97,7 +98,6 @@ class PassCost:
             return lambda blocks, rows, passes: 0.0
         data = np.array(self.recent, dtype=np.float64)
         ms, terms = data[:, 1], data[:, [3, 0, 2]]  # passes, blocks, rows
-        floor = float(ms.min())
         if (np.ptp(terms, axis=0) == 0).all():  # one size seen so far: in proportion, the larger way
             mean, blocks, rows = float(ms.mean()), terms[0, 1], terms[0, 2]
             return lambda b, r, p: mean * max(b / blocks, r / rows if rows else 0.0)
@@ -116,7 +116,13 @@ class PassCost:
             mean = float(ms.mean())
             return lambda b, r, p: mean
         per_pass, per_block, per_row = (float(x) for x in prices)
-        return lambda b, r, p: max(floor, per_pass * p + per_block * b + per_row * r)
+
+        def cost(b: int, r: int, p: int) -> float:
+            # At least what a recorded pass no larger in any term cost (none such: no floor).
+            smaller = ms[(terms <= np.array([p, b, r])).all(axis=1)]
+            return max(float(smaller.min()) if smaller.size else 0.0, per_pass * p + per_block * b + per_row * r)
+
+        return cost
 
     def estimate(self, blocks: int, rows: int = 0, passes: int = 1) -> float:
         return self.model()(blocks, rows, passes)

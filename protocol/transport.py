@@ -438,7 +438,7 @@ class Server:
 
     def _take(self) -> tuple[bytes, Message | ProtocolError]:
         identity, *frames = self.sock.recv_multipart(copy=False)
-        if len(frames) > 1 and len(frames[0]) == 0:  # [b"", header, ...]: a REQ socket's envelope
+        if len(frames) > 1 and len(frames[0]) == 0 and self._readable(frames[1:]):  # a REQ socket's envelope
             self.enveloped[identity.bytes] = None
             while len(self.enveloped) > MAX_ENVELOPED:
                 self.enveloped.popitem(last=False)
@@ -449,6 +449,16 @@ class Server:
             return identity.bytes, exc
         message.peer = self._peer(identity, frames)
         return identity.bytes, message
+
+    def _readable(self, frames: list[zmq.Frame]) -> bool:
+        """Whether `frames` are a message: after an empty frame, what a REQ socket sends. An empty
+        frame before anything else is a malformed message like any other, answered without the
+        envelope (a DEALER fuzzing the daemon got its error with one, a test)."""
+        try:
+            decode(frames, max_frame_bytes=self.max_frame_bytes)
+        except ProtocolError:
+            return False
+        return True
 
     def _peer(self, identity: zmq.Frame, frames: list[zmq.Frame]) -> str:
         if self.curve is not None:

@@ -181,7 +181,9 @@ def test_the_screen_serves_the_widths_it_was_measured_faster_for(tiny_engine, tm
     head = {f"head-{m}": 2.0 for m in range(1, 6)}
     vnni = {"screen-vnni-1": 1.0, "screen-vnni-2": 1.0, "screen-vnni-3": 3.0, "screen-vnni-4": 1.0}
     amx = {f"screen-amx-{m}": 1.5 for m in range(1, 5)} | {"screen-amx-5": 2.5}
-    (tmp_path / f"{record.stem.rsplit('-', len(paths))[0]}-vnni-amx.json").write_text(
+    named, threads = record.stem.rsplit("-", 1)  # ...-PATHS-NTHREADS: a speed choice, per thread count
+    assert threads == f"{torch.get_num_threads()}threads"
+    (tmp_path / f"{named.rsplit('-', len(paths))[0]}-vnni-amx-{threads}.json").write_text(
         json.dumps({"seconds": head | vnni | amx})
     )
     assert engine._screen_rows() == 4 and engine.screen_path == "amx"

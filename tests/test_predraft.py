@@ -337,6 +337,14 @@ def test_pass_cost_never_prices_a_pass_below_what_was_seen_nor_a_short_session_b
         passes.record(blocks, 5.0 * count + blocks, 0, count)
     assert passes.estimate(16, 0, 16) == pytest.approx(96.0) and passes.estimate(16, 0, 1) == pytest.approx(21.0)
     assert passes.fitting(16, 30.0, per_pass=4) == 12 and passes.fitting(16, 30.0) == 16  # 12 + 3 x 5; 16 + 5
+    proposes = PassCost()  # one block a pass, as every propose: passes and blocks are one term, priced as blocks
+    for context in range(36, 127, 10):  # 4 ms a pass + 1 ms a block + 0.0005 ms a row (a review: 16 fitted 10 ms)
+        proposes.record(1, 5.0 + 0.0005 * context, context)
+    assert proposes.fitting(16, 10.0, context=136) <= 4
+    large = PassCost()  # only pre-drafts of 4 and 8 at a full ring recorded, the cheapest 16.2 ms
+    for blocks, ms in ((4, 16.2), (8, 28.4)) * 3:
+        large.record(blocks, ms, blocks * 4096, 1)
+    assert large.fitting(16, 12.0, context=4096, per_pass=4) == 2  # 1 and 2 outcomes: 7.1 and 10.1 ms
 
 
 def test_the_daemon_prices_a_predraft_by_its_sessions_context(cfg):

@@ -274,8 +274,8 @@ class Engine:
             finally:
                 self.screen_rows, self.screen_path = had
 
-        name = f"screen-{n}x{k}-{self.dtype}-{'-'.join(paths)}"
-        seconds = dflash_kernels.measured_once(dflash_kernels.load(), name, measure)
+        name = f"screen-{n}x{k}-{self.dtype}-{'-'.join(paths)}-{torch.get_num_threads()}threads"
+        seconds = dflash_kernels.measured_once(dflash_kernels.load(), name, measure, one_thread=False)
         self.screen_rows_by_path = {}
         for path in paths:
             faster = 0
