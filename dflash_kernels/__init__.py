@@ -254,6 +254,7 @@ def measured_once(
     at the process's threads, under a name that says how many (a review). A folder that cannot be written
     (a read-only cache) gets a measurement for this process alone, with a warning, not a traceback."""
     record = folder / f"{name}.json"
+    take = (lambda: _on_one_thread(measure)) if one_thread else measure
     seconds = _read_record(record)  # written whole (a rename), so read without the lock
     if seconds is not None:
         return seconds
@@ -261,14 +262,14 @@ def measured_once(
         with locked(folder):
             seconds = _read_record(record)
             if seconds is None:
-                seconds = _on_one_thread(measure) if one_thread else measure()
+                seconds = take()
                 partial = record.with_suffix(".partial")
                 partial.write_text(json.dumps({"seconds": seconds}))
                 os.replace(partial, record)
                 log.info("measured once for this machine (%s): %s", name, seconds)
     except OSError as err:
         log.warning("cannot keep the measurement %s in %s (%s): measured for this process alone", name, folder, err)
-        seconds = _on_one_thread(measure) if one_thread else measure()
+        seconds = take()
     return seconds
 
 

@@ -168,9 +168,10 @@ def _compile(compiler: str, library: Path) -> None:
     finally:
         Path(partial).unlink(missing_ok=True)
     checksum = library.with_suffix(".sha256")
-    checksum.with_suffix(".partial").write_text(_checksum(library) + "\n")
-    _durable(checksum.with_suffix(".partial"))
-    os.replace(checksum.with_suffix(".partial"), checksum)
+    written = checksum.with_suffix(".partial")
+    written.write_text(_checksum(library) + "\n")
+    _durable(written)
+    os.replace(written, checksum)
     failed.unlink(missing_ok=True)
     _durable(library.parent)
 

@@ -242,7 +242,7 @@ class DraftService:
             check_outcomes(known, heads.shape[0], self.config.block_size)
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"predraft: {exc}") from exc
-        reads = min(session.cache.length, session.cache.capacity) + self.config.block_size  # rows a block reads
+        reads = session.cache.block_reads
         per_pass = outcomes_per_pass(session.cache)
         count = self.pass_cost.fitting(len(known), self.budget_left(msg["budget_ms"]), reads, per_pass)
         self.counters["predraft_outcomes_cut"] += len(known) - count
@@ -372,8 +372,7 @@ class DraftService:
         # own rows: a ring resent after a restart (~120 ms for 4,096 rows) is no measure of drafting,
         # and six of them had cut every other target's pre-drafts to none (an audit).
         if sum(step.features.shape[0] for _, _, step in group) <= len(group) * self.config.block_size:
-            block = self.config.block_size
-            reads = sum(min(step.cache.length, step.cache.capacity) + block for _, _, step in group)
+            reads = sum(step.cache.block_reads for _, _, step in group)
             self.pass_cost.record(len(group), draft_ms * len(group), reads)
         if len(group) > 1:
             self.counters["batched"] += len(group)

@@ -96,6 +96,12 @@ class DraftKVCache:
         """Add feature rows for positions [start, start+rows). Rows we already hold are recomputed."""
         propose([DraftStep(self, start, features)])
 
+    @property
+    def block_reads(self) -> int:
+        """The keys a block drafted now reads: the live context, then the block's own (what a draft
+        pass costs grows with it: `predraft.PassCost`)."""
+        return min(self.length, self.capacity) + self.drafter.config.block_size
+
     def context(self) -> Context:
         """Where a block drafted now reads its context: the whole ring, and the block's own
         keys/values in the slots at and past `live`, which hold nothing valid (before the ring

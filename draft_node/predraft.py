@@ -178,8 +178,7 @@ COPY_RINGS = 4  # a pre-draft's copies of its session's context hold at most thi
 def outcomes_per_pass(cache: DraftKVCache) -> int:
     """How many outcomes one pass drafts: their copies of the context within COPY_RINGS rings (16
     in one pass held 17.6 rings at a full ring, an audit; one a pass cost 2.7-9x the time, a review)."""
-    block = cache.drafter.config.block_size
-    return max(1, COPY_RINGS * (cache.capacity + block) // (min(cache.length, cache.capacity) + block))
+    return max(1, COPY_RINGS * (cache.capacity + cache.drafter.config.block_size) // cache.block_reads)
 
 
 def _predraft_pass(
