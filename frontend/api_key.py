@@ -24,12 +24,16 @@ class ApiKey:
     def __init__(self, app: ASGIApp, key: str) -> None:
         if not key:
             raise ValueError("an API key must not be empty")
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.expected = app, key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(GUARDED_PREFIX):
-            given = Headers(scope=scope).get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(given, self.expected):
+            given = Headers(scope=scope).get("authorization", "")
+            # The scheme's name is case-insensitive, and one or more spaces follow it (RFC 9110
+            # 11.4): `bearer KEY` got 401 (an audit).
+            scheme, _, token = given.partition(" ")
+            right = hmac.compare_digest(token.lstrip(" ").encode("latin-1"), self.expected)
+            if not (right and scheme.lower() == "bearer"):
                 await unauthorized(bool(given)).response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -29,6 +29,7 @@ from frontend.errors import (
     from_protocol,
     from_validation,
     misspoke,
+    too_many_open,
     unreachable,
 )
 from frontend.link import HEARTBEAT_S, ClientGone, DaemonMisspoke, DaemonUnreachable, LinkCall, TargetLink, TooManyOpen
@@ -53,7 +54,9 @@ def create_app(
     """The front end for the target daemon behind `link`, serving it as `model_name` (default: the
     name of the daemon's model folder, asked when first needed); request bodies over
     `max_body_size` bytes get 413; with an `api_key`, /v1 requests without it get 401."""
-    app = FastAPI(title="dflash-split", summary="OpenAI-compatible API over a dflash-split target daemon")
+    # No /docs, /redoc or /openapi.json: they answered without the API key, and /docs fetched its
+    # script from a CDN (an audit); docs/http.md is the reference.
+    app = FastAPI(title="dflash-split", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, limit=max_body_size, paths=GENERATE_PATHS)
     if api_key is not None:
         app.add_middleware(ApiKey, key=api_key)  # added last, so it runs first: a stranger's body is never read
@@ -96,8 +99,6 @@ class Front:
             call = self.link.generate(body.to_daemon(self.default_max_tokens))
         except ProtocolError as exc:  # beyond what the wire carries (a stop string over 256 chars, ...)
             raise from_protocol(exc.message, body.prompt_param) from exc
-        except TooManyOpen as exc:
-            raise APIError(429, str(exc), type_="rate_limit_error", code="rate_limit_exceeded") from exc
         try:
             first = await call.next(gone=request.is_disconnected)
             check(first, body)
@@ -129,6 +130,10 @@ def _error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(TooManyOpen)
+    async def no_room(request: Request, exc: TooManyOpen) -> JSONResponse:
+        return too_many_open(str(exc)).response()
+
     @app.exception_handler(DaemonMisspoke)
     async def daemon_misspoke(request: Request, exc: DaemonMisspoke) -> JSONResponse:
         return misspoke(str(exc)).response()
@@ -147,7 +152,7 @@ def _error_handlers(app: FastAPI) -> None:
 def _info_routes(app: FastAPI, front: Front) -> None:
     """The routes that generate nothing: the live page, health, models, metrics, stats."""
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD: probes of the page
     async def page() -> FileResponse:
         return FileResponse(PAGE, media_type="text/html")
 
@@ -177,7 +182,8 @@ def _info_routes(app: FastAPI, front: Front) -> None:
         figures = await front.link.stats()
         if figures is None:
             raise front.unreachable()
-        return JSONResponse(figures)
+        # The served name, not the daemon's folder: this route is open where /v1/models is not (an audit).
+        return JSONResponse({**figures, "model": await front.served_name()})
 
 
 def check(reply: Message, body: GenerationRequest) -> None:
@@ -216,6 +222,8 @@ async def events(call: LinkCall, reply: Message, answer: Answer, body: Generatio
         yield sse(unreachable(str(exc)).body())
     except DaemonMisspoke as exc:
         yield sse(misspoke(str(exc)).body())
+    except TooManyOpen as exc:  # a ping with no socket left: the stream ended with no word (a review)
+        yield sse(too_many_open(str(exc)).body())
     finally:
         await call.close()
     yield DONE_EVENT

@@ -8,6 +8,12 @@ limit reaches the routes whole, as they would have read it anyway (one JSON docu
 Only the routes that read a body are buffered (the others never read one), and a body must arrive
 whole within `deadline_s`: a client that sent all but the last byte of 8 MiB and waited used to
 hold them for as long as it kept the connection, on any path, past the API key (an audit).
+
+The bodies arriving at once share `budget` bytes (at least one whole body): 40 clients that each
+sent 8 MiB less a byte held 400 MiB of the front end for the deadline, and as many clients as
+connections would have held 8 GiB (an audit). A body whose bytes so far would pass the budget
+gets 429. Only bytes received count: eight clients that declared 8 MiB and sent nothing shut out
+every other body (a review).
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ from collections.abc import Collection
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend.errors import body_too_slow, too_large
+from frontend.errors import bodies_over_budget, body_too_slow, too_large
 
 # The target daemon takes a request of up to a 1 MiB header (512 Ki chars of text, 1024 messages,
 # 65,536 token ids within it); as JSON, characters escaped as \uXXXX make that at most about 6 MiB.
 MAX_BODY_BYTES = 8 << 20
 # 8 MiB arrive within it at 140 KB/s.
 BODY_DEADLINE_S = 60.0
+BODIES_BUDGET = 64 << 20  # bytes of the bodies arriving at once
 
 
 class BodyLimit:
@@ -38,8 +45,10 @@ class BodyLimit:
         limit: int = MAX_BODY_BYTES,
         paths: Collection[str] | None = None,
         deadline_s: float = BODY_DEADLINE_S,
+        budget: int = BODIES_BUDGET,
     ) -> None:
         self.app, self.limit, self.paths, self.deadline_s = app, limit, paths, deadline_s
+        self.budget, self.buffered = max(budget, limit), 0  # one event loop: no lock
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or (self.paths is not None and _route_path(scope) not in self.paths):
@@ -49,25 +58,32 @@ class BodyLimit:
         if declared.isdigit() and int(declared) > self.limit:
             await too_large(self.limit, int(declared)).response()(scope, receive, send)
             return
-        chunks, size = [], 0
-        deadline = time.monotonic() + self.deadline_s
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
-            except asyncio.TimeoutError:
-                await body_too_slow(self.deadline_s).response()(scope, receive, send)
-                return
-            if message["type"] != "http.request":  # the client left: the routes hear it
-                break
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                await too_large(self.limit).response()(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-                break
-        del chunks
+        chunks, size = [], 0  # this body's bytes so far: its share of the budget
+        try:
+            deadline = time.monotonic() + self.deadline_s
+            while True:
+                try:
+                    message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+                except asyncio.TimeoutError:
+                    await body_too_slow(self.deadline_s).response()(scope, receive, send)
+                    return
+                if message["type"] != "http.request":  # the client left: the routes hear it
+                    break
+                chunk = message.get("body", b"")
+                if size + len(chunk) > self.limit:
+                    await too_large(self.limit).response()(scope, receive, send)
+                    return
+                if self.buffered + len(chunk) > self.budget:
+                    await bodies_over_budget(self.budget).response()(scope, receive, send)
+                    return
+                chunks.append(chunk)
+                size, self.buffered = size + len(chunk), self.buffered + len(chunk)
+                if not message.get("more_body", False):
+                    message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                    break
+        finally:
+            self.buffered -= size
+            del chunks
         await self.app(scope, _replay(message, receive), send)
 
 

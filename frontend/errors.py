@@ -13,6 +13,15 @@ from fastapi.responses import JSONResponse
 
 from protocol import ErrorCode
 
+ECHO_CHARS = 200  # of a client's value quoted in an error: a 300k-key logit_bias came back as 3.8 MB (an audit)
+
+
+def echoed(value: object) -> str:
+    """A client's value as an error message quotes it: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= ECHO_CHARS else f"{text[:ECHO_CHARS]}... ({len(text)} characters)"
+
+
 # The daemon's error codes that mean the request itself was wrong (HTTP 400).
 CLIENT_FAULTS = {ErrorCode.BAD_FIELD, ErrorCode.BAD_TENSOR, ErrorCode.TOO_LARGE, ErrorCode.MALFORMED}
 
@@ -81,6 +90,16 @@ def too_large(limit: int, declared: int | None = None) -> APIError:
     return APIError(
         413, f"the request body{size} is over this server's limit of {limit} bytes", code="request_too_large"
     )
+
+
+def too_many_open(message: str) -> APIError:
+    """429 for a request past the sockets (or files) the front end may hold: retry."""
+    return APIError(429, message, type_="rate_limit_error", code="rate_limit_exceeded")
+
+
+def bodies_over_budget(budget: int) -> APIError:
+    """429 for a body that would pass the bytes the front end gives the bodies arriving at once."""
+    return too_many_open(f"the request bodies arriving now fill this server's {budget} bytes for them; retry later")
 
 
 def body_too_slow(deadline_s: float) -> APIError:

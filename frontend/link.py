@@ -9,6 +9,7 @@ is unreachable.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Awaitable, Callable
 
@@ -36,6 +37,7 @@ HEARTBEAT_S = 2.0
 MAX_OPEN_CALLS = 1000
 FILES_PER_CALL = 3
 FILES_SPARE = 64  # the model folder, logs, the daemons' pipes, pings
+MAX_CONNECTIONS = 65536  # HTTP connections, where the limit of open files sets none
 
 
 def open_call_limit(raise_soft_limit: bool = False) -> int:
@@ -56,6 +58,20 @@ def open_call_limit(raise_soft_limit: bool = False) -> int:
     if soft == resource.RLIM_INFINITY:
         return MAX_OPEN_CALLS
     return max(1, min(MAX_OPEN_CALLS, (soft - FILES_SPARE) // FILES_PER_CALL))
+
+
+def connection_limit(open_calls: int) -> int:
+    """How many HTTP connections may be open at once beside `open_calls` requests: what the limit
+    of open files leaves (a connection is one file; a request adds its socket's). It was the
+    requests' own bound, 1,000, which 1,000 idle sockets filled, locking everyone out (a review)."""
+    try:
+        import resource
+    except ImportError:
+        return MAX_CONNECTIONS
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(open_calls, min(MAX_CONNECTIONS, soft - FILES_SPARE - (FILES_PER_CALL - 1) * open_calls))
 
 
 class DaemonUnreachable(RuntimeError):
@@ -115,6 +131,10 @@ class TargetLink:
             reply = request(self.address, type_, timeout_s=self.daemon_timeout_s, curve=self.curve)
         except ProtocolError as exc:
             raise DaemonMisspoke(str(exc)) from exc
+        except zmq.ZMQError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            raise TooManyOpen(f"no socket for a {type_} ({exc}); retry later") from exc  # it was a bare 500
         if reply is None or reply.type == "error":
             return None
         self.heard = time.monotonic()

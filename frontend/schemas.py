@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from frontend.errors import APIError, invalid
+from frontend.errors import APIError, echoed, invalid
 from protocol.sampling import MAX_TEMPERATURE, SEED_LIMIT, SamplingParams
 
 STRICT = ConfigDict(extra="forbid", strict=True)
@@ -57,7 +57,7 @@ class ChatMessage(BaseModel):
             value = getattr(self, name)
             if not is_neutral(value, ([],)):
                 raise invalid(
-                    f"messages[{at}].{name}={value!r} is not supported by this server",
+                    f"messages[{at}].{name}={echoed(value)} is not supported by this server",
                     f"messages.{at}.{name}",
                     "unsupported_parameter",
                 )
@@ -111,7 +111,7 @@ class GenerationRequest(BaseModel):
             value = getattr(self, name)
             if not is_neutral(value, neutral):
                 code = "unsupported_value" if name == "n" else "unsupported_parameter"
-                raise invalid(f"{name}={value!r} is not supported by this server", name, code)
+                raise invalid(f"{name}={echoed(value)} is not supported by this server", name, code)
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         if len(self.stop_list) > MAX_STOP:
@@ -233,7 +233,7 @@ def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise APIError(
             404,
-            f"the model '{requested}' does not exist; this server serves '{served}'",
+            f"the model {echoed(requested)} does not exist; this server serves '{served}'",
             param="model",
             code="model_not_found",
         )

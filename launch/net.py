@@ -92,7 +92,7 @@ def server_security(
 ) -> ServerKeys | None:
     """The daemon's CURVE keys (None: plaintext), refusing a plaintext non-loopback bind unless
     --insecure-plaintext says so: checked before any model is loaded. `key_serves_links_out`:
-    --curve-key alone is fine, it also identifies this daemon on links it opens."""
+    --curve-key without --curve-allow is fine, it identifies this daemon on a link it opens."""
     curve = None
     if args.curve_key and not args.curve_allow and not key_serves_links_out:
         parser.error("--curve-key needs --curve-allow: the public keys of the clients to let in")
@@ -108,10 +108,18 @@ def server_security(
 
 
 def client_security(
-    parser: argparse.ArgumentParser, keypair: str | None, server_public: str | None, flag: str
+    parser: argparse.ArgumentParser,
+    keypair: str | None,
+    server_public: str | None,
+    flag: str,
+    key_serves_a_socket: bool = False,
 ) -> ClientKeys | None:
-    """CURVE keys for a link this process opens: its key pair plus the server's public key (`flag`)."""
+    """CURVE keys for a link this process opens: its key pair plus the server's public key (`flag`).
+    A key pair without that key is refused, unless it also serves this process's own socket
+    (`key_serves_a_socket`): the link went plaintext, the key unused, without a word (an audit)."""
     if not server_public:
+        if keypair and not key_serves_a_socket:
+            parser.error(f"--curve-key needs {flag} (the server's public key); without it the link is plaintext")
         return None
     if not keypair:
         parser.error(f"{flag} needs --curve-key (this side's own key pair)")

@@ -137,9 +137,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse the flags of the mode not chosen, which went unused without a word: `--curve-key`
+    without `--target` left the link plaintext (an audit)."""
+    from launch.local import add_daemon_args
+
+    if args.target is None:
+        if args.curve_key or args.server_key:
+            parser.error("--curve-key and --server-key go with --target (all in one: --curve)")
+        return
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_daemon_args(defaults)
+    unused = [name for name, value in vars(defaults.parse_args([])).items() if getattr(args, name) != value]
+    if unused:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unused)
+        parser.error(f"{flags}: for all in one, without --target (the daemon at --target has its own)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_mode(parser, args)
     args.client_keys = client_security(parser, args.curve_key, args.server_key, "--server-key")
     with one_line_errors(parser.prog):
         run(args)
@@ -150,7 +168,8 @@ def run(args: argparse.Namespace) -> None:
     import uvicorn
 
     from frontend.app import create_app
-    from frontend.link import TargetLink, open_call_limit
+    from frontend.connections import bounded_h11
+    from frontend.link import TargetLink, connection_limit, open_call_limit
     from launch.local import local_daemons
 
     exit_on_signals()
@@ -169,7 +188,15 @@ def run(args: argparse.Namespace) -> None:
                 flush=True,
             )
         # Streams still open at shutdown get a few seconds, then are cut (their requests cancelled).
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        # The connections fit in the open files the requests' sockets leave.
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            http=bounded_h11(connection_limit(open_calls)),
+        )
 
     if args.target:
         serve(args.target)

@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> None:
 def start(argv: list[str] | None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    curve = server_security(parser, args, key_serves_links_out=True)
-    drafter_keys = client_security(parser, args.curve_key, args.drafter_key, "--drafter-key")
+    curve = server_security(parser, args, key_serves_links_out=bool(args.drafter_key))
+    drafter_keys = client_security(parser, args.curve_key, args.drafter_key, "--drafter-key", key_serves_a_socket=True)
     apply_runtime_args(args)
     if args.max_batch < 1:
         parser.error("--max-batch must be at least 1")

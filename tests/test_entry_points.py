@@ -194,6 +194,12 @@ REFUSED_FLAGS = [
     # Was: a server whose every chat naming no max_tokens got a 400 blaming the client (an audit).
     ("launch.serve", ["--default-max-tokens", "0"], "must be at least 1, got 0"),
     ("launch.serve", ["--daemon-timeout", "0"], "must be more than 0"),
+    # Each of these went unused without a word: a link left plaintext, a flag of the other mode (an audit).
+    ("launch.serve", ["--target", "tcp://127.0.0.1:1", "--curve-key", "k"], "--curve-key needs --server-key"),
+    ("launch.client", ["--curve-key", "k", "--prompt", "hi"], "--curve-key needs --server-key"),
+    ("launch.target_daemon", ["--curve-key", "k"], "--curve-key needs --curve-allow"),
+    ("launch.serve", ["--curve-key", "k", "--server-key", "s"], "--curve-key and --server-key go with --target"),
+    ("launch.serve", ["--target", "tcp://127.0.0.1:1", "--curve", "--threads", "2"], "--threads, --curve: for all"),
 ]
 
 

@@ -24,3 +24,30 @@ def wait_for(condition, timeout_s: float = 60.0):
             return value
         time.sleep(0.05)
     raise AssertionError("condition not met in time")
+
+
+def stream_end(failure: Exception) -> tuple[dict, str]:
+    """How a chat stream ends whose reply after the first raises `failure`: its last event's
+    body and the event after it."""
+    import asyncio
+    import json
+
+    from frontend.app import events
+    from frontend.responses import Answer
+    from frontend.schemas import ChatCompletionRequest
+    from protocol import Message
+
+    class Failing:
+        async def next(self, gone=None):
+            raise failure
+
+        async def close(self):
+            pass
+
+    async def stream():
+        first = Message("chunk", 1, {"text": "Ot", "token_ids": [1, 2]})
+        body = ChatCompletionRequest(model=MODEL, messages=CHAT, stream=True)
+        return [e async for e in events(Failing(), first, Answer(True, MODEL), body)]
+
+    sent = [e.decode() for e in asyncio.run(stream())]
+    return json.loads(sent[-2].split("data: ", 1)[1]), sent[-1]

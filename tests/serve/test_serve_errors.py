@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 import requests
-from serving import CHAT, MODEL, daemon_stats, wait_for
+from serving import CHAT, MODEL, daemon_stats, stream_end, wait_for
 
 from launch.local import daemon, free_port
 from launch.serve import front_end
@@ -278,17 +278,14 @@ def test_a_daemon_of_another_protocol_version_is_a_502_that_names_it(tmp_path):
     own envelope, which this side cannot read: every route was a bare 500 "Internal Server Error"
     (an audit). Now each is a 502 in OpenAI's shape naming both versions, and a stream that meets
     such a reply after its first ends with an error event."""
-    import asyncio
 
     import msgpack
     import zmq
     from starlette.testclient import TestClient
 
-    from frontend.app import create_app, events
+    from frontend.app import create_app
     from frontend.link import DaemonMisspoke, TargetLink
-    from frontend.responses import Answer
-    from frontend.schemas import ChatCompletionRequest
-    from protocol import PROTOCOL_VERSION, Message
+    from protocol import PROTOCOL_VERSION
 
     address, stop = f"ipc://{tmp_path}/ahead.sock", threading.Event()
     router = zmq.Context.instance().socket(zmq.ROUTER)
@@ -320,20 +317,8 @@ def test_a_daemon_of_another_protocol_version_is_a_502_that_names_it(tmp_path):
         thread.join()
         router.close(0)
 
-    class Misspoken:  # a stream whose second reply cannot be read
-        async def next(self, gone=None):
-            raise DaemonMisspoke("bad_version: protocol version mismatch")
-
-        async def close(self):
-            pass
-
-    async def stream():
-        first = Message("chunk", 1, {"text": "Ot", "token_ids": [1, 2]})
-        body = ChatCompletionRequest(model=MODEL, messages=CHAT, stream=True)
-        return [e async for e in events(Misspoken(), first, Answer(True, MODEL), body)]
-
-    sent = [e.decode() for e in asyncio.run(stream())]
-    assert json.loads(sent[-2].split("data: ", 1)[1])["error"]["code"] == "upstream_protocol" and "[DONE]" in sent[-1]
+    last, after = stream_end(DaemonMisspoke("bad_version: protocol version mismatch"))  # a second reply unread
+    assert last["error"]["code"] == "upstream_protocol" and "[DONE]" in after
 
 
 def test_a_lone_surrogate_echoed_in_an_error_is_escaped_not_a_500():
