@@ -398,7 +398,7 @@ def train_drafter(common: list[str], phase: TrainPhase, stores: list[Path]) -> d
     flags += ["--features", phase.features]
     if phase.features != "live":
         flags += ["--feature-minutes", str(phase.feature_minutes)] if phase.feature_minutes > 0 else ["--cached-only"]
-    flags += ["--name", phase.name, "--out", str(phase.out)]
+    flags += ["--name", phase.name, "--out", str(phase.out), "--restart"]  # a rerun trains the phase anew
     flags += ["--batch", str(phase.batch), "--anchors", str(phase.anchors), "--format", phase.fmt]
     flags += ["--lr", str(phase.lr if phase.init is None else phase.lr / 2)]
     flags += ["--layers", str(phase.layers)] if phase.layers else []

@@ -7,6 +7,9 @@ drafters) use the same layout so every path through the system loads them the sa
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -89,19 +92,53 @@ def load_draft_vocab(folder: str | Path) -> list[int]:
 
 def save_draft_vocab(folder: str | Path, token_ids: list[int]) -> Path:
     path = Path(folder) / DRAFT_VOCAB_FILE
-    path.write_text(json.dumps([int(i) for i in token_ids]) + "\n")
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps([int(i) for i in token_ids]) + "\n"))
     return path
 
 
 def save_drafter(drafter: DFlashDrafter, folder: str | Path) -> Path:
+    """Write `drafter` (with the draft vocabulary load_drafter attached, or none) to `folder`.
+
+    Each file is replaced whole, the weights last: a save killed midway (a training rank ended by
+    torchrun) left half a model.safetensors in place of the last good one (an audit). Where the
+    folder holds another drafter's config or vocabulary, its weights go first, so a save killed
+    before its own weights leaves a folder that says it has none, not one whose parts disagree.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(drafter.config.to_json(), indent=2) + "\n")
+    config = json.dumps(drafter.config.to_json(), indent=2) + "\n"
+    vocab = [int(i) for i in getattr(drafter, "draft_vocab", None) or []]
+    if not _holds(folder, config, vocab):
+        (folder / "model.safetensors").unlink(missing_ok=True)
+    write_atomically(folder / "config.json", lambda tmp: tmp.write_text(config))
+    if vocab:  # what load_drafter attached: a load-save round trip keeps it
+        save_draft_vocab(folder, vocab)
+    else:  # an earlier drafter's would be read as this one's
+        (folder / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    if getattr(drafter, "draft_vocab", None):  # what load_drafter attached: a load-save round trip keeps it
-        save_draft_vocab(folder, drafter.draft_vocab)
+    write_atomically(folder / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     return folder
+
+
+def _holds(folder: Path, config: str, vocab: list[int]) -> bool:
+    """Whether `folder`'s config and draft vocabulary are these already (a run's next save)."""
+    try:
+        return (folder / "config.json").read_text() == config and load_draft_vocab(folder) == vocab
+    except (OSError, UnicodeDecodeError, CheckpointError):
+        return False
+
+
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """`write` the file beside `path`, sync it and rename it over `path`: a reader, a process killed
+    meanwhile or a power cut find the old file or the new one, never part of one. The old file's
+    permissions carry over."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    if path.exists():
+        shutil.copymode(path, tmp)
+    with open(tmp, "rb") as written:
+        os.fsync(written.fileno())
+    tmp.replace(path)
 
 
 def random_drafter(cfg: DFlashConfig, seed: int = 0, std: float = 0.02) -> DFlashDrafter:

@@ -7,7 +7,7 @@
     python -m launch.train --stage average --init A --average-with B --weight 0.5 --out C  # weight-average two drafters
     python -m launch.train --stage grow --init A --layers 8 --out C  # A's drafts at an 8-layer drafter's cost
     python -m launch.train --stage estimate --drafters A,B      # offline chain tau on the held-out prompts' answers
-    python -m launch.train --stage train --format dflash2 --init drafters/smollm2 --out NEW  # backbone, then selector
+    python -m launch.train --stage train --format dflash2 --init drafters/smollm2 --out NEW --name d2  # then selector
     python -m launch.train --stage selector --out drafters/smollm2-dflash2   # DFlash2: shipped backbone + selector
     python -m launch.train                                   # gen, features, train in turn
 
@@ -68,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for folder in args.data:  # a mistyped folder trained on nothing more, silently
         if not Path(folder).is_dir():
             ap.error(f"--data {folder}: no such folder")
+    if args.stage not in ("gen", "all", "average", "grow") and not Path(args.store).is_dir():  # gen makes one
+        ap.error(f"--store {args.store}: no such folder")
+    if args.resume and args.restart:
+        ap.error("--resume continues the run, --restart starts it over: one of them")
     if args.stage == "selector" and not args.init:
         args.init = SHIPPED_DRAFTER
     if args.out is None:  # a run's drafter stays beside its state until someone ships it
@@ -200,6 +204,9 @@ def _schedule_flags(ap: argparse.ArgumentParser) -> None:
         "--save-every", type=at_least(0), default=200, help="steps between checkpoints (resumable with --resume)"
     )
     ap.add_argument("--resume", action="store_true", help="continue from the cache's state.pt")
+    ap.add_argument(
+        "--restart", action="store_true", help="start --name's run over, replacing its saved state (else refused)"
+    )
     ap.add_argument(
         "--init",
         help="start from this drafter checkpoint's weights (same shape, or fewer layers: grown to --layers), or "

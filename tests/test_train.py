@@ -634,7 +634,20 @@ def test_launch_train_runs_each_stage_on_a_saved_target(setup, tmp_path):
     assert Path(tmp_path / "copy" / "model.safetensors").is_file()
     assert load_drafter(tmp_path / "copy").draft_vocab == drafter.draft_vocab  # and keeps the vocabulary
     # Distillation fills a cache of its own, with the target's last layer after the drafter's taps.
-    main([*common, "--stage", "train", "--steps", "3", "--distill", "0.5", "--cache", str(tmp_path / "cache")])
+    main(
+        [
+            *common,
+            "--stage",
+            "train",
+            "--steps",
+            "3",
+            "--distill",
+            "0.5",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--restart",
+        ]
+    )
     taps = (*drafter.config.target_layer_ids, target.config.num_hidden_layers - 1)
     folder = feature_folder(tmp_path / "cache", model_dir, taps, named_dtype("auto", "cpu"))
     wide = FeatureCache(folder, len(taps) * target.config.hidden_size)
@@ -670,6 +683,7 @@ def test_recorded_traffic_becomes_training_data(setup, tmp_path):
     assert [a.tokens for a in traffic.answers] == [p + a for p, a in zip(prompts, answers, strict=True)]
     out = tmp_path / "drafter"
     empty = tmp_path / "no-store"
+    empty.mkdir()  # an empty store: a missing one is refused as a typo
     main(
         [
             "--model",
@@ -973,9 +987,10 @@ def test_torchrun_on_two_ranks_trains_as_one_process_and_resumes_on_one(setup, t
 
     def run(name: str, ranks: int, steps: int, *extra: str) -> dict:
         args = ["--model", model_dir, "--store", store.folder, "--name", name, "--cache", tmp_path / "cache"]
-        args += ["--stage", "train", "--block-size", "4", "--steps", steps, "--batch", 6, "--anchors", 4]
+        args += ["--stage", "train", "--block-size", "4", "--steps", steps, "--batch", 5, "--anchors", 4]
         args += ["--lr", "5e-3", "--warmup", 2, "--eval-every", 0, "--save-every", 0, "--draft-vocab", 64]
         args += ["--threads", 1, "--out", tmp_path / name, "--autocast", "off", *extra]  # fp32 on any CPU
+        args += ["--format", "dflash2", "--selector-batches", 2, "--selector-steps", 3]  # the selector: on rank 0
         launcher = [sys.executable]
         if ranks > 1:
             launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
@@ -986,10 +1001,17 @@ def test_torchrun_on_two_ranks_trains_as_one_process_and_resumes_on_one(setup, t
         assert done.returncode == 0, done.stderr.decode()[-3000:]
         return torch.load(tmp_path / "cache" / "train" / name / "state.pt", weights_only=False)
 
+    def log(name: str) -> str:
+        return (tmp_path / "cache" / "train" / name / "train.log").read_text()
+
     two = run("two", 2, 12)  # first: its two ranks fill the feature cache, half each
     one = run("one", 1, 12)
     assert len(two["history"]) == len(one["history"]) == 12
     assert two["history"] == pytest.approx(one["history"], rel=1e-4)
+    assert two["positions"] == one["positions"]  # rank 0's share times two counted 3 sequences as 2.5 (an audit)
+    # The selector learns on rank 0 from whole batches (it took rank 0's shares: 110 positions of 253, an audit).
+    selector = [re.search(r"selector: \d+ draft positions", log(name)).group() for name in ("two", "one")]
+    assert selector[0] == selector[1], selector
     assert one["history"][-1] < one["history"][0]
     for name, weight in one["drafter"].items():  # Adam magnifies float noise in near-zero gradients
         drift = (two["drafter"][name] - weight).norm() / weight.norm().clamp_min(1e-6)
@@ -1315,7 +1337,7 @@ def test_a_feature_cache_index_survives_a_failed_rewrite(tmp_path, monkeypatch):
     def disk_full(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(features_module.os, "fsync", disk_full)
+    monkeypatch.setattr(os, "fsync", disk_full)  # the rewrite syncs its file before the rename
     with pytest.raises(OSError):
         FeatureCache(tmp_path, 6)  # the rewrite fails after writing part of it
     monkeypatch.undo()
@@ -1544,3 +1566,128 @@ def test_a_recorder_holds_the_open_shard_not_every_answer_it_ever_recorded(tmp_p
     for answer in written.answers[:10]:
         assert bounded.add(answer, flush_every_s=float("inf"))
     assert len(bounded._recent) == 4
+
+
+def _rank_scale(rank: int, world: int, init_file: str, store: str, folders: list[str], width: int, out: str) -> None:
+    """One rank of `test_ranks_that_opened_a_growing_cache_at_different_moments_share_rank_0s_scale`."""
+    import torch.distributed as dist
+
+    from training.distributed import Ranks
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    target = tiny_target(layers=4, slots=8)
+    cfg = config_for_target(target.config, num_layers=1, block_size=4, mask_token_id=0)
+    answers = AnswerStore(store).answers
+    trainer = Trainer(target, cfg, answers, FeatureCache(folders[rank], width), opts(), Ranks(rank, world))
+    every = [torch.zeros_like(trainer.scale) for _ in range(world)]
+    dist.all_gather(every, trainer.scale)
+    torch.save(every, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_ranks_that_opened_a_growing_cache_at_different_moments_share_rank_0s_scale(setup, tmp_path):
+    """Each rank measured the feature scale on the cache as it found it: with a generator adding
+    rows meanwhile, rank 1 trained with other scales than rank 0, which alone was saved (an audit).
+    Two gloo ranks here see the cache with and without later rows: both train with rank 0's scale."""
+    import shutil
+
+    import torch.multiprocessing as mp
+
+    _, cfg, store, features = setup
+    grown = tmp_path / "grown"
+    shutil.copytree(features.folder, grown)
+    later = FeatureCache(grown, cfg.feature_width)
+    for i in range(40):  # rows of answers that arrived after rank 0 opened the cache
+        later.add(f"later-{i}", torch.randn(50, cfg.feature_width, generator=torch.Generator().manual_seed(i)) * 3)
+    alone = Trainer(setup[0], cfg, store.answers, features, opts())
+    folders = [str(features.folder), str(grown)]
+    args = (2, str(tmp_path / "init"), str(store.folder), folders, cfg.feature_width, str(tmp_path))
+    mp.spawn(_rank_scale, args=args, nprocs=2, join=True)
+    for rank in (0, 1):
+        seen = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(seen[0], seen[1]) and torch.equal(seen[0], alone.scale), rank
+
+
+def test_a_save_killed_midway_leaves_the_last_good_checkpoint_or_none_never_a_mix(setup, tmp_path):
+    """save_drafter wrote model.safetensors in place: a rank killed mid-write (torchrun ends the
+    others when one dies) left half a file and the folder unloadable (an audit). Replaced whole, a
+    run's next save leaves the last one loadable; a save of another drafter (other vocabulary or
+    shape) killed before its weights leaves a folder without weights, never the new vocabulary
+    beside the old weights, which loaded and proposed the wrong tokens (a review)."""
+    from draft_node.checkpoint import CheckpointError, load_draft_vocab
+
+    _, cfg, _, _ = setup
+    folder = tmp_path / "drafter"
+    first = random_drafter(cfg, seed=1)
+    first.draft_vocab = [1, 2, 3]
+    save_drafter(first, folder)
+    (folder / "config.json").chmod(0o600)
+    before = load_drafter(folder).state_dict()
+
+    def killed_saving(vocab: list[int]) -> None:
+        script = f"""
+import json, os, signal, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from draft_node import checkpoint
+from draft_node.checkpoint import random_drafter
+from draft_node.config import DFlashConfig
+whole = checkpoint.save_file
+
+def half_then_killed(state, path, metadata=None):
+    whole(state, path, metadata=metadata)
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+checkpoint.save_file = half_then_killed
+drafter = random_drafter(DFlashConfig.from_json(json.loads({json.dumps(cfg.to_json())!r})), seed=2)
+drafter.draft_vocab = {vocab!r}
+checkpoint.save_drafter(drafter, {str(folder)!r})
+"""
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+        assert done.returncode == -9, done.stderr.decode()[-2000:]
+
+    killed_saving([1, 2, 3])  # the run's next save
+    after = load_drafter(folder).state_dict()
+    assert all(torch.equal(after[name], weight) for name, weight in before.items())
+    assert load_draft_vocab(folder) == [1, 2, 3] and (folder / "config.json").stat().st_mode & 0o777 == 0o600
+    killed_saving([100, 101, 102])  # another drafter's
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_drafter(folder)
+    assert len(list(folder.glob("*.tmp"))) == 1  # killed saves leave one partial file, not one each
+    save_drafter(random_drafter(cfg, seed=2), folder)  # a whole save: its weights, no vocabulary left behind
+    assert not torch.equal(load_drafter(folder).state_dict()["fc.weight"], before["fc.weight"])
+    assert load_draft_vocab(folder) == []
+
+
+def test_a_run_is_resumed_or_restarted_never_replaced_and_a_wrong_resume_is_refused_before_any_fill(
+    setup, tmp_path, capsys
+):
+    """A run started again under its --name without --resume replaced its saved state silently, and
+    a --resume of another shape was refused only after the whole feature fill (an audit)."""
+    from launch.train import main
+
+    target, _, store, _ = setup
+    model_dir = tmp_path / "model"
+    target.model.save_pretrained(model_dir)
+    cache = tmp_path / "cache"
+    common = ["--model", str(model_dir), "--block-size", "4", "--threads", "1", "--cache", str(cache), "--name", "r"]
+    common += ["--stage", "train", "--batch", "2", "--anchors", "2", "--eval-every", "0", "--store", str(store.folder)]
+    state = cache / "train" / "r" / "state.pt"
+    main([*common, "--steps", "2"])
+    with pytest.raises(SystemExit) as exit:
+        main([*common, "--steps", "3"])
+    assert exit.value.code == 1 and "--resume it, or --restart it" in capsys.readouterr().err
+    assert torch.load(state, weights_only=False)["step"] == 2
+    main([*common, "--steps", "3", "--restart"])
+    assert torch.load(state, weights_only=False)["step"] == 3
+    folders = set((cache / "features").iterdir())
+    with pytest.raises(SystemExit) as exit:
+        main([*common, "--steps", "4", "--resume", "--layers", "2", "--taps", "0,3"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 1 and "num_hidden_layers 1 (asked: 2)" in err, err
+    assert set((cache / "features").iterdir()) == folders  # no fill for the new taps began
+    with pytest.raises(SystemExit):
+        main(["--stage", "train", "--store", str(tmp_path / "no-such-store")])
+    assert "--store" in capsys.readouterr().err

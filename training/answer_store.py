@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
+from draft_node.checkpoint import write_atomically
+
 STORE = Path(__file__).resolve().parent.parent / "data" / "answers"
 HELD_OUT_BUCKETS = 32  # one job in 32 is held out
 SUFFIX = ".jsonl.xz"  # what the store writes
@@ -166,11 +168,13 @@ def open_shard(path: Path) -> IO[str]:
 def write_shard(path: Path, answers: Iterable[Answer]) -> None:
     """Atomically, as xz (the same answers always make the same bytes: xz keeps no time)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with lzma.open(tmp, "wb", preset=9 | lzma.PRESET_EXTREME) as fh:
-        for answer in answers:
-            fh.write((json.dumps(asdict(answer), separators=(",", ":")) + "\n").encode())
-    tmp.replace(path)
+
+    def write(tmp: Path) -> None:
+        with lzma.open(tmp, "wb", preset=9 | lzma.PRESET_EXTREME) as fh:
+            for answer in answers:
+                fh.write((json.dumps(asdict(answer), separators=(",", ":")) + "\n").encode())
+
+    write_atomically(path, write)
 
 
 class AnswerStoreError(ValueError):

@@ -50,11 +50,16 @@ class Ranks:
     def from_main(self, value: float) -> float:
         """Rank 0's `value` on every rank: what is read from a clock (stop now, the learning rate's
         place in its schedule) must not differ between ranks."""
+        return float(self.tensor_from_main(torch.tensor([value], dtype=torch.float64)).item())
+
+    def tensor_from_main(self, value: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `value` on every rank, on `value`'s device: what is measured on data that ranks
+        opened at different moments (a feature cache that grew meanwhile) must not differ either."""
         if not self.many:
             return value
-        sent = torch.tensor([value], dtype=torch.float64, device=_collective_device())
+        sent = value.detach().to(_collective_device()).clone()
         dist.broadcast(sent, 0)
-        return float(sent.item())
+        return sent.to(value.device)
 
     def common(self, keys: set[str]) -> set[str]:
         """The keys every rank holds: what ranks that read a growing store or cache at slightly

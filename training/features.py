@@ -24,7 +24,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from draft_node.checkpoint import write_atomically
 from target_node.model.target import TargetModel
 from training.answer_store import Answer
 
@@ -49,16 +49,6 @@ class FeatureCacheError(ValueError):
 
 
 LOST_ENTRIES = 4  # entries whose rows a cache drops at open, where its file ends before them (more: refused)
-
-
-def _replace(path: Path, text: str) -> None:
-    """`path` holds `text`, whole or not at all: written beside it, then renamed over it."""
-    fresh = path.with_name(path.name + ".tmp")
-    with open(fresh, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    fresh.replace(path)
 
 
 VOLATILE_CONFIG = ("transformers_version", "_name_or_path", "_model_name_or_path", "torch_dtype", "dtype")
@@ -135,10 +125,12 @@ class FeatureCache:
             with open(self.rows_path, "ab") as fh:
                 fh.truncate(self.rows * width * 2)  # an unreferenced tail a crash left
             lines = "".join(json.dumps({"key": k, "offset": o, "rows": r}) + "\n" for k, (o, r) in self.index.items())
-            _replace(self.index_path, lines)  # a kill mid-write leaves the old index whole
+            write_atomically(
+                self.index_path, lambda tmp: tmp.write_text(lines)
+            )  # a kill mid-write leaves the old index whole
             wanted = {"width": width, **({"model": identity} if identity is not None else {}), **meta}
             if wanted != meta:  # recorded only once the rows are known to fit it
-                _replace(self.folder / "meta.json", json.dumps(wanted) + "\n")
+                write_atomically(self.folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(wanted) + "\n"))
 
     def _checked_meta(self, model: str | None) -> dict:
         """The width and target the cache's rows are of (recorded by its first opener), checked."""

@@ -25,14 +25,23 @@ from target_node.engine.engine import batch_engine
 from target_node.model.target import TargetModel
 from training.answer_store import Answer, AnswerStore
 from training.average import average_drafters
-from training.distributed import Ranks
+from training.distributed import ONE, Ranks
 from training.drafter_starts import as_dflash2, export_drafter, grown_drafter
 from training.estimate import estimate, kind_table
 from training.features import FeatureCache, LiveFeatures, feature_folder
 from training.generate import GenerateOptions, generate
 from training.prompts import Ask, HeldOut, jobs, read_prompts
 from training.selector import train_selector
-from training.trainer import TARGET_INIT, Trainer, TrainingError, TrainOptions, draft_vocabulary, samples, train
+from training.trainer import (
+    TARGET_INIT,
+    Trainer,
+    TrainingError,
+    TrainOptions,
+    draft_vocabulary,
+    samples,
+    saved_state,
+    train,
+)
 from training.variety import report
 
 Log = Callable[[str], None]
@@ -77,6 +86,8 @@ def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
     # and head (in fp32 from here on: the values serving projects through).
     target = TargetModel.load(args.model, args.device, args.feature_dtype, slots=args.gen_batch)
     cfg = drafter_config(args, target)
+    if args.stage in ("train", "all") and args.resume:  # refused now, not after hours of feature fill
+        saved_state(work / "state.pt", cfg)
     # Distillation reads the target's last layer too, cached beside the drafter's taps.
     taps = tuple(cfg.target_layer_ids) + ((target.config.num_hidden_layers - 1,) if args.distill else ())
     width = len(taps) * target.config.hidden_size
@@ -116,6 +127,12 @@ def check_run(args: argparse.Namespace, ranks: Ranks) -> None:
         raise SystemExit(f"--stage {args.stage} runs in one process; torchrun runs gen, features and train")
     if ranks.many and args.stage in ("train", "all") and args.batch < ranks.world:
         raise TrainingError(f"--batch {args.batch} gives {ranks.world} ranks nothing to share: at least one each")
+    state = Path(args.cache) / "train" / args.name / "state.pt"
+    if args.stage in ("train", "all") and state.exists() and not (args.resume or args.restart):
+        # A run that forgot --resume replaced a 4,000-step state with its own, silently (an audit).
+        raise TrainingError(
+            f"--name {args.name} has a run already ({state}): --resume it, or --restart it from scratch"
+        )
     if args.stage in ("train", "all") and args.init and not str(args.init).startswith(TARGET_INIT):
         load_drafter(args.init)  # a bad --init ends the run before any feature fill, not after it
 
@@ -234,6 +251,7 @@ def train_stage(
     )
     trainer = train(target, cfg, answers, features, opts, work / "state.pt", log=log, ranks=ranks)
     if cfg.dflash2 and ranks.main:  # the backbone is done: its selector learns on its outputs
+        trainer.ranks = ONE  # rank 0 alone, on whole batches: it learnt on rank 0's shares (an audit)
         train_selector(trainer, args.selector_batches, args.selector_steps, args.selector_lr, log)
         trainer.save(work / "state.pt", opts.out)
         log(f"DFlash2 drafter -> {opts.out}")
@@ -345,7 +363,7 @@ def selector_stage(args: argparse.Namespace, target: TargetModel, answers: list[
     trainer.init_from(drafter)
     train_selector(trainer, args.selector_batches, args.selector_steps, args.selector_lr, log)
     out = Path(args.out)
-    save_drafter(export_drafter(trainer.drafter, trainer.scale).to(torch_dtype(args.save_dtype)), out)
-    if backbone.draft_vocab:
-        save_draft_vocab(out, list(backbone.draft_vocab))
+    exported = export_drafter(trainer.drafter, trainer.scale).to(torch_dtype(args.save_dtype))
+    exported.draft_vocab = list(backbone.draft_vocab or [])
+    save_drafter(exported, out)
     log(f"selector: DFlash2 drafter -> {out}")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from draft_node.checkpoint import load_drafter, save_draft_vocab, save_drafter
+from draft_node.checkpoint import load_drafter, save_drafter, write_atomically
 from draft_node.config import DFlashConfig
 from draft_node.model import DFlashDrafter
 from training.answer_store import Answer
@@ -341,7 +341,9 @@ class Trainer:
             )
         self.use_vocabulary(draft_vocabulary(self.train_records, opts.draft_vocab) if opts.draft_vocab else [])
         self.drafter = init_drafter(cfg, opts.seed, opts.out_scale).to(self.dev)
-        self.scale = feature_scale(self._scale_rows()[:, : cfg.feature_width], seed=opts.seed).to(self.dev)
+        # Rank 0's: ranks that opened a growing cache at different moments measured different scales (an audit).
+        self.scale = ranks.tensor_from_main(feature_scale(self._scale_rows()[:, : cfg.feature_width], seed=opts.seed))
+        self.scale = self.scale.to(self.dev)
         self.forward = self.drafter.forward_anchors
         if ranks.many:  # DFlash2's selector learns later (training.selector): unused in these steps
             self.forward = DistributedDataParallel(_Anchored(self.drafter), find_unused_parameters=cfg.dflash2)
@@ -519,9 +521,11 @@ class Trainer:
         teacher = self.teacher_logprobs(batch, labelled) if self.opts.distill else None
         total, weight = self._weighted_loss_parts(logits.float(), slots, labelled, teacher)
         # Normalised by the whole batch's weight, times the ranks DDP averages over: the gradient
-        # of the loss one process computes on the whole batch.
-        weight = self.ranks.total(weight.detach())
-        value = float(self.ranks.total(total.detach()) / weight)
+        # of the loss one process computes on the whole batch. The labelled slots are summed too:
+        # rank 0's times the ranks counted 22% too many where the batch does not divide (an audit).
+        # (A step's slots, far below 2**24, are exact in float32.)
+        summed = self.ranks.total(torch.stack([total.detach(), weight.detach(), labelled.sum().to(total.dtype)]))
+        value, weight, labelled_slots = float(summed[0] / summed[1]), summed[1], int(summed[2])
         if not math.isfinite(value):  # the same on every rank: all stop before the step, none saves
             raise TrainingError(
                 f"the loss became {value} at step {self.step + 1}: the run stops before it (lower --lr, "
@@ -535,7 +539,7 @@ class Trainer:
         self.schedule.step()
         self.step += 1
         self.history.append(value)
-        self.positions += int(labelled.sum()) * self.ranks.world
+        self.positions += labelled_slots
         return value
 
     @torch.no_grad()
@@ -631,13 +635,12 @@ class Trainer:
         self.seconds, self.positions = float(state.get("seconds", 0.0)), int(state.get("positions", 0))
 
     def save(self, state_path: Path, out: Path | None) -> None:
-        tmp = state_path.with_suffix(".tmp")
-        torch.save(self.state(), tmp)
-        tmp.replace(state_path)
+        state = self.state()
+        write_atomically(state_path, lambda tmp: torch.save(state, tmp))
         if out is not None:
-            save_drafter(export_drafter(self.drafter, self.scale).to(self.opts.save_dtype), out)
-            if self.opts.draft_vocab:
-                save_draft_vocab(out, self.vocab.tolist())
+            exported = export_drafter(self.drafter, self.scale).to(self.opts.save_dtype)
+            exported.draft_vocab = self.vocab.tolist() if self.opts.draft_vocab else []
+            save_drafter(exported, out)
 
 
 def train(
@@ -726,16 +729,8 @@ def _checkpoints(trainer: Trainer, state_path: Path, log: Callable[[str], None])
 def _start(trainer: Trainer, target, state_path: Path, log: Callable[[str], None]) -> None:
     """Where a run's weights start: its saved state (resuming), a checkpoint, target layers, or fresh."""
     init = trainer.opts.init
-    if trainer.opts.resume and not state_path.exists():
-        raise TrainingError(f"--resume: no saved state at {state_path} (is --name the run's?)")
     if trainer.opts.resume:
-        try:
-            state = torch.load(state_path, map_location=trainer.dev, weights_only=False)
-        except (RuntimeError, EOFError, OSError) as exc:  # a copy cut short
-            raise TrainingError(f"--resume: {state_path} cannot be read ({exc})") from exc
-        if state.get("config", trainer.cfg.to_json()) != trainer.cfg.to_json():
-            raise TrainingError(f"--resume: {state_path} is a run of another drafter shape than these flags ask for")
-        trainer.load_state(state)
+        trainer.load_state(saved_state(state_path, trainer.cfg, trainer.dev))
         log(f"resumed at step {trainer.step}")
     elif init and str(init).startswith(TARGET_INIT):
         layer_ids = [int(x) for x in str(init)[len(TARGET_INIT) :].split(",")]
@@ -744,6 +739,26 @@ def _start(trainer: Trainer, target, state_path: Path, log: Callable[[str], None
     elif init:
         trainer.init_from(load_drafter(init))
         log(f"initialized from {init}")
+
+
+def saved_state(state_path: Path, cfg: DFlashConfig, device: torch.device | str = "cpu") -> dict:
+    """The state a --resume continues from, refused with the reason where it cannot be: missing,
+    cut short, or of another drafter shape than `cfg` (naming the fields that differ)."""
+    if not state_path.exists():
+        raise TrainingError(f"--resume: no saved state at {state_path} (is --name the run's?)")
+    try:
+        state = torch.load(state_path, map_location=device, weights_only=False)
+    except (RuntimeError, EOFError, OSError) as exc:  # a copy cut short
+        raise TrainingError(f"--resume: {state_path} cannot be read ({exc})") from exc
+    saved, asked = state.get("config", cfg.to_json()), cfg.to_json()
+    if saved != asked:
+        differ = ", ".join(
+            f"{k} {saved.get(k)} (asked: {asked.get(k)})" for k in sorted(saved | asked) if saved.get(k) != asked.get(k)
+        )
+        raise TrainingError(
+            f"--resume: {state_path} is a run of another drafter shape than these flags ask for: {differ}"
+        )
+    return state
 
 
 def _quiet(message: str) -> None:
