@@ -177,3 +177,22 @@ def test_logits_and_draft_projection_use_the_models_own_head(case):
     proposer.begin(target)
     drafted = proposer.drafting.project(hidden)  # a bf16 head on CPU: close, not exact
     assert torch.allclose(drafted, theirs, atol=0.02 * float(theirs.abs().max()))
+
+
+def test_auto_dtype_off_the_engine_serves_the_folders_own_fp32_weights(tmp_path, monkeypatch):
+    """`--dtype auto` loads bf16 where the device computes it natively; for a model the engine does
+    not serve it then fell back to fp32 as `model.float()`, which kept bf16's rounding of an fp32
+    checkpoint: greedy output differed from the model's own at token 9 (an audit)."""
+    from transformers import AutoModelForCausalLM
+
+    import target_node.model.target as target_module
+    from target_node.model.target import TargetModel
+
+    folder = tmp_path / "gemma2"
+    tiny_target("gemma2").model.save_pretrained(folder)  # fp32 weights, off the engine
+    monkeypatch.setattr(target_module, "prefer_bf16", lambda device: True)
+    served = TargetModel.load(folder, dtype="auto")
+    assert served.engine is None and served.model.dtype == torch.float32
+    own = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    for name, weight in served.model.state_dict().items():
+        assert torch.equal(weight, own[name]), name

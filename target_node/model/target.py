@@ -145,9 +145,12 @@ class TargetModel:
         tokenizer = AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
         target = cls(model, tokenizer, cache_policy, engine, slots)
         if auto and target.engine is None and dtype != torch.float32:
-            # Off the engine, a verify row is not the plain step's bits: bf16 would not be exact.
+            # Off the engine, a verify row is not the plain step's bits: bf16 would not be exact. The
+            # folder's own weights, read again: model.float() kept bf16's rounding of an fp32
+            # checkpoint, and its output differed from the model's (an audit).
             log.info("the engine does not serve %s: float32, where the transformers path is exact in practice", folder)
-            target = cls(model.float(), tokenizer, cache_policy, engine, slots)
+            del target, model
+            target = cls(load_causal_lm(folder, torch.float32).to(device), tokenizer, cache_policy, engine, slots)
         log.info(
             "target %s: %s, %s",
             folder.name,
