@@ -69,11 +69,16 @@ class Session:
 class DraftService:
     """Message in, reply out: the daemon's logic without the socket, so it is easy to test."""
 
-    def __init__(self, drafter: DFlashDrafter, settings: DraftSettings | None = None) -> None:
+    def __init__(
+        self, drafter: DFlashDrafter, settings: DraftSettings | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         """Sessions are shared fairly between peers: one peer holds at most
         `max_sessions_per_peer`, and a full daemon takes a slot from another peer only if that
         peer left that session idle for `reclaim_after` and has itself said nothing for as long
-        (a live target pings at least every KEEPALIVE_S), first from peers over their fair share."""
+        (a live target pings at least every KEEPALIVE_S), first from peers over their fair share.
+        `clock` (seconds) times idleness: a test's own, where a loaded machine's stretched a
+        test's 50 ms."""
+        self.clock = clock
         self.settings = settings = settings or DraftSettings()
         self.drafter = drafter
         self.config = drafter.config
@@ -115,7 +120,7 @@ class DraftService:
         if isinstance(request, ProtocolError):
             self.counters["errors"] += 1
             return encode_error(request.request_id, request.code, request.message)
-        self.heard[request.peer] = time.monotonic()
+        self.heard[request.peer] = self.clock()
         try:
             return getattr(self, f"on_{request.type}", self.on_unexpected)(request)
         except ProtocolError as exc:
@@ -163,7 +168,9 @@ class DraftService:
         key = (msg.peer, msg["session"])
         if key not in self.sessions:
             self.make_room(msg.peer)
-        self.sessions[key] = Session(msg.peer, DraftKVCache(self.drafter, self.settings.ring_capacity), mask)
+        self.sessions[key] = Session(
+            msg.peer, DraftKVCache(self.drafter, self.settings.ring_capacity), mask, last_used=self.clock()
+        )
         return encode("ok", msg.id)
 
     def make_room(self, peer: str) -> None:
@@ -176,7 +183,7 @@ class DraftService:
         live target; a gone peer's sessions all come free (one at or under its share kept them
         until --idle-timeout, and a live newcomer got `busy`: an audit)."""
         self.evict_idle()
-        now = time.monotonic()
+        now = self.clock()
         held = Counter(owner for owner, _ in self.sessions)
         reclaim_after = self.settings.reclaim_after
         own_idle = [key for key, s in self.sessions.items() if key[0] == peer and now - s.last_used > reclaim_after]
@@ -213,7 +220,7 @@ class DraftService:
             raise ProtocolError(
                 ErrorCode.UNKNOWN_SESSION, f"no session {msg['session']!r} (never opened, closed or evicted): open it"
             )
-        found.last_used = time.monotonic()
+        found.last_used = self.clock()
         return found
 
     def on_reset(self, msg: Message) -> list:
@@ -317,7 +324,7 @@ class DraftService:
         def flush() -> None:
             self.counters["requests"] += len(run)
             for i in run:
-                self.heard[requests[i].peer] = time.monotonic()
+                self.heard[requests[i].peer] = self.clock()
             for i, reply in zip(run, self.draft_together([requests[i] for i in run]), strict=True):
                 answer(i, reply)
             run.clear()
@@ -478,7 +485,7 @@ class DraftService:
 
     def evict_idle(self) -> None:
         """Sessions idle past `idle_timeout_s` go, and what was heard of peers that hold none."""
-        now = time.monotonic()
+        now = self.clock()
         for key in [k for k, s in self.sessions.items() if now - s.last_used > self.settings.idle_timeout]:
             self.evict(key)
         if len(self.heard) > len(self.sessions):
