@@ -7,9 +7,6 @@ drafters) use the same layout so every path through the system loads them the sa
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draft_node.config import CheckpointError, DFlashConfig, in_dflash2
+from draft_node.files import write_atomically
 from draft_node.model import DFlashDrafter
 
 
@@ -126,19 +124,6 @@ def _holds(folder: Path, config: str, vocab: list[int]) -> bool:
         return (folder / "config.json").read_text() == config and load_draft_vocab(folder) == vocab
     except (OSError, UnicodeDecodeError, CheckpointError):
         return False
-
-
-def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """`write` the file beside `path`, sync it and rename it over `path`: a reader, a process killed
-    meanwhile or a power cut find the old file or the new one, never part of one. The old file's
-    permissions carry over."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    if path.exists():
-        shutil.copymode(path, tmp)
-    with open(tmp, "rb") as written:
-        os.fsync(written.fileno())
-    tmp.replace(path)
 
 
 def random_drafter(cfg: DFlashConfig, seed: int = 0, std: float = 0.02) -> DFlashDrafter:

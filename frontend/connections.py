@@ -11,7 +11,8 @@ at once a new one gets 503 and is closed. A request's body has its own deadline 
 A refused connection's 503 goes first, then the end of its stream; what the client sends is read
 and dropped until it closes, or for `REFUSED_LINGER_S`: closed at once, a connection with its
 request still unread was reset, and a client that sent a body got a broken pipe, not the 503 (a
-review).
+review). At most `REFUSALS_DRAINED` are drained at once, past them one is closed at once: a flood
+of refused connections held open took the files the admitted requests' sockets needed (a review).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 # As nginx's client_header_timeout (60 s) but shorter: a request's head is a few hundred bytes.
 HEAD_DEADLINE_S = 20.0
 REFUSED_LINGER_S = 2.0
+REFUSALS_DRAINED = 16  # files beside the connections' bound (launch/serve.py keeps them free)
 
 
 def full_answer(max_connections: int) -> bytes:
@@ -46,19 +48,26 @@ def full_answer(max_connections: int) -> bytes:
 
 
 def bounded_h11(max_connections: int, head_deadline_s: float = HEAD_DEADLINE_S) -> type[H11Protocol]:
-    """uvicorn's h11 protocol (pass as `http=`) with at most `max_connections` open at once and
-    each request's head due within `head_deadline_s`."""
+    """uvicorn's h11 protocol (pass as `http=`) with at most `max_connections` open at once, beside
+    up to REFUSALS_DRAINED refused ones, and each request's head due within `head_deadline_s`."""
     refusal = full_answer(max_connections)
 
     class BoundedH11(H11Protocol):
+        draining = 0  # refused connections being drained, of every instance
+
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self.head_timer: asyncio.TimerHandle | None = None
-            self.refused = len(self.connections) > max_connections
+            self.drains = False
+            self.refused = len(self.connections) - BoundedH11.draining > max_connections
             if self.refused:
                 transport.write(refusal)
-                if transport.can_write_eof():
-                    transport.write_eof()
+                if BoundedH11.draining >= REFUSALS_DRAINED or not transport.can_write_eof():
+                    transport.close()
+                    return
+                transport.write_eof()
+                BoundedH11.draining += 1
+                self.drains = True
                 self.head_timer = self.loop.call_later(REFUSED_LINGER_S, transport.close)
                 return
             self.await_head()
@@ -100,6 +109,9 @@ def bounded_h11(max_connections: int, head_deadline_s: float = HEAD_DEADLINE_S) 
 
         def connection_lost(self, exc: Exception | None) -> None:
             self.cancel_head_timer()
+            if self.drains:
+                BoundedH11.draining -= 1
+                self.drains = False
             super().connection_lost(exc)
 
     return BoundedH11

@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> None:
     import uvicorn
 
     from frontend.app import create_app
-    from frontend.connections import bounded_h11
+    from frontend.connections import REFUSALS_DRAINED, bounded_h11
     from frontend.link import TargetLink, connection_limit, open_call_limit
     from launch.local import local_daemons
 
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> None:
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=5,
-            http=bounded_h11(connection_limit(open_calls)),
+            http=bounded_h11(max(1, connection_limit(open_calls) - REFUSALS_DRAINED)),
         )
 
     if args.target:

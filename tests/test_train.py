@@ -1661,6 +1661,28 @@ checkpoint.save_drafter(drafter, {str(folder)!r})
     assert load_draft_vocab(folder) == []
 
 
+def test_a_partial_file_a_killed_write_left_does_not_stop_the_next(tmp_path):
+    """A killed write left its partial file with the old file's read-only mode, and every later
+    write to it failed (a review)."""
+    from draft_node.files import write_atomically
+
+    def fresh(text: str):  # a writer that cannot open an existing file, as a read-only one is to a user
+        def write(tmp: Path) -> None:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as fh:
+                fh.write(text)
+
+        return write
+
+    path = tmp_path / "config.json"
+    write_atomically(path, fresh("one"))
+    path.chmod(0o444)
+    (tmp_path / "config.json.tmp").write_text("half")
+    (tmp_path / "config.json.tmp").chmod(0o444)
+    write_atomically(path, fresh("two"))
+    assert path.read_text() == "two" and path.stat().st_mode & 0o777 == 0o444
+    assert not (tmp_path / "config.json.tmp").exists()
+
+
 def test_a_run_is_resumed_or_restarted_never_replaced_and_a_wrong_resume_is_refused_before_any_fill(
     setup, tmp_path, capsys
 ):

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from draft_node.checkpoint import write_atomically
+from draft_node.files import write_atomically
 from target_node.model.target import TargetModel
 from training.answer_store import Answer
 

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from draft_node.checkpoint import load_drafter, save_drafter, write_atomically
+from draft_node.checkpoint import load_drafter, save_drafter
 from draft_node.config import DFlashConfig
+from draft_node.files import write_atomically
 from draft_node.model import DFlashDrafter
 from training.answer_store import Answer
 from training.distributed import ONE, Ranks

@@ -8,27 +8,20 @@ import threading
 import time
 
 import pytest
-from serving import CHAT, MODEL, stream_end
+from serving import CHAT, MODEL, stream_end, wait_for
 from test_serve_errors import ASK, CHAT_PATH, assert_openai_error
 
 from launch.local import free_port
 
 
-def running_server(app, max_connections: int, head_deadline_s: float):
-    """uvicorn in a thread with the front end's connection bounds; a keep-alive far past the
-    head deadline, so only the bound closes a connection that went quiet."""
+def running_server(app, protocol):
+    """uvicorn in a thread with the front end's connection bounds (`protocol`); a keep-alive far
+    past the head deadline, so only the bound closes a connection that went quiet."""
     import uvicorn
-
-    from frontend.connections import bounded_h11
 
     port = free_port()
     config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        timeout_keep_alive=300,
-        http=bounded_h11(max_connections, head_deadline_s),
+        app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=300, http=protocol
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -51,7 +44,7 @@ def closed_by_server(sock: socket.socket, within_s: float) -> bytes:
         received += chunk
 
 
-def test_connections_past_the_bound_get_503_and_heads_not_finished_in_time_are_closed():
+def test_connections_past_the_bound_get_503_and_heads_not_finished_in_time_are_closed(monkeypatch):
     """uvicorn gave a connection all the time it liked to send a request's head, and accepted
     connections until the process ran out of files: 20,000 half-sent heads left /health unanswered
     (an audit). Now connections past the bound get 503 at once, and a head must arrive within the
@@ -74,9 +67,22 @@ def test_connections_past_the_bound_get_503_and_heads_not_finished_in_time_are_c
             reply += sock.recv(65536)
         return reply
 
-    server, thread, port = running_server(app, max_connections=3, head_deadline_s=0.5)
+    import frontend.connections
+    from frontend.connections import REFUSALS_DRAINED, bounded_h11
+
+    monkeypatch.setattr(frontend.connections, "REFUSED_LINGER_S", 60.0)  # drained until their clients leave
+    protocol = bounded_h11(3, head_deadline_s=0.5)
+    server, thread, port = running_server(app, protocol)
     try:
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        # A flood of refused connections that stay open: the drained ones are bounded, the rest
+        # closed at once (held, they took the files of the admitted requests' sockets: a review).
+        flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(REFUSALS_DRAINED + 8)]
+        assert all(closed_by_server(sock, within_s=5).startswith(b"HTTP/1.1 503") for sock in flood)
+        assert protocol.draining <= REFUSALS_DRAINED and len(server.server_state.connections) <= 3 + REFUSALS_DRAINED
+        for sock in flood:
+            sock.close()
+        wait_for(lambda: protocol.draining == 0, timeout_s=10)  # each gone with its client
         for body in (b"", b"x" * 1_000_000):  # a client that sent a body read a reset, not the 503 (a review)
             extra = socket.create_connection(("127.0.0.1", port))
             head = f"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
