@@ -47,71 +47,77 @@ def full_answer(max_connections: int) -> bytes:
     return head.encode() + body
 
 
-def bounded_h11(max_connections: int, head_deadline_s: float = HEAD_DEADLINE_S) -> type[H11Protocol]:
+class BoundedH11(H11Protocol):
+    """uvicorn's h11 protocol with its bounds: made by `bounded_h11`, which sets them."""
+
+    max_connections = 0
+    head_deadline_s = HEAD_DEADLINE_S
+    refusal = b""
+    draining = 0  # refused connections being drained, of every instance of a bounded class
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.head_timer: asyncio.TimerHandle | None = None
+        self.drains = False
+        bounds = type(self)
+        self.refused = len(self.connections) - bounds.draining > self.max_connections
+        if self.refused:
+            transport.write(self.refusal)
+            if bounds.draining >= REFUSALS_DRAINED or not transport.can_write_eof():
+                transport.close()
+                return
+            transport.write_eof()
+            bounds.draining += 1
+            self.drains = True
+            self.head_timer = self.loop.call_later(REFUSED_LINGER_S, transport.close)
+            return
+        self.await_head()
+
+    def data_received(self, data: bytes) -> None:
+        if not self.refused:  # a refused connection's request is dropped unread
+            super().data_received(data)
+
+    def eof_received(self) -> bool | None:
+        if self.refused:
+            self.transport.close()
+        return super().eof_received()
+
+    def await_head(self) -> None:
+        """From now, the next request's head is due within the deadline."""
+        self.cancel_head_timer()
+        self.awaited = self.cycle  # the cycle before that request
+        self.head_timer = self.loop.call_later(self.head_deadline_s, self.head_overdue)
+
+    def cancel_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def head_overdue(self) -> None:
+        self.head_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.head_timer is not None and self.cycle is not self.awaited:
+            self.cancel_head_timer()  # a head arrived: its request runs
+
+    def on_response_complete(self) -> None:
+        if not self.transport.is_closing():
+            self.await_head()  # before super(), which may start a pipelined request at once
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.cancel_head_timer()
+        if self.drains:
+            type(self).draining -= 1
+            self.drains = False
+        super().connection_lost(exc)
+
+
+def bounded_h11(max_connections: int, head_deadline_s: float = HEAD_DEADLINE_S) -> type[BoundedH11]:
     """uvicorn's h11 protocol (pass as `http=`) with at most `max_connections` open at once, beside
     up to REFUSALS_DRAINED refused ones, and each request's head due within `head_deadline_s`."""
-    refusal = full_answer(max_connections)
-
-    class BoundedH11(H11Protocol):
-        draining = 0  # refused connections being drained, of every instance
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self.head_timer: asyncio.TimerHandle | None = None
-            self.drains = False
-            self.refused = len(self.connections) - BoundedH11.draining > max_connections
-            if self.refused:
-                transport.write(refusal)
-                if BoundedH11.draining >= REFUSALS_DRAINED or not transport.can_write_eof():
-                    transport.close()
-                    return
-                transport.write_eof()
-                BoundedH11.draining += 1
-                self.drains = True
-                self.head_timer = self.loop.call_later(REFUSED_LINGER_S, transport.close)
-                return
-            self.await_head()
-
-        def data_received(self, data: bytes) -> None:
-            if not self.refused:  # a refused connection's request is dropped unread
-                super().data_received(data)
-
-        def eof_received(self) -> bool | None:
-            if self.refused:
-                self.transport.close()
-            return super().eof_received()
-
-        def await_head(self) -> None:
-            """From now, the next request's head is due within the deadline."""
-            self.cancel_head_timer()
-            self.awaited = self.cycle  # the cycle before that request
-            self.head_timer = self.loop.call_later(head_deadline_s, self.head_overdue)
-
-        def cancel_head_timer(self) -> None:
-            if self.head_timer is not None:
-                self.head_timer.cancel()
-                self.head_timer = None
-
-        def head_overdue(self) -> None:
-            self.head_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.head_timer is not None and self.cycle is not self.awaited:
-                self.cancel_head_timer()  # a head arrived: its request runs
-
-        def on_response_complete(self) -> None:
-            if not self.transport.is_closing():
-                self.await_head()  # before super(), which may start a pipelined request at once
-            super().on_response_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self.cancel_head_timer()
-            if self.drains:
-                BoundedH11.draining -= 1
-                self.drains = False
-            super().connection_lost(exc)
-
-    return BoundedH11
+    bounds = {"max_connections": max_connections, "head_deadline_s": head_deadline_s, "draining": 0}
+    return type("BoundedH11", (BoundedH11,), {**bounds, "refusal": full_answer(max_connections)})
