@@ -40,14 +40,14 @@ FILES_SPARE = 64  # the model folder, logs, the daemons' pipes, pings
 MAX_CONNECTIONS = 65536  # HTTP connections, where the limit of open files sets none
 
 
-def open_call_limit(raise_soft_limit: bool = False) -> int:
-    """How many generate requests may be open at once in this process: MAX_OPEN_CALLS where the
-    limit of open files allows it. `raise_soft_limit` first lifts this process's soft limit to its
-    hard one (a server's start: the common soft limit of 1,024 allows ~320)."""
+def open_file_limit(raise_soft_limit: bool = False) -> int | None:
+    """This process's limit of open files (None: none, or not Unix). `raise_soft_limit` first lifts
+    the soft limit to the hard one (a server's start: the common soft limit of 1,024 allows ~320
+    requests)."""
     try:
         import resource
     except ImportError:  # not Unix: ZeroMQ's own bound, and the ZMQError catch in generate()
-        return MAX_OPEN_CALLS
+        return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if raise_soft_limit and soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > soft):
         try:
@@ -55,23 +55,26 @@ def open_call_limit(raise_soft_limit: bool = False) -> int:
             soft = hard
         except (ValueError, OSError):
             pass
-    if soft == resource.RLIM_INFINITY:
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def open_call_limit(raise_soft_limit: bool = False) -> int:
+    """How many generate requests may be open at once in this process: MAX_OPEN_CALLS where the
+    limit of open files allows it (`raise_soft_limit`: see open_file_limit)."""
+    files = open_file_limit(raise_soft_limit)
+    if files is None:
         return MAX_OPEN_CALLS
-    return max(1, min(MAX_OPEN_CALLS, (soft - FILES_SPARE) // FILES_PER_CALL))
+    return max(1, min(MAX_OPEN_CALLS, (files - FILES_SPARE) // FILES_PER_CALL))
 
 
 def connection_limit(open_calls: int) -> int:
     """How many HTTP connections may be open at once beside `open_calls` requests: what the limit
     of open files leaves (a connection is one file; a request adds its socket's). It was the
     requests' own bound, 1,000, which 1,000 idle sockets filled, locking everyone out (a review)."""
-    try:
-        import resource
-    except ImportError:
+    files = open_file_limit()
+    if files is None:
         return MAX_CONNECTIONS
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS
-    return max(open_calls, min(MAX_CONNECTIONS, soft - FILES_SPARE - (FILES_PER_CALL - 1) * open_calls))
+    return max(open_calls, min(MAX_CONNECTIONS, files - FILES_SPARE - (FILES_PER_CALL - 1) * open_calls))
 
 
 class DaemonUnreachable(RuntimeError):
