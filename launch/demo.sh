@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The main job: set up (or reuse) .venv, convert the default model once, then start the
-# draft daemon and the target daemon as separate processes and stream answers to a few
-# prompts through the client. Extra arguments go to `python -m launch.local`; with a
-# --prompt or --prompts-file of its own, the demo's prompts are left out.
+# The main job: set up (or reuse) .venv, index the committed answers and convert the default
+# model once, then start the draft daemon and the target daemon as separate processes and
+# stream answers to a few prompts through the client. Extra arguments go to
+# `python -m launch.local`; with a --prompt or --prompts-file of its own, the demo's prompts
+# are left out.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${DFLASH_VENV:-$root/.venv}"
 bash "$root/launch/setup_env.sh"
 cd "$root"
+"$venv/bin/python" -m training.answer_index  # the datastore's index, once per machine and store
 prompts=(--prompts-file launch/demo_prompts.txt)
 for arg in "$@"; do
   case "$arg" in --prompt | --prompt=* | --prompts-file | --prompts-file=*) prompts=() ;; esac

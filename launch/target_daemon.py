@@ -35,12 +35,13 @@ from protocol.messages import MAX_PREDRAFT_OUTCOMES
 from protocol.transport import stop_on_signals
 from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.factory import PROPOSER_KINDS, ProposerSettings, build_proposers
+from target_node.drafting.proposers import NoProposer
 from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES, UnsupportedCache
 from target_node.model.support import ModelLoadError, UnsupportedModel
 from target_node.model.target import TargetModel
 from target_node.serving.daemon import TargetService
 from target_node.serving.settings import ServiceSettings
-from training.answer_index import datastore_for
+from training.answer_index import datastore_coming
 from training.traffic import TrafficError, TrafficRecorder
 
 
@@ -186,7 +187,10 @@ def start(argv: list[str] | None) -> None:
             parser.exit(1, f"{parser.prog}: error: no memory for --max-batch {args.max_batch}: {exc}\n")
         recorder = TrafficRecorder(args.record, target.name) if args.record else None
         proposers = build_proposers(with_default_drafter(drafting, model), target, target.slots, drafter_keys)
-        datastore = datastore_for(settings.datastore, target.name, vocab_size=target.vocab_size)
+        looks_up = not settings.no_lookup and proposers[0].name != NoProposer.name  # else no index to build
+        datastore = datastore_coming(
+            settings.datastore if looks_up else "none", target.name, vocab_size=target.vocab_size
+        )
         service = TargetService(target, proposers, settings, recorder, datastore)
         # Only now: a SIGTERM while the model loads ends the process at once (it waited for the load).
         stop = stop_on_signals()

@@ -3,6 +3,7 @@ verified as one more branch of every greedy tree; it changes speed, never output
 
 import gzip
 import json
+import os
 import random
 import shutil
 
@@ -15,7 +16,7 @@ from target_node.decoding.sequence import generate
 from target_node.decoding.speculative import MAX_LOOKUP
 from target_node.drafting.datastore import Datastore
 from target_node.drafting.proposers import NoProposer
-from training.answer_index import KEEP, datastore_for
+from training.answer_index import KEEP, datastore_coming, datastore_for, index_for, prune
 
 
 def reference(sequences, tail, limit, context):
@@ -100,12 +101,13 @@ def test_the_datastore_branch_changes_speed_never_output(target, adaptive):
                 assert result.stats.accepted_by_source["datastore"] >= 30, result.stats.accepted_by_source
 
 
-def write_store(folder, model, answers):
+def write_store(folder, model, answers, **fields):
+    """A shard of `answers` (each a prompt token 1 and the answer's ids); `fields` override every one's."""
     folder.mkdir(parents=True, exist_ok=True)
     with gzip.open(folder / "20261205-000000-abcd.jsonl.gz", "wt") as fh:
         for i, tokens in enumerate(answers):
-            fh.write(json.dumps({"key": f"k{i}", "job": f"j{i}", "stage": "answer", "messages": [],
-                                 "tokens": [1, *tokens], "prompt_len": 1, "model": model}) + "\n")  # fmt: skip
+            answer = {"key": f"k{i}", "job": f"j{i}", "stage": "answer", "messages": [], "tokens": [1, *tokens]}
+            fh.write(json.dumps({**answer, "prompt_len": 1, "model": model, **fields}) + "\n")
 
 
 def test_the_daemons_datastore_is_the_served_models_answers_indexed_once(tmp_path):
@@ -211,3 +213,127 @@ def test_a_missing_datastore_folder_is_refused_before_the_model_loads(tmp_path):
     with pytest.raises(ValueError, match="no such answer store folder"):
         ServiceSettings(datastore=str(tmp_path / "missing"))
     assert ServiceSettings(datastore=str(tmp_path)).datastore == str(tmp_path)
+
+
+def test_answers_whose_ids_are_not_ids_are_skipped_and_the_rest_indexed(tmp_path, caplog):
+    """A shard that was valid xz and JSON, its first answer the served model's, but a later answer's
+    ids strings, nulls, nested or past int64 (or its prompt_len a string) stopped the daemon's start
+    with a traceback; an id past 2**31 made an index every later start refused and built again."""
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    write_store(
+        store, "tiny", [[5, 6, 7, 8], [5, 6, "x"], [5, None], [[5], [6]], [5, 2**70], [5, 6, 2**32 + 7], [5, -1]]
+    )
+    with (store / "20261205-000000-abcd.jsonl.gz").open("ab") as raw, gzip.open(raw, "wt") as fh:
+        fh.write(json.dumps({"key": "s", "job": "s", "stage": "answer", "messages": [], "tokens": [1, 5, 6, 9],
+                             "prompt_len": "1", "model": "tiny"}) + "\n")  # fmt: skip
+    with caplog.at_level("WARNING", logger="datastore"):
+        served = datastore_for(str(store), "tiny", cache)
+    assert served([4, 5, 6], 2).tokens == [7, 8] and len(served) == 3  # the one answer whose ids are ids
+    assert "skipped 7 answers of tiny" in caplog.text
+    assert index_for(str(store), "tiny", cache).load() is not None  # mapped at the next start, not built again
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["0-d keys", "float positions", "2-d tokens", "wrong bits", "negative position", "keys reversed"],
+)
+def test_an_index_that_is_not_one_is_built_again(tmp_path, damage):
+    """A 0-d keys file stopped the daemon's start (TypeError); float positions or 2-d tokens passed
+    the check and every request then logged a traceback and drafted nothing; wrong bits served
+    without a hit (an audit)."""
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    write_store(store, "tiny", [[5, 6, 7, 8]])
+    where = index_for(str(store), "tiny", cache).where
+    datastore_for(str(store), "tiny", cache)
+    keys, positions = np.load(where / "keys.npy"), np.load(where / "positions.npy")
+    tokens = np.load(where / "tokens.npy")
+    if damage == "0-d keys":
+        np.save(where / "keys.npy", np.uint64(3))
+    elif damage == "float positions":
+        np.save(where / "positions.npy", positions.astype(np.float64))
+    elif damage == "2-d tokens":
+        np.save(where / "tokens.npy", np.stack([tokens, tokens]))
+    elif damage == "keys reversed":
+        np.save(where / "keys.npy", keys[::-1].copy())
+    elif damage == "wrong bits":
+        (where / "bits").write_text("5")
+    else:
+        np.save(where / "positions.npy", np.where(positions == positions.max(), -1, positions).astype(positions.dtype))
+    assert index_for(str(store), "tiny", cache).load() is None and not where.exists()  # refused, removed
+    served = datastore_for(str(store), "tiny", cache)
+    assert served([4, 5, 6], 2).tokens == [7, 8] and np.array_equal(np.load(where / "keys.npy"), keys)
+
+
+def test_an_index_is_its_owners_alone_and_a_stopped_build_leaves_nothing(tmp_path, monkeypatch):
+    """The index of recorded traffic (users' answers) was readable by every local user, where the
+    record folder is the operator's alone; a build stopped by Ctrl-C or SIGTERM (the builder's
+    handler raises SystemExit) left its part behind for good, 58 MB here (an audit)."""
+    import training.answer_index as answer_index
+
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    write_store(store, "tiny", [[5, 6, 7, 8]])
+    datastore_for(str(store), "tiny", cache)
+    (index,) = (cache / "datastore").iterdir()
+    assert index.stat().st_mode & 0o777 == 0o700
+    shutil.rmtree(index)
+    save = Datastore.save
+
+    def stopped(self, folder):
+        save(self, folder)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(answer_index.Datastore, "save", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        datastore_for(str(store), "tiny", cache)
+    assert list((cache / "datastore").iterdir()) == []
+
+
+def test_pruning_keeps_each_stores_indexes_and_removes_what_dead_builders_left(tmp_path):
+    """Pruning per model deleted another store's index of the same model as a growing store built
+    new ones, and that store's daemon built it again at each start; a dead builder's part stayed."""
+    cache = tmp_path / "cache"
+    write_store(tmp_path / "traffic", "tiny", [[5, 6, 9]])
+    assert datastore_for(str(tmp_path / "traffic"), "tiny", cache) is not None
+    traffic = index_for(str(tmp_path / "traffic"), "tiny", cache).where
+    old_format = cache / "datastore" / ("tiny-" + "0" * 16)
+    shutil.copytree(traffic, old_format)
+    (old_format / "source").unlink()  # built before indexes said their store
+    dead = cache / "datastore" / f"tiny-{'1' * 16}.{2**22 + 1}.tmp"  # above any pid_max: no such process
+    alive = cache / "datastore" / f"tiny-{'2' * 16}.{os.getpid()}.tmp"
+    for part in (dead, alive):
+        part.mkdir()
+    store = tmp_path / "store"
+    store.mkdir()
+    for i in range(KEEP + 2):
+        write_store(tmp_path / "shard", "tiny", [[5, 6, 7 + i]])
+        (tmp_path / "shard" / "20261205-000000-abcd.jsonl.gz").rename(store / f"20261205-00000{i}-abcd.jsonl.gz")
+        assert datastore_for(str(store), "tiny", cache)([4, 5, 6], 1).tokens == [7]
+    left = {d.name for d in (cache / "datastore").iterdir()}
+    assert traffic.name in left and old_format.name not in left and dead.name not in left and alive.name in left
+    assert len(left) == 1 + KEEP + 1  # the traffic store's, the growing store's newest, the live part
+    assert prune(cache / "datastore", "tiny", KEEP, str((tmp_path / "traffic").resolve())) == []
+
+
+def test_a_daemon_serves_while_its_datastore_is_built_by_a_process_of_its_own(tmp_path):
+    """datastore_coming: the index is built by another process (the committed store took 100 s and
+    4.8 GB at every start after a shard changed, on the serving thread: an audit), then mapped; a
+    later start maps it at once."""
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    write_store(store, "tiny", [[5, 6, 7, 8], [5, 6, 7, 9], [5, 6, 7, 8]])
+    coming = datastore_coming(str(store), "tiny", cache, vocab_size=320)
+    served = coming.result(timeout=120)
+    assert served([4, 5, 6], 2).tokens == [7, 8] and served.vocab_size == 320
+    assert not [d for d in (cache / "datastore").iterdir() if d.suffix == ".tmp"]
+    again = datastore_coming(str(store), "tiny", cache)
+    assert again.done() and isinstance(again.result().keys, np.memmap)
+    assert datastore_coming("none", "tiny", cache).result() is None
+
+
+def test_a_failed_background_build_leaves_the_daemon_serving_without(tmp_path, caplog):
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    write_store(store, "tiny", [[5, 6, 7, 8]])
+    cache.mkdir()
+    (cache / "datastore").write_text("a file where the indexes' folder goes")
+    with caplog.at_level("ERROR", logger="datastore"):
+        assert datastore_coming(str(store), "tiny", cache).result(timeout=120) is None
+    assert "serving without it" in caplog.text

@@ -406,6 +406,13 @@ def test_the_looked_up_branch_follows_the_proposer_and_the_flag():
     for proposer, settings, lookup in cases:
         options = TargetService(target, [proposer], settings, datastore=store).decode_options(msg, 8)
         assert options.lookup is lookup and options.datastore is (store if lookup else None)
+    from concurrent.futures import Future
+
+    coming = Future()  # its index still being built: requests go without it, then with it
+    service = TargetService(target, [NGramProposer()], ServiceSettings(always_draft=True), datastore=coming)
+    assert service.decode_options(msg, 8).datastore is None
+    coming.set_result(store)
+    assert service.decode_options(msg, 8).datastore is store
 
 
 def test_a_fitted_budget_is_cut_to_the_daemons_limit_and_an_explicit_one_is_not():

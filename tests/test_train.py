@@ -1531,7 +1531,50 @@ def test_a_quiet_recorder_writes_out_what_it_holds(tmp_path, monkeypatch):
     assert len(AnswerStore(tmp_path / "rec")) == 0  # not yet: the serving loop is not held up
     now[0] += traffic.FLUSH_EVERY_S
     recorder.tick()
+    recorder.writing.result()  # written on the recorder's thread
     assert len(AnswerStore(tmp_path / "rec")) == 1
+
+
+def test_the_recorder_writes_on_a_thread_of_its_own_one_write_at_a_time(tmp_path, monkeypatch, caplog):
+    """Each write rewrote the open shard on the serving thread: with long chats one tick stalled
+    every running request for up to 15 s (an audit). A write now runs beside the serving loop; a
+    tick while one runs starts none; a failed write is logged and the next one writes it all."""
+    import threading
+
+    import training.traffic as traffic
+    from protocol import Message
+    from target_node.decoding.sequence import Result
+    from target_node.decoding.stats import Stats
+
+    now, release, calls, write = [1000.0], threading.Event(), [], traffic.write_shard
+    monkeypatch.setattr(traffic.time, "monotonic", lambda: now[0])
+
+    def slow_disk(path, answers, preset):
+        calls.append(len(answers))
+        assert release.wait(30)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        write(path, answers, preset)
+
+    monkeypatch.setattr(traffic, "write_shard", slow_disk)
+    recorder = traffic.TrafficRecorder(str(tmp_path / "rec"), "tiny")
+
+    def serve(i):
+        message = Message("generate", i, {"prompt": f"q{i}", "messages": [], "sampling": None})
+        recorder(message, [1, 2], Result([7, i], "", "length", Stats()))
+        now[0] += traffic.FLUSH_EVERY_S
+        recorder.tick()
+
+    serve(1)  # returns while its write waits on the disk
+    serve(2)  # the write still runs: no second one
+    assert not release.is_set() and len(calls) <= 1
+    release.set()
+    with caplog.at_level("ERROR", logger="traffic"):
+        recorder.writing.exception()
+        assert calls == [1] and "No space left on device" in caplog.text
+        recorder.tick()
+        recorder.close()
+    assert calls == [1, 2] and [a.prompt_len for a in AnswerStore(tmp_path / "rec").answers] == [2, 2]
 
 
 def test_a_recorder_holds_the_open_shard_not_every_answer_it_ever_recorded(tmp_path, monkeypatch):

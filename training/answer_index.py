@@ -1,89 +1,209 @@
 """The target daemon's datastore (target_node.drafting.datastore), indexed from an answer store:
 every stored answer of the served model, built once and kept under the cache by the shards'
-fingerprint, so a restart maps it from disk in a moment where reading the store takes seconds."""
+fingerprint, so a restart maps it from disk in a moment where reading the store takes a minute.
+
+A daemon does not wait for a build (`datastore_coming`): it serves without the branch while a
+process of its own builds the index, and maps it when done. Building the committed store took
+100 s and 4.8 GB on the serving thread, at every start after a shard changed (an audit)."""
 
 from __future__ import annotations
 
+import argparse
+import atexit
 import hashlib
 import json
 import logging
 import lzma
 import os
 import shutil
-from collections.abc import Iterable
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from target_node import CACHE_ROOT
 from target_node.drafting.datastore import Datastore
-from training.answer_store import STORE, AnswerStoreError, open_shard, read_shard, shard_paths
+from training.answer_store import STORE, Answer, AnswerStoreError, open_shard, read_shard, shard_paths
 
 log = logging.getLogger("datastore")
 
+INDEX_FORMAT = "2"  # in every index's fingerprint: a change to the key layout builds them again
+TOKEN_LIMIT = 1 << 31  # ids at or past it are no token id (a store's file is anyone's to write)
+KEEP = 3  # a store's indexes kept: a store that grows (recorded traffic) would leave one per restart
 
-def datastore_for(
-    choice: str, model_name: str, cache: Path = CACHE_ROOT, vocab_size: int | None = None
-) -> Datastore | None:
+
+@dataclass(frozen=True)
+class Index:
+    """Where the index of one answer store's answers of one model lives, and what it is built from."""
+
+    where: Path
+    shards: tuple[Path, ...]
+    model_name: str
+    source: str  # the store's folder: indexes are pruned per store
+
+    def load(self) -> Datastore | None:
+        """The index, where it is built whole (one that cannot be read is removed)."""
+        if not (self.where / "bits").is_file():
+            return None
+        try:
+            store = Datastore.load(self.where)
+            store.check()
+            return store
+        except Exception as exc:  # cut short, garbage, another version's: numpy raises all sorts
+            log.warning("datastore: the index %s cannot be read (%s): building it again", self.where, exc)
+            shutil.rmtree(self.where, ignore_errors=True)
+            return None
+
+    def build(self) -> None:
+        """Index the answers, written aside and renamed whole (two daemons starting at once each
+        build, one keeps its copy), in a folder only its owner reads: it holds users' answers."""
+        tails = list(answer_tails(self.shards, self.model_name))
+        built = Datastore.build(tails)
+        aside = self.where.with_name(f"{self.where.name}.{os.getpid()}.tmp")
+        shutil.rmtree(aside, ignore_errors=True)  # a dead builder's, whose pid this one has now
+        try:
+            aside.mkdir(mode=0o700, parents=True)
+            built.save(aside)
+            (aside / "source").write_text(self.source)
+            aside.rename(self.where)
+        except BaseException as exc:  # a full disk, a folder not ours, a stop: nothing left behind
+            shutil.rmtree(aside, ignore_errors=True)
+            if not (isinstance(exc, OSError) and (self.where / "bits").is_file()):
+                raise
+        log.info("datastore: %d answers of %s indexed into %s", len(tails), self.model_name, self.where)
+        prune(self.where.parent, self.model_name, KEEP, self.source)
+
+    def command(self) -> list[str]:
+        """The command that builds this index in a process of its own."""
+        where = [str(self.where), self.model_name, self.source, *map(str, self.shards)]
+        return [sys.executable, "-m", "training.answer_index", "--build", *where]
+
+
+def index_for(choice: str, model_name: str, cache: Path = CACHE_ROOT) -> Index | None:
     """`choice`: `none`; `auto`, the committed answer store (data/answers), where it exists; or an
     answer store's folder (a deployment's recorded traffic, say). Only answers `model_name` wrote
-    are indexed (token ids mean nothing to another model), and only ids below `vocab_size` are
-    proposed (a store of a same-named model with more tokens crashed the forward: an audit);
-    None where there are none. A shard that cannot be read is skipped, an index that cannot be
-    read is built again, and one that cannot be written leaves the daemon without (each logged):
-    the datastore is a shortcut, never a reason not to serve."""
+    are indexed (token ids mean nothing to another model); None where there are none."""
     if choice == "none":
         return None
     folder = STORE if choice == "auto" else Path(choice)
     if choice != "auto" and not folder.is_dir():
         raise FileNotFoundError(f"--datastore {choice}: no such answer store folder")
-    shards = [shard for shard in shard_paths(folder) if first_model(shard) == model_name]
+    shards = tuple(shard for shard in shard_paths(folder) if first_model(shard) == model_name)
     if not shards:
         log.info("datastore: no answers of %s in %s", model_name, folder)
         return None
-    where = cache / "datastore" / f"{model_name}-{fingerprint(shards, model_name)}"
-    store = _load(where)
+    source = str(folder.resolve())
+    name = f"{model_name}-{fingerprint(shards, model_name, INDEX_FORMAT, source)}"
+    return Index(cache / "datastore" / name, shards, model_name, source)
+
+
+def datastore_for(
+    choice: str, model_name: str, cache: Path = CACHE_ROOT, vocab_size: int | None = None
+) -> Datastore | None:
+    """The datastore (see index_for), built here and now where it is not yet. Only ids below
+    `vocab_size` are proposed (a store of a same-named model with more tokens crashed the forward:
+    an audit). A shard or an answer that cannot be read is skipped, an index that cannot be read is
+    built again, and one that cannot be built leaves the caller without (each logged): the
+    datastore is a shortcut, never a reason not to serve."""
+    index = index_for(choice, model_name, cache)
+    if index is None:
+        return None
+    store = index.load()
     if store is None:
         try:
-            _build(where, shards, model_name)
-        except OSError as exc:  # a full disk, a folder not ours
-            log.error("datastore: could not write %s (%s): serving without it", where, exc)
+            index.build()
+        except Exception as exc:  # a full disk, a folder not ours
+            log.error("datastore: could not build %s (%s): serving without it", index.where, exc)
             return None
-        store = Datastore.load(where)
+        store = index.load()
+    return _serving(store, index, vocab_size)
+
+
+def datastore_coming(
+    choice: str, model_name: str, cache: Path = CACHE_ROOT, vocab_size: int | None = None
+) -> Future[Datastore | None]:
+    """The datastore as datastore_for gives it, mapped now where its index is built, else built by
+    a process of its own (at a lower priority), which stops when this process does: the daemon
+    serves without the branch meanwhile. The future never fails: a build that does, logs why."""
+    coming: Future[Datastore | None] = Future()
+    index = index_for(choice, model_name, cache)
+    store = index.load() if index is not None else None
+    if index is None or store is not None:
+        coming.set_result(_serving(store, index, vocab_size) if store is not None else None)
+        return coming
+    log.info("datastore: building the index of %s's answers in %s while serving without it", model_name, index.source)
+    threading.Thread(target=_build_aside, args=(index, vocab_size, coming), daemon=True).start()
+    return coming
+
+
+def _build_aside(index: Index, vocab_size: int | None, coming: Future[Datastore | None]) -> None:
+    try:
+        root = str(Path(__file__).resolve().parent.parent)  # this package, installed or not
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        builder = subprocess.Popen(index.command(), env=env, stdin=subprocess.DEVNULL)
+        atexit.register(_stop, builder)
+        code = builder.wait()
+        store = index.load() if code == 0 else None
+        if store is None:
+            log.error("datastore: the build of %s ended with code %s: serving without it", index.where, code)
+        coming.set_result(_serving(store, index, vocab_size) if store is not None else None)
+    except Exception as exc:
+        log.error("datastore: could not build %s (%s): serving without it", index.where, exc)
+        coming.set_result(None)
+
+
+def _stop(builder: subprocess.Popen) -> None:
+    if builder.poll() is None:
+        builder.terminate()  # its own handler removes its part-built index
+        builder.wait()
+
+
+def _serving(store: Datastore, index: Index, vocab_size: int | None) -> Datastore:
     store.vocab_size = vocab_size
-    log.info("datastore: %d positions of %s's earlier answers, mapped from %s", len(store), model_name, where)
+    log.info(
+        "datastore: %d positions of %s's earlier answers, mapped from %s", len(store), index.model_name, index.where
+    )
     return store
 
 
-def _load(where: Path) -> Datastore | None:
-    """The index at `where`, or None where there is none whole (one cut short is removed)."""
-    if not (where / "bits").is_file():
+def answer_tails(shards: Iterable[Path], model_name: str) -> Iterator[np.ndarray]:
+    """The answer ids (past the prompt) of `model_name`'s answers, a shard at a time (the whole
+    store as Python objects took 140 bytes a position). An answer whose ids are not ids (strings,
+    nulls, nested, past 2**31) is skipped with a warning: one stopped every daemon's start."""
+    bad = 0
+    for shard in shards:
+        for answer in _readable(shard):
+            if answer.model != model_name:
+                continue
+            tail = _tail(answer)
+            if tail is None:
+                bad += 1
+            else:
+                yield tail
+    if bad:
+        log.warning("datastore: skipped %d answers of %s whose token ids are not ids", bad, model_name)
+
+
+def _tail(answer: Answer) -> np.ndarray | None:
+    start = answer.prompt_len
+    if type(start) is not int or not isinstance(answer.tokens, list) or not 0 <= start <= len(answer.tokens):
         return None
     try:
-        store = Datastore.load(where)
-        store.check()
-        return store
-    except (OSError, ValueError, EOFError) as exc:
-        log.warning("datastore: the index %s cannot be read (%s): building it again", where, exc)
-        shutil.rmtree(where, ignore_errors=True)
+        tail = np.asarray(answer.tokens[start:])
+    except (ValueError, TypeError, OverflowError):  # ragged, or ints numpy cannot hold
         return None
+    if tail.ndim != 1 or (len(tail) and (tail.dtype.kind not in "iu" or tail.min() < 0 or tail.max() >= TOKEN_LIMIT)):
+        return None
+    return tail.astype(np.int32)
 
 
-def _build(where: Path, shards: list[Path], model_name: str) -> None:
-    answers = [a for shard in shards for a in _readable(shard) if a.model == model_name]
-    built = Datastore.build(a.tokens[a.prompt_len :] for a in answers)
-    # Written aside and renamed whole: two daemons starting at once each build, one keeps its copy.
-    aside = where.with_name(f"{where.name}.{os.getpid()}.tmp")
-    try:
-        built.save(aside)
-        aside.rename(where)
-    except OSError:
-        shutil.rmtree(aside, ignore_errors=True)  # a build cut short left its part behind for good
-        if not (where / "bits").is_file():
-            raise
-    log.info("datastore: %d answers of %s indexed into %s", len(answers), model_name, where)
-    prune(where.parent, model_name, keep=KEEP)
-
-
-def _readable(shard: Path) -> list:
+def _readable(shard: Path) -> list[Answer]:
     try:
         return read_shard(shard)
     except AnswerStoreError as exc:
@@ -91,26 +211,48 @@ def _readable(shard: Path) -> list:
         return []
 
 
-KEEP = 3  # a model's indexes kept: a store that grows (recorded traffic) would leave one per restart
-
-
-def prune(folder: Path, model_name: str, keep: int) -> list[Path]:
-    """Delete all but the `keep` newest whole indexes of `model_name` under `folder` (170 MB each for
-    the committed store): an index is built again whenever its store gains a shard. A daemon still
-    serving a deleted one keeps its memory map; one that picks it as it is deleted fails to start and
-    builds it again on the next try. Returns what it deleted."""
+def prune(folder: Path, model_name: str, keep: int, source: str) -> list[Path]:
+    """Delete all but the `keep` newest whole indexes of `model_name` built from the store at
+    `source` (170 MB each for the committed store: an index is built again whenever its store
+    gains a shard); another store's are its own to prune (pruning per model deleted them, and their
+    daemons built them again). Indexes of an older format, which no daemon maps again, go too, and
+    the parts of builds whose process is gone. A daemon still serving a deleted index keeps its
+    memory map. Returns what it deleted."""
     whole = [d for d in folder.glob(f"{model_name}-*") if _is_index(d, model_name)]
-    whole.sort(key=lambda d: (d / "bits").stat().st_mtime, reverse=True)
-    for stale in whole[keep:]:
-        shutil.rmtree(stale, ignore_errors=True)
-        log.info("datastore: removed the stale index %s", stale)
-    return whole[keep:]
+    mine = sorted((d for d in whole if _source(d) == source), key=lambda d: (d / "bits").stat().st_mtime, reverse=True)
+    stale = mine[keep:] + [d for d in whole if _source(d) is None]
+    stale += [d for d in folder.glob(f"{model_name}-*.tmp") if _is_index(d.with_suffix(""), model_name, False)]
+    stale = [d for d in stale if d.suffix != ".tmp" or not _builder_alive(d)]
+    for folder_gone in stale:
+        shutil.rmtree(folder_gone, ignore_errors=True)
+        log.info("datastore: removed the stale index %s", folder_gone)
+    return stale
 
 
-def _is_index(folder: Path, model_name: str) -> bool:
+def _source(index: Path) -> str | None:
+    try:
+        return (index / "source").read_text()
+    except OSError:
+        return None
+
+
+def _builder_alive(part: Path) -> bool:
+    """Whether the process that writes the part-built index `part` (NAME.PID.tmp) still runs."""
+    try:
+        os.kill(int(part.with_suffix("").suffix[1:]), 0)
+    except ProcessLookupError:
+        return False
+    except (ValueError, OSError):  # not a pid of ours to judge (another user's): left alone
+        return True
+    return True
+
+
+def _is_index(folder: Path, model_name: str, whole: bool = True) -> bool:
     """Whether `folder` is a whole index of `model_name`'s (not of a model whose name merely starts so)."""
     tail = folder.name[len(model_name) + 1 :]
-    return len(tail) == 16 and all(c in "0123456789abcdef" for c in tail) and (folder / "bits").is_file()
+    if not whole:  # NAME.PID
+        tail = tail.split(".")[0]
+    return len(tail) == 16 and all(c in "0123456789abcdef" for c in tail) and (not whole or (folder / "bits").is_file())
 
 
 def first_model(shard: Path) -> str:
@@ -134,3 +276,29 @@ def fingerprint(files: Iterable[Path], *extra: str) -> str:
     for e in extra:
         h.update(e.encode())
     return h.hexdigest()[:16]
+
+
+def main() -> None:
+    """Index an answer store now, where its index is not built yet (the demo's set-up does, once
+    per machine and store), or, with --build, the builder process datastore_coming starts."""
+    from target_node.model.default_model import DEFAULT_MODEL_DIR
+
+    parser = argparse.ArgumentParser(description="index an answer store for the target daemon's datastore branch")
+    parser.add_argument("--datastore", default="auto", help="auto (the committed data/answers) or a store's folder")
+    parser.add_argument("--model", default=DEFAULT_MODEL_DIR.name, help="the served model's folder name")
+    parser.add_argument("--build", nargs="+", metavar="ARG", help="WHERE MODEL SOURCE SHARD...: a daemon's builder")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if not args.build:
+        datastore_for(args.datastore, args.model)
+        return
+    if len(args.build) < 4:
+        parser.error("--build takes WHERE MODEL SOURCE SHARD...")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the build removes its part on a stop
+    os.nice(10)  # the daemon's requests come first
+    where, model_name, source, *shards = args.build
+    Index(Path(where), tuple(map(Path, shards)), model_name, source).build()
+
+
+if __name__ == "__main__":
+    main()

@@ -41,7 +41,7 @@ class Datastore:
     @classmethod
     def build(cls, sequences: Iterable[list[int]]) -> Datastore:
         """Index `sequences` (token ids; each a continuation the target wrote)."""
-        seqs = [np.asarray(s, dtype=np.int64) for s in sequences if len(s) >= 2]
+        seqs = [np.asarray(s) for s in sequences if len(s) >= 2]  # int32 from answer_tails: half the memory
         top = max([int(s.max()) for s in seqs] + [1])
         bits = (top + 2).bit_length()
         none = (1 << bits) - 1
@@ -79,11 +79,25 @@ class Datastore:
         return cls(*arrays, int((folder / "bits").read_text()))
 
     def check(self) -> None:
-        """Raise ValueError where the arrays do not belong together (an index cut short)."""
+        """Raise ValueError where the arrays are not an index's (one cut short, or not ours): an index
+        of float positions or 2-D tokens was mapped, and every request then drafted nothing."""
+        token_dtype = np.uint16 if self.bits <= 16 else np.uint32
+        arrays = {"tokens": (self.tokens, (token_dtype,)), "keys": (self.keys, (np.uint64,)),
+                  "positions": (self.positions, (np.int32, np.int64))}  # fmt: skip
+        for name, (array, dtypes) in arrays.items():
+            if array.ndim != 1 or array.dtype not in dtypes:
+                wanted = "/".join(np.dtype(d).name for d in dtypes)
+                raise ValueError(f"{name}: {array.ndim}-d {array.dtype}, not 1-d {wanted}")
         if len(self.keys) != len(self.positions) or not 1 <= self.bits <= 32:
             raise ValueError(f"{len(self.keys)} keys for {len(self.positions)} positions, {self.bits} bits")
-        if len(self.positions) and int(np.max(self.positions)) >= len(self.tokens):
-            raise ValueError(f"positions past its {len(self.tokens)} tokens")
+        low, high = (int(np.min(self.positions)), int(np.max(self.positions))) if len(self.positions) else (0, 0)
+        if low < 0 or high >= max(len(self.tokens), 1):
+            raise ValueError(f"positions outside its {len(self.tokens)} tokens")
+        sample = np.asarray(self.keys[:: max(1, len(self.keys) // 4096)])  # a full pass costs every start
+        if np.any(sample[1:] < sample[:-1]):
+            raise ValueError("its keys are not sorted")
+        if not len(self.tokens) or int(self.tokens[0]) != self.none:  # built ones begin with the boundary
+            raise ValueError(f"its tokens do not begin with {self.bits} bits' boundary {self.none}")
 
     def __len__(self) -> int:
         return len(self.positions)

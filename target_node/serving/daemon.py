@@ -23,6 +23,7 @@ import time
 from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from protocol import ErrorCode, Message, ProtocolError, encode, encode_error
@@ -114,13 +115,14 @@ class TargetService:
         proposers: Proposer | list[Proposer],
         settings: ServiceSettings | None = None,
         on_finished: Callable[[Message, list[int], Result], None] | None = None,
-        datastore: Datastore | None = None,
+        datastore: Datastore | Future[Datastore | None] | None = None,
     ) -> None:
         """`proposers`: one per slot (requests run side by side, up to as many as the target has
         slots); one proposer serves one request at a time. `settings`: the limits and pacing (see
         settings.py). `on_finished(request, prompt ids, result)` sees every request served to its
         end (e.g. a recorder). `datastore`: the target's earlier answers, whose continuations every
-        greedy tree verifies too (settings.datastore says where the launcher finds them)."""
+        greedy tree verifies too (settings.datastore says where the launcher finds them); a future
+        of one while its index is built, requests meanwhile served without it."""
         self.settings = settings = settings or ServiceSettings()
         self.on_finished = on_finished
         self.datastore = datastore
@@ -506,9 +508,16 @@ class TargetService:
             adaptive=self.adaptive,
             tree_nodes=self.settings.tree_nodes,
             lookup=lookup,
-            datastore=self.datastore if lookup else None,
+            datastore=self.built_datastore() if lookup else None,
             prefill_chunk=self.settings.prefill_chunk,
         )
+
+    def built_datastore(self) -> Datastore | None:
+        if isinstance(self.datastore, Future):
+            if not self.datastore.done():
+                return None
+            self.datastore = self.datastore.result()
+        return self.datastore
 
     def admit(self) -> None:
         """Queued requests into free slots, round-robin over clients; a request that cannot start

@@ -44,7 +44,8 @@ class ServiceSettings:
         "auto",
         "add to each greedy tree the continuation the target wrote after the context's tail in its earlier answers: "
         "an answer store's folder (recorded traffic, say), auto (the committed data/answers, where it exists), or "
-        "none. Only the served model's answers count",
+        "none. Only the served model's answers count; their index is kept under $DFLASH_SPLIT_CACHE (default "
+        "~/.cache/dflash-split)/datastore, built by a process of its own while the daemon serves without it",
         limit=False,
     )
     always_draft: bool = setting(
