@@ -1570,11 +1570,42 @@ def test_the_recorder_writes_on_a_thread_of_its_own_one_write_at_a_time(tmp_path
     assert not release.is_set() and len(calls) <= 1
     release.set()
     with caplog.at_level("ERROR", logger="traffic"):
-        recorder.writing.exception()
+        recorder.writing.result()
         assert calls == [1] and "No space left on device" in caplog.text
         recorder.tick()
         recorder.close()
     assert calls == [1, 2] and [a.prompt_len for a in AnswerStore(tmp_path / "rec").answers] == [2, 2]
+
+
+def test_a_full_shard_whose_write_failed_is_written_again(tmp_path, monkeypatch):
+    """A shard is written once more as it fills, then never again: one failed write there lost its
+    answers for good (a review). It is kept and written again at the next tick."""
+    import training.traffic as traffic
+    from protocol import Message
+    from target_node.decoding.sequence import Result
+    from target_node.decoding.stats import Stats
+
+    now, write, failures = [1000.0], traffic.write_shard, [1]
+    monkeypatch.setattr(traffic.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(traffic, "SHARD_RECORDS", 2)
+
+    def disk_full_once(path, answers, preset):
+        if failures and len(answers) == 2:  # the first shard, full
+            failures.pop()
+            raise OSError(28, "No space left on device")
+        write(path, answers, preset)
+
+    monkeypatch.setattr(traffic, "write_shard", disk_full_once)
+    recorder = traffic.TrafficRecorder(str(tmp_path / "rec"), "tiny")
+    for i in range(3):  # the third opens the second shard, which writes the first out
+        message = Message("generate", i, {"prompt": f"q{i}", "messages": [], "sampling": None})
+        recorder(message, [1, 2], Result([7, i], "", "length", Stats()))
+    recorder.writing.result()
+    assert not failures and len(AnswerStore(tmp_path / "rec")) == 0
+    now[0] += traffic.FLUSH_EVERY_S
+    recorder.tick()
+    recorder.close()
+    assert [a.tokens[-1] for a in AnswerStore(tmp_path / "rec").answers] == [0, 1, 2]
 
 
 def test_a_recorder_holds_the_open_shard_not_every_answer_it_ever_recorded(tmp_path, monkeypatch):

@@ -3,8 +3,8 @@ every stored answer of the served model, built once and kept under the cache by 
 fingerprint, so a restart maps it from disk in a moment where reading the store takes a minute.
 
 A daemon does not wait for a build (`datastore_coming`): it serves without the branch while a
-process of its own builds the index, and maps it when done. Building the committed store took
-100 s and 4.8 GB on the serving thread, at every start after a shard changed (an audit)."""
+process of its own builds the index, and maps it when done. Building the committed store held
+every start after a shard changed 58 s, at 4.9 GB (an audit)."""
 
 from __future__ import annotations
 
@@ -80,8 +80,9 @@ class Index:
         prune(self.where.parent, self.model_name, KEEP, self.source)
 
     def command(self) -> list[str]:
-        """The command that builds this index in a process of its own."""
-        where = [str(self.where), self.model_name, self.source, *map(str, self.shards)]
+        """The command that builds this index in a process of its own: it finds the shards itself
+        (their paths on the command line passed the system's limit at about 34,000: a review)."""
+        where = [self.source, self.model_name, str(self.where.parent.parent.resolve())]
         return [sys.executable, "-m", "training.answer_index", "--build", *where]
 
 
@@ -116,6 +117,9 @@ def datastore_for(
         return None
     store = index.load()
     if store is None:
+        log.info(
+            "datastore: indexing %d shards of %s's answers in %s (once)", len(index.shards), model_name, index.source
+        )
         try:
             index.build()
         except Exception as exc:  # a full disk, a folder not ours
@@ -142,26 +146,39 @@ def datastore_coming(
     return coming
 
 
+_stopping = threading.Event()  # this process is ending: a builder it stops has not failed
+
+
 def _build_aside(index: Index, vocab_size: int | None, coming: Future[Datastore | None]) -> None:
+    """Run the builder and map what it built. It runs in the package's own folder (a `training`
+    package in the daemon's folder was imported in its place: a review), reads its standard input
+    to notice this process end (SIGKILL included: builders outlived their daemons and piled up, a
+    review) and ignores Ctrl-C, which is this process's to handle."""
+    store = None
     try:
-        root = str(Path(__file__).resolve().parent.parent)  # this package, installed or not
+        root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        builder = subprocess.Popen(index.command(), env=env, stdin=subprocess.DEVNULL)
+        builder = subprocess.Popen(index.command(), cwd=root, env=env, stdin=subprocess.PIPE)
         atexit.register(_stop, builder)
         code = builder.wait()
-        store = index.load() if code == 0 else None
-        if store is None:
+        built = index_for(index.source, index.model_name, index.where.parent.parent)  # the store may have grown
+        store = built.load() if built is not None else None
+        if store is None and not _stopping.is_set():
             log.error("datastore: the build of %s ended with code %s: serving without it", index.where, code)
-        coming.set_result(_serving(store, index, vocab_size) if store is not None else None)
     except Exception as exc:
         log.error("datastore: could not build %s (%s): serving without it", index.where, exc)
-        coming.set_result(None)
+    coming.set_result(_serving(store, index, vocab_size) if store is not None else None)
 
 
-def _stop(builder: subprocess.Popen) -> None:
+def _stop(builder: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop the builder as this process ends; its handler removes its part-built index."""
+    _stopping.set()
     if builder.poll() is None:
-        builder.terminate()  # its own handler removes its part-built index
-        builder.wait()
+        builder.terminate()
+        try:
+            builder.wait(grace_s)
+        except subprocess.TimeoutExpired:  # deep in one sort: its part is pruned once it is gone
+            builder.kill()
 
 
 def _serving(store: Datastore, index: Index, vocab_size: int | None) -> Datastore:
@@ -286,18 +303,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="index an answer store for the target daemon's datastore branch")
     parser.add_argument("--datastore", default="auto", help="auto (the committed data/answers) or a store's folder")
     parser.add_argument("--model", default=DEFAULT_MODEL_DIR.name, help="the served model's folder name")
-    parser.add_argument("--build", nargs="+", metavar="ARG", help="WHERE MODEL SOURCE SHARD...: a daemon's builder")
+    parser.add_argument("--build", nargs=3, metavar=("STORE", "MODEL", "CACHE"), help="a daemon's builder")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if not args.build:
         datastore_for(args.datastore, args.model)
         return
-    if len(args.build) < 4:
-        parser.error("--build takes WHERE MODEL SOURCE SHARD...")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the build removes its part on a stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon's Ctrl-C: it stops this builder itself
+    threading.Thread(target=_end_with_parent, daemon=True).start()
     os.nice(10)  # the daemon's requests come first
-    where, model_name, source, *shards = args.build
-    Index(Path(where), tuple(map(Path, shards)), model_name, source).build()
+    store, model_name, cache = args.build
+    index = index_for(store, model_name, Path(cache))
+    if index is not None and index.load() is None:
+        index.build()
+
+
+def _end_with_parent() -> None:
+    """The daemon holds this builder's standard input open: it ends when the daemon does."""
+    sys.stdin.buffer.read()
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -133,6 +133,11 @@ class AnswerStore:
             self.flush()
         return True
 
+    @property
+    def current_shard(self) -> Path | None:
+        """The shard answers are added to now."""
+        return self._shard
+
     def _next_name(self) -> str:
         """Start time and tag. Within the start's second a random tag may sort first, so a name
         that would not sort last extends the last one's stem with "_" and the tag (a longer stem

@@ -7,9 +7,8 @@ import hashlib
 import json
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 from protocol import Message
@@ -20,6 +19,7 @@ from training.answer_store import Answer, AnswerStore, write_shard
 log = logging.getLogger("traffic")
 
 FLUSH_EVERY_S = 10.0  # recorded answers are written out at least this often, and when the daemon stops
+SHARD_RECORDS = 256  # answers a shard holds: each write rewrites the open one
 PRESET = 3  # xz's: a shard of 256 answers in 75 ms where the committed store's 9e takes 344, 10% larger
 
 
@@ -52,7 +52,8 @@ class TrafficRecorder:
         self.model_name = model_name
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder")
         self.writing: Future | None = None  # the last write handed to the writer (they run in order)
-        self.store = AnswerStore(path, shard_records=256, remember=False, write=self.write_later)
+        self.failed: dict[Path, list[Answer]] = {}  # shards whose last write failed: tried again
+        self.store = AnswerStore(path, shard_records=SHARD_RECORDS, remember=False, write=self.write_later)
         self.unwritten, self.written_at = 0, time.monotonic()
 
     def __call__(self, msg: Message, prompt: list[int], result: Result) -> None:
@@ -68,29 +69,38 @@ class TrafficRecorder:
         self.tick()
 
     def write_later(self, shard: Path, answers: list[Answer]) -> None:
-        self.writing = self.writer.submit(partial(write_shard, preset=PRESET), shard, answers)
-        self.writing.add_done_callback(_log_failure)
+        self.writing = self.writer.submit(self._write, shard, answers)
+
+    def _write(self, shard: Path, answers: list[Answer]) -> None:
+        """On the writer thread. A shard whose write fails is written again at the next tick: one
+        failed write as a shard filled lost its 256 answers for good (a review)."""
+        try:
+            write_shard(shard, answers, preset=PRESET)
+        except Exception as exc:  # a full disk: the daemon serves on
+            log.error("could not write the recorded requests out (tried again in %g s): %s", FLUSH_EVERY_S, exc)
+            self.failed[shard] = answers
+        else:
+            self.failed.pop(shard, None)
 
     def tick(self) -> None:
         """Write out what is recorded where FLUSH_EVERY_S have passed since the last write (the
         daemon calls it between steps, so a quiet daemon writes its last requests out too), unless
         the last write still runs (a shard's writes would queue up behind a slow disk)."""
-        if self.unwritten and time.monotonic() - self.written_at >= FLUSH_EVERY_S:
+        if (self.unwritten or self.failed) and time.monotonic() - self.written_at >= FLUSH_EVERY_S:
             if self.writing is None or self.writing.done():
                 self.flush()
 
     def flush(self) -> None:
+        for shard, answers in dict(self.failed).items():
+            if shard != self.store.current_shard:  # the open one is written below, whole
+                self.write_later(shard, answers)
         self.store.flush()
         self.unwritten, self.written_at = 0, time.monotonic()
 
     def close(self) -> None:
-        """Write out what is recorded and wait for the writes (the daemon stops after)."""
-        if self.unwritten:
+        """Write out what is recorded, wait for the writes (the daemon stops after) and end the
+        writer's thread."""
+        self.writer.submit(lambda: None).result()  # what failed is known once the writes queued are done
+        if self.unwritten or self.failed:
             self.flush()
-        if self.writing is not None:
-            wait([self.writing])
-
-
-def _log_failure(write: Future) -> None:
-    if write.exception() is not None:  # a full disk: the daemon serves on, the answers are lost
-        log.error("could not write the recorded requests out: %s", write.exception())
+        self.writer.shutdown(wait=True)
