@@ -260,6 +260,8 @@ def test_an_index_that_is_not_one_is_built_again(tmp_path, damage):
     else:
         np.save(where / "positions.npy", np.where(positions == positions.max(), -1, positions).astype(positions.dtype))
     assert index_for(str(store), "tiny", cache).load() is None and not where.exists()  # refused, removed
+    where.mkdir()
+    (where / "keys.npy").write_text("")  # an index whose removal stopped half way: in the rename's way
     served = datastore_for(str(store), "tiny", cache)
     assert served([4, 5, 6], 2).tokens == [7, 8] and np.array_equal(np.load(where / "keys.npy"), keys)
 

@@ -71,6 +71,8 @@ class Index:
             aside.mkdir(mode=0o700, parents=True)
             built.save(aside)
             (aside / "source").write_text(self.source)
+            if self.where.is_dir() and not (self.where / "bits").is_file():  # half removed: never whole
+                shutil.rmtree(self.where, ignore_errors=True)
             aside.rename(self.where)
         except BaseException as exc:  # a full disk, a folder not ours, a stop: nothing left behind
             shutil.rmtree(aside, ignore_errors=True)
