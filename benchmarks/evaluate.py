@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from draft_node.config import CheckpointError
-from launch.common import DTYPE_CHOICES, dtype_of, resolve_model
+from launch.common import TARGET_DTYPES, dtype_of, resolve_model
 from launch.net import HelpFormatter, one_line_errors
 from training.prompts import EVAL_PROMPTS
 
@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts", default=str(EVAL_PROMPTS), help='jsonl of {"prompt": ...}')
     ap.add_argument("--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--device", default="cpu", help="torch device for both models")
-    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: as the daemons resolve it")
+    ap.add_argument("--dtype", default="auto", choices=TARGET_DTYPES, help="auto: as the daemons resolve it")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     ap.add_argument(
@@ -264,13 +264,15 @@ def mode_table(runs: Runs) -> dict:
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    from target_node.model.target import TargetModel
+    from target_node.model.target import TargetModel, inexact
     from training.prompts import read_prompts
 
     prompts = read_prompts(args.prompts)[: args.limit or None]  # before the model loads: a bad file says so at once
     if not prompts:
         raise ValueError(f"{args.prompts} holds no prompts")
     target = TargetModel.load(resolve_model(args.model), device=args.device, dtype=args.dtype)
+    if not target.exact:
+        raise ValueError(inexact(target))
     runs = prepare_runs(args, target)
     rows = []
     for i, text in enumerate(prompts):

@@ -20,7 +20,10 @@ from target_node.model.default_model import DEFAULT_MODEL_DIR, ensure_default_mo
 if TYPE_CHECKING:  # torch loads where a model runs, not in the HTTP front end that shares these flags
     import torch
 
-DTYPE_CHOICES = ("auto", *FLOAT_DTYPES)
+DTYPE_CHOICES = ("auto", *FLOAT_DTYPES)  # a drafter's: its drafts are verified, any dtype will do
+# A target's: float16 is on no engine, and off it a verify row was not the plain step's bits (an
+# audit: 2 of 40 outputs differed, at exact fp16 ties, and the drafter's heads refused fp16).
+TARGET_DTYPES = ("auto", "float32", "bfloat16")
 SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
 RANDOM_DRAFTERS = CACHE_ROOT / "drafters" / "random-b8"
 
@@ -31,7 +34,7 @@ def setup_logging(verbose: bool = False) -> None:
     )
 
 
-def add_model_args(parser: argparse.ArgumentParser, what: str) -> None:
+def add_model_args(parser: argparse.ArgumentParser, what: str, dtypes: tuple[str, ...] = DTYPE_CHOICES) -> None:
     """Device, dtype, threads and verbosity: what every daemon asks for."""
     parser.add_argument(
         "--device", type=device_name, default="cpu", help=f"torch device for the {what}, e.g. cpu, cuda:0, cuda:1"
@@ -39,7 +42,7 @@ def add_model_args(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=DTYPE_CHOICES,
+        choices=dtypes,
         help=f"{what} weights dtype (auto: bfloat16 where the device has native bf16 and, for a target, the "
         "engine serves it exactly; float32 elsewhere)",
     )

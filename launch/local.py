@@ -18,7 +18,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from launch import client
-from launch.common import DTYPE_CHOICES, at_least, device_name, ensure_default_drafter, number_in, resolve_model
+from launch.common import TARGET_DTYPES, at_least, device_name, ensure_default_drafter, number_in, resolve_model
 from launch.keys import LocalKeys
 from launch.net import HelpFormatter, address, one_line_errors
 from launch.processes import ends_on_sigterm, stop
@@ -93,7 +93,7 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
         "--draft-device", type=device_name, default="cpu", help="torch device for the draft daemon, e.g. cpu, cuda:1"
     )
     parser.add_argument(
-        "--dtype", default="auto", choices=DTYPE_CHOICES, help="weights dtype of both models (auto: see the daemons)"
+        "--dtype", default="auto", choices=TARGET_DTYPES, help="weights dtype of both models (auto: see the daemons)"
     )
     parser.add_argument(
         "--draft-address", type=address, help="where the draft daemon binds (default: a free 127.0.0.1 port)"

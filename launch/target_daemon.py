@@ -15,6 +15,7 @@ from draft_node.config import CheckpointError
 from launch.common import (
     DRAFT_ADDRESS,
     TARGET_ADDRESS,
+    TARGET_DTYPES,
     add_model_args,
     add_settings,
     apply_runtime_args,
@@ -38,7 +39,7 @@ from target_node.drafting.factory import PROPOSER_KINDS, ProposerSettings, build
 from target_node.drafting.proposers import NoProposer
 from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES, UnsupportedCache
 from target_node.model.support import ModelLoadError, UnsupportedModel
-from target_node.model.target import TargetModel
+from target_node.model.target import TargetModel, inexact
 from target_node.serving.daemon import TargetService
 from target_node.serving.settings import ServiceSettings
 from training.answer_index import datastore_coming
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_settings(parser, ServiceSettings)
     add_server_security_args(parser)
-    add_model_args(parser, "target model")
+    add_model_args(parser, "target model", TARGET_DTYPES)
     return parser
 
 
@@ -185,6 +186,8 @@ def start(argv: list[str] | None) -> None:
             if "alloc" not in str(exc).lower() and "out of memory" not in str(exc).lower():
                 raise
             parser.exit(1, f"{parser.prog}: error: no memory for --max-batch {args.max_batch}: {exc}\n")
+        if not target.exact:
+            parser.exit(1, f"{parser.prog}: error: {inexact(target)}\n")
         recorder = TrafficRecorder(args.record, target.name) if args.record else None
         proposers = build_proposers(with_default_drafter(drafting, model), target, target.slots, drafter_keys)
         looks_up = not settings.no_lookup and proposers[0].name != NoProposer.name  # else no index to build

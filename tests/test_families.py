@@ -196,3 +196,28 @@ def test_auto_dtype_off_the_engine_serves_the_folders_own_fp32_weights(tmp_path,
     own = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
     for name, weight in served.model.state_dict().items():
         assert torch.equal(weight, own[name]), name
+
+
+def test_a_dtype_that_would_not_be_exact_is_refused_for_serving(tmp_path):
+    """`--dtype bfloat16` for a model the engine does not serve, or `float16` for any (the engine
+    takes neither), served speculation whose output was not the plain output: 2 of 40 prompts
+    differed in fp16, at exact logit ties, and the drafter's heads refused fp16 (an audit)."""
+    import subprocess
+    import sys
+
+    from target_node.model.target import TargetModel
+
+    folder = tmp_path / "gemma2"
+    tiny_target("gemma2").model.save_pretrained(folder)
+    assert not TargetModel(tiny_target("gemma2", dtype=torch.bfloat16).model).exact
+    assert (
+        TargetModel(tiny_target("gemma2").model).exact
+        and TargetModel(tiny_target("llama", dtype=torch.bfloat16).model).exact
+    )
+    daemon = [sys.executable, "-m", "launch.target_daemon", "--model", str(folder), "--proposer", "none"]
+    for dtype, says, code in (
+        ("bfloat16", "only float32 is exact: use --dtype float32 or auto", 1),
+        ("float16", "invalid choice: 'float16'", 2),
+    ):
+        done = subprocess.run([*daemon, "--dtype", dtype], capture_output=True, text=True, timeout=120)
+        assert done.returncode == code and says in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]

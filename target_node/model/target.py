@@ -28,13 +28,20 @@ from target_node.model.transformers_path import TransformersPath
 
 # Where configs state the positions a model was built for, by family.
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len", "seq_length")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 log = logging.getLogger(__name__)
 
 
 class ContextLengthError(ValueError):
     """A request that needs more positions than the model has."""
+
+
+def inexact(target: TargetModel) -> str:
+    """Why a target that is not `exact` is refused for serving."""
+    return (
+        f"{target.name} in {str(target.model.dtype).removeprefix('torch.')}: the batch-invariant engine does not "
+        "serve it here, and off the engine only float32 is exact: use --dtype float32 or auto"
+    )
 
 
 class TargetModel:
@@ -162,6 +169,12 @@ class TargetModel:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def exact(self) -> bool:
+        """Whether speculation gives the plain output bit for bit here: on the engine, or in float32
+        off it (in practice: its verify rows are not the plain step's bits, but fp32 ties are rare)."""
+        return self.engine is not None or self.model.dtype == torch.float32
 
     @property
     def hidden_size(self) -> int:
