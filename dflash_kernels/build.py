@@ -47,15 +47,29 @@ class KernelsUnavailable(RuntimeError):
     """The CPU kernels could not be built here (no compiler, or it failed); the message says why."""
 
 
+CPUINFO = Path("/proc/cpuinfo")
+
+
 def cpu_flags() -> str:
-    """This CPU's feature flags (Linux); part of the library's key, since it is built for them."""
+    """This CPU's feature flags (Linux); part of the library's key, since it is built for them.
+    Where /proc says nothing, what the compiler's -march=native selects stands for them: the
+    processor's name alone was "" on Linux, one key for every CPU of a shared cache (an audit)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in CPUINFO.read_text().splitlines():
             if line.startswith(("flags", "Features")):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor()
+    return f"{platform.machine()} {platform.processor()} {_native_target()}"
+
+
+@cache
+def _native_target() -> str:
+    try:
+        command = [_compiler(), "-march=native", "-Q", "--help=target"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120).stdout
+    except (KernelsUnavailable, OSError, subprocess.SubprocessError):
+        return ""
 
 
 def native_bf16() -> bool:

@@ -122,3 +122,21 @@ def test_a_measurement_runs_on_one_thread_and_a_folder_that_cannot_keep_it_costs
         assert seen == [1, 1] and "cannot keep the measurement other" in caplog.text
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_cpu_proc_says_nothing_of_is_keyed_by_what_the_compiler_selects_for_it(tmp_path, monkeypatch):
+    """Without /proc/cpuinfo the key fell back to platform.processor(), "" on Linux: one key for
+    every CPU sharing a cache, whose -march=native builds another CPU could then load (an audit)."""
+    script = tmp_path / "bin" / "g++"
+    script.parent.mkdir()
+    script.write_text('#!/bin/sh\necho "  -march=  $(cat "$(dirname "$0")/cpu")"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(script))
+    monkeypatch.setattr(build, "CPUINFO", tmp_path / "no-cpuinfo")
+    keys = []
+    for cpu in ("znver3", "sapphirerapids"):
+        (script.parent / "cpu").write_text(cpu)
+        build._native_target.cache_clear()
+        keys.append(build.cpu_flags())
+    build._native_target.cache_clear()
+    assert keys[0] != keys[1] and "znver3" in keys[0]
