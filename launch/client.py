@@ -9,6 +9,7 @@ client died; Ctrl-C cancels the request in flight.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import queue
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
+from draft_node.files import write_atomically
 from frontend.target_client import TargetClient
 from launch.common import at_least, number_in
 from launch.net import TARGET_ADDRESS, HelpFormatter, client_security, one_line_errors, peer_address
@@ -40,12 +42,20 @@ READY_S = 5.0  # how long the client pings a daemon that does not answer before 
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
-        text = sys.stdin.read() if args.prompts_file == "-" else Path(args.prompts_file).read_text(encoding="utf-8")
+        text = read_stdin() if args.prompts_file == "-" else Path(args.prompts_file).read_text(encoding="utf-8")
         for number, line in enumerate(text.splitlines(), 1):
             line = line.strip()
             if line:
                 prompts.append(prompt_of(line, f"{args.prompts_file}:{number}"))
     return prompts
+
+
+def read_stdin() -> str:
+    if sys.stdin is None:
+        raise OSError(errno.EBADF, "no standard input", "-")
+    if sys.stdin.isatty():
+        print("dflash-client: reading prompts from the terminal, one a line; Ctrl-D ends them", file=sys.stderr)
+    return sys.stdin.buffer.read().decode("utf-8")  # the locale's decoding let bad bytes through
 
 
 def prompt_of(line: str, where: str) -> str:
@@ -76,6 +86,9 @@ def check_client_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error(f"--prompts-file: not UTF-8 text ({exc.reason} at byte {exc.start})")
     if not args.prompts:
         parser.error("no prompts: give --prompt TEXT or --prompts-file FILE")
+    folder = Path(args.json).parent if args.json else None
+    if folder is not None and (Path(args.json).is_dir() or not folder.is_dir()):
+        parser.error(f"--json {args.json}: not a file in an existing folder")
     try:
         SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     except ValueError as exc:
@@ -107,72 +120,121 @@ def request_fields(prompt: str, args: argparse.Namespace) -> dict:
 class Printer:
     """Writes to `out` on a thread of its own. A terminal paused with Ctrl-S, or a pipe nobody
     reads, blocks the writes: a client that blocked on them sent no heartbeats, and the daemon
-    dropped its request as if it had died (an audit). What waits to be written is one answer at
-    most (the client reads the next only after it)."""
+    dropped its request as if it had died (an audit). The caller drains it after each answer (so
+    one answer at most waits to be written) and abandons it when the run fails or is stopped:
+    waiting for a stalled terminal kept a stopped client and dflash-local's daemons up for good (a
+    review). A real file is written through a descriptor of its own, which no exit flush waits on."""
 
     def __init__(self, out: TextIO) -> None:
-        self.out, self.lines = out, queue.SimpleQueue()
-        self.failed: OSError | None = None  # a closed pipe: the caller stops
-        self.thread = threading.Thread(target=self._write, name="printer", daemon=True)
+        self.out, self.lines, self.abandoned = out, queue.Queue(), False
+        self.failed: BaseException | None = None  # a closed pipe, text the terminal cannot show
+        try:
+            out.flush()
+            self.fd: int | None = os.dup(out.fileno())
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: no file behind it
+            self.fd = None
+        self.thread = threading.Thread(target=self._write_all, name="printer", daemon=True)
         self.thread.start()
 
     def __call__(self, text: str) -> None:
-        if self.failed is not None:
-            raise self.failed
+        self._raise_failure()
         self.lines.put(text)
 
-    def _write(self) -> None:
+    def _write_all(self) -> None:
         while (text := self.lines.get()) is not None:
-            if self.failed is None:
-                try:
-                    self.out.write(text)
-                    self.out.flush()
-                except OSError as exc:
-                    self.failed = exc
+            try:
+                if self.failed is None and not self.abandoned:
+                    self._write(text)
+            except BaseException as exc:  # given to the caller, which raises it
+                self.failed = exc
+            finally:
+                self.lines.task_done()
+        self.lines.task_done()
+
+    def _write(self, text: str) -> None:
+        if self.fd is None:
+            self.out.write(text)
+            self.out.flush()
+            return
+        data = memoryview(text.encode(getattr(self.out, "encoding", None) or "utf-8", errors="replace"))
+        while data:
+            data = data[os.write(self.fd, data) :]
+
+    def drain(self) -> None:
+        """Wait until everything is written (the terminal resumed, the pipe read); Ctrl-C ends the
+        wait. Nothing is in flight then, so no heartbeat is missed."""
+        self.lines.join()
+        self._raise_failure()
 
     def close(self) -> None:
-        """Wait until everything is written (the terminal resumed, the pipe read)."""
+        self.drain()
         self.lines.put(None)
-        self.thread.join()
+        if self.fd is not None:
+            os.close(self.fd)
+
+    def abandon(self) -> None:
+        """Stop writing what is queued, without waiting for a write that blocks (its thread ends
+        with the process)."""
+        self.abandoned = True
+        self.lines.put(None)
+
+    def _raise_failure(self) -> None:
         if self.failed is not None:
             raise self.failed
+
+
+def save_answers(path: str | None, results: list[dict]) -> OSError | None:
+    """Write the answers finished to --json (atomically: a run stopped as it writes leaves the last
+    whole file); the error, where it cannot, for the caller to report."""
+    if not path or not results:  # a run that answered nothing leaves an earlier file as it was
+        return None
+    try:
+        write_atomically(Path(path), lambda tmp: tmp.write_text(json.dumps(results, indent=2) + "\n"))
+    except OSError as exc:
+        return exc
+    return None
 
 
 def run(args: argparse.Namespace, keys: ClientKeys | None = None, out: TextIO = sys.stdout) -> list[dict]:
     """Send `args.prompts` (see check_client_args) to the target daemon at `args.address` (over CURVE
     with `keys`). Answers finished are written to `args.json` whatever ends the run (one refused
-    prompt or Ctrl-C lost them all: an audit)."""
+    prompt or Ctrl-C lost them all: an audit), and the run's own error is what it ends with."""
     if not wait_ready(args.address, min(args.timeout, READY_S), curve=keys):
         raise TimeoutError(
             f"no target daemon answered a ping at {args.address} within {min(args.timeout, READY_S):g} s "
             "(is one running there, with these keys?)"
         )
     client, printer = TargetClient(args.address, args.timeout, keys, args.heartbeat), Printer(out)
-    results = []
+    results: list[dict] = []
     try:
-        for prompt in args.prompts:
-            printer(f"\n>>> {prompt}\n")
-            for reply in client.stream(**request_fields(prompt, args)):
-                if reply.type == "chunk":
-                    printer(reply["text"])
-            if reply["finish_reason"] == "cancelled":  # not by this client: it cancels only on Ctrl-C
-                raise DroppedRequest(
-                    "the target daemon dropped the request (its log says why): the answer is cut short"
-                )
-            printer(reply["text"] if args.no_stream else "")
-            stats = reply["stats"]
-            printer(f"\n[{reply['finish_reason']}] {RequestStats.from_dict(stats).line()}\n")
-            results.append(
-                {"prompt": prompt, "text": reply["text"], "finish_reason": reply["finish_reason"], "stats": stats}
-            )
+        try:
+            for prompt in args.prompts:
+                results.append(answer(client, printer, prompt, args))
+                printer.drain()
+        except BaseException:
+            printer.abandon()
+            raise
+        printer.close()
     finally:
         client.close()
-        try:
-            printer.close()
-        finally:
-            if args.json:
-                Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        unsaved = save_answers(args.json, results)
+        if unsaved is not None and sys.exc_info()[1] is not None:  # the run's own error goes on
+            print(f"dflash-client: could not write --json: {unsaved}", file=sys.stderr)
+    if unsaved is not None:
+        raise unsaved
     return results
+
+
+def answer(client: TargetClient, printer: Printer, prompt: str, args: argparse.Namespace) -> dict:
+    printer(f"\n>>> {prompt}\n")
+    for reply in client.stream(**request_fields(prompt, args)):
+        if reply.type == "chunk":
+            printer(reply["text"])
+    if reply["finish_reason"] == "cancelled":  # not by this client: it cancels only on Ctrl-C
+        raise DroppedRequest("the target daemon dropped the request (its log says why): the answer is cut short")
+    printer(reply["text"] if args.no_stream else "")
+    printer(f"\n[{reply['finish_reason']}] {RequestStats.from_dict(reply['stats']).line()}\n")
+    return {"prompt": prompt, "text": reply["text"], "finish_reason": reply["finish_reason"], "stats": reply["stats"]}
 
 
 def add_client_args(parser: argparse.ArgumentParser) -> None:
@@ -212,8 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     add_client_args(parser)
     args = parser.parse_args(argv)
     keys = client_security(parser, args.curve_key, args.server_key, "--server-key")
-    check_client_args(parser, args)
     with ends_quietly():
+        check_client_args(parser, args)  # Ctrl-C while it reads a terminal's prompts
         with one_line_errors(parser.prog, DroppedRequest):
             run(args, keys)
 

@@ -21,7 +21,7 @@ from launch import client
 from launch.common import DTYPE_CHOICES, at_least, device_name, ensure_default_drafter, number_in, resolve_model
 from launch.keys import LocalKeys
 from launch.net import HelpFormatter, one_line_errors, peer_address
-from launch.processes import dies_with_parent, ends_on_sigterm, stop
+from launch.processes import dies_with, ends_on_sigterm, stop
 from protocol.keys import ClientKeys
 from protocol.transport import request, wait_ready
 
@@ -68,7 +68,7 @@ def daemon(
     out = open(log, "ab") if log is not None else None
     proc, interrupted = None, False
     try:
-        proc = subprocess.Popen(command, env=colocated_env(), stdout=out, stderr=out, preexec_fn=dies_with_parent)
+        proc = subprocess.Popen(command, env=colocated_env(), stdout=out, stderr=out, preexec_fn=dies_with(os.getpid()))
         if not wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None, curve=curve):
             raise SystemExit(f"{name} did not become ready at {address} (exit code {proc.poll()})")
         print(f"[local] {name} ready at {address} (pid {proc.pid})", flush=True)

@@ -54,7 +54,9 @@ def peer_address(text: str) -> str:
     """An address another process connects to: no wildcard port, no inproc (one process's own),
     which got a ZeroMQ traceback or a 5 s wait for nothing (an audit)."""
     text = address(text)
-    if text.startswith("inproc://") or (text.startswith("tcp://") and text.endswith(":*")):
+    scheme, _, rest = text.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme == "inproc" or (scheme == "tcp" and "*" in (host, port)) or (scheme == "ipc" and rest == "*"):
         raise argparse.ArgumentTypeError(f"expected a tcp://HOST:PORT or ipc://PATH to reach, got {text!r}")
     return text
 

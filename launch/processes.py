@@ -60,16 +60,20 @@ except (OSError, AttributeError):  # not Linux
     _prctl = None
 
 
-def dies_with_parent() -> None:
-    """A `preexec_fn`: the child gets SIGTERM when the process that started it ends, even by SIGKILL
-    or a crash, whose daemons were left serving, 2.3 GB and their ports held (an audit). Linux's
-    prctl; elsewhere it does nothing. The thread that starts the child must outlive it."""
-    if _prctl is None:
-        return
-    parent = os.getppid()
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent ended before the prctl took
-        os.kill(os.getpid(), signal.SIGTERM)
+def dies_with(parent: int) -> Callable[[], None]:
+    """A `preexec_fn`: the child gets SIGTERM when `parent` (the process that starts it: pass
+    os.getpid()) ends, even by SIGKILL or a crash, whose daemons were left serving, 2.3 GB and their
+    ports held (an audit). Linux's prctl; elsewhere it does nothing. The thread that starts the
+    child must outlive it."""
+
+    def arm() -> None:
+        if _prctl is None:
+            return
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent ended before the prctl took
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:

@@ -37,7 +37,9 @@ class PausedTerminal(io.StringIO):
     def write(self, text: str) -> int:
         if self.pause is None and text.strip() and not text.startswith("\n>>>"):
             self.pause = threading.Event()
-            threading.Timer(self.paused_s, self.pause.set).start()
+            resume = threading.Timer(self.paused_s, self.pause.set)
+            resume.daemon = True  # a test that gave up on it does not wait for it at exit
+            resume.start()
         if self.pause is not None:
             assert self.pause.wait(30)
         return super().write(text)
@@ -138,3 +140,68 @@ def test_a_prompts_file_that_is_not_text_is_refused_in_one_line(tmp_path):
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith(
         "not UTF-8 text (invalid start byte at byte 7)"
     )
+
+
+def fake_stream(replies, calls):
+    """TargetClient.stream as a daemon would answer `replies` (chunk texts), noting when it is called."""
+
+    def stream(self, **fields):
+        calls.append(time.monotonic())
+        for text in replies:
+            if isinstance(text, BaseException):
+                raise text
+            yield Message("chunk", 1, {"text": text, "token_ids": [5]})
+        done = {"text": "".join(replies), "token_ids": [5] * len(replies), "finish_reason": "length", "stats": {}}
+        yield Message("done", 1, done)
+
+    return stream
+
+
+def test_ctrl_c_ends_the_run_while_the_terminal_is_paused(tmp_path, monkeypatch):
+    """Waiting for a stalled terminal to take the output kept a client that was told to stop, and
+    dflash-local with its daemons, up for good; a second signal was ignored (a review)."""
+    monkeypatch.setattr(client, "wait_ready", lambda *a, **k: True)
+    monkeypatch.setattr(TargetClient, "stream", fake_stream(["Once", KeyboardInterrupt()], []))
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        client.run(client_args(tmp_path, "ipc:///nowhere", "hi"), out=PausedTerminal(paused_s=30))
+    assert time.monotonic() - began < 10
+
+
+def test_the_next_prompt_waits_for_the_last_answer_to_be_written(tmp_path, monkeypatch):
+    """The next request went out while the last answer still waited for a paused terminal: 20
+    answers queued, 418 MB (a review). One answer at most waits now."""
+    calls = []
+    monkeypatch.setattr(client, "wait_ready", lambda *a, **k: True)
+    monkeypatch.setattr(TargetClient, "stream", fake_stream(["Once", " upon"], calls))
+    out = PausedTerminal(paused_s=1.0)
+    client.run(client_args(tmp_path, "ipc:///nowhere", "one", "two"), out=out)
+    assert len(calls) == 2 and calls[1] - calls[0] >= 0.9 and out.getvalue().count("Once upon") == 2
+
+
+def test_output_the_printer_cannot_write_fails_the_run(tmp_path, monkeypatch):
+    """Text the terminal's encoding could not take ended the printer's thread: nothing more was
+    shown, and the client exited 0 (a review)."""
+
+    class AsciiTerminal(io.StringIO):
+        def write(self, text):
+            text.encode("ascii")
+            return super().write(text)
+
+    monkeypatch.setattr(client, "wait_ready", lambda *a, **k: True)
+    monkeypatch.setattr(TargetClient, "stream", fake_stream(["héllo"], []))
+    with pytest.raises(UnicodeEncodeError):
+        client.run(client_args(tmp_path, "ipc:///nowhere", "hi"), out=AsciiTerminal())
+
+
+def test_no_standard_input_is_a_one_line_error():
+    import os
+
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.client", "--prompts-file", "-"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: os.close(0),
+    )
+    assert done.returncode == 2 and "no standard input" in done.stderr.strip().splitlines()[-1], done.stderr

@@ -182,6 +182,8 @@ REFUSED_FLAGS = [
     ("launch.client", ["--address", "localhost:5556", "--prompt", "hi"], "expected tcp://HOST:PORT"),  # a traceback
     # Each of these was refused only by the daemon, or ended in a ZeroMQ traceback (an audit).
     ("launch.client", ["--prompt", "hi", "--address", "tcp://localhost:*"], "a tcp://HOST:PORT or ipc://PATH to reach"),
+    ("launch.client", ["--prompt", "hi", "--address", "tcp://*:5599"], "a tcp://HOST:PORT or ipc://PATH to reach"),
+    ("launch.client", ["--prompt", "hi", "--json", "/nowhere/at/all.json"], "not a file in an existing folder"),
     ("launch.client", ["--prompt", "hi", "--address", "ipc:///" + "a" * 120], "an ipc path holds at most 107 bytes"),
     ("launch.local", ["--prompt", "hi", "--target-address", "inproc://t"], "a tcp://HOST:PORT or ipc://PATH to reach"),
     ("launch.client", ["--prompt", "hi", "--heartbeat", "0.001"], "heartbeat_s is 0 (none) or in [0.05, 3600] s"),
@@ -361,6 +363,7 @@ def test_a_script_that_starts_a_daemon_stops_it_however_the_script_ends(tmp_path
         stderr=subprocess.STDOUT,
         text=True,
         cwd=DRAFTER.parent.parent,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),  # a run under nohup ignores it
     )
     pid = None
     try:
