@@ -136,7 +136,7 @@ class TargetClient:
             reply = self._ping(call)
             if reply is not None:
                 return reply
-        raise TimeoutError(f"no reply from the target daemon within {self.timeout_s:.0f} s")
+        raise TimeoutError(f"no reply from the target daemon within {self.timeout_s:g} s")
 
     def _ping(self, call: GenerateCall) -> Message | None:
         """Ping the daemon while the request goes on heartbeating (a ping that blocked them for

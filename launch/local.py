@@ -20,8 +20,8 @@ from pathlib import Path
 from launch import client
 from launch.common import TARGET_DTYPES, at_least, device_name, ensure_default_drafter, number_in, resolve_model
 from launch.keys import LocalKeys
-from launch.net import HelpFormatter, address, one_line_errors
-from launch.processes import ends_on_sigterm, stop
+from launch.net import HelpFormatter, one_line_errors, peer_address
+from launch.processes import dies_with, ends_on_sigterm, stop
 from protocol.keys import ClientKeys
 from protocol.transport import request, wait_ready
 
@@ -66,16 +66,19 @@ def daemon(
     if request(address, "ping", timeout_s=0.3) is not None:
         raise SystemExit(f"{name}: something already answers at {address}; stop it or pick another address")
     out = open(log, "ab") if log is not None else None
-    proc = None
+    proc, interrupted = None, False
     try:
-        proc = subprocess.Popen(command, env=colocated_env(), stdout=out, stderr=out)
+        proc = subprocess.Popen(command, env=colocated_env(), stdout=out, stderr=out, preexec_fn=dies_with(os.getpid()))
         if not wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None, curve=curve):
             raise SystemExit(f"{name} did not become ready at {address} (exit code {proc.poll()})")
         print(f"[local] {name} ready at {address} (pid {proc.pid})", flush=True)
         yield proc
+    except KeyboardInterrupt:  # Ctrl-C in a terminal reaches the daemons too: none ended on its own
+        interrupted = True
+        raise
     finally:
         if proc is not None:
-            if proc.poll() is not None:  # it ended on its own: say so, not only what its clients saw
+            if proc.poll() is not None and not interrupted:  # it ended on its own: say so
                 print(f"[local] {name} exited with code {proc.returncode}", file=sys.stderr, flush=True)
             stop(proc)
         if out is not None:
@@ -96,10 +99,10 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", choices=TARGET_DTYPES, help="weights dtype of both models (auto: see the daemons)"
     )
     parser.add_argument(
-        "--draft-address", type=address, help="where the draft daemon binds (default: a free 127.0.0.1 port)"
+        "--draft-address", type=peer_address, help="where the draft daemon binds (default: a free 127.0.0.1 port)"
     )
     parser.add_argument(
-        "--target-address", type=address, help="where the target daemon binds (default: a free 127.0.0.1 port)"
+        "--target-address", type=peer_address, help="where the target daemon binds (default: a free 127.0.0.1 port)"
     )
     parser.add_argument(
         "--ready-timeout", type=number_in(0, above=True), default=180.0, help="seconds to wait for each daemon"
@@ -165,13 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     client.add_client_args(parser)
     args = parser.parse_args(argv)
     client.check_client_args(parser, args)
-    try:
-        with one_line_errors(parser.prog), local_daemons(args) as target_address:
-            args.address = target_address
-            client.run(args, args.client_keys)
-    except KeyboardInterrupt:
-        print("\n[cancelled]", file=sys.stderr)
-        raise SystemExit(130) from None
+    with client.ends_quietly(), one_line_errors(parser.prog, client.DroppedRequest), local_daemons(args) as address:
+        args.address = address
+        client.run(args, args.client_keys)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ server's public key. Misuse is refused at parse time, before any model is loaded
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,9 @@ def tcp_port(text: str) -> int:
     return int(text)
 
 
+IPC_PATH_BYTES = 107  # a Unix socket's path (sun_path less its NUL): ZeroMQ failed "File name too long"
+
+
 def address(text: str) -> str:
     """A ZeroMQ address flag's value, refused by the parser where ZeroMQ would fail on it later (with
     a traceback, or a 500 for every HTTP request) or quietly use another port (99999 bound 34463)."""
@@ -41,6 +45,19 @@ def address(text: str) -> str:
         host, colon, port = rest.rpartition(":")
         if not colon or not host or not (port == "*" or (port.isdigit() and int(port) in PORTS)):
             raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT with a port of 1-65535, got {text!r}")
+    if scheme == "ipc" and len(os.fsencode(rest)) > IPC_PATH_BYTES:
+        raise argparse.ArgumentTypeError(f"an ipc path holds at most {IPC_PATH_BYTES} bytes, got {text!r}")
+    return text
+
+
+def peer_address(text: str) -> str:
+    """An address another process connects to: no wildcard port, no inproc (one process's own),
+    which got a ZeroMQ traceback or a 5 s wait for nothing (an audit)."""
+    text = address(text)
+    scheme, _, rest = text.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme == "inproc" or (scheme == "tcp" and "*" in (host, port)) or (scheme == "ipc" and rest == "*"):
+        raise argparse.ArgumentTypeError(f"expected a tcp://HOST:PORT or ipc://PATH to reach, got {text!r}")
     return text
 
 

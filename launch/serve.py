@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from launch.net import HelpFormatter, address, client_security, one_line_errors, tcp_port
+from launch.net import HelpFormatter, client_security, one_line_errors, peer_address, tcp_port
 from launch.processes import stop
 
 API_KEY_ENV = "DFLASH_API_KEY"
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="dflash-serve", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
-        "--target", type=address, help="a running target daemon's address (standalone); omit to start both daemons"
+        "--target", type=peer_address, help="a running target daemon's address (standalone); omit to start both daemons"
     )
     parser.add_argument("--curve-key", help="with --target: this server's key pair (NAME.key_secret from dflash-keys)")
     parser.add_argument(

@@ -29,6 +29,7 @@ from launch.net import (
     address,
     client_security,
     one_line_errors,
+    peer_address,
     server_security,
 )
 from protocol import FLOAT_DTYPES
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_proposer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proposer", default="remote", choices=PROPOSER_KINDS, help="who drafts (see above)")
     parser.add_argument(
-        "--drafter", type=address, default=DRAFT_ADDRESS, help="draft daemon address for --proposer remote"
+        "--drafter", type=peer_address, default=DRAFT_ADDRESS, help="draft daemon address for --proposer remote"
     )
     parser.add_argument("--drafter-checkpoint", help="drafter folder for --proposer local")
     parser.add_argument(

@@ -180,6 +180,15 @@ REFUSED_FLAGS = [
     ),  # was: "reachable from other hosts"
     ("launch.draft_daemon", ["--bind", "tcp://127.0.0.1:99999"], "a port of 1-65535"),  # was: bound 34463, silently
     ("launch.client", ["--address", "localhost:5556", "--prompt", "hi"], "expected tcp://HOST:PORT"),  # a traceback
+    # Each of these was refused only by the daemon, or ended in a ZeroMQ traceback (an audit).
+    ("launch.client", ["--prompt", "hi", "--address", "tcp://localhost:*"], "a tcp://HOST:PORT or ipc://PATH to reach"),
+    ("launch.client", ["--prompt", "hi", "--address", "tcp://*:5599"], "a tcp://HOST:PORT or ipc://PATH to reach"),
+    ("launch.client", ["--prompt", "hi", "--json", "/nowhere/at/all.json"], "not a file in an existing folder"),
+    ("launch.client", ["--prompt", "hi", "--address", "ipc:///" + "a" * 120], "an ipc path holds at most 107 bytes"),
+    ("launch.local", ["--prompt", "hi", "--target-address", "inproc://t"], "a tcp://HOST:PORT or ipc://PATH to reach"),
+    ("launch.client", ["--prompt", "hi", "--heartbeat", "0.001"], "heartbeat_s is 0 (none) or in [0.05, 3600] s"),
+    ("launch.client", ["--prompt", "hi", "--stop", ""], "generate.stop[0]: expected str of 1..256 chars"),
+    ("launch.client", ["--raw", "--prompt", ""], "prompt 1 is empty"),
     ("launch.serve", ["--target", "localhost:5556"], "expected tcp://HOST:PORT"),  # was: a 500 for every request
     # Each of these was taken: a daemon that read nothing (not even pings), refused every request,
     # failed every prompt, or ended in a traceback once the model had loaded (an audit).
@@ -333,10 +342,13 @@ main()
 """
 
 
-def test_a_sigterm_to_any_script_that_starts_a_daemon_stops_the_daemon(tmp_path):
+@pytest.mark.parametrize("ending, code", [("SIGTERM", 143), ("SIGHUP", 129), ("SIGKILL", -9)])
+def test_a_script_that_starts_a_daemon_stops_it_however_the_script_ends(tmp_path, ending, code):
     """Only dflash-local turned SIGTERM into an orderly exit: a benchmark killed with SIGTERM
     (soak, flood, bench_serving) left its daemons running with no parent (an audit). Each
-    script's main now ends on SIGTERM through the code that stops them."""
+    script's main now ends on SIGTERM through the code that stops them; SIGHUP (a terminal
+    closed) and SIGKILL left dflash-local's daemons serving, 2.3 GB (an audit): a hang-up ends
+    as SIGTERM does, and a daemon gets SIGTERM when the process that started it dies."""
     import signal
     import time
 
@@ -351,6 +363,7 @@ def test_a_sigterm_to_any_script_that_starts_a_daemon_stops_the_daemon(tmp_path)
         stderr=subprocess.STDOUT,
         text=True,
         cwd=DRAFTER.parent.parent,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),  # a run under nohup ignores it
     )
     pid = None
     try:
@@ -359,8 +372,8 @@ def test_a_sigterm_to_any_script_that_starts_a_daemon_stops_the_daemon(tmp_path)
                 pid = int(line.split()[1])
                 break
         assert pid is not None and _running(pid)
-        run.send_signal(signal.SIGTERM)
-        assert run.wait(60) == 143
+        run.send_signal(getattr(signal, ending))
+        assert run.wait(60) == code
     finally:
         run.kill()
     deadline = time.monotonic() + 20
