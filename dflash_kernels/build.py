@@ -63,6 +63,17 @@ def cpu_flags() -> str:
     return f"{platform.machine()} {platform.processor()} {_native_target()}"
 
 
+def cpu_name() -> str:
+    """This CPU's model name (Linux), or the processor's as Python sees it."""
+    try:
+        for line in CPUINFO.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 @cache
 def _native_target() -> str:
     try:

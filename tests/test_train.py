@@ -103,6 +103,8 @@ def opts(**kw):
 def test_store_round_trips_resumes_and_keeps_its_split(setup, tmp_path):
     target, cfg, store, features = setup
     assert len(store) == 56 and all(a.answer_tokens >= 1 for a in store.answers)
+    # What the answers' bits depend on, beside each (bf16 answers of one CPU differed from another's).
+    assert {a.made_by for a in store.answers} == {target.numerics} and target.numerics.startswith("float32 engine on ")
     again = AnswerStore(store.folder)  # reopening keeps every answer, byte for byte
     assert [a.__dict__ for a in again.answers] == [a.__dict__ for a in store.answers]
     held = {a.key for a in again.answers if a.held_out}

@@ -192,14 +192,16 @@ def _serving(store: Datastore, index: Index, vocab_size: int | None) -> Datastor
 
 
 def answer_tails(shards: Iterable[Path], model_name: str) -> Iterator[np.ndarray]:
-    """The answer ids (past the prompt) of `model_name`'s answers, a shard at a time (the whole
+    """The answer ids (past the prompt) of `model_name`'s answers, each key once (two generators on
+    one seed wrote 2,900 twice, which the datastore counted twice: an audit), a shard at a time (the whole
     store as Python objects took 140 bytes a position). An answer whose ids are not ids (strings,
     nulls, nested, past 2**31) is skipped with a warning: one stopped every daemon's start."""
-    bad = 0
+    bad, seen = 0, set()
     for shard in shards:
         for answer in _readable(shard):
-            if answer.model != model_name:
+            if answer.model != model_name or answer.key in seen:  # the first copy, as readers keep
                 continue
+            seen.add(answer.key)
             tail = _tail(answer)
             if tail is None:
                 bad += 1

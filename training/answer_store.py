@@ -52,6 +52,7 @@ class Answer:
     finish: str = ""  # eos | length
     then: str = ""  # the user's next message, when the conversation continues
     model: str = ""
+    made_by: str = ""  # the writer's TargetModel.numerics: dtype, path, device ("" before 2026-12-06)
 
     @property
     def answer_tokens(self) -> int:

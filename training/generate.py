@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -140,7 +140,9 @@ class Turns:
     def answered(self, ask: Ask, tokens: list[int], prompt_len: int, finish: str) -> Answer | None:
         """Store an answer and queue what follows it; None if it was already stored."""
         messages = [list(m) for m in ask.messages]
-        answer = Answer(ask.key, ask.job, ask.stage, messages, tokens, prompt_len, finish, ask.then, self.target.name)
+        target = self.target
+        answer = Answer(ask.key, ask.job, ask.stage, messages, tokens, prompt_len, finish, ask.then, target.name)
+        answer = replace(answer, made_by=target.numerics)
         if not self.store.add(answer):
             return None
         self.follow.extend(self._next(ask, tokens[prompt_len:]))

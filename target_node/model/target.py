@@ -36,6 +36,17 @@ class ContextLengthError(ValueError):
     """A request that needs more positions than the model has."""
 
 
+def device_label(device: torch.device) -> str:
+    """A device as its numerics go: a GPU's name, or a CPU's with how it computes bf16."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from dflash_kernels.build import cpu_flags, cpu_name
+
+    flags = cpu_flags().split()
+    bf16 = "amx_bf16" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "no native bf16"
+    return f"{cpu_name()} ({bf16})"
+
+
 def inexact(target: TargetModel) -> str:
     """Why a target that is not `exact` is refused for serving."""
     return (
@@ -169,6 +180,15 @@ class TargetModel:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def numerics(self) -> str:
+        """What its greedy answers' bits depend on beyond the weights: dtype, path and device. bf16
+        answers made on one CPU differed from another's at near-ties (7 of 24 sampled, an audit):
+        the answer store keeps this beside each answer (`made_by`)."""
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        path = "engine" if self.engine is not None else "transformers path"
+        return f"{dtype} {path} on {device_label(self.device)}"
 
     @property
     def exact(self) -> bool:
