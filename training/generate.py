@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -142,7 +142,7 @@ class Turns:
         messages = [list(m) for m in ask.messages]
         target = self.target
         answer = Answer(ask.key, ask.job, ask.stage, messages, tokens, prompt_len, finish, ask.then, target.name)
-        answer = replace(answer, made_by=target.numerics)
+        answer.made_by = target.numerics
         if not self.store.add(answer):
             return None
         self.follow.extend(self._next(ask, tokens[prompt_len:]))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash_kernels import argmax, bf16_faster, cuda_bf16, native_bf16
+from dflash_kernels.build import cpu_flags, cpu_name
 from target_node.engine.engine import PREFER_DEVICE, Engine, engine_for
 from target_node.model.default_model import model_folder
 from target_node.model.greedy_head import ScreenedArgmaxHead
@@ -36,12 +38,11 @@ class ContextLengthError(ValueError):
     """A request that needs more positions than the model has."""
 
 
+@cache
 def device_label(device: torch.device) -> str:
     """A device as its numerics go: a GPU's name, or a CPU's with how it computes bf16."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from dflash_kernels.build import cpu_flags, cpu_name
-
     flags = cpu_flags().split()
     bf16 = "amx_bf16" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "no native bf16"
     return f"{cpu_name()} ({bf16})"
