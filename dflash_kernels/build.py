@@ -76,11 +76,19 @@ def cpu_name() -> str:
 
 @cache
 def _native_target() -> str:
+    """The -march=native options the compiler enables, in the C locale (its help is translated), with
+    the bf16 ones also under /proc's names, which native_bf16 looks for."""
     try:
         command = [_compiler(), "-march=native", "-Q", "--help=target"]
-        return subprocess.run(command, capture_output=True, text=True, timeout=120).stdout
+        env = {**os.environ, "LC_ALL": "C"}
+        out = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env).stdout
     except (KernelsUnavailable, OSError, subprocess.SubprocessError):
         return ""
+    lines = [line.split() for line in out.splitlines()]
+    enabled = [words[0] for words in lines if len(words) == 2 and words[1] == "[enabled]"]
+    march = [" ".join(words) for words in lines if words and words[0] == "-march="]
+    proc_names = {"-mavx512bf16": "avx512_bf16", "-mamx-bf16": "amx_bf16"}
+    return " ".join([*march, *enabled, *(proc_names[o] for o in enabled if o in proc_names)])
 
 
 def native_bf16() -> bool:

@@ -38,6 +38,7 @@ from protocol.transport import stop_on_signals
 from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.factory import PROPOSER_KINDS, ProposerSettings, build_proposers
 from target_node.drafting.proposers import NoProposer
+from target_node.engine.engine import declines
 from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES, UnsupportedCache
 from target_node.model.support import ModelLoadError, UnsupportedModel
 from target_node.model.target import TargetModel, inexact
@@ -173,6 +174,8 @@ def start(argv: list[str] | None) -> None:
     apply_runtime_args(args)
     if args.max_batch < 1:
         parser.error("--max-batch must be at least 1")
+    if args.dtype == "bfloat16" and (why := declines(args.device)):  # before the model loads: see TargetModel.exact
+        parser.error(f"--dtype bfloat16 on {args.device}: {why}, and off it only float32 is exact (float32 or auto)")
     try:  # before the model loads: a refused flag is a one-line error at once
         settings = settings_from(args, ServiceSettings)
         drafting = proposer_settings(args)
@@ -189,7 +192,7 @@ def start(argv: list[str] | None) -> None:
             parser.exit(1, f"{parser.prog}: error: no memory for --max-batch {args.max_batch}: {exc}\n")
         if not target.exact:
             parser.exit(1, f"{parser.prog}: error: {inexact(target)}\n")
-        recorder = TrafficRecorder(args.record, target.name) if args.record else None
+        recorder = TrafficRecorder(args.record, target.name, target.numerics) if args.record else None
         proposers = build_proposers(with_default_drafter(drafting, model), target, target.slots, drafter_keys)
         looks_up = not settings.no_lookup and proposers[0].name != NoProposer.name  # else no index to build
         datastore = datastore_coming(

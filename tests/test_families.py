@@ -205,6 +205,7 @@ def test_a_dtype_that_would_not_be_exact_is_refused_for_serving(tmp_path):
     import subprocess
     import sys
 
+    from target_node.engine.engine import declines
     from target_node.model.target import TargetModel
 
     folder = tmp_path / "gemma2"
@@ -214,6 +215,7 @@ def test_a_dtype_that_would_not_be_exact_is_refused_for_serving(tmp_path):
         TargetModel(tiny_target("gemma2").model).exact
         and TargetModel(tiny_target("llama", dtype=torch.bfloat16).model).exact
     )
+    assert declines("cpu") is None and "CPU only" in declines("cuda:0")  # bf16 refused there before a load
     daemon = [sys.executable, "-m", "launch.target_daemon", "--model", str(folder), "--proposer", "none"]
     for dtype, says, code in (
         ("bfloat16", "only float32 is exact: use --dtype float32 or auto", 1),

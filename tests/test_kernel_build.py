@@ -129,7 +129,8 @@ def test_a_cpu_proc_says_nothing_of_is_keyed_by_what_the_compiler_selects_for_it
     every CPU sharing a cache, whose -march=native builds another CPU could then load (an audit)."""
     script = tmp_path / "bin" / "g++"
     script.parent.mkdir()
-    script.write_text('#!/bin/sh\necho "  -march=  $(cat "$(dirname "$0")/cpu")"\n')
+    help_text = '  -march=  $(cat "$(dirname "$0")/cpu")\n  -mavx512bf16  [enabled]\n  -mamx-bf16  [disabled]'
+    script.write_text(f'#!/bin/sh\nprintf "{help_text}\\n"\n')
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CXX", str(script))
     monkeypatch.setattr(build, "CPUINFO", tmp_path / "no-cpuinfo")
@@ -140,3 +141,5 @@ def test_a_cpu_proc_says_nothing_of_is_keyed_by_what_the_compiler_selects_for_it
         keys.append(build.cpu_flags())
     build._native_target.cache_clear()
     assert keys[0] != keys[1] and "znver3" in keys[0]
+    flags = keys[0].split()  # the bf16 options under /proc's names, which native_bf16 reads
+    assert "avx512_bf16" in flags and "amx_bf16" not in flags and "-mamx-bf16" not in flags

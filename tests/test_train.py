@@ -1506,7 +1506,7 @@ def test_the_traffic_recorder_keeps_greedy_answers_privately_and_its_failures_to
     blocker.write_text("")
     with pytest.raises(TrafficError, match="cannot write there"):
         TrafficRecorder(str(blocker / "rec"), "tiny")
-    recorder = TrafficRecorder(str(tmp_path / "rec"), "tiny")
+    recorder = TrafficRecorder(str(tmp_path / "rec"), "tiny", "float32 engine on a CPU")
     assert (tmp_path / "rec").stat().st_mode & 0o777 == 0o700
     done = Result([7, 8], "", "length", Stats())
     for i, sampling in enumerate(({}, {"temperature": 0.8, "seed": 1}, {"temperature": 0.0})):
@@ -1515,6 +1515,7 @@ def test_the_traffic_recorder_keeps_greedy_answers_privately_and_its_failures_to
     recorder.close()
     recorded = AnswerStore(tmp_path / "rec").answers
     assert [a.messages[0][1] for a in recorded] == ["q0", "q2"] and all(a.model == "tiny" for a in recorded)
+    assert {a.made_by for a in recorded} == {"float32 engine on a CPU"}
 
 
 def test_a_quiet_recorder_writes_out_what_it_holds(tmp_path, monkeypatch):

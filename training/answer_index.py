@@ -33,7 +33,7 @@ from training.answer_store import STORE, Answer, AnswerStoreError, open_shard, r
 
 log = logging.getLogger("datastore")
 
-INDEX_FORMAT = "2"  # in every index's fingerprint: a change to the key layout builds them again
+INDEX_FORMAT = "3"  # in every index's fingerprint: a change to what an index holds builds them again
 TOKEN_LIMIT = 1 << 31  # ids at or past it are no token id (a store's file is anyone's to write)
 KEEP = 3  # a store's indexes kept: a store that grows (recorded traffic) would leave one per restart
 

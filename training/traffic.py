@@ -39,7 +39,8 @@ class TrafficRecorder:
     holds users' prompts. Sampled answers are not the target's own greedy answers, which training
     and the datastore read: they are not recorded."""
 
-    def __init__(self, folder: str, model_name: str) -> None:
+    def __init__(self, folder: str, model_name: str, made_by: str = "") -> None:
+        """`made_by`: the target's numerics (TargetModel.numerics), which each answer records."""
         path = Path(folder)
         try:
             path.mkdir(parents=True, exist_ok=True)
@@ -49,7 +50,7 @@ class TrafficRecorder:
             probe.unlink()
         except OSError as exc:
             raise TrafficError(f"--record {folder}: cannot write there ({exc})") from None
-        self.model_name = model_name
+        self.model_name, self.made_by = model_name, made_by
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder")
         self.writing: Future | None = None  # the last write handed to the writer (they run in order)
         self.failed: dict[Path, list[Answer]] = {}  # shards whose last write failed: tried again
@@ -65,7 +66,9 @@ class TrafficRecorder:
         tokens = prompt + result.tokens
         key = hashlib.sha1(json.dumps([messages, tokens]).encode()).hexdigest()[:20]
         answer = Answer(key, f"traffic-{key}", "traffic", messages, tokens, len(prompt), result.finish_reason)
-        self.unwritten += self.store.add(replace(answer, model=self.model_name), flush_every_s=float("inf"))
+        self.unwritten += self.store.add(
+            replace(answer, model=self.model_name, made_by=self.made_by), flush_every_s=float("inf")
+        )
         self.tick()
 
     def write_later(self, shard: Path, answers: list[Answer]) -> None:

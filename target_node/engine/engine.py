@@ -319,6 +319,15 @@ def ops_for(device: torch.device, ops: str) -> str:
 PREFER_DEVICE = "prefer-device"  # `TargetModel`'s engine: the device's ops where they serve the model, else none
 
 
+def declines(device: str | torch.device) -> str | None:
+    """Why the engine does not run on `device` unless asked to (None: it does)."""
+    try:
+        ops_for(torch.device(device), "auto")
+    except EngineUnsupported as exc:
+        return str(exc)
+    return None
+
+
 def batch_engine(device: str | torch.device) -> str | None:
     """`TargetModel.load`'s `engine` for work that needs many slots (generation, batching
     benchmarks): where "auto" declines the device (off the CPU, until a GPU run has verified the
@@ -326,11 +335,7 @@ def batch_engine(device: str | torch.device) -> str | None:
     transformers path for a family it does not serve); elsewhere what "auto" chooses. Else the
     transformers path's one slot ran the GPU run's batching phases into an error and its
     generation at batch 1 (an audit)."""
-    try:
-        ops_for(torch.device(device), "auto")
-    except EngineUnsupported:
-        return PREFER_DEVICE
-    return None
+    return PREFER_DEVICE if declines(device) else None
 
 
 def engine_for(model: nn.Module, **kwargs) -> Engine | None:

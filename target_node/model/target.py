@@ -20,7 +20,8 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dflash_kernels import argmax, bf16_faster, cuda_bf16, native_bf16
+from dflash_kernels import argmax, bf16_faster, bf16_matmul, cuda_bf16, native_bf16, runs_on
+from dflash_kernels import load as load_kernels
 from dflash_kernels.build import cpu_flags, cpu_name
 from target_node.engine.engine import PREFER_DEVICE, Engine, engine_for
 from target_node.model.default_model import model_folder
@@ -189,6 +190,8 @@ class TargetModel:
         the answer store keeps this beside each answer (`made_by`)."""
         dtype = str(self.model.dtype).removeprefix("torch.")
         path = "engine" if self.engine is not None else "transformers path"
+        if self.engine is not None and self.model.dtype == torch.bfloat16 and runs_on(self.device):
+            path += f" ({bf16_matmul(load_kernels())} matmuls)"  # AMX and AVX-512 BF16 round differently
         return f"{dtype} {path} on {device_label(self.device)}"
 
     @property
