@@ -116,13 +116,16 @@ def test_the_page_streams_an_answer_and_updates_the_histogram(browser, page_serv
 
 def test_behind_an_api_key_the_page_asks_for_it_once_and_chats(browser, smollm2_address):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.expected_conditions import alert_is_present
     from selenium.webdriver.support.ui import WebDriverWait
 
     key = "page-key-42"
     args = ["--target", smollm2_address, "--served-model-name", "Keyed", "--api-key", key]
     with front_end(free_port(), args) as url:
         browser.get(url + "/")
-        asked = WebDriverWait(browser, 60).until(lambda b: b.switch_to.alert)  # /v1/models answered 401
+        # /v1/models answered 401. switch_to.alert raised at the first look if the prompt was not up
+        # yet (the wait ignores only NoSuchElementException): the test failed on a busy machine.
+        asked = WebDriverWait(browser, 60).until(alert_is_present())
         asked.send_keys(key)
         asked.accept()
         find = browser.find_element
