@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -174,3 +175,16 @@ def send_until_refused(sock, frames: list, most: int) -> int:
             refused += 1
             time.sleep(0.05)
     return sent
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie has ended: only its exit status is left)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

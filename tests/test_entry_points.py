@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from helpers import running
 
 DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
 SCRIPTS = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
@@ -321,7 +322,7 @@ def test_a_sigterm_to_the_all_in_one_launcher_stops_both_daemons(chat_model_dir)
     deadline = time.monotonic() + 20
     alive = pids
     while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if _running(pid)]
+        alive = [pid for pid in alive if running(pid)]
         time.sleep(0.2)
     assert not alive, f"daemons left running: {alive}"
 
@@ -371,15 +372,15 @@ def test_a_script_that_starts_a_daemon_stops_it_however_the_script_ends(tmp_path
             if line.startswith("started"):
                 pid = int(line.split()[1])
                 break
-        assert pid is not None and _running(pid)
+        assert pid is not None and running(pid)
         run.send_signal(getattr(signal, ending))
         assert run.wait(60) == code
     finally:
         run.kill()
     deadline = time.monotonic() + 20
-    while _running(pid) and time.monotonic() < deadline:
+    while running(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _running(pid), "the daemon outlived the script that started it"
+    assert not running(pid), "the daemon outlived the script that started it"
 
 
 def test_only_a_scripts_main_ends_on_sigterm_and_the_handlers_come_back_after_it(tmp_path):
@@ -406,20 +407,6 @@ def test_only_a_scripts_main_ends_on_sigterm_and_the_handlers_come_back_after_it
 
     assert main() == "done" and seen[0] not in (before[0], signal.SIG_IGN)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
-
-
-def _running(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:  # a zombie has ended: only its exit status is left
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_the_flood_benchmark_refuses_a_long_prompt_the_model_cannot_hold(chat_model_dir, capsys):
