@@ -366,3 +366,14 @@ def test_a_builder_ends_with_the_process_that_started_it(tmp_path):
     while running(builder) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not running(builder), "the builder outlived its daemon"
+
+
+def test_an_answer_stored_twice_is_indexed_once(tmp_path):
+    """Two generators on one seed wrote 2,900 answers twice; readers keep the first copy, but the
+    datastore counted both, doubling their votes (an audit)."""
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    write_store(tmp_path / "first", "tiny", [[5, 6, 7, 8]])
+    write_store(store, "tiny", [[5, 6, 7, 8], [5, 6, 9]])  # keys k0, k1: k0 again, as the first shard's
+    (tmp_path / "first" / "20261205-000000-abcd.jsonl.gz").rename(store / "20261204-000000-abcd.jsonl.gz")
+    served = datastore_for(str(store), "tiny", cache)
+    assert len(served) == 3 + 2 and served([4, 5, 6], 1).tokens in ([7], [9])
