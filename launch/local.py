@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from launch import client
@@ -24,6 +26,21 @@ from launch.net import HelpFormatter, one_line_errors, peer_address
 from launch.processes import dies_with, ends_on_sigterm, stop
 from protocol.keys import ClientKeys
 from protocol.transport import request, wait_ready
+
+
+class DaemonFailed(SystemExit):
+    """A daemon did not start: its message ends a script as SystemExit did (exit 1), and a
+    command's one_line_errors prints it as its error line."""
+
+
+@dataclass(frozen=True)
+class LocalDaemons:
+    """What `local_daemons` started: where the target daemon answers, and both processes (a
+    server that outlives them watches them)."""
+
+    address: str
+    draft: subprocess.Popen
+    target: subprocess.Popen
 
 
 def free_port() -> int:
@@ -64,17 +81,23 @@ def daemon(
     # Something already answering there would pass the readiness check while this daemon still
     # loads, and the run would use a stranger's daemon, model and keys (an audit).
     if request(address, "ping", timeout_s=0.3) is not None:
-        raise SystemExit(f"{name}: something already answers at {address}; stop it or pick another address")
+        raise DaemonFailed(f"{name}: something already answers at {address}; stop it or pick another address")
     out = open(log, "ab") if log is not None else None
     proc, interrupted = None, False
     try:
         proc = subprocess.Popen(command, env=colocated_env(), stdout=out, stderr=out, preexec_fn=dies_with(os.getpid()))
         if not wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None, curve=curve):
-            raise SystemExit(f"{name} did not become ready at {address} (exit code {proc.poll()})")
+            code, where = proc.poll(), f"see {log}" if log is not None else "its output above says why"
+            if code is None:
+                raise DaemonFailed(f"{name} did not answer at {address} within {ready_timeout_s:g} s (--ready-timeout)")
+            raise DaemonFailed(f"{name} exited with code {code} before it was ready ({where})")
         print(f"[local] {name} ready at {address} (pid {proc.pid})", flush=True)
         yield proc
     except KeyboardInterrupt:  # Ctrl-C in a terminal reaches the daemons too: none ended on its own
         interrupted = True
+        raise
+    except SystemExit as exc:  # ... and so does a SIGINT a server turned into SystemExit (processes.leave)
+        interrupted = exc.code == 128 + signal.SIGINT
         raise
     finally:
         if proc is not None:
@@ -116,8 +139,8 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
-def local_daemons(args: argparse.Namespace) -> Iterator[str]:
-    """The draft daemon and the target daemon as subprocesses; yields the target daemon's address."""
+def local_daemons(args: argparse.Namespace) -> Iterator[LocalDaemons]:
+    """The draft daemon and the target daemon as subprocesses, stopped on exit."""
     model = resolve_model(args.model)  # convert once, before two processes race to do it
     checkpoint = args.drafter_checkpoint or str(ensure_default_drafter(model))
     draft_address = args.draft_address or free_address()
@@ -126,7 +149,7 @@ def local_daemons(args: argparse.Namespace) -> Iterator[str]:
     with ExitStack() as stack:
         keys = LocalKeys(stack.enter_context(tempfile.TemporaryDirectory())) if args.curve else None
         args.client_keys = keys.client_to_target if keys else None
-        stack.enter_context(
+        draft = stack.enter_context(
             daemon(
                 "draft daemon",
                 "launch.draft_daemon",
@@ -137,7 +160,7 @@ def local_daemons(args: argparse.Namespace) -> Iterator[str]:
                 keys.launcher_to_draft if keys else None,
             )
         )
-        stack.enter_context(
+        target = stack.enter_context(
             daemon(
                 "target daemon",
                 "launch.target_daemon",
@@ -158,7 +181,7 @@ def local_daemons(args: argparse.Namespace) -> Iterator[str]:
                 args.client_keys,
             )
         )
-        yield target_address
+        yield LocalDaemons(target_address, draft, target)
 
 
 @ends_on_sigterm
@@ -168,8 +191,12 @@ def main(argv: list[str] | None = None) -> None:
     client.add_client_args(parser)
     args = parser.parse_args(argv)
     client.check_client_args(parser, args)
-    with client.ends_quietly(), one_line_errors(parser.prog, client.DroppedRequest), local_daemons(args) as address:
-        args.address = address
+    with (
+        client.ends_quietly(),
+        one_line_errors(parser.prog, client.DroppedRequest, DaemonFailed),
+        local_daemons(args) as daemons,
+    ):
+        args.address = daemons.address
         client.run(args, args.client_keys)
 
 

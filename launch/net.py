@@ -74,7 +74,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 @contextmanager
-def one_line_errors(prog: str, *more: type[Exception]) -> Iterator[None]:
+def one_line_errors(prog: str, *more: type[BaseException]) -> Iterator[None]:
     """A user's mistake ends the command with one line on stderr and exit 1, not a traceback: a
     folder that holds no model, an address taken or that no daemon answers, a request the daemon
     refuses, and the `more` a command knows (a checkpoint that is none, a drafter that does not

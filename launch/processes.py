@@ -19,7 +19,7 @@ R = TypeVar("R")
 ENDING = (signal.SIGTERM, signal.SIGHUP)  # kill, systemd, docker stop; a terminal closed or an ssh cut
 
 
-def _leave(signum: int, frame: object) -> None:
+def leave(signum: int, frame: object) -> None:
     """SIGTERM or SIGHUP: end as Ctrl-C does, through the code that stops the daemons; a second
     signal then must not cut that short (it skipped the SIGKILL of a daemon that would not stop, a
     review)."""
@@ -43,7 +43,7 @@ def ends_on_sigterm(main: Callable[P, R]) -> Callable[P, R]:
         before = {signum: signal.getsignal(signum) for signum in (*ENDING, signal.SIGINT)}
         for signum in ENDING:
             if before[signum] is signal.SIG_DFL:
-                signal.signal(signum, _leave)
+                signal.signal(signum, leave)
         try:
             return main(*args, **kwargs)
         finally:

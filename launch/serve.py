@@ -18,16 +18,25 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from launch.net import HelpFormatter, client_security, one_line_errors, peer_address, tcp_port
-from launch.processes import stop
+from launch.processes import leave, stop
+from protocol.transport import BindError
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from launch.local import LocalDaemons
 
 API_KEY_ENV = "DFLASH_API_KEY"
 LOOPBACK = ("localhost", "::1")
@@ -73,18 +82,64 @@ def front_end(port: int, args: list[str], ready_timeout_s: float = 120.0) -> Ite
         stop(proc, grace_s=30)
 
 
-def exit_on_signals() -> None:
-    """SIGTERM and SIGINT end the process through SystemExit, so the daemons started below are stopped.
+class Shutdown:
+    """How signals end dflash-serve: through SystemExit(128 + signal), so the daemons it started
+    are stopped, whenever they come. uvicorn takes SIGTERM and SIGINT itself while it serves, shuts
+    down gracefully, then raises the signal again, which ends here. SIGHUP (a terminal closed, an
+    ssh cut) it leaves alone: it killed the server at once, streams cut and the temporary CURVE
+    keys left on disk (an audit); it now asks uvicorn for the same graceful shutdown."""
 
-    uvicorn handles both itself while it runs, and once it has shut down re-raises the one
-    that stopped it: this handler then unwinds the rest (during start-up too).
-    """
+    def __init__(self) -> None:
+        self.server: uvicorn.Server | None = None  # while uvicorn serves
 
-    def leave(signum: int, frame: object) -> None:
-        raise SystemExit(0)
+    def install(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self.on_signal)
 
-    signal.signal(signal.SIGTERM, leave)
-    signal.signal(signal.SIGINT, leave)
+    def on_signal(self, signum: int, frame: object) -> None:
+        server = self.server
+        if server is not None and not server.should_exit:
+            server.handle_exit(signum, frame)  # raised again once uvicorn has shut down
+        else:
+            leave(signum, frame)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before any daemon starts: a port already taken was found only after
+    both models had loaded (68 s here, minutes on a GPU), and ended the run with uvicorn's start-up
+    exit code 3 (an audit). IPv6 for a host with a colon, as uvicorn decides."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise BindError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def watch_daemons(daemons: LocalDaemons, server: uvicorn.Server, ended: list[int], poll_s: float = 0.5) -> None:
+    """All in one, the server owns its daemons. A target daemon that exits ends the server with
+    exit 1, so a supervisor (systemd's Restart=on-failure, docker, k8s) brings the whole stack back:
+    it served 503 for good, logged nothing, and exited 0 when stopped (an audit). A draft daemon
+    that exits is named once; the target drafts without it, exactly, only slower."""
+    named = False
+    while not server.should_exit:
+        code = daemons.target.poll()
+        if code is not None:
+            print(f"[serve] the target daemon exited with code {code}: shutting down", file=sys.stderr, flush=True)
+            ended.append(code)
+            server.should_exit = True
+            return
+        code = daemons.draft.poll()
+        if code is not None and not named:
+            print(
+                f"[serve] the draft daemon exited with code {code}: serving on without drafts (exact, slower)",
+                file=sys.stderr,
+                flush=True,
+            )
+            named = True
+        time.sleep(poll_s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,11 +210,13 @@ def check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def main(argv: list[str] | None = None) -> None:
+    from launch.local import DaemonFailed
+
     parser = build_parser()
     args = parser.parse_args(argv)
     check_mode(parser, args)
     args.client_keys = client_security(parser, args.curve_key, args.server_key, "--server-key")
-    with one_line_errors(parser.prog):
+    with one_line_errors(parser.prog, DaemonFailed):
         run(args)
 
 
@@ -172,9 +229,11 @@ def run(args: argparse.Namespace) -> None:
     from frontend.link import TargetLink, connection_limit, open_call_limit
     from launch.local import local_daemons
 
-    exit_on_signals()
+    shutdown = Shutdown()
+    shutdown.install()
+    sock = listening_socket(args.host, args.port)
 
-    def serve(address: str) -> None:
+    def serve(address: str, daemons: LocalDaemons | None = None) -> None:
         # local_daemons sets its own keys; the process may open files for as many requests as it is allowed
         open_calls = open_call_limit(raise_soft_limit=True)
         link = TargetLink(address, args.daemon_timeout, curve=args.client_keys, max_open=open_calls)
@@ -189,20 +248,28 @@ def run(args: argparse.Namespace) -> None:
             )
         # Streams still open at shutdown get a few seconds, then are cut (their requests cancelled).
         # The connections fit in the open files the requests' sockets leave.
-        uvicorn.run(
+        config = uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=5,
             http=bounded_h11(max(1, connection_limit(open_calls) - REFUSALS_DRAINED)),
         )
+        server = shutdown.server = uvicorn.Server(config)
+        ended: list[int] = []
+        if daemons is not None:
+            threading.Thread(target=watch_daemons, args=(daemons, server, ended), daemon=True).start()
+        server.run(sockets=[sock])
+        if ended or not server.started:  # a daemon gone (named above), or uvicorn's start failed (logged)
+            raise SystemExit(1)
 
-    if args.target:
-        serve(args.target)
-        return
-    with local_daemons(args) as address:
-        serve(address)
+    try:
+        if args.target:
+            serve(args.target)
+            return
+        with local_daemons(args) as daemons:
+            serve(daemons.address, daemons)
+    finally:
+        sock.close()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -381,6 +382,7 @@ class Server:
         else:
             self.context = context or zmq.Context()
         self.sock = router(self.context, address, max_message_bytes, curve, send_queue, receive_queue)
+        self.ipc_file = _ipc_file(address)
         self.monitor = self.sock.get_monitor_socket(int(sum(_EVENTS)))
         self.logged: dict[int, tuple[float, int]] = {}  # event -> (last logged, suppressed since)
         if plaintext_abroad:
@@ -630,6 +632,33 @@ class Server:
             self.auth.stop()
         if self.own_context:
             self.context.term()
+        _remove_ipc_file(self.ipc_file)
+
+
+def _ipc_file(address: str) -> tuple[str, int, int] | None:
+    """(path, device, inode) of the socket file an ipc:// server just bound, or None."""
+    if not address.startswith("ipc://"):
+        return None
+    path = address[len("ipc://") :]
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return path, found.st_dev, found.st_ino
+
+
+def _remove_ipc_file(bound: tuple[str, int, int] | None) -> None:
+    """ZeroMQ leaves an ipc socket's file behind, and stopped daemons piled them up (an audit).
+    Only the file this server bound goes: a daemon that bound the path since keeps its own."""
+    if bound is None:
+        return
+    path, device, inode = bound
+    try:
+        found = os.stat(path)
+        if (found.st_dev, found.st_ino) == (device, inode) and stat.S_ISSOCK(found.st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def request(

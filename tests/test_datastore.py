@@ -368,6 +368,36 @@ def test_a_builder_ends_with_the_process_that_started_it(tmp_path):
     assert not running(builder), "the builder outlived its daemon"
 
 
+def test_a_builder_stopped_while_it_works_ends_without_a_fatal_error(tmp_path):
+    """A daemon that stops stops its builder (SIGTERM): the builder's thread that waits on its
+    standard input held the buffer's lock, and the interpreter died on the way out with "Fatal
+    Python error: _enter_buffered_busy", a core-dump's abort (an audit)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    store = tmp_path / "store"
+    store.mkdir()
+    fifo = store / "20261205-000000-abcd.jsonl.xz"
+    os.mkfifo(fifo)  # the builder blocks reading it
+    build = [sys.executable, "-m", "training.answer_index", "--build", str(store), "tiny", str(tmp_path / "cache")]
+    builder = subprocess.Popen(build, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, writer = time.monotonic() + 120, None
+    while writer is None and time.monotonic() < deadline and builder.poll() is None:
+        try:  # opens once the builder has the FIFO open to read: started, handlers set, blocked
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            time.sleep(0.05)
+    assert writer is not None, "the builder never opened its shard"
+    builder.send_signal(signal.SIGTERM)
+    err = builder.stderr.read()  # its standard input stays open, as its daemon holds it while it stops it
+    builder.wait(60)
+    builder.stdin.close()
+    os.close(writer)
+    assert builder.returncode == 1 and "Fatal Python error" not in err, err
+
+
 def test_an_answer_stored_twice_is_indexed_once(tmp_path):
     """Two generators on one seed wrote 2,900 answers twice; readers keep the first copy, but the
     datastore counted both, doubling their votes (an audit)."""

@@ -24,6 +24,7 @@ from target_node.decoding.sequence import generate
 from target_node.decoding.tree import DraftTree
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer, NGramProposer
+from target_node.engine.kv_cache import OVERHANG, StaticKVCache
 from target_node.model.target import TargetModel
 from target_node.model.tiny import ENGINE_FAMILIES, tiny_target
 
@@ -168,6 +169,25 @@ def test_a_tree_at_the_end_of_the_context_gets_its_rows_past_the_model_s_positio
     )
     assert result.tokens == want
     assert target.engine.cache.capacity > limit  # the tree's rows were there
+
+
+def test_room_past_the_model_s_positions_is_made_once_for_verifies_that_creep_further():
+    """Near the end of the context a wide tree's rows lie past the model's positions, a few
+    further at each step; room made only as far as each step asked copied every slot's whole
+    cache at each step (an audit: four times 1.4 GB in four steps). Live entries survive."""
+    cache = StaticKVCache(2, 1, 4, torch.float32, "cpu", slots=2, capacity=16, doubling_limit=64)
+    cache.reserve(64)
+    cache.kv[..., :60, :] = torch.arange(60.0).view(60, 1)
+    cache.lengths = [60, 57]
+    allocated = []
+    allocate = cache._allocate
+    cache._allocate = lambda n: (allocated.append(n), allocate(n))
+    for start in range(47, 64, 3):  # a 17-row tree verified from each step's start
+        cache.reserve(start + 17)
+    assert allocated == [64 + OVERHANG]
+    cache.reserve(64 + OVERHANG + 1)  # a wider tree still: the overhang doubles
+    assert allocated == [64 + OVERHANG, 64 + 2 * OVERHANG]
+    assert torch.equal(cache.kv[0, 1, 1, 0, :60, 0], torch.arange(60.0))
 
 
 def test_no_row_reads_a_cache_entry_it_did_not_write(target):

@@ -927,6 +927,21 @@ def test_a_server_closed_and_bound_again_at_once_on_its_ipc_path_is_not_refused(
         Server(address).close()
 
 
+def test_a_closed_server_removes_its_ipc_file_and_only_its_own(tmp_path):
+    """ZeroMQ leaves an ipc socket's file behind: stopped daemons piled them up (an audit). A
+    server removes the file it bound, not one another server has bound at the path since."""
+    path = tmp_path / "own.sock"
+    Server(f"ipc://{path}").close()
+    assert not path.exists()
+    first = Server(f"ipc://{path}")
+    path.unlink()  # someone cleared the path, and another daemon bound it
+    second = Server(f"ipc://{path}")
+    first.close()
+    assert path.is_socket()
+    second.close()
+    assert not path.exists()
+
+
 def test_a_wait_past_its_deadline_still_reads_the_replies_already_here(tmp_path):
     """A pre-draft's wait counts from its send, so after a long verify it begins past its deadline;
     its reply, queued behind a stale one, was given up on and the healthy daemon dropped (a review)."""

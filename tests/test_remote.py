@@ -257,6 +257,39 @@ def test_a_targets_slots_probe_an_absent_daemon_once_at_start(target, checkpoint
     assert late.stats.sources == {"dflash": late.stats.steps - late.stats.plain_steps}
 
 
+def test_a_daemon_one_slot_found_silent_is_gone_for_every_slot(target, checkpoint, tmp_path, caplog):
+    """Slots still attached when another found the daemon silent each waited out a propose's full
+    timeout at their next step, one after another (2 s a slot), and the metrics called the drafter
+    reachable throughout (an audit). Now a slot attached before the silence probes the daemon
+    briefly, as a slot that never attached does, and none counts as attached."""
+    from target_node.serving.metrics import drafter_state
+
+    address = f"ipc://{tmp_path}/silent.sock"
+    prompt = PROMPTS[1]
+    reach, timing = Reachability(), LinkTiming(timeout_s=2.0, probe_timeout_s=0.2, retry_s=60.0)
+    with draft_daemon(address, checkpoint) as daemon:
+        proposers = [
+            DFlashProposer(RemoteDraftBackend(address, target, timing=timing, reach=reach), NGramProposer())
+            for _ in range(3)
+        ]
+        assert drafter_state(proposers)["slots_attached"] == 3
+        daemon.send_signal(signal.SIGSTOP)
+        try:
+            results = [generate(target, prompt, p, DecodeOptions(MAX_NEW, adaptive=False)) for p in proposers]
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+        state = drafter_state(proposers)
+        for proposer in proposers:
+            proposer.backend.close()
+    want = greedy(target, prompt, MAX_NEW)
+    for result in results:
+        assert_lossless(target, prompt, result.tokens, want)
+    silences = [r.getMessage() for r in caplog.records if "timed out" in r.getMessage()]
+    assert len(silences) == 3 and "timed out after 2.00 s" in silences[0], silences
+    assert all("hello timed out after 0.20 s" in line for line in silences[1:]), silences
+    assert state["reachable"] is False and state["slots_attached"] == 0 and state["timeouts"] == 3
+
+
 def test_a_drafter_restarted_with_another_checkpoint_is_a_new_drafter(target, checkpoint, tmp_path, caplog):
     """Restarted with another config: the request that notices finishes on the fallback, the next one
     drafts with a bridge rebuilt for it. Restarted with a drafter for another target: one log line,

@@ -324,8 +324,11 @@ def main() -> None:
 
 
 def _end_with_parent() -> None:
-    """The daemon holds this builder's standard input open: it ends when the daemon does."""
-    sys.stdin.buffer.read()
+    """The daemon holds this builder's standard input open: it ends when the daemon does. Raw
+    reads: a thread blocked in `sys.stdin.buffer.read()` holds the buffer's lock, and a builder
+    stopped meanwhile died with "Fatal Python error: _enter_buffered_busy" (an audit)."""
+    while os.read(0, 4096):
+        pass
     os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -52,6 +52,10 @@ class Reachability:
     holds the others back until `retry_at` too."""
 
     retry_at: float = 0.0
+    # How many times a backend found the daemon silent. A session opened before the last time is
+    # taken as gone with it: each idle slot still attached waited out its own timeout, once a
+    # slot, 2 s each, and the metrics called the drafter reachable throughout (an audit).
+    silences: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,10 +100,10 @@ class RemoteDraftBackend:
         self.request_info: dict | None = None  # ... as it was when the current request began
         self.unfit: str | None = None  # why the drafter that answered last does not fit (logged once)
         self.wire_dtype = "float32"
-        self.attached = False  # session open on the daemon we are talking to
         # Shared by the backends of one target (one per slot): after one found the daemon
         # unreachable, none probes it again before `retry_at`.
         self.reach = reach or Reachability()
+        self.attached = False  # session open on the daemon we are talking to
         self.pending: tuple[tuple[int, int, int], int, float] | None = None  # a propose sent ahead (send_draft)
         # The last predraft: its id, position, outcomes named (known) and when it went out.
         self.predrafting: tuple[int, int, list[int], float] | None = None
@@ -121,6 +125,15 @@ class RemoteDraftBackend:
         self.request_info = self.info
         if self.info is None and probed:
             log.warning("no drafter answered at %s yet: drafting with the fallback until it does", address)
+
+    @property
+    def attached(self) -> bool:
+        """Our session is open on the daemon, and no slot has found the daemon silent since."""
+        return self._opened and self._opened_after == self.reach.silences
+
+    @attached.setter
+    def attached(self, opened: bool) -> None:
+        self._opened, self._opened_after = opened, self.reach.silences
 
     def _call(self, type_: str, fields: dict, tensors: dict | None = None, timeout_s: float | None = None) -> Message:
         return self._wait(type_, self._send(type_, fields, tensors), timeout_s)
@@ -162,6 +175,7 @@ class RemoteDraftBackend:
         if reply is None:
             self.counters["timeouts"] += 1
             self._drop(f"{type_} timed out after {timeout_s:.2f} s")
+            self.reach.silences += 1
             raise DrafterUnavailable(f"draft daemon at {self.address} did not answer {type_}")
         self.counters["round_trips"] += 1
         self.counters["bytes_in"] += sum(spec.nbytes for spec, _ in reply.tensors.values())
@@ -225,6 +239,9 @@ class RemoteDraftBackend:
         """Attach if we are not, without waiting long: the loop must not stall on a dead daemon.
         A drafter that changed mid-request is not used before the next request: this request's
         features were tapped for the old one."""
+        if self._opened and not self.attached:  # another slot found the daemon silent: start afresh
+            self.client.close()
+            self.attached, self.pending, self.predrafting, self.window_began = False, None, None, None
         if not self.attached:
             if time.monotonic() < self.reach.retry_at:
                 raise DrafterUnavailable("draft daemon unavailable; waiting before the next probe")
