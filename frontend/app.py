@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from frontend.api_key import ApiKey
 from frontend.body_limit import MAX_BODY_BYTES, BodyLimit
+from frontend.drain import NO_DRAIN, Drain
 from frontend.errors import (
     APIError,
     cancelled_by_daemon,
@@ -29,6 +30,7 @@ from frontend.errors import (
     from_protocol,
     from_validation,
     misspoke,
+    shutting_down,
     too_many_open,
     unreachable,
 )
@@ -50,17 +52,19 @@ def create_app(
     default_max_tokens: int = 512,
     max_body_size: int = MAX_BODY_BYTES,
     api_key: str | None = None,
+    drain: Drain | None = None,
 ) -> FastAPI:
     """The front end for the target daemon behind `link`, serving it as `model_name` (default: the
     name of the daemon's model folder, asked when first needed); request bodies over
-    `max_body_size` bytes get 413; with an `api_key`, /v1 requests without it get 401."""
+    `max_body_size` bytes get 413; with an `api_key`, /v1 requests without it get 401; `drain`:
+    when the answers still running end as the server shuts down."""
     # No /docs, /redoc or /openapi.json: they answered without the API key, and /docs fetched its
     # script from a CDN (an audit); docs/http.md is the reference.
     app = FastAPI(title="dflash-split", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, limit=max_body_size, paths=GENERATE_PATHS)
     if api_key is not None:
         app.add_middleware(ApiKey, key=api_key)  # added last, so it runs first: a stranger's body is never read
-    front = Front(link, model_name, default_max_tokens)
+    front = Front(link, model_name, default_max_tokens, drain or NO_DRAIN)
     _error_handlers(app)
     _info_routes(app, front)
 
@@ -78,8 +82,9 @@ def create_app(
 class Front:
     """What the routes share: the daemon's link, the served model's name, the default answer length."""
 
-    def __init__(self, link: TargetLink, model_name: str | None, default_max_tokens: int) -> None:
+    def __init__(self, link: TargetLink, model_name: str | None, default_max_tokens: int, drain: Drain) -> None:
         self.link, self.model_name, self.default_max_tokens = link, model_name, default_max_tokens
+        self.drain = drain
         self.started = int(time.time())
 
     async def served_name(self) -> str | None:
@@ -99,11 +104,17 @@ class Front:
             call = self.link.generate(body.to_daemon(self.default_max_tokens))
         except ProtocolError as exc:  # beyond what the wire carries (a stop string over 256 chars, ...)
             raise from_protocol(exc.message, body.prompt_param) from exc
+
+        async def gone() -> bool:  # the client left, or the server shuts down
+            return self.drain.due() or await request.is_disconnected()
+
         try:
-            first = await call.next(gone=request.is_disconnected)
+            first = await call.next(gone=gone)
             check(first, body)
         except ClientGone:
             await call.close()
+            if self.drain.due():
+                raise shutting_down() from None
             return Response(status_code=CLIENT_CLOSED)
         except DaemonUnreachable as exc:
             await call.close()
@@ -117,7 +128,7 @@ class Front:
         # The stream closes the call when it ends or is cancelled; the background task covers a
         # client gone before the stream even started (closing twice is harmless).
         return EventSourceResponse(
-            events(call, first, answer, body),
+            events(call, first, answer, body, self.drain),
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},  # proxies: pass chunks on at once
             background=BackgroundTask(call.close),
         )
@@ -195,11 +206,12 @@ def check(reply: Message, body: GenerationRequest) -> None:
         raise cancelled_by_daemon(HEARTBEAT_S)
 
 
-async def events(call: LinkCall, reply: Message, answer: Answer, body: GenerationRequest):
+async def events(call: LinkCall, reply: Message, answer: Answer, body: GenerationRequest, drain: Drain = NO_DRAIN):
     """The SSE stream from the first reply on, ending with `data: [DONE]`.
 
     Leaving early (the client went away: Starlette cancels this generator) cancels the
-    request in the daemon through `call.close`.
+    request in the daemon through `call.close`; so does the server's shutdown (`drain`), after
+    an error event.
     """
     try:
         if answer.chat:
@@ -217,7 +229,11 @@ async def events(call: LinkCall, reply: Message, answer: Answer, body: Generatio
                 if answer.include_usage:
                     yield sse(answer.usage_chunk(reply["stats"]))
                 break
-            reply = await call.next()
+            if drain.due():
+                raise ClientGone("the server shuts down")
+            reply = await call.next(gone=drain.cut)
+    except ClientGone:  # only the drain's: a client that left is a cancellation
+        yield sse(shutting_down().body())
     except DaemonUnreachable as exc:
         yield sse(unreachable(str(exc)).body())
     except DaemonMisspoke as exc:

@@ -79,6 +79,16 @@ def cancelled_by_daemon(heartbeat_s: float) -> APIError:
     )
 
 
+def shutting_down() -> APIError:
+    """503 for an answer this server ended because it shuts down (frontend/drain.py): retry."""
+    return APIError(
+        503,
+        "this server is shutting down: the answer so far is incomplete; retry",
+        type_="service_unavailable_error",
+        code="server_shutting_down",
+    )
+
+
 def unauthorized(key_given: bool) -> APIError:
     why = "Incorrect API key provided" if key_given else "No API key provided: send Authorization: Bearer KEY"
     return APIError(401, why, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -186,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"${API_KEY_ENV}, which other users cannot read in the process list (default: ${API_KEY_ENV}, "
         "else none: anyone who reaches --host may use it)",
     )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=number_in(0, above=True),
+        default=5.0,
+        help="seconds the answers still running get to finish when the server stops; those that do not end "
+        "with a 503 server_shutting_down error (default %(default)s)",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default %(default)s)")
     group = parser.add_argument_group("all in one (without --target)")
     add_daemon_args(group)
@@ -226,6 +233,7 @@ def run(args: argparse.Namespace) -> None:
 
     from frontend.app import create_app
     from frontend.connections import REFUSALS_DRAINED, bounded_h11
+    from frontend.drain import Drain
     from frontend.link import TargetLink, connection_limit, open_call_limit
     from launch.local import local_daemons
 
@@ -237,7 +245,8 @@ def run(args: argparse.Namespace) -> None:
         # local_daemons sets its own keys; the process may open files for as many requests as it is allowed
         open_calls = open_call_limit(raise_soft_limit=True)
         link = TargetLink(address, args.daemon_timeout, curve=args.client_keys, max_open=open_calls)
-        app = create_app(link, args.served_model_name, args.default_max_tokens, args.max_body_size, args.api_key)
+        drain = Drain(lambda: shutdown.server is not None and shutdown.server.should_exit, args.shutdown_grace)
+        app = create_app(link, args.served_model_name, args.default_max_tokens, args.max_body_size, args.api_key, drain)
         print(f"[serve] http://{args.host}:{args.port} -> target daemon {address}", flush=True)
         if args.api_key is None and not is_loopback(args.host):
             print(
@@ -246,12 +255,12 @@ def run(args: argparse.Namespace) -> None:
                 file=sys.stderr,
                 flush=True,
             )
-        # Streams still open at shutdown get a few seconds, then are cut (their requests cancelled).
+        # Answers still running at shutdown get --shutdown-grace, then end (drain.py).
         # The connections fit in the open files the requests' sockets leave.
         config = uvicorn.Config(
             app,
             log_level=args.log_level,
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=args.shutdown_grace,
             http=bounded_h11(max(1, connection_limit(open_calls) - REFUSALS_DRAINED)),
         )
         server = shutdown.server = uvicorn.Server(config)

@@ -143,3 +143,31 @@ def test_a_hang_up_stops_the_daemons_and_removes_the_throwaway_keys(chat_model_d
         run.wait()
     assert gone(*daemons), "a daemon outlived the server"
     assert list(temporary.iterdir()) == []
+
+
+def test_answers_still_streaming_when_the_grace_ends_get_an_error_event_and_done(target_address):
+    """uvicorn cut streams still open after its graceful shutdown mid-body: no error event, no
+    [DONE], and Python's http.client read the half answer as a whole one (an audit)."""
+    import json
+
+    from launch.serve import wait_http_ready
+
+    port = free_port()
+    command = [sys.executable, "-m", "launch.serve", "--target", target_address, "--port", str(port)]
+    run = subprocess.Popen([*command, "--shutdown-grace", "1"], cwd=ROOT)
+    try:
+        assert wait_http_ready(f"http://127.0.0.1:{port}/health", 120, alive=lambda: run.poll() is None)
+        body = {"prompt": "Once upon a time", "max_tokens": 1800, "temperature": 0, "stream": True}
+        with requests.post(f"http://127.0.0.1:{port}/v1/completions", json=body, stream=True, timeout=60) as reply:
+            events = reply.iter_lines()
+            assert next(line for line in events if line).startswith(b"data: {")  # streaming
+            run.send_signal(signal.SIGTERM)
+            rest = [line.decode() for line in events if line]
+        assert run.wait(60) == 128 + signal.SIGTERM
+    finally:
+        run.kill()
+        run.wait()
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "server_shutting_down", error
+    assert not any('"finish_reason": "length"' in line for line in rest)  # ended by the shutdown, not its length
