@@ -33,14 +33,15 @@ class DaemonFailed(SystemExit):
     command's one_line_errors prints it as its error line."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class LocalDaemons:
     """What `local_daemons` started: where the target daemon answers, and both processes (a
-    server that outlives them watches them)."""
+    server that outlives them watches them: `lost`, the target daemon ended while it served)."""
 
     address: str
     draft: subprocess.Popen
     target: subprocess.Popen
+    lost: bool = False
 
 
 def free_port() -> int:
@@ -89,7 +90,7 @@ def daemon(
         if not wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None, curve=curve):
             code, where = proc.poll(), f"see {log}" if log is not None else "its output above says why"
             if code is None:
-                raise DaemonFailed(f"{name} did not answer at {address} within {ready_timeout_s:g} s (--ready-timeout)")
+                raise DaemonFailed(f"{name} did not answer at {address} within {ready_timeout_s:g} s")
             raise DaemonFailed(f"{name} exited with code {code} before it was ready ({where})")
         print(f"[local] {name} ready at {address} (pid {proc.pid})", flush=True)
         yield proc

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,7 +30,6 @@ from typing import TYPE_CHECKING
 
 from launch.net import HelpFormatter, client_security, one_line_errors, peer_address, tcp_port
 from launch.processes import leave, stop
-from protocol.transport import BindError
 
 if TYPE_CHECKING:
     import uvicorn
@@ -82,64 +80,36 @@ def front_end(port: int, args: list[str], ready_timeout_s: float = 120.0) -> Ite
         stop(proc, grace_s=30)
 
 
-class Shutdown:
-    """How signals end dflash-serve: through SystemExit(128 + signal), so the daemons it started
-    are stopped, whenever they come. uvicorn takes SIGTERM and SIGINT itself while it serves, shuts
-    down gracefully, then raises the signal again, which ends here. SIGHUP (a terminal closed, an
-    ssh cut) it leaves alone: it killed the server at once, streams cut and the temporary CURVE
-    keys left on disk (an audit); it now asks uvicorn for the same graceful shutdown."""
-
-    def __init__(self) -> None:
-        self.server: uvicorn.Server | None = None  # while uvicorn serves
-
-    def install(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, self.on_signal)
-
-    def on_signal(self, signum: int, frame: object) -> None:
-        server = self.server
-        if server is not None and not server.should_exit:
-            server.handle_exit(signum, frame)  # raised again once uvicorn has shut down
-        else:
-            leave(signum, frame)
+def exit_on_signals() -> None:
+    """SIGTERM, SIGINT and SIGHUP end the process through SystemExit, so the daemons started below
+    are stopped, whenever they come. While uvicorn serves it takes them itself (HTTPServer), shuts
+    down gracefully, then raises the signal again, which ends here. A signal ignored (SIGHUP under
+    nohup) stays ignored (a review)."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, leave)
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The HTTP socket, bound before any daemon starts: a port already taken was found only after
-    both models had loaded (68 s here, minutes on a GPU), and ended the run with uvicorn's start-up
-    exit code 3 (an audit). IPv6 for a host with a colon, as uvicorn decides."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise BindError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    return sock
-
-
-def watch_daemons(daemons: LocalDaemons, server: uvicorn.Server, ended: list[int], poll_s: float = 0.5) -> None:
+def watch_daemons(daemons: LocalDaemons, server: uvicorn.Server, done: threading.Event, poll_s: float = 0.5) -> None:
     """All in one, the server owns its daemons. A target daemon that exits ends the server with
     exit 1, so a supervisor (systemd's Restart=on-failure, docker, k8s) brings the whole stack back:
     it served 503 for good, logged nothing, and exited 0 when stopped (an audit). A draft daemon
-    that exits is named once; the target drafts without it, exactly, only slower."""
+    that exits is named once; the target drafts without it, exactly, only slower. `done`: the
+    server has ended, and stops its daemons itself."""
     named = False
-    while not server.should_exit:
-        code = daemons.target.poll()
-        if code is not None:
+    while not done.wait(poll_s):
+        if (code := daemons.target.poll()) is not None:
             print(f"[serve] the target daemon exited with code {code}: shutting down", file=sys.stderr, flush=True)
-            ended.append(code)
+            daemons.lost = True
             server.should_exit = True
             return
-        code = daemons.draft.poll()
-        if code is not None and not named:
+        if (code := daemons.draft.poll()) is not None and not named:
             print(
                 f"[serve] the draft daemon exited with code {code}: serving on without drafts (exact, slower)",
                 file=sys.stderr,
                 flush=True,
             )
             named = True
-        time.sleep(poll_s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,7 +194,17 @@ def main(argv: list[str] | None = None) -> None:
     check_mode(parser, args)
     args.client_keys = client_security(parser, args.curve_key, args.server_key, "--server-key")
     with one_line_errors(parser.prog, DaemonFailed):
-        run(args)
+        try:
+            run(args)
+        except SystemExit as exc:
+            # Stopped as asked, and cleanly: success, as systemd's stop expects (143 left a
+            # stopped unit "failed": a review).
+            if exc.code in STOPPED:
+                raise SystemExit(0) from None
+            raise
+
+
+STOPPED = {128 + signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGHUP}  # leave()'s exits
 
 
 def run(args: argparse.Namespace) -> None:
@@ -235,19 +215,19 @@ def run(args: argparse.Namespace) -> None:
     from frontend.connections import REFUSALS_DRAINED, bounded_h11
     from frontend.drain import Drain
     from frontend.link import TargetLink, connection_limit, open_call_limit
+    from frontend.server import HTTPServer, listening_sockets, url
     from launch.local import local_daemons
 
-    shutdown = Shutdown()
-    shutdown.install()
-    sock = listening_socket(args.host, args.port)
+    exit_on_signals()
+    sockets = listening_sockets(args.host, args.port)
 
     def serve(address: str, daemons: LocalDaemons | None = None) -> None:
         # local_daemons sets its own keys; the process may open files for as many requests as it is allowed
         open_calls = open_call_limit(raise_soft_limit=True)
         link = TargetLink(address, args.daemon_timeout, curve=args.client_keys, max_open=open_calls)
-        drain = Drain(lambda: shutdown.server is not None and shutdown.server.should_exit, args.shutdown_grace)
+        drain = Drain(lambda: server.should_exit, args.shutdown_grace)
         app = create_app(link, args.served_model_name, args.default_max_tokens, args.max_body_size, args.api_key, drain)
-        print(f"[serve] http://{args.host}:{args.port} -> target daemon {address}", flush=True)
+        print(f"[serve] {url(args.host, args.port)} -> target daemon {address}", flush=True)
         if args.api_key is None and not is_loopback(args.host):
             print(
                 f"[serve] warning: {args.host} can be reached from other hosts and no API key is set: anyone who "
@@ -263,12 +243,18 @@ def run(args: argparse.Namespace) -> None:
             timeout_graceful_shutdown=args.shutdown_grace,
             http=bounded_h11(max(1, connection_limit(open_calls) - REFUSALS_DRAINED)),
         )
-        server = shutdown.server = uvicorn.Server(config)
-        ended: list[int] = []
+        server = HTTPServer(config)
+        done = threading.Event()
+        watcher = threading.Thread(target=watch_daemons, args=(daemons, server, done), daemon=True)
         if daemons is not None:
-            threading.Thread(target=watch_daemons, args=(daemons, server, ended), daemon=True).start()
-        server.run(sockets=[sock])
-        if ended or not server.started:  # a daemon gone (named above), or uvicorn's start failed (logged)
+            watcher.start()
+        try:
+            server.run(sockets=sockets)
+        finally:
+            done.set()  # before the daemons are stopped: their exits are not the watcher's news
+            if daemons is not None:
+                watcher.join()
+        if daemons is not None and daemons.lost:  # named by the watcher
             raise SystemExit(1)
 
     try:
@@ -278,7 +264,8 @@ def run(args: argparse.Namespace) -> None:
         with local_daemons(args) as daemons:
             serve(daemons.address, daemons)
     finally:
-        sock.close()
+        for sock in sockets:
+            sock.close()
 
 
 if __name__ == "__main__":

@@ -649,7 +649,8 @@ def _ipc_file(address: str) -> tuple[str, int, int] | None:
 
 def _remove_ipc_file(bound: tuple[str, int, int] | None) -> None:
     """ZeroMQ leaves an ipc socket's file behind, and stopped daemons piled them up (an audit).
-    Only the file this server bound goes: a daemon that bound the path since keeps its own."""
+    Only the file this server bound goes: a daemon that bound the path since keeps its own (one
+    that binds it between the check and the unlink, microseconds, loses it: left, a review)."""
     if bound is None:
         return
     path, device, inode = bound

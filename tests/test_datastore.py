@@ -391,8 +391,8 @@ def test_a_builder_stopped_while_it_works_ends_without_a_fatal_error(tmp_path):
             time.sleep(0.05)
     assert writer is not None, "the builder never opened its shard"
     builder.send_signal(signal.SIGTERM)
-    err = builder.stderr.read()  # its standard input stays open, as its daemon holds it while it stops it
-    builder.wait(60)
+    builder.wait(60)  # its standard input stays open, as its daemon holds it while it stops it
+    err = builder.stderr.read()
     builder.stdin.close()
     os.close(writer)
     assert builder.returncode == 1 and "Fatal Python error" not in err, err

@@ -290,6 +290,28 @@ def test_a_daemon_one_slot_found_silent_is_gone_for_every_slot(target, checkpoin
     assert state["reachable"] is False and state["slots_attached"] == 0 and state["timeouts"] == 3
 
 
+def test_a_probe_unanswered_leaves_the_attached_slots_attached(target, checkpoint, tmp_path):
+    """A slot's short probe (hello, 0.25 s) unanswered by a daemon busy for a moment is no news of
+    the daemon: counted as a silence, it detached every healthy slot, dropped the proposes they
+    had sent and stopped their drafting for retry_s (a review)."""
+    address = f"ipc://{tmp_path}/busy.sock"
+    reach, timing = Reachability(), LinkTiming(timeout_s=2.0, probe_timeout_s=0.2, retry_s=60.0)
+    with draft_daemon(address, checkpoint) as daemon:
+        healthy = RemoteDraftBackend(address, target, timing=timing, reach=reach)
+        probing = RemoteDraftBackend(address, target, timing=timing, reach=reach)
+        probing.close()
+        probing.attached = False  # a slot whose session is gone (evicted, refused): it probes
+        daemon.send_signal(signal.SIGSTOP)
+        try:
+            probing.begin_request()
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+        assert probing.counters["timeouts"] == 1 and not probing.attached
+        assert healthy.attached
+        healthy.ensure()  # no DrafterUnavailable: it drafts on
+        healthy.close()
+
+
 def test_a_drafter_restarted_with_another_checkpoint_is_a_new_drafter(target, checkpoint, tmp_path, caplog):
     """Restarted with another config: the request that notices finishes on the fallback, the next one
     drafts with a bridge rebuilt for it. Restarted with a drafter for another target: one log line,

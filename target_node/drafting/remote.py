@@ -174,8 +174,12 @@ class RemoteDraftBackend:
             raise DrafterUnavailable(exc.message) from exc
         if reply is None:
             self.counters["timeouts"] += 1
+            # A session's request unanswered speaks for every slot; a probe's short wait on a busy
+            # daemon does not (it detached every healthy slot for retry_s: a review).
+            silence = self.attached
             self._drop(f"{type_} timed out after {timeout_s:.2f} s")
-            self.reach.silences += 1
+            if silence:
+                self.reach.silences += 1
             raise DrafterUnavailable(f"draft daemon at {self.address} did not answer {type_}")
         self.counters["round_trips"] += 1
         self.counters["bytes_in"] += sum(spec.nbytes for spec, _ in reply.tensors.values())
@@ -197,9 +201,18 @@ class RemoteDraftBackend:
     def _drop(self, why: str) -> None:
         """Lazy pirate: a socket that missed a reply may hold a stale one; build a new one later."""
         log.warning("drafter unavailable (%s); falling back, retrying in %.1f s", why, self.retry_s)
+        self._forget()
+        self.reach.retry_at = time.monotonic() + self.retry_s
+
+    def _forget(self) -> None:
+        """No session, no socket, nothing awaited: as before the first attach."""
         self.client.close()
         self.attached, self.pending, self.predrafting, self.window_began = False, None, None, None
-        self.reach.retry_at = time.monotonic() + self.retry_s
+
+    def _forget_if_stale(self) -> None:
+        """A session opened before another slot found the daemon silent is taken as gone with it."""
+        if self._opened and not self.attached:
+            self._forget()
 
     def attach(self, timeout_s: float, strict: bool = False) -> None:
         """Handshake and open our session; leaves `attached` False if the daemon does not answer
@@ -239,9 +252,7 @@ class RemoteDraftBackend:
         """Attach if we are not, without waiting long: the loop must not stall on a dead daemon.
         A drafter that changed mid-request is not used before the next request: this request's
         features were tapped for the old one."""
-        if self._opened and not self.attached:  # another slot found the daemon silent: start afresh
-            self.client.close()
-            self.attached, self.pending, self.predrafting, self.window_began = False, None, None, None
+        self._forget_if_stale()
         if not self.attached:
             if time.monotonic() < self.reach.retry_at:
                 raise DrafterUnavailable("draft daemon unavailable; waiting before the next probe")
@@ -255,6 +266,7 @@ class RemoteDraftBackend:
         """A new request probes a daemon that was down (or unfit) at once, instead of after
         `retry_s`, so a drafter that appeared or came back is used from this request on."""
         self.reach.retry_at = 0.0
+        self._forget_if_stale()
         if not self.attached:
             self.attach(self.probe_timeout_s)
         self.request_info = self.info
@@ -450,7 +462,7 @@ class RemoteDraftBackend:
         return fields, {"features": features, "noise": noise[:1]}
 
     def close(self) -> None:
-        if self.attached:
+        if self._opened:  # a stale session too: a daemon that is alive frees it now, not at its reclaim
             try:
                 self._call("close", {"session": self.session}, timeout_s=self.probe_timeout_s)
             except (DrafterUnavailable, ProtocolError):
