@@ -580,4 +580,11 @@ def serve(
             service.evict_idle()
     finally:
         server.close()
-        log.info("draft daemon stopped; served %s", service.counters)
+        kept = service.kept
+        log.info(
+            "draft daemon stopped; served %s; kept prefixes %s, %d of %d bytes held",
+            service.counters,
+            kept.counters,
+            kept.held,
+            kept.max_bytes,
+        )

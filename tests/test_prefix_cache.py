@@ -373,6 +373,7 @@ def test_a_hit_after_the_draft_daemon_restarted_drafts_remotely_from_the_stored_
         backend.close()
     stats = done["stats"]
     assert stats["cached_tokens"] > len(SYSTEM) and stats["sources"].get("dflash", 0) > 0
+    assert backend.counters["restore_misses"] >= 1  # the new daemon held none of the old one's
 
 
 def test_a_remote_drafter_restores_a_kept_prefix_and_drafts_as_if_sent_every_row(tmp_path):
@@ -383,7 +384,7 @@ def test_a_remote_drafter_restores_a_kept_prefix_and_drafts_as_if_sent_every_row
     cfg = config_for_target(target.config, block_size=8, taps=2)
     checkpoint = save_drafter(random_drafter(cfg, seed=1, std=0.1), tmp_path / "drafter")
     address = f"ipc://{tmp_path}/draft.sock"
-    runs, sent = {}, {}
+    runs, sent, restores = {}, {}, {}
     with draft_daemon(address, checkpoint):
         for cached in (True, False):
             backends = [RemoteDraftBackend(address, target, timing=LinkTiming(timeout_s=5.0)) for _ in range(2)]
@@ -392,6 +393,7 @@ def test_a_remote_drafter_restores_a_kept_prefix_and_drafts_as_if_sent_every_row
             with served(target, proposers, cache, tmp_path, f"remote-{cached}") as (client, _):
                 runs[cached] = chat(client, 4, {})
             sent[cached] = sum(b.counters["bytes_out"] for b in backends)
+            restores[cached] = [sum(b.counters[k] for b in backends) for k in ("restores", "restore_misses")]
             for backend in backends:
                 backend.close()
     for hit, miss in zip(runs[True], runs[False], strict=True):
@@ -400,6 +402,7 @@ def test_a_remote_drafter_restores_a_kept_prefix_and_drafts_as_if_sent_every_row
             assert hit["stats"][count] == miss["stats"][count]
     assert all(r["stats"]["cached_tokens"] > len(SYSTEM) for r in runs[True][1:])
     assert sent[True] < 0.6 * sent[False]  # the prefixes' feature rows did not travel again
+    assert restores == {True: [3, 0], False: [0, 0]}  # a restore at each later turn, each a hit
 
 
 def test_a_draft_daemon_that_claims_more_restored_rows_than_asked_costs_only_its_own_drafts(tmp_path):

@@ -112,7 +112,7 @@ class RemoteDraftBackend:
         self.last_sent = time.monotonic()
         self.counters = dict.fromkeys(
             ["round_trips", "timeouts", "errors", "bytes_out", "bytes_in", "proposals", "sent_ahead", "changes"]
-            + ["predrafts", "predraft_hits"],
+            + ["predrafts", "predraft_hits", "restores", "restore_misses"],
             0,
         )
         self.hit = False  # whether the last `draft` came from a pre-draft
@@ -285,11 +285,18 @@ class RemoteDraftBackend:
         them). A count outside [0, rows] is the daemon's error: taken as none, so the rows are sent."""
         self.ensure()
         self.predrafting = self.window_began = None
-        restored = self._call("restore", {"session": self.session, "name": name, "rows": rows})["rows"]
+        self.counters["restores"] += 1  # with the misses: the draft side's hit rate was seen nowhere (an audit)
+        try:
+            restored = self._call("restore", {"session": self.session, "name": name, "rows": rows})["rows"]
+        except DrafterUnavailable:
+            self.counters["restore_misses"] += 1
+            raise
         if not 0 <= restored <= rows:
             self.counters["errors"] += 1
             log.warning("the draft daemon restored %d rows of a prefix of %d: taken as none", restored, rows)
-            return 0
+            restored = 0
+        if restored == 0:
+            self.counters["restore_misses"] += 1
         return restored
 
     def predraft(self, position: int, heads: torch.Tensor, known: list[int]) -> None:

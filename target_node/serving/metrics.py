@@ -158,7 +158,7 @@ def accepted_at_position(histogram: Counter) -> dict[str, int]:
     return {str(k): at[k] for k in range(1, deepest + 1)}
 
 
-DRAFTER_COUNTERS = ("timeouts", "errors", "proposals", "predrafts", "predraft_hits")
+DRAFTER_COUNTERS = ("timeouts", "errors", "proposals", "predrafts", "predraft_hits", "restores", "restore_misses")
 
 
 def drafter_state(proposers: Sequence[Proposer]) -> dict:
