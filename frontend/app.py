@@ -112,9 +112,9 @@ class Front:
             first = await call.next(gone=gone)
             check(first, body)
         except ClientGone:
+            if self.drain.due():  # the answer first: the cancel waits for the daemon's word
+                return shutting_down().response(background=BackgroundTask(call.close))
             await call.close()
-            if self.drain.due():
-                raise shutting_down() from None
             return Response(status_code=CLIENT_CLOSED)
         except DaemonUnreachable as exc:
             await call.close()
@@ -213,6 +213,7 @@ async def events(call: LinkCall, reply: Message, answer: Answer, body: Generatio
     request in the daemon through `call.close`; so does the server's shutdown (`drain`), after
     an error event.
     """
+    drained = False
     try:
         if answer.chat:
             yield sse(answer.chunk(first=True))
@@ -232,8 +233,10 @@ async def events(call: LinkCall, reply: Message, answer: Answer, body: Generatio
             if drain.due():
                 raise ClientGone("the server shuts down")
             reply = await call.next(gone=drain.cut)
-    except ClientGone:  # only the drain's: a client that left is a cancellation
+    except ClientGone:  # only the drain's (a client that left is a cancellation): before the cancel
+        drained = True
         yield sse(shutting_down().body())
+        yield DONE_EVENT
     except DaemonUnreachable as exc:
         yield sse(unreachable(str(exc)).body())
     except DaemonMisspoke as exc:
@@ -242,4 +245,5 @@ async def events(call: LinkCall, reply: Message, answer: Answer, body: Generatio
         yield sse(too_many_open(str(exc)).body())
     finally:
         await call.close()
-    yield DONE_EVENT
+    if not drained:
+        yield DONE_EVENT

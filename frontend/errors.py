@@ -10,6 +10,7 @@ import re
 from collections.abc import Sequence
 
 from fastapi.responses import JSONResponse
+from starlette.background import BackgroundTask
 
 from protocol import ErrorCode
 
@@ -48,8 +49,9 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, background: BackgroundTask | None = None) -> JSONResponse:
+        """`background`: what runs once the answer has gone (a cancel that waits for the daemon)."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers, background=background)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:

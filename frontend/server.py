@@ -4,8 +4,11 @@ signals, graceful for the answers still running (drain.py) whichever signal it i
 from __future__ import annotations
 
 import contextlib
+import errno
 import signal
 import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import uvicorn
@@ -16,15 +19,29 @@ from protocol.transport import BindError
 class HTTPServer(uvicorn.Server):
     """uvicorn's server, taking SIGHUP (a terminal closed, an ssh cut) as it takes SIGTERM: left
     to its default, a hang-up killed the server at once, streams cut and an all-in-one run's
-    temporary CURVE keys left on disk (an audit). A SIGHUP ignored (nohup) stays ignored."""
+    temporary CURVE keys left on disk (an audit). A SIGHUP ignored (nohup) stays ignored. It
+    knows when its shutdown began (`stopping_since`), for the drain."""
+
+    stopping_since: float | None = None
+
+    def stop(self) -> None:
+        """Shut down as on SIGTERM, for a reason of the caller's (the daemon it serves is gone)."""
+        if self.stopping_since is None:
+            self.stopping_since = time.monotonic()
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self.stopping_since is None:
+            self.stopping_since = time.monotonic()
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # Inside uvicorn's own capture, so the handler found is back before uvicorn raises the
-        # signals it caught again, once it has shut down.
+        # signals it caught again, once it has shut down. Signals are the main thread's alone.
         with super().capture_signals():
             found = signal.getsignal(signal.SIGHUP)
-            if found is signal.SIG_IGN:
+            if found is signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
                 yield
                 return
             signal.signal(signal.SIGHUP, self.handle_exit)
@@ -35,31 +52,40 @@ class HTTPServer(uvicorn.Server):
 
 
 def listening_sockets(host: str, port: int) -> list[socket.socket]:
-    """The HTTP sockets, listening before any daemon starts: a port already taken was found only
-    after both models had loaded (68 s here, minutes on a GPU), and the run ended with uvicorn's
-    start-up exit code 3 (an audit). Listening, not just bound: two servers bound with
-    SO_REUSEADDR both pass until one listens (a review). One socket per address `host` names
-    (`localhost`: 127.0.0.1 and ::1), IPv6 ones IPv6 only, as uvicorn binds them itself."""
+    """The HTTP sockets, bound before any daemon starts: a port another server listens on was
+    found only after both models had loaded (68 s here, minutes on a GPU), and the run ended with
+    uvicorn's start-up exit code 3 (an audit). Bound, not listening: connections made while the
+    models load are refused, not queued, so a TCP probe does not take the server for ready (a
+    review). One socket per address `host` names (`localhost`: 127.0.0.1 and ::1; "": every
+    interface), IPv6 ones IPv6 only, as uvicorn binds them; an address this host lacks is skipped
+    while another binds (::1 in /etc/hosts without IPv6)."""
     try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:
         raise BindError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     sockets: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, address in dict.fromkeys(found):
-            sock = socket.socket(family, kind, proto)
-            sockets.append(sock)
+    failed: OSError | None = None
+    for family, kind, proto, _, address in dict.fromkeys(found):
+        sock = socket.socket(family, kind, proto)
+        try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
-            sock.listen(2048)  # uvicorn's backlog
-    except OSError as exc:
-        for sock in sockets:
+        except OSError as exc:
             sock.close()
-        raise BindError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                for bound in sockets:
+                    bound.close()
+                raise BindError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            failed = exc
+            continue
+        sockets.append(sock)
+    if not sockets:
+        raise BindError(f"cannot listen on {host}:{port}: {failed.strerror if failed else 'no address'}")
     return sockets
 
 
 def url(host: str, port: int) -> str:
+    """The printed address: IPv6 in brackets, as a URL needs."""
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

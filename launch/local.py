@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -84,9 +83,19 @@ def daemon(
     if request(address, "ping", timeout_s=0.3) is not None:
         raise DaemonFailed(f"{name}: something already answers at {address}; stop it or pick another address")
     out = open(log, "ab") if log is not None else None
-    proc, interrupted = None, False
+    proc = None
     try:
-        proc = subprocess.Popen(command, env=colocated_env(), stdout=out, stderr=out, preexec_fn=dies_with(os.getpid()))
+        # A session of its own: Ctrl-C, a terminal's hang-up or a unit's stop reach the launcher
+        # alone, which stops its daemons itself (a server after its graceful shutdown; reaching
+        # them at once, they aborted its answers: a review). Killed, it takes them with it (dies_with).
+        proc = subprocess.Popen(
+            command,
+            env=colocated_env(),
+            stdout=out,
+            stderr=out,
+            preexec_fn=dies_with(os.getpid()),
+            start_new_session=True,
+        )
         if not wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None, curve=curve):
             code, where = proc.poll(), f"see {log}" if log is not None else "its output above says why"
             if code is None:
@@ -94,15 +103,9 @@ def daemon(
             raise DaemonFailed(f"{name} exited with code {code} before it was ready ({where})")
         print(f"[local] {name} ready at {address} (pid {proc.pid})", flush=True)
         yield proc
-    except KeyboardInterrupt:  # Ctrl-C in a terminal reaches the daemons too: none ended on its own
-        interrupted = True
-        raise
-    except SystemExit as exc:  # ... and so does a SIGINT a server turned into SystemExit (processes.leave)
-        interrupted = exc.code == 128 + signal.SIGINT
-        raise
     finally:
         if proc is not None:
-            if proc.poll() is not None and not interrupted:  # it ended on its own: say so
+            if proc.poll() is not None:  # it ended on its own (no signal of the terminal's reaches it): say so
                 print(f"[local] {name} exited with code {proc.returncode}", file=sys.stderr, flush=True)
             stop(proc)
         if out is not None:

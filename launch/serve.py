@@ -28,12 +28,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from frontend.drain import MIN_GRACE_S
 from launch.net import HelpFormatter, client_security, one_line_errors, peer_address, tcp_port
 from launch.processes import leave, stop
+from protocol.transport import BindError
 
 if TYPE_CHECKING:
-    import uvicorn
-
+    from frontend.server import HTTPServer
     from launch.local import LocalDaemons
 
 API_KEY_ENV = "DFLASH_API_KEY"
@@ -90,7 +91,7 @@ def exit_on_signals() -> None:
             signal.signal(signum, leave)
 
 
-def watch_daemons(daemons: LocalDaemons, server: uvicorn.Server, done: threading.Event, poll_s: float = 0.5) -> None:
+def watch_daemons(daemons: LocalDaemons, server: HTTPServer, done: threading.Event, poll_s: float = 0.5) -> None:
     """All in one, the server owns its daemons. A target daemon that exits ends the server with
     exit 1, so a supervisor (systemd's Restart=on-failure, docker, k8s) brings the whole stack back:
     it served 503 for good, logged nothing, and exited 0 when stopped (an audit). A draft daemon
@@ -101,7 +102,7 @@ def watch_daemons(daemons: LocalDaemons, server: uvicorn.Server, done: threading
         if (code := daemons.target.poll()) is not None:
             print(f"[serve] the target daemon exited with code {code}: shutting down", file=sys.stderr, flush=True)
             daemons.lost = True
-            server.should_exit = True
+            server.stop()
             return
         if (code := daemons.draft.poll()) is not None and not named:
             print(
@@ -158,10 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--shutdown-grace",
-        type=number_in(0, above=True),
+        type=number_in(MIN_GRACE_S),
         default=5.0,
-        help="seconds the answers still running get to finish when the server stops; those that do not end "
-        "with a 503 server_shutting_down error (default %(default)s)",
+        help="seconds the connections get when the server stops; the answers still running a second before "
+        f"it ends stop with a 503 server_shutting_down error (default %(default)s, at least {MIN_GRACE_S:g})",
     )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default %(default)s)")
     group = parser.add_argument_group("all in one (without --target)")
@@ -186,6 +187,9 @@ def check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"{flags}: for all in one, without --target (the daemon at --target has its own)")
 
 
+STOPPED = {128 + signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGHUP}  # leave()'s exits
+
+
 def main(argv: list[str] | None = None) -> None:
     from launch.local import DaemonFailed
 
@@ -202,9 +206,6 @@ def main(argv: list[str] | None = None) -> None:
             if exc.code in STOPPED:
                 raise SystemExit(0) from None
             raise
-
-
-STOPPED = {128 + signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGHUP}  # leave()'s exits
 
 
 def run(args: argparse.Namespace) -> None:
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> None:
         # local_daemons sets its own keys; the process may open files for as many requests as it is allowed
         open_calls = open_call_limit(raise_soft_limit=True)
         link = TargetLink(address, args.daemon_timeout, curve=args.client_keys, max_open=open_calls)
-        drain = Drain(lambda: server.should_exit, args.shutdown_grace)
+        drain = Drain(lambda: server.stopping_since, args.shutdown_grace)
         app = create_app(link, args.served_model_name, args.default_max_tokens, args.max_body_size, args.api_key, drain)
         print(f"[serve] {url(args.host, args.port)} -> target daemon {address}", flush=True)
         if args.api_key is None and not is_loopback(args.host):
@@ -244,17 +245,23 @@ def run(args: argparse.Namespace) -> None:
             http=bounded_h11(max(1, connection_limit(open_calls) - REFUSALS_DRAINED)),
         )
         server = HTTPServer(config)
-        done = threading.Event()
-        watcher = threading.Thread(target=watch_daemons, args=(daemons, server, done), daemon=True)
+        done, watcher = threading.Event(), None
         if daemons is not None:
+            watcher = threading.Thread(target=watch_daemons, args=(daemons, server, done), daemon=True)
             watcher.start()
         try:
             server.run(sockets=sockets)
+        except OSError as exc:  # listen() failed: a server that bound the port too listened first
+            if server.started:
+                raise
+            raise BindError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
         finally:
             done.set()  # before the daemons are stopped: their exits are not the watcher's news
-            if daemons is not None:
+            if watcher is not None:
                 watcher.join()
         if daemons is not None and daemons.lost:  # named by the watcher
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a stop now must not make it 0
+                signal.signal(signum, signal.SIG_IGN)
             raise SystemExit(1)
 
     try:

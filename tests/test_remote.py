@@ -299,8 +299,7 @@ def test_a_probe_unanswered_leaves_the_attached_slots_attached(target, checkpoin
     with draft_daemon(address, checkpoint) as daemon:
         healthy = RemoteDraftBackend(address, target, timing=timing, reach=reach)
         probing = RemoteDraftBackend(address, target, timing=timing, reach=reach)
-        probing.close()
-        probing.attached = False  # a slot whose session is gone (evicted, refused): it probes
+        probing.close()  # a slot whose session is gone (evicted, refused): it probes
         daemon.send_signal(signal.SIGSTOP)
         try:
             probing.begin_request()

@@ -469,9 +469,12 @@ class RemoteDraftBackend:
         return fields, {"features": features, "noise": noise[:1]}
 
     def close(self) -> None:
-        if self._opened:  # a stale session too: a daemon that is alive frees it now, not at its reclaim
+        # A stale session too, unless the daemon was found silent just now: one alive frees it now,
+        # not at its reclaim; one silent would hold each slot's close for a probe's wait (a review).
+        if self.attached or (self._opened and time.monotonic() >= self.reach.retry_at):
             try:
                 self._call("close", {"session": self.session}, timeout_s=self.probe_timeout_s)
             except (DrafterUnavailable, ProtocolError):
                 pass
         self.client.close()
+        self.attached = False

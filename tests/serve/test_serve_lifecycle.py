@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from helpers import running
 
 from frontend.server import listening_sockets
 from launch.local import free_port
@@ -79,6 +80,13 @@ def started(lines: Lines) -> tuple[int, int]:
     return draft, target
 
 
+def gone(*pids: int, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(running(pid) for pid in pids)
+
+
 def test_a_port_taken_is_refused_before_any_daemon_starts():
     """It was found only after both models had loaded (68 s with SmolLM2, minutes on a GPU), and
     the run ended with uvicorn's exit code 3 and a log line (an audit)."""
@@ -130,7 +138,7 @@ def test_a_hang_up_stops_the_daemons_and_removes_the_throwaway_keys(chat_model_d
     temporary.mkdir()
     run, lines = all_in_one(chat_model_dir, port, "--curve", env=dict(os.environ, TMPDIR=str(temporary)))
     try:
-        started(lines)
+        daemons = started(lines)
         assert wait_http_ready(f"http://127.0.0.1:{port}/health", 60)  # uvicorn serves: its graceful path
         assert [p.name for p in temporary.iterdir()], "the keys are in the temporary folder while it runs"
         run.send_signal(signal.SIGHUP)
@@ -140,6 +148,7 @@ def test_a_hang_up_stops_the_daemons_and_removes_the_throwaway_keys(chat_model_d
         run.wait()
     assert "Finished server process" in lines.rest()  # uvicorn's graceful shutdown ran to its end
     assert list(temporary.iterdir()) == []
+    assert gone(*daemons), "a daemon outlived the server"
 
 
 def standalone(target_address: str, *flags: str, **popen) -> tuple[subprocess.Popen, int]:
@@ -199,6 +208,7 @@ def test_a_port_is_taken_once_it_listens_and_ipv6_sockets_are_ipv6_only():
     IPv6 only (a review)."""
     first = listening_sockets("127.0.0.1", 0)
     port = first[0].getsockname()[1]
+    first[0].listen()  # as uvicorn does once the daemons are up
     try:
         with pytest.raises(BindError, match=f"cannot listen on 127.0.0.1:{port}"):
             listening_sockets("127.0.0.1", port)
@@ -224,15 +234,52 @@ def test_the_watcher_names_no_daemon_the_server_stopped_itself():
 
     sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     daemons = LocalDaemons("tcp://127.0.0.1:1", *sleepers)
-    server, done = SimpleNamespace(should_exit=False), threading.Event()
-    watcher = threading.Thread(target=watch_daemons, args=(daemons, server, done, 0.01))
+    stopped = []
+    server, done = SimpleNamespace(stop=lambda: stopped.append(True)), threading.Event()
+    watcher = threading.Thread(target=watch_daemons, args=(daemons, server, done, 0.01), daemon=True)
     watcher.start()
-    done.set()
-    watcher.join()
+    done.set()  # the server ended: it stops its daemons now
+    watcher.join(5)
     for sleeper in sleepers:
         sleeper.kill()
         sleeper.wait()
-    assert not daemons.lost and not server.should_exit
+    time.sleep(0.05)
+    assert not watcher.is_alive() and not daemons.lost and not stopped
     daemons = LocalDaemons("tcp://127.0.0.1:1", *(subprocess.Popen(["true"]) for _ in range(2)))
+    daemons.target.wait()
     watch_daemons(daemons, server, threading.Event(), 0.01)  # the target daemon ended while it served
-    assert daemons.lost and server.should_exit
+    assert daemons.lost and stopped
+
+
+def test_a_drained_stream_sends_its_error_and_done_before_the_cancel_waits_on_the_daemon():
+    """The stream's end came after the cancel, which waits for the daemon's confirmation (up to
+    --daemon-timeout): past uvicorn's cut, the client got neither the error nor [DONE] (a review)."""
+    import asyncio
+
+    from frontend.app import events
+    from frontend.drain import Drain
+    from frontend.responses import Answer
+    from frontend.schemas import ChatCompletionRequest
+    from protocol import Message
+
+    sent = []
+
+    class Streaming:
+        async def next(self, gone=None):
+            await asyncio.sleep(0.01)
+            return Message("chunk", 1, {"text": "a", "token_ids": [5]})
+
+        async def close(self):
+            sent.append("closed")
+
+    async def stream():
+        first = Message("chunk", 1, {"text": "Ot", "token_ids": [1, 2]})
+        body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        began = time.monotonic()
+        async for event in events(Streaming(), first, Answer(True, "m"), body, Drain(lambda: began, 1.0)):
+            sent.append(event.decode())
+
+    asyncio.run(stream())
+    assert sent[-1] == "closed" and sent[-2] == "data: [DONE]\n\n", sent[-3:]
+    assert json.loads(sent[-3].removeprefix("data: "))["error"]["code"] == "server_shutting_down"
+    assert len(sent) > 10  # it streamed until the drain was due (0.5 s), not less
