@@ -34,6 +34,8 @@ from launch.processes import leave, stop
 from protocol.transport import BindError
 
 if TYPE_CHECKING:
+    import socket
+
     from frontend.server import HTTPServer
     from launch.local import LocalDaemons
 
@@ -210,69 +212,80 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """The front end, in front of a running daemon or of both daemons it starts."""
+    from frontend.server import listening_sockets
+    from launch.local import local_daemons
+
+    exit_on_signals()
+    sockets = listening_sockets(args.host, args.port)
+    try:
+        if args.target:
+            serve(args, sockets, args.target)
+            return
+        with local_daemons(args) as daemons:
+            serve(args, sockets, daemons.address, daemons)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def http_server(args: argparse.Namespace, address: str) -> HTTPServer:
+    """uvicorn's server for the front end of the target daemon at `address`."""
     import uvicorn
 
     from frontend.app import create_app
     from frontend.connections import REFUSALS_DRAINED, bounded_h11
     from frontend.drain import Drain
     from frontend.link import TargetLink, connection_limit, open_call_limit
-    from frontend.server import HTTPServer, listening_sockets, url
-    from launch.local import local_daemons
+    from frontend.server import HTTPServer, url
 
-    exit_on_signals()
-    sockets = listening_sockets(args.host, args.port)
-
-    def serve(address: str, daemons: LocalDaemons | None = None) -> None:
-        # local_daemons sets its own keys; the process may open files for as many requests as it is allowed
-        open_calls = open_call_limit(raise_soft_limit=True)
-        link = TargetLink(address, args.daemon_timeout, curve=args.client_keys, max_open=open_calls)
-        drain = Drain(lambda: server.stopping_since, args.shutdown_grace)
-        app = create_app(link, args.served_model_name, args.default_max_tokens, args.max_body_size, args.api_key, drain)
-        print(f"[serve] {url(args.host, args.port)} -> target daemon {address}", flush=True)
-        if args.api_key is None and not is_loopback(args.host):
-            print(
-                f"[serve] warning: {args.host} can be reached from other hosts and no API key is set: anyone who "
-                f"reaches it can generate (set ${API_KEY_ENV} or pass --api-key)",
-                file=sys.stderr,
-                flush=True,
-            )
-        # Answers still running at shutdown get --shutdown-grace, then end (drain.py).
-        # The connections fit in the open files the requests' sockets leave.
-        config = uvicorn.Config(
-            app,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=args.shutdown_grace,
-            http=bounded_h11(max(1, connection_limit(open_calls) - REFUSALS_DRAINED)),
+    # local_daemons sets its own keys; the process may open files for as many requests as it is allowed
+    open_calls = open_call_limit(raise_soft_limit=True)
+    link = TargetLink(address, args.daemon_timeout, curve=args.client_keys, max_open=open_calls)
+    drain = Drain(lambda: server.stopping_since, args.shutdown_grace)
+    app = create_app(link, args.served_model_name, args.default_max_tokens, args.max_body_size, args.api_key, drain)
+    print(f"[serve] {url(args.host, args.port)} -> target daemon {address}", flush=True)
+    if args.api_key is None and not is_loopback(args.host):
+        print(
+            f"[serve] warning: {args.host} can be reached from other hosts and no API key is set: anyone who "
+            f"reaches it can generate (set ${API_KEY_ENV} or pass --api-key)",
+            file=sys.stderr,
+            flush=True,
         )
-        server = HTTPServer(config)
-        done, watcher = threading.Event(), None
-        if daemons is not None:
-            watcher = threading.Thread(target=watch_daemons, args=(daemons, server, done), daemon=True)
-            watcher.start()
-        try:
-            server.run(sockets=sockets)
-        except OSError as exc:  # listen() failed: a server that bound the port too listened first
-            if server.started:
-                raise
-            raise BindError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-        finally:
-            done.set()  # before the daemons are stopped: their exits are not the watcher's news
-            if watcher is not None:
-                watcher.join()
-        if daemons is not None and daemons.lost:  # named by the watcher
-            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a stop now must not make it 0
-                signal.signal(signum, signal.SIG_IGN)
-            raise SystemExit(1)
+    # Answers still running at shutdown get --shutdown-grace, then end (drain.py).
+    # The connections fit in the open files the requests' sockets leave.
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_grace,
+        http=bounded_h11(max(1, connection_limit(open_calls) - REFUSALS_DRAINED)),
+    )
+    server = HTTPServer(config)
+    return server
 
+
+def serve(
+    args: argparse.Namespace, sockets: list[socket.socket], address: str, daemons: LocalDaemons | None = None
+) -> None:
+    """Serve on `sockets` until a signal, or (all in one) until the target daemon is gone: exit 1."""
+    server = http_server(args, address)
+    done, watcher = threading.Event(), None
+    if daemons is not None:
+        watcher = threading.Thread(target=watch_daemons, args=(daemons, server, done), daemon=True)
+        watcher.start()
     try:
-        if args.target:
-            serve(args.target)
-            return
-        with local_daemons(args) as daemons:
-            serve(daemons.address, daemons)
+        server.run(sockets=sockets)
+    except OSError as exc:  # listen() failed: a server that bound the port too listened first
+        if server.started:
+            raise
+        raise BindError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     finally:
-        for sock in sockets:
-            sock.close()
+        done.set()  # before the daemons are stopped: their exits are not the watcher's news
+        if watcher is not None:
+            watcher.join()
+    if daemons is not None and daemons.lost:  # named by the watcher
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a stop now must not make it 0
+            signal.signal(signum, signal.SIG_IGN)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
