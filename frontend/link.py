@@ -18,7 +18,7 @@ import zmq
 from anyio import to_thread
 
 from frontend.target_client import GenerateCall
-from protocol import Message, ProtocolError
+from protocol import ErrorCode, Message, ProtocolError
 from protocol.keys import ClientKeys
 from protocol.transport import request
 
@@ -154,7 +154,10 @@ class TargetLink:
                 return True
             if time.monotonic() - self.probed < QUIET_S:
                 return False  # a ping just went unanswered
-            answered = await to_thread.run_sync(self.call_sync, "ping", limiter=self.limiter) is not None
+            # Abandoned where the asker stops waiting (a client that left, a server that drains):
+            # the ping ends on its own within daemon_timeout_s.
+            ping = to_thread.run_sync(self.call_sync, "ping", limiter=self.limiter, abandon_on_cancel=True)
+            answered = await ping is not None
             self.probed = time.monotonic()
             return answered
 
@@ -230,18 +233,43 @@ class LinkCall:
             except ProtocolError as exc:
                 raise DaemonMisspoke(str(exc)) from exc
             if reply is not None:
-                self.link.heard = time.monotonic()
+                # A daemon that says it holds no such request is stopping or restarted: whether it
+                # is up is then a ping's to say (/health said 200 for QUIET_S after it stopped).
+                forgotten = reply.type == "error" and reply.fields.get("code") == ErrorCode.UNKNOWN_REQUEST.value
+                self.link.heard = 0.0 if forgotten else time.monotonic()
                 return reply
             if gone is not None and await gone():
                 raise ClientGone("the client disconnected")
             if time.monotonic() - quiet_since >= QUIET_S:
-                if not await self.link.alive():
+                if not await self._alive(gone):
                     self.call.finished = True  # nobody left to cancel with
                     raise DaemonUnreachable(
                         f"the target daemon at {self.link.address} did not answer within "
                         f"{self.link.daemon_timeout_s:g} s"
                     )
                 quiet_since = time.monotonic()
+
+    async def _alive(self, gone: Callable[[], Awaitable[bool]] | None) -> bool:
+        """The link's `alive`, asking `gone` every WAIT_SLICE_S meanwhile: a ping to a hung daemon
+        waits up to --daemon-timeout, and a drain waiting that long missed uvicorn's cut (a review)."""
+        if gone is None:
+            return await self.link.alive()
+        answer: list[bool] = []
+        left = False
+        async with anyio.create_task_group() as probing:
+
+            async def probe() -> None:
+                answer.append(await self.link.alive())
+                probing.cancel_scope.cancel()
+
+            probing.start_soon(probe)
+            while not left:
+                await anyio.sleep(WAIT_SLICE_S)
+                left = await gone()
+            probing.cancel_scope.cancel()
+        if left:
+            raise ClientGone("the client disconnected")
+        return answer[0]
 
     async def close(self) -> None:
         """Cancel the request if it is still running, wait for the daemon to confirm, drop the socket.

@@ -86,6 +86,18 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
+# Hosts that bind every interface (none of them an address a client dials): the loopback one it can.
+WILDCARDS = {
+    "": ("127.0.0.1", "every interface"),
+    "0.0.0.0": ("127.0.0.1", "every IPv4 interface"),
+    "::": ("::1", "every IPv6 interface"),
+}
+
+
 def url(host: str, port: int) -> str:
-    """The printed address: IPv6 in brackets, as a URL needs."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    """The printed address, one a client on this host can dial: IPv6 in brackets, as a URL needs;
+    for a wildcard host the loopback address, and what else serves (`http://0.0.0.0:8000` was
+    printed, which no client dials)."""
+    dial, where = WILDCARDS.get(host, (host, ""))
+    address = f"http://[{dial}]:{port}" if ":" in dial else f"http://{dial}:{port}"
+    return f"{address} (listening on {where})" if where else address

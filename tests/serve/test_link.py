@@ -186,3 +186,59 @@ def test_stats_callers_behind_an_unanswered_call_do_not_wait_again(tmp_path):
     run_then_stop(flood, server, stop, thread)
     assert got == [None] * 9
     assert calls == ["stats", "stats"], calls
+
+
+def test_a_stream_waiting_on_a_hung_daemons_ping_still_notices_it_must_end(tmp_path):
+    """A quiet stream pings the daemon; on a hung one the ping waits --daemon-timeout, and the
+    stream asked nothing else meanwhile: a draining server's 503 came after uvicorn's cut (a
+    review). The stream now ends within a slice of being told to, and the ping is left to end alone."""
+    from frontend.link import WAIT_SLICE_S, ClientGone
+
+    address = f"ipc://{tmp_path}/daemon.sock"
+    server = Server(address)  # a hung daemon: it reads nothing, answers nothing
+    link = TargetLink(address, daemon_timeout_s=30.0)
+    call = link.generate({"token_ids": [1, 2, 3], "max_new_tokens": 4})
+    told = time.monotonic() + 1.5  # past QUIET_S: the ping is under way by then
+    ended: list[float] = []
+
+    async def wait() -> None:
+        async def gone() -> bool:
+            return time.monotonic() >= told
+
+        with pytest.raises(ClientGone):
+            await call.next(gone=gone)
+        ended.append(time.monotonic())
+
+    try:
+        anyio.run(wait)
+    finally:
+        call.call.client.close()
+        server.close()
+    assert link.probed == 0.0  # the ping had not ended: the stream did not wait for it
+    assert ended[0] - told < 5 * WAIT_SLICE_S, ended[0] - told
+
+
+def test_a_daemon_that_forgot_a_request_is_not_taken_for_alive_by_that_reply(tmp_path):
+    """A stopping daemon tells each request it was not finished (`unknown_request`) and then
+    answers nothing; that reply counted as the daemon's word that it was up, and /health said
+    200 for QUIET_S after it stopped (an audit). Whether it is up is now a ping's to say."""
+    from protocol import ErrorCode, encode_error
+
+    address = f"ipc://{tmp_path}/daemon.sock"
+    server = Server(address)
+    link = TargetLink(address, daemon_timeout_s=0.3)
+    call = link.generate({"token_ids": [1, 2, 3], "max_new_tokens": 4})
+    identity, msg = server.next(5000)
+    server.send(identity, encode_error(msg.id, ErrorCode.UNKNOWN_REQUEST, "the target daemon is shutting down"))
+    answers: list = []
+
+    async def ask() -> None:
+        answers.append((await call.next()).type)
+        answers.append(await link.alive())  # the daemon reads nothing more: the ping goes unanswered
+
+    try:
+        anyio.run(ask)
+    finally:
+        call.call.client.close()
+        server.close()
+    assert answers == ["error", False]

@@ -17,7 +17,7 @@ import pytest
 import requests
 from helpers import running
 
-from frontend.server import listening_sockets
+from frontend.server import listening_sockets, url
 from launch.local import free_port
 from launch.serve import wait_http_ready
 from protocol.transport import BindError
@@ -283,3 +283,18 @@ def test_a_drained_stream_sends_its_error_and_done_before_the_cancel_waits_on_th
     assert sent[-1] == "closed" and sent[-2] == "data: [DONE]\n\n", sent[-3:]
     assert json.loads(sent[-3].removeprefix("data: "))["error"]["code"] == "server_shutting_down"
     assert len(sent) > 10  # it streamed until the drain was due (0.5 s), not less
+
+
+@pytest.mark.parametrize(
+    "host, printed",
+    [
+        ("0.0.0.0", "http://127.0.0.1:8000 (listening on every IPv4 interface)"),
+        ("::", "http://[::1]:8000 (listening on every IPv6 interface)"),
+        ("", "http://127.0.0.1:8000 (listening on every interface)"),
+        ("::1", "http://[::1]:8000"),
+        ("10.1.2.3", "http://10.1.2.3:8000"),
+    ],
+)
+def test_the_printed_address_is_one_a_client_can_dial(host, printed):
+    """`--host 0.0.0.0` printed http://0.0.0.0:8000, which no client dials (a review)."""
+    assert url(host, 8000) == printed
