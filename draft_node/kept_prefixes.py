@@ -12,8 +12,9 @@ and names are capabilities (the target draws 128 random bits per process into ea
 bytes; when full, the peer that keeps the most bytes loses its least recently used entry, so a peer
 that floods the store with keeps evicts its own entries, not everyone else's (an audit: one peer's
 48 keeps of 4,096 rows emptied it of every other target's prefixes). A keep that would make its
-peer the largest holder with nothing older of its own to give up is refused, evicting nothing. A
-miss is answered with 0 rows and the target ships them.
+peer the largest holder with nothing older of its own to give up is refused, evicting nothing,
+unless (without CURVE) other slots of its target hold entries it can give up instead. A miss is
+answered with 0 rows and the target ships them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class KeptPrefixes:
         size = 2 * keys.numel() * keys.element_size()
         key = self._key(peer, name)
         self._drop(key)
-        victims = self._room_for(peer, size)
+        victims = self._room_for(peer, name, size)
         if victims is None:
             return False
         for victim in victims:
@@ -57,7 +58,7 @@ class KeptPrefixes:
         self.counters["kept"] += 1
         return True
 
-    def _room_for(self, peer: str, size: int) -> list[Key] | None:
+    def _room_for(self, peer: str, name: str, size: int) -> list[Key] | None:
         """The entries to evict so `size` more bytes of `peer`'s fit (each the oldest of the peer then
         holding the most, the new entry counted as `peer`'s), or None where the new entry would be
         the one to go."""
@@ -68,14 +69,30 @@ class KeptPrefixes:
         victims: list[Key] = []
         while need > 0:
             largest = max(held_by, key=held_by.__getitem__)
-            victim = next(oldest.get(largest, iter(())), None)
+            victim = next((key for key in oldest.get(largest, iter(())) if key not in victims), None)
             if victim is None:  # only the new entry is left of the largest holder's
-                return None
+                victim = self._sibling(name, victims)
+                if victim is None:
+                    return None
             victims.append(victim)
-            freed = self.entries[victim][2]
-            held_by[largest] -= freed
+            owner, freed = self.entries[victim][3], self.entries[victim][2]
+            held_by[owner] -= freed
             need -= freed
         return victims
+
+    def _sibling(self, name: str, taken: list[Key]) -> Key | None:
+        """Without CURVE, the oldest entry another slot of the same target kept (its name has the
+        same process secret), not yet in `taken`: that target's own to give up. A keep was refused
+        while the store held only such stale entries of other slots (an audit), and each slot of
+        a target is a peer of its own here."""
+        family = _family(name)
+        if self.by_peer or family is None:
+            return None
+        for owner in sorted(self.by_owner, key=self.held_by.__getitem__, reverse=True):
+            for key in self.by_owner[owner]:
+                if _family(key[1]) == family and key not in taken:
+                    return key
+        return None
 
     def take(self, peer: str, name: str, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The first `rows` (or fewer, as held) positions' keys and values of (peer, name), or None."""
@@ -103,3 +120,9 @@ class KeptPrefixes:
     def of(self, peer: str) -> int:
         """Entries this peer holds (what its own `stats` may show; 0 where names alone key them)."""
         return sum(owner == peer for owner, _ in self.entries) if self.by_peer else 0
+
+
+def _family(name: str) -> str | None:
+    """The process secret a target's names begin with (`<secret>-<n>`, prefix_cache.py), or None."""
+    secret, dash, _ = name.rpartition("-")
+    return secret if dash and len(secret) >= 32 else None

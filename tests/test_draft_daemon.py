@@ -396,3 +396,29 @@ def test_a_req_socket_gets_an_error_naming_the_dealer_socket_instead_of_waiting_
         pong = request(address, "ping", timeout_s=5)
         assert pong is not None and pong.type == "pong"
     assert svc.counters["errors"] >= 1
+
+
+def test_without_curve_a_keep_makes_room_from_its_own_targets_other_slots():
+    """Each slot of a target is a peer of its own without CURVE, so a keep was refused while the
+    store held only stale entries of the same target's other slots (an audit). They are that
+    target's to give up (their names carry its process secret); another target's are not."""
+    from draft_node.kept_prefixes import KeptPrefixes
+
+    store = KeptPrefixes(max_bytes=256)
+    store.by_peer = False
+    rows = torch.zeros(1, 1, 1, 8)  # 64 bytes as keys and values
+    mine, theirs = "a" * 32, "b" * 32
+
+    def entry(n):  # n rows: 64 n bytes
+        return rows.expand(1, 1, n, 8).contiguous(), rows.expand(1, 1, n, 8).contiguous()
+
+    assert store.keep("slot1", f"{mine}-0", *entry(1)) and store.keep("slot1", f"{mine}-1", *entry(1))
+    assert store.keep("other", f"{theirs}-0", *entry(1))
+    assert store.keep("slot2", f"{mine}-2", *entry(3))  # slot2 the largest, nothing older: slot1's go
+    assert sorted(name for _, name in store.entries) == [f"{mine}-2", f"{theirs}-0"] and store.held == 256
+    assert not store.keep("slot3", "c" * 32 + "-0", *entry(4))  # a stranger: nothing of its own to give
+    assert sorted(name for _, name in store.entries) == [f"{mine}-2", f"{theirs}-0"]
+    store.keep("slot1", f"{mine}-3", *entry(1))
+    store.keep("slot1", f"{mine}-4", *entry(1))  # slot2 (192) the largest gives up its one entry
+    assert store.held <= store.max_bytes
+    assert store.held == sum(e[2] for e in store.entries.values()) == sum(store.held_by.values())
