@@ -35,11 +35,11 @@ from draft_node.predraft import predraft as draft_predrafts
 from launch.common import DTYPE_CHOICES, ensure_default_drafter, resolve_model
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
-from target_node.decoding.tree import DraftTree
 from target_node.drafting.bridge import DrafterBridge
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.outcomes import likeliest_outcomes
 from target_node.drafting.proposers import NoProposer
+from target_node.drafting.tree import DraftTree
 from target_node.model.target import TargetModel
 from training.prompts import read_prompts
 

@@ -21,9 +21,9 @@ from helpers import OracleBackend, greedy
 from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
-from target_node.decoding.tree import DraftTree
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer, NGramProposer
+from target_node.drafting.tree import DraftTree
 from target_node.engine.kv_cache import OVERHANG, StaticKVCache
 from target_node.model.target import TargetModel
 from target_node.model.tiny import ENGINE_FAMILIES, tiny_target

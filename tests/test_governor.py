@@ -11,9 +11,9 @@ from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.governor import Governor, VerifyCosts
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
-from target_node.decoding.tree import DraftTree
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer
+from target_node.drafting.tree import DraftTree
 
 
 def run(governor, steps, spec_tokens, spec_s, plain_s=0.010):

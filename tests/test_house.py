@@ -22,3 +22,5 @@ def test_the_lower_floors_import_nothing_from_the_upper_ones():
         "the drafter knows only the wire"
     )
     assert not {a for a, b in rooms if b in ("launch", "benchmarks") and a not in ("launch", "benchmarks")}
+    two_way = sorted((a, b) for a, b in rooms if (b, a) in rooms and a < b)
+    assert two_way == [], "floors that import each other (target_node.drafting and .decoding did, over DraftTree)"

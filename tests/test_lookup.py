@@ -11,10 +11,10 @@ from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.governor import Governor
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
-from target_node.decoding.tree import DraftTree
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposal import Continuation
 from target_node.drafting.proposers import PROMPT_LOOKUP, DFlashProposer, NoProposer, prompt_lookup
+from target_node.drafting.tree import DraftTree
 
 MAX_NEW = 40
 # A prompt whose tail occurred before: lookup has a continuation from the first step.

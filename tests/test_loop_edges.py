@@ -6,9 +6,9 @@ from helpers import OracleBackend, greedy, tiny_target
 from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
-from target_node.decoding.speculative import accept_length
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer, NGramProposer, NoProposer
+from target_node.drafting.tree import DraftTree
 
 PROMPT = [5, 17, 42, 99, 3, 7]
 BLOCK = 8
@@ -35,11 +35,14 @@ class CharTokenizer:
         return "".join(chr(ord("a") + t % 26) for t in tokens)
 
 
-def test_accept_length():
-    assert accept_length([1, 2, 3], [1, 2, 3, 4]) == 3
-    assert accept_length([1, 9, 3], [1, 2, 3, 4]) == 1
-    assert accept_length([9], [1, 2]) == 0
-    assert accept_length([], [1]) == 0
+def test_a_chain_accepts_its_drafts_up_to_the_first_the_target_disagrees_with():
+    def accepted(drafts, choices):
+        return len(DraftTree.chain(drafts).accept(choices))
+
+    assert accepted([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert accepted([1, 9, 3], [1, 2, 3, 4]) == 1
+    assert accepted([9], [1, 2]) == 0
+    assert accepted([], [1]) == 0
 
 
 @pytest.mark.parametrize("budget", [1, 2, BLOCK - 1, BLOCK, BLOCK + 1])

@@ -9,8 +9,8 @@ from helpers import columns_logits
 
 from benchmarks import predraft_study
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
-from target_node.decoding.tree import DraftTree
 from target_node.drafting.outcomes import likeliest_outcomes
+from target_node.drafting.tree import DraftTree
 from target_node.model.target import TargetModel
 
 

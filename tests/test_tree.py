@@ -7,10 +7,10 @@ from helpers import OracleBackend, assert_lossless, columns_logits, greedy, tiny
 from draft_node.checkpoint import config_for_target, random_drafter
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
-from target_node.decoding.tree import DraftTree
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposal import Proposal
 from target_node.drafting.proposers import DFlashProposer, NoProposer
+from target_node.drafting.tree import DraftTree
 
 PROMPT = [5, 17, 42, 99, 3, 7]
 MAX_NEW = 40

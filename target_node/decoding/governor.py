@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from target_node.decoding.tree import DraftTree
+from target_node.drafting.tree import DraftTree
 
 
 @dataclass

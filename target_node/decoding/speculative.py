@@ -24,9 +24,9 @@ import torch
 
 from target_node.decoding.governor import Governor
 from target_node.decoding.sampling import Sampler
-from target_node.decoding.tree import DraftTree
 from target_node.drafting.proposal import EMPTY, Continuation, Proposal
 from target_node.drafting.proposers import Lookup, Proposer
+from target_node.drafting.tree import DraftTree
 from target_node.model.target import TargetModel
 
 MAX_LOOKUP = 8  # the deepest looked-up continuation verified (as NGramProposer's drafts)
@@ -66,14 +66,6 @@ class Step:
             return self
         count = max(count, 1)
         return replace(self, committed=self.committed[:count], lookup_sources=self.lookup_sources[: count - 1])
-
-
-def accept_length(drafts: list[int], target_argmax: list[int]) -> int:
-    """How many drafts agree with the target's own choices, counting from the first."""
-    n = 0
-    while n < len(drafts) and drafts[n] == target_argmax[n]:
-        n += 1
-    return n
 
 
 def draft_tree(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from target_node.decoding.tree import DraftTree
+from target_node.drafting.tree import DraftTree
 
 
 def likeliest_outcomes(

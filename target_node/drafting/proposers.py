@@ -13,10 +13,10 @@ from typing import Protocol
 
 import torch
 
-from target_node.decoding.tree import DraftTree
 from target_node.drafting.bridge import DrafterBridge
 from target_node.drafting.outcomes import likeliest_outcomes
 from target_node.drafting.proposal import EMPTY, Continuation, Proposal
+from target_node.drafting.tree import DraftTree
 from target_node.model.target import TargetModel
 
 
