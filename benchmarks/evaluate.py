@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from draft_node.config import CheckpointError
-from launch.common import TARGET_DTYPES, dtype_of, resolve_model
+from launch.common import TARGET_DTYPES, named_dtype, resolve_model
 from launch.net import HelpFormatter, one_line_errors
 from training.prompts import EVAL_PROMPTS
 
@@ -112,7 +112,7 @@ def backend_for(args: argparse.Namespace, target, folder: str | None, address: s
         return backend
     from draft_node.checkpoint import load_drafter
 
-    return LocalDraftBackend(load_drafter(folder, device=args.device, dtype=dtype_of(args)))
+    return LocalDraftBackend(load_drafter(folder, device=args.device, dtype=named_dtype(args.dtype, args.device)))
 
 
 def mode_options(mode: str, tree_nodes: int, costs, datastore) -> tuple[dict, object]:  # a VerifyCosts, shared

@@ -34,6 +34,7 @@ __all__ = [
     "linear",
     "load",
     "measured_once",
+    "computes_bf16",
     "cuda_bf16",
     "native_bf16",
     "pack",
@@ -364,3 +365,13 @@ def _one_row_seconds(hidden: int, outputs: int) -> dict[str, float]:
 def cuda_bf16(device: str | torch.device) -> bool:
     """Whether a GPU has bf16 units (Ampere on): older ones emulate bf16, slower than fp32."""
     return torch.cuda.get_device_capability(torch.device(device))[0] >= 8
+
+
+def computes_bf16(device: str | torch.device) -> bool:
+    """Whether `device` computes bf16 natively: a GPU from Ampere on, or a CPU with AVX512-BF16 or
+    AMX (on AVX2 bf16 matmuls are several times slower than fp32). The one place that says so: a
+    second copy still took bf16 on pre-Ampere GPUs after the first was fixed (a review)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return cuda_bf16(device)
+    return device.type == "cpu" and native_bf16()

@@ -142,25 +142,17 @@ def ensure_default_drafter(model_dir: Path | None = None) -> Path:
     return save_drafter(random_drafter(cfg), folder)
 
 
-def dtype_of(args: argparse.Namespace, device: str | None = None) -> torch.dtype:
-    """The torch dtype a `--dtype` flag names; "auto" as a drafter resolves it (drafts need not be
-    exact, so bf16 wherever the device computes it natively). A target resolves "auto" itself
-    (`TargetModel.load`), since it also depends on whether the engine serves the model."""
-    return named_dtype(args.dtype, device or getattr(args, "device", "cpu"))
-
-
 def named_dtype(name: str, device: str) -> torch.dtype:
-    """The torch dtype a dtype flag's value names; "auto": bf16 on a GPU or a CPU with native bf16
-    units (AVX512-BF16, AMX), else fp32."""
+    """The torch dtype a dtype flag's value names; "auto" as a drafter resolves it: bf16 where the
+    device computes it natively (drafts need not be exact), else fp32. A target resolves "auto"
+    itself (`TargetModel.load`), since it also depends on whether the engine serves the model."""
     if name != "auto":
         return torch_dtype(name)
     import torch
 
-    from dflash_kernels import cuda_bf16, native_bf16
+    from dflash_kernels import computes_bf16
 
-    kind = torch.device(device).type
-    native = cuda_bf16(device) if kind == "cuda" else kind == "cpu" and native_bf16()
-    return torch.bfloat16 if native else torch.float32
+    return torch.bfloat16 if computes_bf16(device) else torch.float32
 
 
 def byte_size(text: str) -> int:

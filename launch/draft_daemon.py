@@ -14,8 +14,8 @@ from launch.common import (
     add_model_args,
     add_settings,
     apply_runtime_args,
-    dtype_of,
     ensure_default_drafter,
+    named_dtype,
     settings_from,
 )
 from launch.net import HelpFormatter, add_server_security_args, address, one_line_errors, server_security
@@ -48,7 +48,7 @@ def start(argv: list[str] | None) -> None:
     args = parser.parse_args(argv)
     curve = server_security(parser, args)
     apply_runtime_args(args)
-    dtype = dtype_of(args)
+    dtype = named_dtype(args.dtype, args.device)
     if args.device.startswith("cpu") and args.dtype == "float16":  # the CPU kernels' linears take fp32 or bf16
         parser.error("--dtype float16 on a CPU: the drafter's CPU kernels take float32 or bfloat16")
     try:

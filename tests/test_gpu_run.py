@@ -230,8 +230,10 @@ def test_auto_picks_bf16_only_on_a_gpu_with_bf16_units(monkeypatch):
 
     from launch.common import named_dtype
     from target_node.model.target import prefer_bf16
+    from training.stages import autocast
 
     for capability, want in (((7, 0), torch.float32), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert named_dtype("auto", "cuda:1") == want
         assert prefer_bf16("cuda") == (want == torch.bfloat16)
+        assert autocast("auto", "cuda:1") == (want == torch.bfloat16)  # training's bf16 autocast took any GPU

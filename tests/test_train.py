@@ -389,7 +389,7 @@ def test_training_under_bf16_autocast_runs_the_drafter_in_bf16_and_learns(setup,
     assert abs(sum(bf16[-10:]) - sum(fp32[-10:])) / sum(fp32[-10:]) < 0.05  # as fp32 does
     from training.stages import autocast
 
-    assert autocast("off", "cuda") is False and autocast("on", "cpu") is True and autocast("auto", "cuda:1") is True
+    assert autocast("off", "cuda") is False and autocast("on", "cpu") is True
 
 
 def test_init_from_a_checkpoint_continues_where_it_left(setup, tmp_path):

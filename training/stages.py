@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
 
-from dflash_kernels import native_bf16
+from dflash_kernels import computes_bf16
 from draft_node.checkpoint import config_for_target, load_drafter, save_draft_vocab, save_drafter
 from draft_node.config import DFlashConfig
 from protocol.tensors import torch_dtype
@@ -270,7 +270,7 @@ def autocast(choice: str, device: str) -> bool:
     a CPU with AVX512-BF16 or AMX; on AVX2 bf16 matmuls are several times slower than fp32)."""
     if choice != "auto":
         return choice == "on"
-    return device.startswith("cuda") or (device == "cpu" and native_bf16())
+    return computes_bf16(device)
 
 
 def average_stage(args: argparse.Namespace, log: Log) -> None:

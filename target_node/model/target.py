@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dflash_kernels import argmax, bf16_faster, bf16_matmul, cuda_bf16, native_bf16, runs_on
+from dflash_kernels import argmax, bf16_faster, bf16_matmul, computes_bf16, native_bf16, runs_on
 from dflash_kernels import load as load_kernels
 from dflash_kernels.build import cpu_flags, cpu_name
 from target_node.engine.engine import PREFER_DEVICE, Engine, engine_for
@@ -402,10 +402,7 @@ class TargetModel:
 def prefer_bf16(device: str | torch.device) -> bool:
     """bf16 where the device computes it natively: CUDA, or a CPU with AVX512-BF16 or AMX where the
     engine's bf16 matmul also measures faster than its fp32 one here and now."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return cuda_bf16(device)
-    return device.type == "cpu" and native_bf16() and bf16_faster()
+    return computes_bf16(device) and (torch.device(device).type != "cpu" or bf16_faster())
 
 
 def load_causal_lm(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
