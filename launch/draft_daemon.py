@@ -19,17 +19,11 @@ from launch.common import (
     settings_from,
 )
 from launch.net import HelpFormatter, add_server_security_args, address, one_line_errors, server_security
-from protocol.transport import stop_on_signals
+from launch.processes import ctrl_c_exits_130, stop_on_signals
 
 
+@ctrl_c_exits_130
 def main(argv: list[str] | None = None) -> None:
-    try:
-        start(argv)
-    except KeyboardInterrupt:  # Ctrl-C while the model loads (serving, it stops the loop cleanly)
-        raise SystemExit(130) from None
-
-
-def start(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(prog="dflash-draft-daemon", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "--checkpoint",

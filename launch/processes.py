@@ -53,6 +53,36 @@ def ends_on_sigterm(main: Callable[P, R]) -> Callable[P, R]:
     return ending
 
 
+def stop_on_signals() -> threading.Event:
+    """SIGTERM, SIGINT and SIGHUP set the returned event, and a daemon's poll loop ends cleanly,
+    telling its clients their requests did not finish. SIGHUP killed a daemon outright (a closed
+    terminal: its clients waited out their timeouts, its ipc file stayed); one ignored, as under
+    nohup, stays ignored."""
+    stop = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        stop.set()
+
+    for signum in (*ENDING, signal.SIGINT):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, handler)
+    return stop
+
+
+def ctrl_c_exits_130(main: Callable[P, R]) -> Callable[P, R]:
+    """A daemon's `main`: Ctrl-C while the model loads ends with the shell's code for it, not a
+    traceback (serving, `stop_on_signals` stops the loop cleanly)."""
+
+    @functools.wraps(main)
+    def exiting(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return main(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise SystemExit(130) from None
+
+    return exiting
+
+
 PR_SET_PDEATHSIG = 1
 try:  # looked up here, not between fork and exec
     _prctl = ctypes.CDLL(None, use_errno=True).prctl

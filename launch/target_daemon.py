@@ -32,9 +32,9 @@ from launch.net import (
     peer_address,
     server_security,
 )
+from launch.processes import ctrl_c_exits_130, stop_on_signals
 from protocol import FLOAT_DTYPES
 from protocol.messages import MAX_PREDRAFT_OUTCOMES
-from protocol.transport import stop_on_signals
 from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.factory import PROPOSER_KINDS, ProposerSettings, build_proposers
 from target_node.drafting.proposers import NoProposer
@@ -159,14 +159,8 @@ def with_default_drafter(settings: ProposerSettings, model: Path) -> ProposerSet
     return replace(settings, checkpoint=ensure_default_drafter(model))
 
 
+@ctrl_c_exits_130
 def main(argv: list[str] | None = None) -> None:
-    try:
-        start(argv)
-    except KeyboardInterrupt:  # Ctrl-C while the model loads (serving, it stops the loop cleanly)
-        raise SystemExit(130) from None
-
-
-def start(argv: list[str] | None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     curve = server_security(parser, args, key_serves_links_out=bool(args.drafter_key))

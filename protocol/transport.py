@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import stat
 import threading
@@ -685,15 +684,3 @@ def wait_ready(
         if reply is not None and reply.type == "pong":
             return True
     return False
-
-
-def stop_on_signals() -> threading.Event:
-    """SIGTERM and SIGINT set the returned event; the daemon's poll loop exits cleanly."""
-    stop = threading.Event()
-
-    def handler(signum: int, frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop

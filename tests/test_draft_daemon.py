@@ -269,6 +269,19 @@ def test_garbage_over_a_real_socket_gets_errors_and_the_daemon_lives(tmp_path):
     assert load_drafter(folder).config == CFG
 
 
+def test_a_hang_up_stops_a_daemon_cleanly(tmp_path):
+    """SIGHUP (its terminal closed, an ssh cut) killed a daemon outright: its clients waited out
+    their timeouts and its ipc file stayed. It now stops as SIGTERM stops it."""
+    import signal
+
+    folder = save_drafter(random_drafter(CFG), tmp_path / "ckpt")
+    address = f"ipc://{tmp_path}/d.sock"
+    with draft_daemon(address, folder) as proc:
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(30) == 0
+    assert not (tmp_path / "d.sock").exists()
+
+
 def test_a_burst_stops_taking_messages_once_they_carry_max_burst_bytes(tmp_path, monkeypatch):
     """A burst of whole-ring resends (22 MiB each) is read a few at a time, not 32 at once; small
     messages still come MAX_BURST at a time."""
