@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from frontend.drain import MIN_GRACE_S
 from launch.net import HelpFormatter, client_security, one_line_errors, peer_address, tcp_port
 from launch.processes import leave, stop
-from protocol.transport import BindError
+from protocol.transport import BindError, is_loopback
 
 if TYPE_CHECKING:
     import socket
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from launch.local import LocalDaemons
 
 API_KEY_ENV = "DFLASH_API_KEY"
-LOOPBACK = ("localhost", "::1")
 
 
 def api_key(text: str) -> str:
@@ -48,10 +47,6 @@ def api_key(text: str) -> str:
     if not text or not all(33 <= ord(c) <= 126 for c in text):
         raise argparse.ArgumentTypeError("an API key is one or more printable ASCII characters, no spaces")
     return text
-
-
-def is_loopback(host: str) -> bool:
-    return host in LOOPBACK or host.startswith("127.")
 
 
 def wait_http_ready(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:

@@ -37,7 +37,6 @@ from protocol import FLOAT_DTYPES
 from protocol.messages import MAX_PREDRAFT_OUTCOMES
 from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.factory import PROPOSER_KINDS, ProposerSettings, build_proposers
-from target_node.drafting.proposers import NoProposer
 from target_node.engine.engine import declines
 from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES, UnsupportedCache
 from target_node.model.support import ModelLoadError, UnsupportedModel
@@ -188,9 +187,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.exit(1, f"{parser.prog}: error: {inexact(target)}\n")
         recorder = TrafficRecorder(args.record, target.name, target.numerics) if args.record else None
         proposers = build_proposers(with_default_drafter(drafting, model), target, target.slots, drafter_keys)
-        looks_up = not settings.no_lookup and proposers[0].name != NoProposer.name  # else no index to build
         datastore = datastore_coming(
-            settings.datastore if looks_up else "none", target.name, vocab_size=target.vocab_size
+            settings.datastore if settings.looks_up(proposers[0]) else "none", target.name, vocab_size=target.vocab_size
         )
         service = TargetService(target, proposers, settings, recorder, datastore)
         # Only now: a SIGTERM while the model loads ends the process at once (it waited for the load).

@@ -82,13 +82,17 @@ class BindError(OSError):
     """A server cannot listen where it was asked: the address is taken, not this host's, or malformed."""
 
 
+def is_loopback(host: str) -> bool:
+    """Whether only this host reaches `host` (a ZeroMQ interface name like `lo` included)."""
+    return host.startswith("127.") or host in LOOPBACK_HOSTS
+
+
 def is_local(address: str) -> bool:
     """True for ipc://, inproc:// and tcp:// on a loopback address: only this host can connect."""
     scheme, _, rest = address.partition("://")
     if scheme in ("ipc", "inproc"):
         return True
-    host = rest.rsplit(":", 1)[0]
-    return scheme == "tcp" and (host.startswith("127.") or host in LOOPBACK_HOSTS)
+    return scheme == "tcp" and is_loopback(rest.rsplit(":", 1)[0])
 
 
 def check_bind(address: str, curve: ServerKeys | None, insecure_plaintext: bool) -> bool:

@@ -37,7 +37,7 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.pace import PrefillPace
 from target_node.decoding.sequence import Result, Sequence, step
 from target_node.drafting.datastore import Datastore
-from target_node.drafting.proposers import NoProposer, Proposer
+from target_node.drafting.proposers import Proposer
 from target_node.model.target import ContextLengthError, TargetModel
 from target_node.serving.metrics import RequestClock, ServedMetrics, drafter_state
 from target_node.serving.prefix_cache import PrefixCache
@@ -499,7 +499,7 @@ class TargetService:
             sampling = SamplingParams.from_dict(msg["sampling"])
         except (TypeError, ValueError) as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"sampling: {exc}") from exc
-        lookup = not self.settings.no_lookup and self.proposer.name != NoProposer.name
+        lookup = self.settings.looks_up(self.proposer)
         return DecodeOptions(
             max_new_tokens,
             stop_strings=tuple(msg["stop"]),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from draft_node.settings import setting
 from protocol.messages import MAX_REPLY_TOKENS
+from target_node.drafting.proposers import NoProposer, Proposer
 from target_node.serving.prefix_cache import default_budget_mb
 
 
@@ -102,3 +103,8 @@ class ServiceSettings:
             raise ValueError("prefix_cache_mb must be 0 (off) or a number of MB")
         if self.datastore not in ("auto", "none") and not Path(self.datastore).is_dir():  # before a model loads
             raise ValueError(f"datastore {self.datastore}: no such answer store folder")
+
+    def looks_up(self, proposer: Proposer) -> bool:
+        """Whether greedy trees get looked-up branches (prompt lookup, the datastore): not with
+        --no-lookup, nor beside --proposer none, which decodes plainly (and builds no index)."""
+        return not self.no_lookup and proposer.name != NoProposer.name

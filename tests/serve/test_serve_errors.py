@@ -517,6 +517,6 @@ def test_an_api_key_a_header_cannot_carry_is_refused_at_start(key):
     [("127.0.0.1", True), ("127.8.0.1", True), ("localhost", True), ("::1", True), ("0.0.0.0", False), ("::", False)],
 )
 def test_only_loopback_hosts_serve_without_a_key_quietly(host, loopback):
-    from launch.serve import is_loopback
+    from protocol.transport import is_loopback
 
     assert is_loopback(host) is loopback
