@@ -36,7 +36,7 @@ from dflash_kernels import Packed
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
 from draft_node.config import CheckpointError
 from draft_node.kv_cache import DraftKVCache
-from launch.common import at_least, ensure_default_drafter, resolve_model
+from launch.common import at_least, resolve_model
 from launch.local import daemon, free_address
 from launch.net import HelpFormatter, one_line_errors
 from launch.processes import ends_on_sigterm
@@ -49,6 +49,7 @@ from target_node.decoding.stats import Stats
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer, NGramProposer, NoProposer
 from target_node.drafting.remote import RemoteDraftBackend
+from target_node.model.default_model import ensure_default_drafter
 from target_node.model.target import TargetModel
 from target_node.model.tiny import tiny_target
 from training.prompts import EVAL_PROMPTS, read_prompts

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.evaluate import Runs, mode_table, parse_args, prepare_runs, run_prompt
-from launch.common import SHIPPED_DRAFTER, resolve_model
+from launch.common import resolve_model
+from target_node.model.default_model import SHIPPED_DRAFTER
 
 
 class Head:

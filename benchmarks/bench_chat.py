@@ -22,6 +22,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from benchmarks.bench_http import stream_chat
+from benchmarks.bench_serving import percentile
 from frontend.target_client import TargetClient
 from launch.common import resolve_model
 from launch.local import daemon, free_address, free_port
@@ -102,11 +103,6 @@ def ask_msgpack(address: str, messages: list[dict], max_tokens: int) -> dict:
 def answer(text: str, tokens: int, prompt: int, cached: int, began: float, first: float | None) -> dict:
     ttft = (first or time.perf_counter()) - began
     return {"text": text, "tokens": tokens, "prompt_tokens": prompt, "cached_tokens": cached, "ttft_s": ttft}
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 @contextmanager

@@ -34,8 +34,9 @@ from draft_node.checkpoint import load_drafter
 from draft_node.daemon import DraftService
 from draft_node.model import DFlashDrafter
 from draft_node.settings import DraftSettings
-from launch.common import DTYPE_CHOICES, ensure_default_drafter, named_dtype
+from launch.common import DTYPE_CHOICES, named_dtype
 from protocol import Message, decode, encode
+from target_node.model.default_model import ensure_default_drafter
 
 
 def _message(type_: str, request_id: int, fields: dict, tensors: dict, peer: str) -> Message:

@@ -2,7 +2,7 @@
 
 One target daemon (SmolLM2 by default) and one dflash-serve in front of it, both real
 processes. Each prompt is sent, streaming and greedy, alternately straight to the daemon
-(`launch.client.TargetClient`) and over HTTP with the official OpenAI client, so both
+(`frontend.target_client.TargetClient`) and over HTTP with the official OpenAI client, so both
 paths see the same model, the same machine load and the same answers (checked equal).
 Printed: the median time to first token (first text received) and decode tok/s (tokens
 after the first / time after the first) of each path, and the median of the request-by-

@@ -25,9 +25,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from frontend.target_client import TargetClient
-from launch.common import ensure_default_drafter, resolve_model
+from launch.common import resolve_model
 from launch.local import daemon, free_address
 from launch.processes import ends_on_sigterm
+from target_node.model.default_model import ensure_default_drafter
 from training.prompts import EVAL_PROMPTS, read_prompts
 
 

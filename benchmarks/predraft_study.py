@@ -32,7 +32,7 @@ import torch
 from draft_node.checkpoint import load_drafter
 from draft_node.kv_cache import DraftKVCache
 from draft_node.predraft import predraft as draft_predrafts
-from launch.common import DTYPE_CHOICES, ensure_default_drafter, resolve_model
+from launch.common import DTYPE_CHOICES, resolve_model
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.bridge import DrafterBridge
@@ -40,6 +40,7 @@ from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.outcomes import likeliest_outcomes
 from target_node.drafting.proposers import NoProposer
 from target_node.drafting.tree import DraftTree
+from target_node.model.default_model import ensure_default_drafter
 from target_node.model.target import TargetModel
 from training.prompts import read_prompts
 

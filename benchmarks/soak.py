@@ -329,7 +329,8 @@ def models(args: argparse.Namespace, work: Path) -> tuple[Path, Path, int, tuple
     if args.tiny:
         model, checkpoint = tiny_pair(work)
         return model, checkpoint, 300, (4, 48)
-    from launch.common import ensure_default_drafter, resolve_model
+    from launch.common import resolve_model
+    from target_node.model.default_model import ensure_default_drafter
 
     model = resolve_model(args.model)
     return model, Path(args.drafter or ensure_default_drafter(model)), 49152, (8, 64)

@@ -1,9 +1,8 @@
-"""Pieces every entry point shares: defaults, device and dtype flags, logging, the default drafter."""
+"""Pieces every entry point shares: defaults, device and dtype flags, logging."""
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import math
 from collections.abc import Callable
@@ -11,11 +10,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launch.net import DRAFT_ADDRESS, TARGET_ADDRESS  # noqa: F401 - entry points import them from here
 from protocol import FLOAT_DTYPES
 from protocol.tensors import torch_dtype
-from target_node import CACHE_ROOT
-from target_node.model.default_model import DEFAULT_MODEL_DIR, ensure_default_model, model_folder
+from target_node.model.default_model import ensure_default_model, model_folder
 
 if TYPE_CHECKING:  # torch loads where a model runs, not in the HTTP front end that shares these flags
     import torch
@@ -24,8 +21,6 @@ DTYPE_CHOICES = ("auto", *FLOAT_DTYPES)  # a drafter's: its drafts are verified,
 # A target's: float16 is on no engine, and off it a verify row was not the plain step's bits (an
 # audit: 2 of 40 outputs differed, at exact fp16 ties, and the drafter's heads refused fp16).
 TARGET_DTYPES = ("auto", "float32", "bfloat16")
-SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
-RANDOM_DRAFTERS = CACHE_ROOT / "drafters" / "random-b8"
 
 
 def setup_logging(verbose: bool = False) -> None:
@@ -119,27 +114,6 @@ def resolve_model(folder: str | None) -> Path:
     """A local HF folder, or the default SmolLM2-135M-Instruct converted once into the cache. A
     folder that holds no model is refused here, before anything is loaded or started from it."""
     return model_folder(folder) if folder else ensure_default_model()
-
-
-def ensure_default_drafter(model_dir: Path | None = None) -> Path:
-    """The drafter to use when none is named.
-
-    For the default model: the trained drafter shipped in `drafters/smollm2/`. For any other
-    target (or if that folder is missing): a random-weight drafter shaped for it, written once
-    into the cache; it keeps output exact but accepts almost nothing.
-    """
-    model_dir = Path(model_dir or ensure_default_model()).resolve()
-    if model_dir == DEFAULT_MODEL_DIR.resolve() and (SHIPPED_DRAFTER / "config.json").is_file():
-        return SHIPPED_DRAFTER
-    folder = RANDOM_DRAFTERS / f"{model_dir.name}-{hashlib.sha1(str(model_dir).encode()).hexdigest()[:10]}"
-    if (folder / "config.json").is_file():
-        return folder
-    from transformers import AutoConfig
-
-    from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
-
-    cfg = config_for_target(AutoConfig.from_pretrained(model_dir), block_size=8, mask_token_id=0)
-    return save_drafter(random_drafter(cfg), folder)
 
 
 def named_dtype(name: str, device: str) -> torch.dtype:

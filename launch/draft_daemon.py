@@ -9,17 +9,10 @@ from draft_node.checkpoint import load_drafter
 from draft_node.config import CheckpointError
 from draft_node.daemon import DraftService, serve
 from draft_node.settings import DraftSettings
-from launch.common import (
-    DRAFT_ADDRESS,
-    add_model_args,
-    add_settings,
-    apply_runtime_args,
-    ensure_default_drafter,
-    named_dtype,
-    settings_from,
-)
-from launch.net import HelpFormatter, add_server_security_args, address, one_line_errors, server_security
+from launch.common import add_model_args, add_settings, apply_runtime_args, named_dtype, settings_from
+from launch.net import DRAFT_ADDRESS, HelpFormatter, add_server_security_args, address, one_line_errors, server_security
 from launch.processes import ctrl_c_exits_130, stop_on_signals
+from target_node.model.default_model import ensure_default_drafter
 
 
 @ctrl_c_exits_130

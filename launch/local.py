@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launch import client
-from launch.common import TARGET_DTYPES, at_least, device_name, ensure_default_drafter, number_in, resolve_model
+from launch.common import TARGET_DTYPES, at_least, device_name, number_in, resolve_model
 from launch.keys import LocalKeys
 from launch.net import HelpFormatter, one_line_errors, peer_address
 from launch.processes import dies_with, ends_on_sigterm, stop
 from protocol.keys import ClientKeys
 from protocol.transport import request, wait_ready
+from target_node.model.default_model import ensure_default_drafter
 
 
 class DaemonFailed(SystemExit):

@@ -13,17 +13,16 @@ from pathlib import Path
 
 from draft_node.config import CheckpointError
 from launch.common import (
-    DRAFT_ADDRESS,
-    TARGET_ADDRESS,
     TARGET_DTYPES,
     add_model_args,
     add_settings,
     apply_runtime_args,
-    ensure_default_drafter,
     resolve_model,
     settings_from,
 )
 from launch.net import (
+    DRAFT_ADDRESS,
+    TARGET_ADDRESS,
     HelpFormatter,
     add_server_security_args,
     address,
@@ -39,6 +38,7 @@ from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.factory import PROPOSER_KINDS, ProposerSettings, build_proposers
 from target_node.engine.engine import declines
 from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES, UnsupportedCache
+from target_node.model.default_model import ensure_default_drafter
 from target_node.model.support import ModelLoadError, UnsupportedModel
 from target_node.model.target import TargetModel, inexact
 from target_node.serving.daemon import TargetService

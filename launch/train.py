@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from launch.common import SHIPPED_DRAFTER, at_least, named_dtype, number_in, resolve_model
+from launch.common import at_least, named_dtype, number_in, resolve_model
 from launch.net import HelpFormatter, one_line_errors
 from protocol import FLOAT_DTYPES
 from target_node import CACHE_ROOT
+from target_node.model.default_model import SHIPPED_DRAFTER
 from training.answer_store import STORE
 from training.distributed import start, stop
 from training.prompts import EVAL_PROMPTS

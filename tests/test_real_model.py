@@ -62,7 +62,7 @@ def test_tree_speculation_with_the_shipped_drafter_equals_greedy(smollm, prompts
     """Trees of 16 nodes from the trained drafter, drafting every step: branches other than the
     first child are accepted on real text, and the output is still plain greedy."""
     from draft_node.checkpoint import load_drafter
-    from launch.common import SHIPPED_DRAFTER
+    from target_node.model.default_model import SHIPPED_DRAFTER
 
     proposer = DFlashProposer(LocalDraftBackend(load_drafter(SHIPPED_DRAFTER)))
     for prompt, want in zip(prompts, references, strict=True):

@@ -8,6 +8,7 @@ folder outside the repo. Later loads take ~2 s instead of ~15 s.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from pathlib import Path
@@ -16,6 +17,8 @@ from target_node import CACHE_ROOT
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_DIR = CACHE_ROOT / "models" / "SmolLM2-135M-Instruct"
+SHIPPED_DRAFTER = Path(__file__).resolve().parents[2] / "drafters" / "smollm2"  # trained for it
+RANDOM_DRAFTERS = CACHE_ROOT / "drafters" / "random-b8"  # for any other target
 
 
 def model_folder(folder: str | Path) -> Path:
@@ -76,6 +79,27 @@ def ensure_default_model(target_dir: Path = DEFAULT_MODEL_DIR, gguf_folder: Path
         shutil.rmtree(target_dir)
     tmp.rename(target_dir)
     return target_dir
+
+
+def ensure_default_drafter(model_dir: Path | None = None) -> Path:
+    """The drafter to use when none is named.
+
+    For the default model: the trained drafter shipped in `drafters/smollm2/`. For any other
+    target (or if that folder is missing): a random-weight drafter shaped for it, written once
+    into the cache; it keeps output exact but accepts almost nothing.
+    """
+    model_dir = Path(model_dir or ensure_default_model()).resolve()
+    if model_dir == DEFAULT_MODEL_DIR.resolve() and (SHIPPED_DRAFTER / "config.json").is_file():
+        return SHIPPED_DRAFTER
+    folder = RANDOM_DRAFTERS / f"{model_dir.name}-{hashlib.sha1(str(model_dir).encode()).hexdigest()[:10]}"
+    if (folder / "config.json").is_file():
+        return folder
+    from transformers import AutoConfig
+
+    from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
+
+    cfg = config_for_target(AutoConfig.from_pretrained(model_dir), block_size=8, mask_token_id=0)
+    return save_drafter(random_drafter(cfg), folder)
 
 
 if __name__ == "__main__":
