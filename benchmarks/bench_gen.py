@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
+from answers.store import STORE, AnswerStore
 from draft_node.checkpoint import config_for_target
 from launch.common import resolve_model
 from protocol import FLOAT_DTYPES
 from protocol.tensors import torch_dtype
 from target_node.model.target import TargetModel
-from training.answer_store import STORE, AnswerStore
 from training.generate import RefillGenerator
 
 

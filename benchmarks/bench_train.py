@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
+from answers.store import STORE, AnswerStore
 from dflash_kernels import native_bf16
 from draft_node.checkpoint import config_for_target
 from launch.common import resolve_model
 from target_node import CACHE_ROOT
 from target_node.model.target import TargetModel
-from training.answer_store import STORE, AnswerStore
 from training.features import FeatureCache, LiveFeatures, feature_folder
 from training.loader import BatchStream
 from training.trainer import Trainer, TrainOptions

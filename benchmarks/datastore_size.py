@@ -29,11 +29,11 @@ FRACTIONS = "1/16,1/8,1/4,1/2,1"
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
+    from answers.store import AnswerStore
     from protocol.tensors import torch_dtype
     from target_node import CACHE_ROOT
     from target_node.drafting.datastore import Datastore
     from target_node.model.target import TargetModel
-    from training.answer_store import AnswerStore
     from training.estimate import lookup_tau
     from training.stages import prompts_answers
 
@@ -72,7 +72,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from training.answer_store import STORE
+    from answers.store import STORE
     from training.prompts import EVAL_PROMPTS
 
     ap = argparse.ArgumentParser(

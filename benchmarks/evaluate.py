@@ -178,11 +178,11 @@ class Runs:
 def prepare_runs(args: argparse.Namespace, target: TargetModel) -> Runs:
     """Every mode for the drafter, and again for the baseline: each pair with options of its own,
     since a governor learns from the drafter it watches."""
+    from answers.index import datastore_for
     from protocol.sampling import SamplingParams
     from target_node.decoding.governor import VerifyCosts
     from target_node.decoding.stats import Stats
     from target_node.drafting.proposers import DFlashProposer
-    from training.answer_index import datastore_for
 
     proposers = {"": DFlashProposer(backend_for(args, target, args.drafter, args.drafter_address))}
     if args.baseline or args.baseline_address:

@@ -138,6 +138,7 @@ def run_invariance(device: str, timeout_s: float, tiny: bool = False) -> dict:
 
 def exactness(model: Path, drafter: Path, device: str, prompts: int, max_new: int) -> dict:
     """Plain and speculative output side by side on each (dtype, path) target, on this device."""
+    from answers.index import datastore_for
     from draft_node.checkpoint import load_drafter
     from target_node.decoding.governor import Governor, VerifyCosts
     from target_node.decoding.options import DecodeOptions
@@ -145,7 +146,6 @@ def exactness(model: Path, drafter: Path, device: str, prompts: int, max_new: in
     from target_node.drafting.local_backend import LocalDraftBackend
     from target_node.drafting.proposers import DFlashProposer, NoProposer
     from target_node.model.target import TargetModel
-    from training.answer_index import datastore_for
     from training.prompts import read_prompts
 
     texts = read_prompts(ROOT / "data" / "eval_prompts.jsonl")[:prompts]
@@ -336,8 +336,8 @@ def train_args(model: Path, cache: Path, device: str, tiny: bool) -> list[str]:
 
 
 def generate_answers(common: list[str], out: Path, minutes: float, batch: int, dtype: str, max_new: int) -> dict:
+    from answers.store import AnswerStore
     from launch import train
-    from training.answer_store import AnswerStore
 
     store = out / "answers"
     train.main(

@@ -9,7 +9,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${DFLASH_VENV:-$root/.venv}"
 bash "$root/launch/setup_env.sh"
 cd "$root"
-"$venv/bin/python" -m training.answer_index  # the datastore's index, once per machine and store
+"$venv/bin/python" -m answers.index  # the datastore's index, once per machine and store
 prompts=(--prompts-file launch/demo_prompts.txt)
 for arg in "$@"; do
   case "$arg" in --prompt | --prompt=* | --prompts-file | --prompts-file=*) prompts=() ;; esac

@@ -11,6 +11,8 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
+from answers.index import datastore_coming
+from answers.traffic import TrafficError, TrafficRecorder
 from draft_node.config import CheckpointError
 from launch.common import (
     TARGET_DTYPES,
@@ -43,8 +45,6 @@ from target_node.model.support import ModelLoadError, UnsupportedModel
 from target_node.model.target import TargetModel, inexact
 from target_node.serving.daemon import TargetService
 from target_node.serving.settings import ServiceSettings
-from training.answer_index import datastore_coming
-from training.traffic import TrafficError, TrafficRecorder
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
+from answers.store import STORE
 from launch.common import at_least, named_dtype, number_in, resolve_model
 from launch.net import HelpFormatter, one_line_errors
 from protocol import FLOAT_DTYPES
 from target_node import CACHE_ROOT
 from target_node.model.default_model import SHIPPED_DRAFTER
-from training.answer_store import STORE
 from training.distributed import start, stop
 from training.prompts import EVAL_PROMPTS
 
@@ -40,8 +40,8 @@ STARTER = ROOT.parent / "shared" / "prompts" / "train.jsonl"  # the starter prom
 
 def main(argv: list[str] | None = None) -> None:
     """Run the stages --stage names (training.stages), on this rank of a torchrun job or alone."""
+    from answers.store import AnswerStoreError
     from draft_node.config import CheckpointError
-    from training.answer_store import AnswerStoreError
     from training.features import FeatureCacheError
     from training.stages import run_stages  # it imports transformers, which --help can do without
     from training.trainer import TrainingError

@@ -5,8 +5,8 @@ import json
 
 import torch
 
+from answers.store import Answer, AnswerStore
 from benchmarks import bench_train
-from training.answer_store import Answer, AnswerStore
 
 
 def test_every_setting_is_timed_each_round_and_features_are_filled_once(chat_model_dir, tmp_path, capsys):

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from helpers import assert_lossless, greedy, running, tiny_target
 
+from answers.index import KEEP, datastore_coming, datastore_for, index_for, prune
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.decoding.speculative import MAX_LOOKUP
 from target_node.drafting.datastore import Datastore
 from target_node.drafting.proposers import NoProposer
-from training.answer_index import KEEP, datastore_coming, datastore_for, index_for, prune
 
 
 def reference(sequences, tail, limit, context):
@@ -147,8 +147,8 @@ def test_the_offline_lookup_walk_steps_as_a_live_chain_does():
     """training.estimate.lookup_tau, which benchmarks.datastore_size reports: a lookup that knows
     each answer accepts whole blocks, one that knows nothing a token a step, and a datastore of
     other answers something between, from the same walk."""
+    from answers.store import Answer
     from target_node.drafting.proposal import Continuation
-    from training.answer_store import Answer
     from training.estimate import lookup_tau
 
     rng = random.Random(3)
@@ -182,7 +182,7 @@ def test_a_datastore_proposes_no_token_past_the_served_vocabulary(tmp_path):
 def test_a_broken_shard_or_index_costs_the_datastore_not_the_daemon(tmp_path, monkeypatch, caplog):
     """One unreadable shard stopped every daemon's start with a traceback; an index cut short was
     mapped at every start and failed it; a build that could not be written left its part behind."""
-    import training.answer_index as answer_index
+    import answers.index as answer_index
 
     store, cache = tmp_path / "store", tmp_path / "cache"
     write_store(store, "tiny", [[5, 6, 7, 8]])
@@ -270,7 +270,7 @@ def test_an_index_is_its_owners_alone_and_a_stopped_build_leaves_nothing(tmp_pat
     """The index of recorded traffic (users' answers) was readable by every local user, where the
     record folder is the operator's alone; a build stopped by Ctrl-C or SIGTERM (the builder's
     handler raises SystemExit) left its part behind for good, 58 MB here (an audit)."""
-    import training.answer_index as answer_index
+    import answers.index as answer_index
 
     store, cache = tmp_path / "store", tmp_path / "cache"
     write_store(store, "tiny", [[5, 6, 7, 8]])
@@ -354,7 +354,7 @@ def test_a_builder_ends_with_the_process_that_started_it(tmp_path):
     store = tmp_path / "store"
     store.mkdir()
     os.mkfifo(store / "20261205-000000-abcd.jsonl.xz")
-    build = [sys.executable, "-m", "training.answer_index", "--build", str(store), "tiny", str(tmp_path / "cache")]
+    build = [sys.executable, "-m", "answers.index", "--build", str(store), "tiny", str(tmp_path / "cache")]
     starts = f"import subprocess, time; p = subprocess.Popen({build!r}, stdin=subprocess.PIPE)"
     starts += "; print(p.pid, flush=True); time.sleep(600)"
     parent = subprocess.Popen([sys.executable, "-c", starts], stdout=subprocess.PIPE, text=True)
@@ -381,7 +381,7 @@ def test_a_builder_stopped_while_it_works_ends_without_a_fatal_error(tmp_path):
     store.mkdir()
     fifo = store / "20261205-000000-abcd.jsonl.xz"
     os.mkfifo(fifo)  # the builder blocks reading it
-    build = [sys.executable, "-m", "training.answer_index", "--build", str(store), "tiny", str(tmp_path / "cache")]
+    build = [sys.executable, "-m", "answers.index", "--build", str(store), "tiny", str(tmp_path / "cache")]
     builder = subprocess.Popen(build, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline, writer = time.monotonic() + 120, None
     while writer is None and time.monotonic() < deadline and builder.poll() is None:

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from training.answer_store import Answer
+from answers.store import Answer
 from training.prompts import (
     EVAL_PROMPTS,
     Ask,

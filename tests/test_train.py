@@ -15,6 +15,7 @@ import torch
 from helpers import greedy, tiny_target
 
 import training.features as features_module
+from answers.store import Answer, AnswerStore, read_shard, shard_paths, write_shard
 from draft_node import kernel_path
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_draft_vocab, save_drafter
 from draft_node.config import FULL, SLIDING
@@ -23,7 +24,6 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer
-from training.answer_store import Answer, AnswerStore, read_shard, shard_paths, write_shard
 from training.average import average_drafters
 from training.drafter_starts import export_drafter
 from training.estimate import by_kind, estimate, kind_table
@@ -124,7 +124,7 @@ def test_store_round_trips_resumes_and_keeps_its_split(setup, tmp_path):
 def test_shards_started_in_one_second_read_back_in_the_order_written(tmp_path, monkeypatch):
     """A random tag decides the order of two shards named in the same second; reopening must
     still read the older shard's answers first (CI once saw the newer shard sort first)."""
-    import training.answer_store as answer_store
+    import answers.store as answer_store
 
     tags = iter(["f" * 32, "0" * 32, "8" * 32])
     monkeypatch.setattr(answer_store.uuid, "uuid4", lambda: type("U", (), {"hex": next(tags)})())
@@ -1497,10 +1497,10 @@ def test_the_traffic_recorder_keeps_greedy_answers_privately_and_its_failures_to
     """`--record` into a folder it cannot write started, then answered every request `done` and
     then `error` (two replies); recorded files were world-readable; sampled answers, which are no
     greedy answers of the target's, went into training data (an audit)."""
+    from answers.traffic import TrafficError, TrafficRecorder
     from protocol import Message
     from target_node.decoding.sequence import Result
     from target_node.decoding.stats import Stats
-    from training.traffic import TrafficError, TrafficRecorder
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -1521,7 +1521,7 @@ def test_the_traffic_recorder_keeps_greedy_answers_privately_and_its_failures_to
 def test_a_quiet_recorder_writes_out_what_it_holds(tmp_path, monkeypatch):
     """Written out now and then, not after each request: the daemon ticks it between steps, so
     requests before a quiet spell reach the disk without waiting for the next one or the stop."""
-    import training.traffic as traffic
+    import answers.traffic as traffic
     from protocol import Message
     from target_node.decoding.sequence import Result
     from target_node.decoding.stats import Stats
@@ -1544,7 +1544,7 @@ def test_the_recorder_writes_on_a_thread_of_its_own_one_write_at_a_time(tmp_path
     tick while one runs starts none; a failed write is logged and the next one writes it all."""
     import threading
 
-    import training.traffic as traffic
+    import answers.traffic as traffic
     from protocol import Message
     from target_node.decoding.sequence import Result
     from target_node.decoding.stats import Stats
@@ -1583,7 +1583,7 @@ def test_the_recorder_writes_on_a_thread_of_its_own_one_write_at_a_time(tmp_path
 def test_a_full_shard_whose_write_failed_is_written_again(tmp_path, monkeypatch):
     """A shard is written once more as it fills, then never again: one failed write there lost its
     answers for good (a review). It is kept and written again at the next tick."""
-    import training.traffic as traffic
+    import answers.traffic as traffic
     from protocol import Message
     from target_node.decoding.sequence import Result
     from target_node.decoding.stats import Stats
@@ -1615,11 +1615,11 @@ def test_a_recorder_holds_the_open_shard_not_every_answer_it_ever_recorded(tmp_p
     """A recording daemon kept every answer it served in memory, and a restarted one read every
     answer in the folder back (an audit: 10.5 KiB a request, for good). Its store now holds the
     open shard's answers and a bounded set of recent keys; what it wrote reads back whole."""
-    import training.answer_store as answer_store
+    import answers.store as answer_store
+    from answers.traffic import TrafficRecorder
     from protocol import Message
     from target_node.decoding.sequence import Result
     from target_node.decoding.stats import Stats
-    from training.traffic import TrafficRecorder
 
     def serve(recorder, count, first=0):
         for i in range(first, first + count):

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
+from answers.store import Answer
 from draft_node.model import DFlashDrafter
 from target_node.drafting.proposal import Continuation
-from training.answer_store import Answer
 from training.features import FeatureCache
 from training.selector import chain_tau
 from training.trainer import Sample, Trainer, TrainOptions, samples

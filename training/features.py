@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from answers.store import Answer
 from draft_node.files import write_atomically
 from target_node.model.target import TargetModel
-from training.answer_store import Answer
 
 WINDOW = 512  # answers sorted by length together when filling (see FeatureCache.fill)
 MAX_ROWS = 1024  # an answer's rows a cache fill or a live forward computes: training reads no further

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from answers.store import Answer, AnswerStore
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import Sequence, step
 from target_node.drafting.proposers import NoProposer
 from target_node.model.target import TargetModel
-from training.answer_store import Answer, AnswerStore
 from training.features import DiskReserve, FeatureCache
 from training.prompts import Ask, HeldOut, next_turns
 

@@ -17,13 +17,13 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
 
+from answers.store import Answer, AnswerStore
 from dflash_kernels import computes_bf16
 from draft_node.checkpoint import config_for_target, load_drafter, save_draft_vocab, save_drafter
 from draft_node.config import DFlashConfig
 from protocol.tensors import torch_dtype
 from target_node.engine.engine import batch_engine
 from target_node.model.target import TargetModel
-from training.answer_store import Answer, AnswerStore
 from training.average import average_drafters
 from training.distributed import ONE, Ranks
 from training.drafter_starts import as_dflash2, export_drafter, grown_drafter

@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from answers.store import Answer
 from draft_node.checkpoint import load_drafter, save_drafter
 from draft_node.config import DFlashConfig
 from draft_node.files import write_atomically
 from draft_node.model import DFlashDrafter
-from training.answer_store import Answer
 from training.distributed import ONE, Ranks
 from training.drafter_starts import export_drafter, grown_state, init_drafter, target_layers_state
 from training.features import MAX_ROWS, FeatureCache, LiveFeatures

@@ -12,7 +12,7 @@ import random
 import statistics
 from collections import Counter, defaultdict
 
-from training.answer_store import Answer
+from answers.store import Answer
 from training.prompts import HeldOut, shingles, similarity, words
 
 

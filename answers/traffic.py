@@ -11,10 +11,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from answers.store import Answer, AnswerStore, write_shard
 from protocol import Message
 from protocol.sampling import SamplingParams
 from target_node.decoding.sequence import Result
-from training.answer_store import Answer, AnswerStore, write_shard
 
 log = logging.getLogger("traffic")
 

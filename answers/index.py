@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from answers.store import STORE, Answer, AnswerStoreError, open_shard, read_shard, shard_paths
 from target_node import CACHE_ROOT
 from target_node.drafting.datastore import Datastore
-from training.answer_store import STORE, Answer, AnswerStoreError, open_shard, read_shard, shard_paths
 
 log = logging.getLogger("datastore")
 
@@ -85,7 +85,7 @@ class Index:
         """The command that builds this index in a process of its own: it finds the shards itself
         (their paths on the command line passed the system's limit at about 34,000: a review)."""
         where = [self.source, self.model_name, str(self.where.parent.parent.resolve())]
-        return [sys.executable, "-m", "training.answer_index", "--build", *where]
+        return [sys.executable, "-m", "answers.index", "--build", *where]
 
 
 def index_for(choice: str, model_name: str, cache: Path = CACHE_ROOT) -> Index | None:
