@@ -9,6 +9,7 @@ daemon (`LinkCall.close`), streaming or not.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from anyio import to_thread
@@ -206,7 +207,9 @@ def check(reply: Message, body: GenerationRequest) -> None:
         raise cancelled_by_daemon(HEARTBEAT_S)
 
 
-async def events(call: LinkCall, reply: Message, answer: Answer, body: GenerationRequest, drain: Drain = NO_DRAIN):
+async def events(
+    call: LinkCall, reply: Message, answer: Answer, body: GenerationRequest, drain: Drain = NO_DRAIN
+) -> AsyncIterator[bytes]:
     """The SSE stream from the first reply on, ending with `data: [DONE]`.
 
     Leaving early (the client went away: Starlette cancels this generator) cancels the

@@ -75,7 +75,7 @@ def daemon(
     ready_timeout_s: float,
     curve: ClientKeys | None = None,
     log: Path | None = None,
-):
+) -> Iterator[subprocess.Popen]:
     """Run `python -m module`, wait until it answers a ping (sent with `curve` keys when it
     speaks CURVE), stop it with SIGTERM on exit. `log`: a file for its output."""
     command = [sys.executable, "-m", module, "--bind", address, *args]

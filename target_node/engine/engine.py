@@ -338,10 +338,11 @@ def batch_engine(device: str | torch.device) -> str | None:
     return PREFER_DEVICE if declines(device) else None
 
 
-def engine_for(model: nn.Module, **kwargs) -> Engine | None:
-    """The engine for `model`, or None (logged once, with the reason) where it cannot serve it."""
+def engine_for(model: nn.Module, slots: int = 1, max_positions: int | None = None, ops: str = "auto") -> Engine | None:
+    """The engine for `model` (as `Engine` takes them), or None (logged once, with the reason)
+    where it cannot serve it."""
     try:
-        return Engine(model, **kwargs)
+        return Engine(model, slots, max_positions, ops)
     except (EngineUnsupported, dflash_kernels.KernelsUnavailable) as err:
         log.info("the target engine does not serve %s (%s); the transformers path runs it", type(model).__name__, err)
         return None

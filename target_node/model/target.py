@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from dflash_kernels import argmax, bf16_faster, bf16_matmul, computes_bf16, native_bf16, runs_on
 from dflash_kernels import load as load_kernels
 from dflash_kernels.build import cpu_flags, cpu_name
 from target_node.engine.engine import PREFER_DEVICE, Engine, engine_for
+from target_node.model.cache_policy import CachePolicy
 from target_node.model.default_model import model_folder
 from target_node.model.greedy_head import ScreenedArgmaxHead
 from target_node.model.support import ModelLoadError, check_config, check_structure, probe
@@ -84,13 +85,11 @@ class TargetModel:
         fallback.tap_offset = probe(model, decoder, fallback.new_cache(), self._scaled_head)
         self.engine: Engine | None = None
         if engine is not False:
-            ops = engine if isinstance(engine, str) else "device"
             # The cache grows by doubling, never past the positions the model holds.
-            room = {"slots": slots, "max_positions": self.max_positions}
             if engine is None or engine == PREFER_DEVICE:
-                self.engine = engine_for(model, **room, **({"ops": "device"} if engine else {}))
+                self.engine = engine_for(model, slots, self.max_positions, "device" if engine else "auto")
             else:
-                self.engine = Engine(model, **room, ops=ops)
+                self.engine = Engine(model, slots, self.max_positions, engine if isinstance(engine, str) else "device")
         self.path: Engine | TransformersPath = self.engine or fallback
         self.greedy_head = self._screened_head_if_faster() if self.engine is None else None
 
@@ -100,13 +99,13 @@ class TargetModel:
         return Path(str(self.config.name_or_path)).name
 
     @property
-    def policy(self):
+    def policy(self) -> Engine | CachePolicy:
         """How the cache gives back what a verify ran: the engine's static cache, or the transformers
         path's policy for its cache layers (`name`, and `tree`: whether any rows can be kept)."""
         return self.path if self.engine is not None else self.path.policy
 
     @property
-    def cache(self):
+    def cache(self) -> DynamicCache | None:
         """The transformers path's DynamicCache (None before a forward, and on the engine)."""
         return getattr(self.path, "cache", None) if self.engine is None else None
 
