@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -157,10 +158,18 @@ def add_settings(parser: argparse.ArgumentParser, settings: type) -> None:
 def settings_from(args: argparse.Namespace, settings: type):
     """The settings object the flags `add_settings` made describe; a value it refuses raises
     ValueError naming the flag, as the user wrote it."""
-    try:
+    with flags_named({f.name: "--" + f.name.replace("_", "-") for f in fields(settings)}):
         return settings(**{f.name: getattr(args, f.name) for f in fields(settings)})
+
+
+@contextmanager
+def flags_named(flags: dict[str, str]) -> Iterator[None]:
+    """A ValueError a settings object raises here names the flags the user wrote (`flags`: field
+    name -> flag), not its fields."""
+    try:
+        yield
     except ValueError as exc:
         message = str(exc)
-        for f in sorted(fields(settings), key=lambda f: -len(f.name)):  # max_queued_per_client before max_queued
-            message = message.replace(f.name, "--" + f.name.replace("_", "-"))
+        for name in sorted(flags, key=len, reverse=True):  # max_queued_per_client before max_queued
+            message = message.replace(name, flags[name])
         raise ValueError(message) from None

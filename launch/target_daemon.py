@@ -19,6 +19,8 @@ from launch.common import (
     add_model_args,
     add_settings,
     apply_runtime_args,
+    at_least,
+    flags_named,
     resolve_model,
     settings_from,
 )
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-batch",
-        type=int,
+        type=at_least(1),
         default=8,
         help="requests decoded at once, each in its own slot of the engine's cache, all in one forward per step "
         "(the transformers path, for models the engine does not serve, decodes one at a time)",
@@ -84,25 +86,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+PROPOSING = ProposerSettings()  # the flags' defaults
+
+
 def add_proposer_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--proposer", default="remote", choices=PROPOSER_KINDS, help="who drafts (see above)")
+    parser.add_argument("--proposer", default=PROPOSING.kind, choices=PROPOSER_KINDS, help="who drafts (see above)")
     parser.add_argument(
         "--drafter", type=peer_address, default=DRAFT_ADDRESS, help="draft daemon address for --proposer remote"
     )
     parser.add_argument("--drafter-checkpoint", help="drafter folder for --proposer local")
     parser.add_argument(
-        "--fallback", default="ngram", choices=["ngram", "none"], help="who drafts while the draft daemon is down"
+        "--fallback",
+        default=PROPOSING.fallback,
+        choices=["ngram", "none"],
+        help="who drafts while the draft daemon is down",
     )
     parser.add_argument(
         "--draft-timeout",
         type=float,
-        default=2.0,
+        default=PROPOSING.draft_timeout_s,
         help="seconds to wait for a draft reply, counted from the request's send",
     )
-    parser.add_argument("--draft-retry", type=float, default=5.0, help="seconds between probes of a dead draft daemon")
+    parser.add_argument(
+        "--draft-retry",
+        type=float,
+        default=PROPOSING.draft_retry_s,
+        help="seconds between probes of a dead draft daemon",
+    )
     parser.add_argument("--wire-dtype", choices=FLOAT_DTYPES, help="feature dtype on the wire (default: negotiated)")
     parser.add_argument(
-        "--ring-capacity", type=int, default=4096, help="context positions a --proposer local drafter keeps"
+        "--ring-capacity",
+        type=int,
+        default=PROPOSING.ring_capacity,
+        help="context positions a --proposer local drafter keeps",
     )
     parser.add_argument(
         "--drafter-key", help="the draft daemon's public key (NAME.key): CURVE on the drafter link, needs --curve-key"
@@ -110,7 +126,7 @@ def add_proposer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--predraft",
         type=int,
-        default=0,
+        default=PROPOSING.predraft,
         metavar="N",
         help="with a draft daemon: as each chain verify starts, have it draft the next block for the N likeliest "
         f"outcomes (at most {MAX_PREDRAFT_OUTCOMES}) while the target verifies; a step whose outcome was named "
@@ -131,7 +147,7 @@ def proposer_settings(args: argparse.Namespace) -> ProposerSettings:
     """The command line's proposer flags as settings, checked before anything loads: a value the
     settings refuse raises ValueError naming the flag. A local drafter not named is the default
     one for the model, found once the model has loaded (`with_default_drafter`)."""
-    try:
+    with flags_named(PROPOSER_FLAGS):
         return ProposerSettings(
             args.proposer,
             args.drafter,
@@ -143,11 +159,6 @@ def proposer_settings(args: argparse.Namespace) -> ProposerSettings:
             args.ring_capacity,
             args.predraft,
         )
-    except ValueError as exc:
-        message = str(exc)
-        for name, flag in PROPOSER_FLAGS.items():
-            message = message.replace(name, flag)
-        raise ValueError(message) from None
 
 
 def with_default_drafter(settings: ProposerSettings, model: Path) -> ProposerSettings:
@@ -165,8 +176,6 @@ def main(argv: list[str] | None = None) -> None:
     curve = server_security(parser, args, key_serves_links_out=bool(args.drafter_key))
     drafter_keys = client_security(parser, args.curve_key, args.drafter_key, "--drafter-key", key_serves_a_socket=True)
     apply_runtime_args(args)
-    if args.max_batch < 1:
-        parser.error("--max-batch must be at least 1")
     if args.dtype == "bfloat16" and (why := declines(args.device)):  # before the model loads: see TargetModel.exact
         parser.error(f"--dtype bfloat16 on {args.device}: {why}, and off it only float32 is exact (float32 or auto)")
     try:  # before the model loads: a refused flag is a one-line error at once
