@@ -22,7 +22,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from frontend.api_key import ApiKey
-from frontend.body_limit import MAX_BODY_BYTES, BodyLimit
+from frontend.body_limit import BodyLimit
 from frontend.drain import NO_DRAIN, Drain
 from frontend.errors import (
     APIError,
@@ -39,6 +39,7 @@ from frontend.link import HEARTBEAT_S, ClientGone, DaemonMisspoke, DaemonUnreach
 from frontend.metrics import registry_for
 from frontend.responses import DONE_EVENT, Answer, sse
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, check_model
+from frontend.settings import DEFAULTS, FrontendSettings
 from protocol import Message, ProtocolError
 
 PAGE = Path(__file__).resolve().parent / "static" / "index.html"
@@ -47,25 +48,16 @@ GENERATE_PATHS = (CHAT_PATH, COMPLETIONS_PATH)  # the routes that read a body
 CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it
 
 
-def create_app(
-    link: TargetLink,
-    model_name: str | None = None,
-    default_max_tokens: int = 512,
-    max_body_size: int = MAX_BODY_BYTES,
-    api_key: str | None = None,
-    drain: Drain | None = None,
-) -> FastAPI:
-    """The front end for the target daemon behind `link`, serving it as `model_name` (default: the
-    name of the daemon's model folder, asked when first needed); request bodies over
-    `max_body_size` bytes get 413; with an `api_key`, /v1 requests without it get 401; `drain`:
+def create_app(link: TargetLink, settings: FrontendSettings = DEFAULTS, drain: Drain | None = None) -> FastAPI:
+    """The front end for the target daemon behind `link`, answering as `settings` say; `drain`:
     when the answers still running end as the server shuts down."""
     # No /docs, /redoc or /openapi.json: they answered without the API key, and /docs fetched its
     # script from a CDN (an audit); docs/http.md is the reference.
     app = FastAPI(title="dflash-split", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, limit=max_body_size, paths=GENERATE_PATHS)
-    if api_key is not None:
-        app.add_middleware(ApiKey, key=api_key)  # added last, so it runs first: a stranger's body is never read
-    front = Front(link, model_name, default_max_tokens, drain or NO_DRAIN)
+    app.add_middleware(BodyLimit, limit=settings.max_body_size, paths=GENERATE_PATHS)
+    if settings.api_key is not None:  # added last, so it runs first: a stranger's body is never read
+        app.add_middleware(ApiKey, key=settings.api_key)
+    front = Front(link, settings.model_name, settings.default_max_tokens, drain or NO_DRAIN)
     _error_handlers(app)
     _info_routes(app, front)
 

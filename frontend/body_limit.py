@@ -26,11 +26,9 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.errors import bodies_over_budget, body_too_slow, too_large
+from frontend.settings import MAX_BODY_BYTES
 
-# The target daemon takes a request of up to a 1 MiB header (512 Ki chars of text, 1024 messages,
-# 65,536 token ids within it); as JSON, characters escaped as \uXXXX make that at most about 6 MiB.
-MAX_BODY_BYTES = 8 << 20
-# 8 MiB arrive within it at 140 KB/s.
+# MAX_BODY_BYTES (8 MiB) arrive within it at 140 KB/s.
 BODY_DEADLINE_S = 60.0
 # Bytes of the bodies arriving at once: bounded memory, where stalled bodies that fill it refuse
 # others until their deadline (64 MiB took eight stalled 8 MiB bodies: a review); 512 MiB takes

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from frontend.drain import MIN_GRACE_S
+from frontend.settings import DEFAULTS, FrontendSettings
 from launch.net import HelpFormatter, client_security, one_line_errors, peer_address, tcp_port
 from launch.processes import leave, stop
 from protocol.transport import BindError, is_loopback
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--default-max-tokens",
         type=at_least(1),
-        default=512,
+        default=DEFAULTS.default_max_tokens,
         help="chat answers' token limit when a request gives none (default %(default)s)",
     )
     parser.add_argument(
@@ -143,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-body-size",
         type=byte_size,
-        default="8M",
+        default=f"{DEFAULTS.max_body_size >> 20}M",
         help="largest request body, in bytes or with K, M or G; a larger one gets 413 (default %(default)s)",
     )
     parser.add_argument(
@@ -237,7 +238,8 @@ def http_server(args: argparse.Namespace, address: str) -> HTTPServer:
     open_calls = open_call_limit(raise_soft_limit=True)
     link = TargetLink(address, args.daemon_timeout, curve=args.client_keys, max_open=open_calls)
     drain = Drain(lambda: server.stopping_since, args.shutdown_grace)
-    app = create_app(link, args.served_model_name, args.default_max_tokens, args.max_body_size, args.api_key, drain)
+    answering = FrontendSettings(args.served_model_name, args.default_max_tokens, args.max_body_size, args.api_key)
+    app = create_app(link, answering, drain)
     print(f"[serve] {url(args.host, args.port)} -> target daemon {address}", flush=True)
     if args.api_key is None and not is_loopback(args.host):
         print(

@@ -285,6 +285,7 @@ def test_a_daemon_of_another_protocol_version_is_a_502_that_names_it(tmp_path):
 
     from frontend.app import create_app
     from frontend.link import DaemonMisspoke, TargetLink
+    from frontend.settings import FrontendSettings
     from protocol import PROTOCOL_VERSION
 
     address, stop = f"ipc://{tmp_path}/ahead.sock", threading.Event()
@@ -304,7 +305,7 @@ def test_a_daemon_of_another_protocol_version_is_a_502_that_names_it(tmp_path):
     thread.start()
     try:
         for name in (None, MODEL):  # the model asked of the daemon, or named at start
-            app = create_app(TargetLink(address, daemon_timeout_s=2.0), model_name=name)
+            app = create_app(TargetLink(address, daemon_timeout_s=2.0), FrontendSettings(model_name=name))
             with TestClient(app, raise_server_exceptions=False) as client:
                 paths = ("/health", "/stats", "/metrics") + (() if name else ("/v1/models",))  # named: not asked
                 replies = [client.get(path) for path in paths]
@@ -328,8 +329,11 @@ def test_a_lone_surrogate_echoed_in_an_error_is_escaped_not_a_500():
 
     from frontend.app import create_app
     from frontend.link import TargetLink
+    from frontend.settings import FrontendSettings
 
-    app = create_app(TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.5), model_name=MODEL)
+    app = create_app(
+        TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.5), FrontendSettings(model_name=MODEL)
+    )
     body = '{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}'
     with TestClient(app, raise_server_exceptions=False) as client:
         reply = client.post(CHAT_PATH, content=body.encode(), headers={"Content-Type": "application/json"})

@@ -183,12 +183,15 @@ def test_a_probe_with_no_socket_left_is_429_not_a_bare_500(monkeypatch):
     import frontend.link
     from frontend.app import create_app
     from frontend.link import TargetLink
+    from frontend.settings import FrontendSettings
 
     def no_files(*args, **kwargs):
         raise zmq.ZMQError(errno.EMFILE)
 
     monkeypatch.setattr(frontend.link, "request", no_files)
-    app = create_app(TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.5), model_name=MODEL)
+    app = create_app(
+        TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.5), FrontendSettings(model_name=MODEL)
+    )
     with TestClient(app, raise_server_exceptions=False) as client:
         for path in ("/health", "/stats", "/metrics"):
             assert_openai_error(client.get(path), 429, None, "rate_limit_exceeded")
@@ -201,9 +204,12 @@ def test_the_open_routes_show_the_served_name_and_no_api_schema(target_address):
 
     from frontend.app import create_app
     from frontend.link import TargetLink
+    from frontend.settings import FrontendSettings
 
     for served in ("otters-1", None):  # None: the daemon's folder's name
-        app = create_app(TargetLink(target_address, daemon_timeout_s=30), model_name=served, api_key="k3y")
+        app = create_app(
+            TargetLink(target_address, daemon_timeout_s=30), FrontendSettings(model_name=served, api_key="k3y")
+        )
         with TestClient(app, raise_server_exceptions=False) as client:
             listed = client.get("/v1/models", headers={"Authorization": "Bearer k3y"}).json()["data"][0]["id"]
             assert client.get("/stats").json()["model"] == listed == (served or listed)
@@ -221,8 +227,12 @@ def test_the_bearer_scheme_is_read_in_any_case_and_only_the_key_is_compared(sche
 
     from frontend.app import create_app
     from frontend.link import TargetLink
+    from frontend.settings import FrontendSettings
 
-    app = create_app(TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.5), model_name=MODEL, api_key="k")
+    app = create_app(
+        TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.5),
+        FrontendSettings(model_name=MODEL, api_key="k"),
+    )
     with TestClient(app, raise_server_exceptions=False) as client:
         for right in (f"{scheme} k", f"{scheme}  k"):  # one or more spaces
             assert client.get("/v1/models", headers={"Authorization": right}).status_code == 200
@@ -236,8 +246,11 @@ def test_a_huge_value_is_quoted_short_in_its_error():
 
     from frontend.app import create_app
     from frontend.link import TargetLink
+    from frontend.settings import FrontendSettings
 
-    app = create_app(TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.5), model_name=MODEL)
+    app = create_app(
+        TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.5), FrontendSettings(model_name=MODEL)
+    )
     bias = {str(i): 1 for i in range(50_000)}
     with TestClient(app, raise_server_exceptions=False) as client:
         for body in ({**ASK, "logit_bias": bias}, {**ASK, "model": "m" * 100_000}):
