@@ -39,7 +39,9 @@ class DroppedRequest(Exception):
 READY_S = 5.0  # how long the client pings a daemon that does not answer before it gives up
 
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
+def prompts_given(args: argparse.Namespace) -> list[str]:
+    """--prompt flags, then --prompts-file lines (JSON objects or plain text; "-": stdin): a different
+    reading from training.prompts.read_prompts, which takes strict JSONL."""
     prompts = list(args.prompt or [])
     if args.prompts_file:
         text = read_stdin() if args.prompts_file == "-" else Path(args.prompts_file).read_text(encoding="utf-8")
@@ -79,7 +81,7 @@ def check_client_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     longer with SmolLM2) to say "no prompts", a --heartbeat of 0.001 or an empty --stop were
     refused only by the daemon, and a prompt too long was printed whole first (audits)."""
     try:
-        args.prompts = read_prompts(args)
+        args.prompts = prompts_given(args)
     except OSError as exc:
         parser.error(f"--prompts-file: {exc.strerror}: {exc.filename}")
     except UnicodeDecodeError as exc:

@@ -282,16 +282,16 @@ def test_every_flag_that_takes_a_value_says_what_it_does_and_its_default(name, m
 def test_a_prompts_file_line_is_a_json_records_prompt_or_the_line_itself(tmp_path):
     """A plain prompt that starts with a brace ended the client in a JSONDecodeError traceback
     (an audit); a JSON line without its "prompt" ended in a KeyError one."""
-    from launch.client import read_prompts
+    from launch.client import prompts_given
 
     good = tmp_path / "good.txt"
     good.write_text('{curly braces are fun}\n\n{"prompt": "from JSON"}\nplain\n{"prompt": "{nested}"}\n')
     args = argparse.Namespace(prompt=["given"], prompts_file=str(good))
-    assert read_prompts(args) == ["given", "{curly braces are fun}", "from JSON", "plain", "{nested}"]
+    assert prompts_given(args) == ["given", "{curly braces are fun}", "from JSON", "plain", "{nested}"]
     bad = tmp_path / "bad.txt"
     bad.write_text('hello\n{"text": "no prompt key"}\n')
     with pytest.raises(SystemExit, match=r"bad.txt:2: a JSON line needs a \"prompt\" string"):
-        read_prompts(argparse.Namespace(prompt=None, prompts_file=str(bad)))
+        prompts_given(argparse.Namespace(prompt=None, prompts_file=str(bad)))
 
 
 def test_a_sigterm_to_the_all_in_one_launcher_stops_both_daemons(chat_model_dir):
