@@ -43,7 +43,6 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -53,10 +52,10 @@ from pathlib import Path
 import zmq
 
 from benchmarks.bench_serving import percentile
-from launch.local import colocated_env, free_address
+from launch.local import free_address, start_daemon
 from launch.processes import ends_on_sigterm, rss_mb, stop
 from protocol import Message, decode, encode
-from protocol.transport import dealer, receive, request, wait_ready
+from protocol.transport import dealer, receive, request
 
 KINDS = ("normal", "normal", "normal", "cancel", "die", "silent")
 DEADLINE_S = 120.0  # a request not done by then is lost
@@ -272,22 +271,6 @@ def pinger(address: str, end: float, rtts: list[tuple[float, float]]) -> None:
         sock.close(0)
 
 
-def spawn(module: str, address: str, args: list[str], log: Path) -> subprocess.Popen:
-    out = open(log, "ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--bind", address, *args], env=colocated_env(), stdout=out, stderr=out
-    )
-    try:
-        ready = wait_ready(address, 300, alive=lambda: proc.poll() is None)
-    except BaseException:  # a SIGTERM or Ctrl-C while it loads
-        stop(proc)
-        raise
-    if not ready:
-        stop(proc)  # one still loading must not outlive the soak that gave up on it
-        raise SystemExit(f"{module} did not become ready at {address}; see {log}")
-    return proc
-
-
 def tiny_pair(folder: Path) -> tuple[Path, Path]:
     """A tiny random Llama (no EOS: requests run to their length) and a random drafter for it."""
     from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
@@ -365,7 +348,9 @@ class Daemons:
     def restart_drafter(self) -> None:
         self.drafter.kill()
         self.drafter.wait()
-        self.drafter = spawn("launch.draft_daemon", self.draft_address, self.draft_args, self.draft_log)
+        self.drafter = start_daemon(
+            "draft daemon", "launch.draft_daemon", self.draft_address, self.draft_args, 300, log=self.draft_log
+        )
 
     def stop(self) -> None:
         stop(self.target)
@@ -380,9 +365,13 @@ def start_daemons(args: argparse.Namespace, model: Path, checkpoint: Path, work:
     target_args = ["--model", str(model), "--drafter", draft_address, "--max-batch", str(args.max_batch), *threads]
     # A stopped drafter stalls a step this long, then the fallback drafts: short, so pings keep their bar.
     target_args += ["--draft-timeout", "0.2", "--draft-retry", "1", "--prefix-cache-mb", str(prefix_mb)]
-    drafter = spawn("launch.draft_daemon", draft_address, draft_args, work / "draft.log")
+    drafter = start_daemon(
+        "draft daemon", "launch.draft_daemon", draft_address, draft_args, 300, log=work / "draft.log"
+    )
     try:
-        target = spawn("launch.target_daemon", target_address, target_args, work / "target.log")
+        target = start_daemon(
+            "target daemon", "launch.target_daemon", target_address, target_args, 300, log=work / "target.log"
+        )
     except BaseException:  # a target that would not start leaves no draft daemon behind
         stop(drafter)
         raise

@@ -66,8 +66,7 @@ def colocated_env() -> dict:
     return dict(os.environ, PYTHONUNBUFFERED="1", GOMP_SPINCOUNT=os.environ.get("GOMP_SPINCOUNT", COLOCATED_SPIN))
 
 
-@contextmanager
-def daemon(
+def start_daemon(
     name: str,
     module: str,
     address: str,
@@ -75,16 +74,16 @@ def daemon(
     ready_timeout_s: float,
     curve: ClientKeys | None = None,
     log: Path | None = None,
-) -> Iterator[subprocess.Popen]:
-    """Run `python -m module`, wait until it answers a ping (sent with `curve` keys when it
-    speaks CURVE), stop it with SIGTERM on exit. `log`: a file for its output."""
+) -> subprocess.Popen:
+    """Start `python -m module` and wait until it answers a ping (sent with `curve` keys when it
+    speaks CURVE); stopped again if it does not, or if this process is told to stop meanwhile.
+    `log`: a file for its output."""
     command = [sys.executable, "-m", module, "--bind", address, *args]
     # Something already answering there would pass the readiness check while this daemon still
     # loads, and the run would use a stranger's daemon, model and keys (an audit).
     if request(address, "ping", timeout_s=0.3) is not None:
         raise DaemonFailed(f"{name}: something already answers at {address}; stop it or pick another address")
     out = open(log, "ab") if log is not None else None
-    proc = None
     try:
         # A session of its own: Ctrl-C, a terminal's hang-up or a unit's stop reach the launcher
         # alone, which stops its daemons itself (a server after its graceful shutdown; reaching
@@ -97,20 +96,42 @@ def daemon(
             preexec_fn=dies_with(os.getpid()),
             start_new_session=True,
         )
-        if not wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None, curve=curve):
-            code, where = proc.poll(), f"see {log}" if log is not None else "its output above says why"
-            if code is None:
-                raise DaemonFailed(f"{name} did not answer at {address} within {ready_timeout_s:g} s")
-            raise DaemonFailed(f"{name} exited with code {code} before it was ready ({where})")
-        print(f"[local] {name} ready at {address} (pid {proc.pid})", flush=True)
+    finally:
+        if out is not None:
+            out.close()  # the daemon holds its own
+    try:
+        ready = wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None, curve=curve)
+    except BaseException:  # a SIGTERM or Ctrl-C while it loads: one still loading must not outlive it
+        stop(proc)
+        raise
+    if not ready:
+        code, where = proc.poll(), f"see {log}" if log is not None else "its output above says why"
+        stop(proc)
+        if code is None:
+            raise DaemonFailed(f"{name} did not answer at {address} within {ready_timeout_s:g} s")
+        raise DaemonFailed(f"{name} exited with code {code} before it was ready ({where})")
+    print(f"[local] {name} ready at {address} (pid {proc.pid})", flush=True)
+    return proc
+
+
+@contextmanager
+def daemon(
+    name: str,
+    module: str,
+    address: str,
+    args: list[str],
+    ready_timeout_s: float,
+    curve: ClientKeys | None = None,
+    log: Path | None = None,
+) -> Iterator[subprocess.Popen]:
+    """`start_daemon` for the block, stopped with SIGTERM at its end."""
+    proc = start_daemon(name, module, address, args, ready_timeout_s, curve, log)
+    try:
         yield proc
     finally:
-        if proc is not None:
-            if proc.poll() is not None:  # it ended on its own (no signal of the terminal's reaches it): say so
-                print(f"[local] {name} exited with code {proc.returncode}", file=sys.stderr, flush=True)
-            stop(proc)
-        if out is not None:
-            out.close()
+        if proc.poll() is not None:  # it ended on its own (no signal of the terminal's reaches it): say so
+            print(f"[local] {name} exited with code {proc.returncode}", file=sys.stderr, flush=True)
+        stop(proc)
 
 
 def add_daemon_args(parser: argparse.ArgumentParser) -> None:
