@@ -25,22 +25,14 @@ from target_node.decoding.sequence import generate
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer
 from training.average import average_drafters
+from training.batches import Sample, draft_vocabulary, make_batch
 from training.drafter_starts import export_drafter
 from training.estimate import by_kind, estimate, kind_table
 from training.features import DiskReserve, FeatureCache, LiveFeatures, feature_folder
 from training.generate import GenerateOptions, RefillGenerator
 from training.generate import generate as generate_answers
 from training.prompts import JOB_WEIGHTS, Ask, HeldOut
-from training.trainer import (
-    Sample,
-    Trainer,
-    TrainOptions,
-    acceptance_weights,
-    draft_vocabulary,
-    make_batch,
-    mix_weights,
-    train,
-)
+from training.trainer import Trainer, TrainOptions, acceptance_weights, mix_weights, train
 from training.variety import answer_kind
 
 
@@ -1368,7 +1360,7 @@ def test_a_loss_that_is_no_number_stops_the_run_before_it_saves(setup, tmp_path,
 
 
 def test_answers_whose_prompt_fills_max_len_are_not_trained_on():
-    from training.trainer import samples
+    from training.batches import samples
 
     answers = [Answer(f"k{n}", "j", "answer", [], list(range(40)), n) for n in (31, 30, 10)]
 

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from answers.store import Answer
 from draft_node.model import DFlashDrafter
 from target_node.drafting.proposal import Continuation
+from training.batches import Sample, samples
 from training.features import FeatureCache
 from training.selector import chain_tau
-from training.trainer import Sample, Trainer, TrainOptions, samples
+from training.trainer import Trainer, TrainOptions
 from training.variety import answer_kind
 
 

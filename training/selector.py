@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from draft_node.config import selector_info
 from draft_node.model import DFlashDrafter
 from target_node.drafting.selector import Selector, SelectorSpec, greedy_walk, pair_scores
-from training.trainer import Batch, Sample, Trainer, make_batch
+from training.batches import Batch, Sample, make_batch
+from training.trainer import Trainer
 
 
 @dataclass

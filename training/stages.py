@@ -25,6 +25,7 @@ from protocol.tensors import torch_dtype
 from target_node.engine.engine import batch_engine
 from target_node.model.target import TargetModel
 from training.average import average_drafters
+from training.batches import draft_vocabulary, samples
 from training.distributed import ONE, Ranks
 from training.drafter_starts import as_dflash2, export_drafter, grown_drafter
 from training.estimate import estimate, kind_table
@@ -32,16 +33,7 @@ from training.features import FeatureCache, LiveFeatures, feature_folder
 from training.generate import GenerateOptions, generate
 from training.prompts import Ask, HeldOut, jobs, read_prompts
 from training.selector import train_selector
-from training.trainer import (
-    TARGET_INIT,
-    Trainer,
-    TrainingError,
-    TrainOptions,
-    draft_vocabulary,
-    samples,
-    saved_state,
-    train,
-)
+from training.trainer import TARGET_INIT, Trainer, TrainingError, TrainOptions, saved_state, train
 from training.variety import report
 
 Log = Callable[[str], None]
