@@ -27,6 +27,21 @@ class TrafficError(ValueError):
     """A record folder this daemon cannot write."""
 
 
+def record_folder(folder: str) -> Path:
+    """`folder`, made if need be and the operator's alone (0700: it holds users' prompts), or
+    TrafficError where this process cannot write there: asked before the model loads too."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o700)
+        probe = path / ".writable"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise TrafficError(f"--record {folder}: cannot write there ({exc})") from None
+    return path
+
+
 class TrafficRecorder:
     """Record served greedy requests (prompt and answer token ids, and the chat messages) as drafter
     training data in the answer-store format, so `launch.train --data FOLDER` learns from them.
@@ -41,15 +56,7 @@ class TrafficRecorder:
 
     def __init__(self, folder: str, model_name: str, made_by: str = "") -> None:
         """`made_by`: the target's numerics (TargetModel.numerics), which each answer records."""
-        path = Path(folder)
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            path.chmod(0o700)
-            probe = path / ".writable"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as exc:
-            raise TrafficError(f"--record {folder}: cannot write there ({exc})") from None
+        path = record_folder(folder)
         self.model_name, self.made_by = model_name, made_by
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder")
         self.writing: Future | None = None  # the last write handed to the writer (they run in order)

@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
-from launch.common import DTYPE_CHOICES, resolve_model
+from launch.common import TARGET_DTYPES, resolve_model
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import Sequence, generate, step
 from target_node.drafting.proposers import DFlashProposer, NoProposer
 from target_node.drafting.remote import RemoteDraftBackend
 from target_node.engine.engine import batch_engine
-from target_node.model.target import TargetModel
+from target_node.model.target import TargetModel, inexact
 from training.prompts import EVAL_PROMPTS, read_prompts
 
 SCHEDULES = ("together", "halves")  # each measured against "plain": the same batch decoded with no drafts
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--drafter-address", required=True, help="a running draft daemon")
     ap.add_argument("--model", default=None, help="local HF folder of the target (default: SmolLM2)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    ap.add_argument("--dtype", default="auto", choices=TARGET_DTYPES)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     ap.add_argument("--batches", default="1,2,4,8", help="comma-separated numbers of requests decoded at once")
     ap.add_argument("--prompts", default=str(EVAL_PROMPTS), help="jsonl of {'prompt': ...}")
@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     batches = [int(x) for x in args.batches.split(",")]
     engine = batch_engine(args.device)
     target = TargetModel.load(resolve_model(args.model), args.device, args.dtype, engine=engine, slots=max(batches))
+    if not target.exact:  # a target off the engine in fp16 or bf16: its drafts measured nothing (an audit)
+        raise SystemExit(inexact(target))
     texts = read_prompts(Path(args.prompts))
     proposers = []
     for _ in range(max(batches)):

@@ -16,10 +16,10 @@ import time
 import torch
 
 from draft_node.checkpoint import load_drafter
-from launch.common import resolve_model
+from launch.common import TARGET_DTYPES, resolve_model
 from target_node.drafting.bridge import DrafterBridge
 from target_node.drafting.local_backend import LocalDraftBackend
-from target_node.model.target import TargetModel
+from target_node.model.target import TargetModel, inexact
 
 
 def per_call_ms(fn, calls: int) -> float:
@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct, converted once into the cache)"
     )
-    ap.add_argument("--dtype", default="auto", help="the target's dtype (auto: as the daemon picks)")
+    ap.add_argument(
+        "--dtype", default="auto", choices=TARGET_DTYPES, help="the target's dtype (auto: as the daemon picks)"
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=10, help="turns of each")
     ap.add_argument("--calls", type=int, default=200, help="calls per turn")
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.model = resolve_model(args.model)
     torch.set_num_threads(args.threads)
     target = TargetModel.load(args.model, "cpu", args.dtype)
+    if not target.exact:  # a target off the engine in fp16 or bf16: its drafts measured nothing (an audit)
+        raise SystemExit(inexact(target))
     drafter = load_drafter(args.drafter)
     if not drafter.config.dflash2:
         raise SystemExit(f"{args.drafter} is not a DFlash2 drafter")

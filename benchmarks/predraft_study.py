@@ -32,7 +32,7 @@ import torch
 from draft_node.checkpoint import load_drafter
 from draft_node.kv_cache import DraftKVCache
 from draft_node.predraft import predraft as draft_predrafts
-from launch.common import DTYPE_CHOICES, resolve_model
+from launch.common import TARGET_DTYPES, resolve_model
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.bridge import DrafterBridge
@@ -41,7 +41,7 @@ from target_node.drafting.outcomes import likeliest_outcomes
 from target_node.drafting.proposers import NoProposer
 from target_node.drafting.tree import DraftTree
 from target_node.model.default_model import ensure_default_drafter
-from target_node.model.target import TargetModel
+from target_node.model.target import TargetModel, inexact
 from training.prompts import read_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", default=str(ROOT / "data" / "eval_prompts.jsonl"))
     parser.add_argument("--limit", type=int, default=0, help="first N prompts (0: all)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    parser.add_argument("--dtype", default="auto", choices=TARGET_DTYPES)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
     target = TargetModel.load(model, dtype=args.dtype)
+    if not target.exact:  # a target off the engine in fp16 or bf16: its drafts measured nothing (an audit)
+        raise SystemExit(inexact(target))
     drafter = load_drafter(args.drafter or ensure_default_drafter(model), dtype=target.model.dtype)
     backend = LocalDraftBackend(drafter)
     bridge = DrafterBridge(target, backend.info)

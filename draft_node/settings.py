@@ -7,15 +7,27 @@ Each field carries its default and its help; the daemon's command line is built 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from protocol.messages import KEEPALIVE_S
+from protocol.messages import KEEPALIVE_S, MAX_RING_CAPACITY
 
 
-def setting(default, help: str, unit: str = "", limit: bool = True):
+def setting(default: Any, help: str, unit: str = "", limit: bool = True) -> Any:
     """A field with its help; `unit` says how the docs write its default ("ms", "s", "bytes"), and
     `limit` whether the docs' limits table lists it."""
     return field(default=default, metadata={"help": help, "unit": unit, "limit": limit})
+
+
+def refuse_unfinite(settings: object) -> None:
+    """A settings object's numbers are finite: NaN passed every `x < 0` check (a NaN --idle-timeout
+    never evicted) and inf failed deep inside the first use (a NaN or inf --keep-mb, after the
+    model loaded: an audit)."""
+    for f in fields(settings):  # type: ignore[arg-type]
+        value = getattr(settings, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,9 @@ class DraftSettings:
     )
 
     def __post_init__(self) -> None:
+        refuse_unfinite(self)
+        if self.ring_capacity > MAX_RING_CAPACITY:  # every target would refuse the drafter (fit_problems)
+            raise ValueError(f"ring_capacity must be at most {MAX_RING_CAPACITY}, got {self.ring_capacity}")
         for name in ("ring_capacity", "max_sessions", "max_sessions_per_peer", "max_pass_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -58,6 +58,8 @@ def device_name(text: str) -> str:
         device = torch.device(text)
     except (RuntimeError, ValueError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (e.g. cpu, cuda:0)") from None
+    if device.type not in ("cpu", "cuda"):  # mps, xpu, meta...: each failed in a traceback deep in the load
+        raise argparse.ArgumentTypeError(f"{text}: the daemons run on cpu or cuda[:N] devices")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -69,8 +71,9 @@ def device_name(text: str) -> str:
     return text
 
 
-def at_least(minimum: int) -> Callable[[str], int]:
-    """A parser type: a whole number of at least `minimum` (--threads: 0, torch's default, or more)."""
+def at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """A parser type: a whole number of at least `minimum` (--threads: 0, torch's default, or more)
+    and at most `maximum` where given."""
 
     def whole_number(text: str) -> int:
         try:
@@ -79,9 +82,22 @@ def at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
 
     return whole_number
+
+
+def layer_ids(text: str) -> list[int]:
+    """A parser type: comma-separated layer ids, whole numbers of 0 or more ("" for none given)."""
+    try:
+        ids = [int(part) for part in text.split(",")] if text else []
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer ids such as 3,10,17, got {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"layer ids are 0 or more, got {text!r}")
+    return ids
 
 
 def number_in(low: float, high: float | None = None, above: bool = False) -> Callable[[str], float]:

@@ -38,16 +38,27 @@ class LocalKeys:
         self.client_to_target = client_keys(keys / "client.key_secret", keys / "target.key")
 
 
+def key_name(text: str) -> str:
+    """A parser type: a key pair's name, a plain file name within --out (`''` wrote hidden files,
+    `../x` wrote outside it: an audit)."""
+    if not text or text in (".", "..") or "/" in text or "\\" in text or text.startswith("."):
+        raise argparse.ArgumentTypeError(f"a key name is a plain file name (no '/', not hidden), got {text!r}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dflash-keys", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("names", nargs="+", help="one key pair per name, e.g. draft target client")
+    parser.add_argument("names", nargs="+", type=key_name, help="one key pair per name, e.g. draft target client")
     parser.add_argument("--out", default=".", help="folder to write the key files into (default: here)")
     parser.add_argument("--force", action="store_true", help="overwrite existing key files")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    for name in args.names:
+    if len(set(args.names)) < len(args.names):
+        parser.error(f"a name given twice: {' '.join(args.names)}")
+    for name in args.names:  # all checked before any is written
         if not args.force and (out / f"{name}.key_secret").exists():
             parser.error(f"{out / name}.key_secret exists; --force replaces it (and locks out its old peers)")
+    for name in args.names:
         with one_line_errors(parser.prog, FileExistsError, PermissionError):
             public, secret = create_keypair(out, name)
         print(f"{name}: public {public} ({load_public(public).decode()}), secret {secret}")

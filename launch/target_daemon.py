@@ -8,11 +8,13 @@ process), `ngram` (prompt lookup, no model) or `none` (plain greedy decoding).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 from answers.index import datastore_coming
-from answers.traffic import TrafficError, TrafficRecorder
+from answers.traffic import TrafficError, TrafficRecorder, record_folder
 from draft_node.config import CheckpointError
 from launch.common import (
     TARGET_DTYPES,
@@ -38,6 +40,7 @@ from launch.net import (
 from launch.processes import ctrl_c_exits_130, stop_on_signals
 from protocol import FLOAT_DTYPES
 from protocol.messages import MAX_PREDRAFT_OUTCOMES
+from protocol.transport import try_bind
 from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.factory import PROPOSER_KINDS, ProposerSettings, build_proposers
 from target_node.engine.engine import declines
@@ -128,7 +131,7 @@ def add_proposer_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=PROPOSING.predraft,
         metavar="N",
-        help="with a draft daemon: as each chain verify starts, have it draft the next block for the N likeliest "
+        help="with a drafter (remote or local): as each chain verify starts, draft the next block for the N likeliest "
         f"outcomes (at most {MAX_PREDRAFT_OUTCOMES}) while the target verifies; a step whose outcome was named "
         "and drafted in the verify's time waits for no drafting (0: off; see docs/deployment.md for when it pays)",
     )
@@ -176,33 +179,88 @@ def main(argv: list[str] | None = None) -> None:
     curve = server_security(parser, args, key_serves_links_out=bool(args.drafter_key))
     drafter_keys = client_security(parser, args.curve_key, args.drafter_key, "--drafter-key", key_serves_a_socket=True)
     apply_runtime_args(args)
-    if args.dtype == "bfloat16" and (why := declines(args.device)):  # before the model loads: see TargetModel.exact
-        parser.error(f"--dtype bfloat16 on {args.device}: {why}, and off it only float32 is exact (float32 or auto)")
-    try:  # before the model loads: a refused flag is a one-line error at once
-        settings = settings_from(args, ServiceSettings)
-        drafting = proposer_settings(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    settings, drafting = checked_flags(parser, args)
     refusals = (DrafterMismatch, CheckpointError, UnsupportedModel, UnsupportedCache, ModelLoadError, TrafficError)
     with one_line_errors(parser.prog, *refusals):
+        # Before the model loads (minutes, on a GPU): an address this host cannot bind, a folder it cannot write.
+        try_bind(args.bind, curve, args.insecure_plaintext)
+        if args.record:
+            record_folder(args.record)
         model = resolve_model(args.model)
-        try:
+        with memory_for(parser, args.max_batch):  # the cache is laid out at load, filled at the first forward
             target = TargetModel.load(model, args.device, args.dtype, args.cache_policy, slots=args.max_batch)
-        except RuntimeError as exc:  # torch's allocators say so in a RuntimeError (--max-batch 100000)
-            if "alloc" not in str(exc).lower() and "out of memory" not in str(exc).lower():
-                raise
-            parser.exit(1, f"{parser.prog}: error: no memory for --max-batch {args.max_batch}: {exc}\n")
-        if not target.exact:
-            parser.exit(1, f"{parser.prog}: error: {inexact(target)}\n")
-        recorder = TrafficRecorder(args.record, target.name, target.numerics) if args.record else None
-        proposers = build_proposers(with_default_drafter(drafting, model), target, target.slots, drafter_keys)
-        datastore = datastore_coming(
-            settings.datastore if settings.looks_up(proposers[0]) else "none", target.name, vocab_size=target.vocab_size
-        )
-        service = TargetService(target, proposers, settings, recorder, datastore)
+            if not target.exact:
+                parser.exit(1, f"{parser.prog}: error: {inexact(target)}\n")
+            recorder = TrafficRecorder(args.record, target.name, target.numerics) if args.record else None
+            proposers = build_proposers(with_default_drafter(drafting, model), target, target.slots, drafter_keys)
+            looks_up = settings.looks_up(proposers[0])
+            datastore = datastore_coming(
+                settings.datastore if looks_up else "none", target.name, vocab_size=target.vocab_size
+            )
+            service = TargetService(target, proposers, settings, recorder, datastore)
         # Only now: a SIGTERM while the model loads ends the process at once (it waited for the load).
         stop = stop_on_signals()
         service.serve(args.bind, stop, curve, args.insecure_plaintext)
+
+
+def checked_flags(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[ServiceSettings, ProposerSettings]:
+    """The flags as settings, each refusal one line before anything loads: a value the settings
+    refuse, a bf16 the device cannot serve exactly, a flag the chosen proposer would ignore."""
+    if args.dtype == "bfloat16" and (why := declines(args.device)):  # see TargetModel.exact
+        parser.error(f"--dtype bfloat16 on {args.device}: {why}, and off it only float32 is exact (float32 or auto)")
+    unused = ignored_flags(parser, args)
+    if unused:
+        parser.error(f"{', '.join(unused)}: not used with --proposer {args.proposer}{' --no-lookup' * args.no_lookup}")
+    try:
+        return settings_from(args, ServiceSettings), proposer_settings(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+# Flags that mean something only to these proposers: given to another, each went unused without a
+# word (--drafter-checkpoint without --proposer local drafted remotely, from the default address: an audit).
+FLAG_PROPOSERS = {
+    "drafter": ("remote",),
+    "fallback": ("remote",),
+    "draft_timeout": ("remote",),
+    "draft_retry": ("remote",),
+    "wire_dtype": ("remote",),
+    "drafter_key": ("remote",),
+    "drafter_checkpoint": ("local",),
+    "ring_capacity": ("local",),
+    "predraft": ("remote", "local"),
+    "tree_nodes": ("remote", "local", "ngram"),
+    "always_draft": ("remote", "local", "ngram"),
+    "no_lookup": ("remote", "local", "ngram"),
+    "datastore": ("remote", "local", "ngram"),
+}
+
+
+def ignored_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The flags given (not at their defaults) that the chosen proposer would ignore."""
+    unused = [
+        name
+        for name, kinds in FLAG_PROPOSERS.items()
+        if args.proposer not in kinds and getattr(args, name) != parser.get_default(name)
+    ]
+    if args.no_lookup and args.datastore != parser.get_default("datastore") and "datastore" not in unused:
+        unused.append("datastore")
+    return ["--" + name.replace("_", "-") for name in unused]
+
+
+@contextmanager
+def memory_for(parser: argparse.ArgumentParser, max_batch: int) -> Iterator[None]:
+    """A machine without the memory for --max-batch slots says so in one line: torch's allocators
+    raise a RuntimeError, at the load or (the cache being filled at the first forward) as the daemon
+    measures its steps (--max-batch 100000 ended in a traceback there: an audit)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "alloc" not in str(exc).lower() and "out of memory" not in str(exc).lower():
+            raise
+        parser.exit(1, f"{parser.prog}: error: no memory for --max-batch {max_batch}: {exc}\n")
 
 
 if __name__ == "__main__":

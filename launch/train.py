@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from answers.store import STORE
-from launch.common import at_least, named_dtype, number_in, resolve_model
+from launch.common import at_least, device_name, layer_ids, named_dtype, number_in, resolve_model
 from launch.net import HelpFormatter, one_line_errors
 from protocol import FLOAT_DTYPES
+from protocol.messages import MAX_BLOCK_SIZE
 from target_node import CACHE_ROOT
 from target_node.model.default_model import SHIPPED_DRAFTER
 from training.distributed import start, stop
@@ -99,7 +100,7 @@ def _run_flags(ap: argparse.ArgumentParser) -> None:
         "trained on the backbone's outputs",
     )
     ap.add_argument("--cache", default=str(CACHE_ROOT), help="where features, state and logs go (default %(default)s)")
-    ap.add_argument("--device", default="cpu", help="torch device for the target and the drafter")
+    ap.add_argument("--device", type=device_name, default="cpu", help="torch device for the target and the drafter")
     ap.add_argument("--threads", type=at_least(1), default=1, help="torch CPU threads (default %(default)s)")
 
 
@@ -138,9 +139,14 @@ def _shape_flags(ap: argparse.ArgumentParser) -> None:
         "--layers", type=at_least(1), default=1, help="drafter layers (a new drafter; --stage grow: the target depth)"
     )
     ap.add_argument(
-        "--block-size", type=at_least(2), default=8, help="tokens a drafted block holds (its anchor included)"
+        "--block-size",
+        type=at_least(2, MAX_BLOCK_SIZE),
+        default=8,
+        help="tokens a drafted block holds (its anchor included)",
     )
-    ap.add_argument("--taps", default="", help="comma-separated target layer ids (default: spread over depth)")
+    ap.add_argument(
+        "--taps", type=layer_ids, default=[], help="comma-separated target layer ids (default: spread over depth)"
+    )
     ap.add_argument("--mask-token-id", type=at_least(0), default=0, help="token id of the block's mask slots")
 
 

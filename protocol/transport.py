@@ -64,6 +64,9 @@ HELD_PER_PEER = 64
 MAX_ENVELOPED = 1024  # REQ peers remembered until their error reply leaves
 REQ_REFUSED = "a REQ socket's empty delimiter frame: connect with a DEALER socket"
 REQ_REFUSAL = bytes(encode_error(None, ErrorCode.MALFORMED, REQ_REFUSED)[0])  # its error reply's header
+# One poll's longest wait: ZeroMQ takes milliseconds as a C int, which a timeout of 25 days or
+# more (or inf, "forever") overflowed in every request (an audit); longer waits poll again.
+LONGEST_POLL_S = 3600.0
 LATE_READS = 64  # replies already queued that a wait past its deadline still reads (`receive`)
 # The helper's intake, in messages a second after its first HELD_MAX: it keeps reading through a
 # step (a flood of pings must not make it deaf) but cannot take the step's share of the GIL;
@@ -93,6 +96,12 @@ def is_local(address: str) -> bool:
     if scheme in ("ipc", "inproc"):
         return True
     return scheme == "tcp" and is_loopback(rest.rsplit(":", 1)[0])
+
+
+def try_bind(address: str, curve: ServerKeys | None = None, insecure_plaintext: bool = False) -> None:
+    """Bind `address` and let it go: BindError or InsecureBind now, before a daemon spends minutes
+    loading a model only to find its address taken (an audit)."""
+    Server(address, curve=curve, insecure_plaintext=insecure_plaintext).close()
 
 
 def check_bind(address: str, curve: ServerKeys | None, insecure_plaintext: bool) -> bool:
@@ -221,7 +230,9 @@ def receive(sock: zmq.Socket, request_id: int, deadline: float, request_type: st
             late += 1
             if late > LATE_READS or not sock.poll(0):
                 return None
-        elif not sock.poll(max(1, int(left * 1000))):
+        elif not sock.poll(max(1, int(min(left, LONGEST_POLL_S) * 1000))):
+            if time.monotonic() < deadline:  # a wait longer than one poll takes
+                continue
             return None
         reply = decode(sock.recv_multipart(copy=False))
         if reply.id == request_id:

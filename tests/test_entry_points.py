@@ -172,6 +172,7 @@ REFUSED_FLAGS = [
     *[(module, ["--device", "gpu"], "'gpu' is not a torch device") for module in DAEMONS],
     *[(module, ["--device", "cuda:7"], "CUDA device") for module in DAEMONS],  # none here, or fewer than eight
     *[(module, ["--threads", "-1"], "must be at least 0, got -1") for module in DAEMONS],
+    *[(module, ["--device", "meta"], "the daemons run on cpu or cuda[:N] devices") for module in DAEMONS],
     ("launch.train", ["--stage", "train", "--threads", "0"], "must be at least 1"),
     ("launch.draft_daemon", ["--dtype", "float16"], "take float32 or bfloat16"),  # was: a traceback from the kernels
     (
@@ -196,11 +197,30 @@ REFUSED_FLAGS = [
     ("launch.target_daemon", ["--max-messages-per-step", "0"], "--max-messages-per-step must be at least 1"),
     ("launch.target_daemon", ["--max-queued-per-client", "0"], "--max-queued-per-client must be at least 1"),
     ("launch.target_daemon", ["--prefill-chunk", "-1"], "--prefill-chunk must be 0 or more"),
-    ("launch.target_daemon", ["--ring-capacity", "0"], "--ring-capacity must be at least 1"),
+    ("launch.target_daemon", ["--proposer", "local", "--ring-capacity", "0"], "--ring-capacity must be in 1..1048576"),
     ("launch.target_daemon", ["--draft-timeout", "0"], "--draft-timeout must be above 0"),
-    ("launch.target_daemon", ["--draft-retry", "-1"], "--draft-retry must be 0 or more"),
+    ("launch.target_daemon", ["--draft-retry", "0"], "--draft-retry must be above 0"),
     ("launch.target_daemon", ["--predraft", "99"], "--predraft names 0 to 16 outcomes, got 99"),  # a traceback
     ("launch.serve", ["--port", "70000"], "a port of 1-65535"),  # was: three tracebacks from uvicorn's bind
+    # Each of these started, then failed once the model had loaded or at the first request, measured
+    # for minutes, or meant something else without a word (an audit of option combinations).
+    ("launch.target_daemon", ["--tree-nodes", "100000"], "--tree-nodes must be at most 256, got 100000"),
+    ("launch.target_daemon", ["--prefix-cache-mb", "nan"], "--prefix-cache-mb must be a finite number, got nan"),
+    ("launch.target_daemon", ["--draft-timeout", "inf"], "--draft-timeout must be a finite number, got inf"),
+    ("launch.draft_daemon", ["--keep-mb", "inf"], "--keep-mb must be a finite number, got inf"),
+    ("launch.draft_daemon", ["--ring-capacity", "2000000"], "--ring-capacity must be at most 1048576"),
+    ("launch.target_daemon", ["--drafter-checkpoint", "x"], "--drafter-checkpoint: not used with --proposer remote"),
+    (
+        "launch.target_daemon",
+        ["--proposer", "none", "--predraft", "4", "--always-draft"],
+        "--predraft, --always-draft: not used with --proposer none",
+    ),
+    ("launch.target_daemon", ["--no-lookup", "--datastore", "none"], "--datastore: not used with --proposer remote"),
+    ("launch.serve", ["--log-level", "garbage"], "invalid choice: 'garbage'"),  # was: a KeyError once models loaded
+    ("launch.train", ["--stage", "train", "--taps", "x,y"], "expected layer ids such as 3,10,17"),
+    ("launch.train", ["--stage", "train", "--block-size", "500"], "must be at most 128, got 500"),
+    ("launch.train", ["--device", "garbage"], "'garbage' is not a torch device"),
+    ("launch.keys", ["--out", "/nowhere", "../escape"], "a key name is a plain file name"),
     # Was: a server whose every chat naming no max_tokens got a 400 blaming the client (an audit).
     ("launch.serve", ["--default-max-tokens", "0"], "must be at least 1, got 0"),
     ("launch.serve", ["--daemon-timeout", "0"], "must be more than 0"),

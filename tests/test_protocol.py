@@ -990,3 +990,29 @@ def test_only_the_refusal_of_an_enveloped_message_goes_out_in_an_envelope(tmp_pa
     finally:
         peer.close(0)
         server.close()
+
+
+@pytest.mark.parametrize("wait_s", [1e9, float("inf")])
+def test_a_wait_of_weeks_or_forever_waits_instead_of_overflowing(tmp_path, wait_s):
+    """ZeroMQ polls take milliseconds as a C int: a --daemon-timeout of 1e9 s made every request of
+    dflash-serve a bare 500 (OverflowError), as did a --draft-timeout of inf (an audit)."""
+    import threading
+
+    from protocol.transport import request
+
+    address = f"ipc://{tmp_path}/d.sock"
+    server = Server(address)
+
+    def answer() -> None:
+        got = server.next(5000)
+        assert got is not None
+        server.send(got[0], encode("pong", got[1].id, {"time": 0.0, "sessions": 0}))
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        reply = request(address, "ping", timeout_s=wait_s)
+    finally:
+        thread.join()
+        server.close()
+    assert reply is not None and reply.type == "pong"

@@ -34,11 +34,11 @@ def test_a_target_that_will_not_start_leaves_no_draft_daemon_behind(tmp_path, mo
         spawned.append(real(*args, **kwargs))
         return spawned[-1]
 
-    real = soak.spawn
-    monkeypatch.setattr(soak, "spawn", spawn)
+    real = soak.start_daemon
+    monkeypatch.setattr(soak, "start_daemon", spawn)
     model, checkpoint = soak.tiny_pair(tmp_path)
     (model / "config.json").write_text("{}")  # the target daemon refuses it and exits
     args = soak.parse_args(["--tiny", "--seconds", "1"])
-    with pytest.raises(SystemExit, match="launch.target_daemon did not become ready"):
+    with pytest.raises(SystemExit, match="target daemon exited with code 1 before it was ready"):
         soak.start_daemons(args, model, checkpoint, tmp_path)
     assert len(spawned) == 1 and spawned[0].poll() is not None  # the draft daemon started, and is gone

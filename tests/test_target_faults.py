@@ -71,7 +71,7 @@ def served(keys, tmp_path_factory):
     folder = tmp_path_factory.mktemp("target")
     save_target(folder / "model")
     address, log = f"ipc://{folder}/target.sock", folder / "target.log"
-    args = ["--model", str(folder / "model"), "--proposer", "none", "--always-draft", "--threads", "1"]
+    args = ["--model", str(folder / "model"), "--proposer", "none", "--threads", "1"]
     args += ["--max-new-tokens-limit", str(LONG)]
     args += ["--prefill-chunk", str(CHUNK), "--max-messages-per-step", str(PER_STEP)]
     args += ["--curve-key", str(keys / "target.key_secret"), "--curve-allow", str(keys / "client.key")]

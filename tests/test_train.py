@@ -18,7 +18,7 @@ import training.features as features_module
 from answers.store import Answer, AnswerStore, read_shard, shard_paths, write_shard
 from draft_node import kernel_path
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_draft_vocab, save_drafter
-from draft_node.config import FULL, SLIDING
+from draft_node.config import FULL, SLIDING, CheckpointError
 from launch.common import named_dtype
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
@@ -792,7 +792,7 @@ def test_averaging_two_drafters_mixes_their_weights_and_their_vocabularies(setup
     second.draft_vocab = []  # a drafter proposing from every token makes the average do so too
     assert average_drafters(first, second, 0.5).draft_vocab == []
     deeper = random_drafter(replace(cfg, num_hidden_layers=2, layer_types=(FULL, FULL)))
-    with pytest.raises(ValueError, match="one shape"):
+    with pytest.raises(CheckpointError, match="differ in num_hidden_layers 1 vs 2, layer_types"):  # one line
         average_drafters(first, deeper, 0.5)
 
 

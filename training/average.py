@@ -9,6 +9,7 @@ middle measured better on the held-out prompts than either end.
 
 from __future__ import annotations
 
+from draft_node.config import CheckpointError
 from draft_node.model import DFlashDrafter
 
 
@@ -18,8 +19,10 @@ def average_drafters(first: DFlashDrafter, second: DFlashDrafter, weight: float)
     The draft vocabulary is the union, `second`'s order first; a drafter with no vocabulary
     proposes from every token, and so does the average.
     """
-    if first.config != second.config:
-        raise ValueError(f"only drafters of one shape average: {first.config} vs {second.config}")
+    if first.config != second.config:  # one line naming what differs, not both whole configs in a traceback
+        ours, theirs = vars(first.config), vars(second.config)
+        differ = ", ".join(f"{k} {ours[k]} vs {theirs.get(k)}" for k in ours if ours[k] != theirs.get(k))
+        raise CheckpointError(f"only drafters of one shape average; these differ in {differ}")
     if not 0.0 <= weight <= 1.0:
         raise ValueError(f"weight must be in [0, 1], got {weight}")
     ours, theirs = first.state_dict(), second.state_dict()

@@ -170,7 +170,7 @@ def live_features(choice: str, device: str) -> bool:
 
 def drafter_config(args: argparse.Namespace, target: TargetModel) -> DFlashConfig:
     """The drafter this run trains, for `target`, from the shape flags."""
-    taps = [int(x) for x in args.taps.split(",")] if args.taps else 5
+    taps = args.taps or 5
     cfg = config_for_target(
         target.config,
         num_layers=args.layers,

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draft_node.checkpoint import load_drafter
+from draft_node.settings import refuse_unfinite
 from protocol.keys import ClientKeys
-from protocol.messages import MAX_PREDRAFT_OUTCOMES, fit_problems
+from protocol.messages import MAX_PREDRAFT_OUTCOMES, MAX_RING_CAPACITY, fit_problems
 from target_node.drafting.bridge import DrafterMismatch
 from target_node.drafting.draft_pass import DraftPass
 from target_node.drafting.local_backend import LocalDraftBackend
@@ -40,12 +41,13 @@ class ProposerSettings:
             raise ValueError(f"predraft names 0 to {MAX_PREDRAFT_OUTCOMES} outcomes, got {self.predraft}")
         if self.kind not in PROPOSER_KINDS:
             raise ValueError(f"unknown proposer {self.kind!r}; expected one of {PROPOSER_KINDS}")
-        if self.ring_capacity < 1:
-            raise ValueError(f"ring_capacity must be at least 1, got {self.ring_capacity}")
-        if not self.draft_timeout_s > 0:  # not `<= 0`: NaN is refused too
+        if not 1 <= self.ring_capacity <= MAX_RING_CAPACITY:  # refused by fit_problems only once both had loaded
+            raise ValueError(f"ring_capacity must be in 1..{MAX_RING_CAPACITY}, got {self.ring_capacity}")
+        refuse_unfinite(self)
+        if not self.draft_timeout_s > 0:
             raise ValueError(f"draft_timeout_s must be above 0, got {self.draft_timeout_s}")
-        if not self.draft_retry_s >= 0:
-            raise ValueError(f"draft_retry_s must be 0 or more, got {self.draft_retry_s}")
+        if not self.draft_retry_s > 0:  # 0 probed a dead daemon once per slot at start (--max-batch 64: 128 s)
+            raise ValueError(f"draft_retry_s must be above 0, got {self.draft_retry_s}")
 
 
 def build_proposers(

@@ -37,7 +37,7 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.pace import PrefillPace
 from target_node.decoding.sequence import Result, Sequence, step
 from target_node.drafting.datastore import Datastore
-from target_node.drafting.proposers import Proposer
+from target_node.drafting.proposers import NoProposer, Proposer
 from target_node.model.target import ContextLengthError, TargetModel
 from target_node.serving.metrics import RequestClock, ServedMetrics, drafter_state
 from target_node.serving.prefix_cache import PrefixCache
@@ -131,13 +131,16 @@ class TargetService:
         # One governor for all: each request decides with its own fork of it, which it gives back
         # at its end, so the next starts from what the last learned; verify costs measured here.
         self.governor = Governor(max_nodes=max(settings.tree_nodes, 1))
-        if self.adaptive:
-            # A step's width: one request's tree, up to every slot's (batches are measured sparsely).
-            widest = (self.governor.max_nodes + 1) * target.slots
-            wide = [w for w in (24, 32, 48, 64, 96, 128, 192, 256) if w < widest] + [widest]
-            widths = sorted({*range(1, self.governor.max_nodes + 2), *range(2, target.slots + 1), *wide})
-            self.governor.costs.measure(target, widths, repeats=2)
         self.proposers = list(proposers) if isinstance(proposers, list) else [proposers]
+        if self.adaptive and self.proposers[0].name != NoProposer.name:  # a plain daemon's governor decides nothing
+            # A step's width: one request's tree, up to every slot's; past 32 rows measured sparsely
+            # (between them interpolated): each width densely to --tree-nodes 1000 took minutes.
+            widest = (self.governor.max_nodes + 1) * target.slots
+            wide = [w for w in (24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024) if w < widest] + [widest]
+            dense = range(1, min(self.governor.max_nodes + 2, 33))
+            self.governor.costs.measure(
+                target, sorted({*dense, *range(2, min(target.slots, 32) + 1), *wide}), repeats=2
+            )
         self.free = list(range(min(target.slots, len(self.proposers))))  # slots no request holds
         self.active: dict[int, Active] = {}  # slot -> the request in it
         # The line of clients waiting, each with its jobs in order (see next_job for who goes first).

@@ -10,10 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from draft_node.settings import setting
+from draft_node.settings import refuse_unfinite, setting
 from protocol.messages import MAX_REPLY_TOKENS
 from target_node.drafting.proposers import NoProposer, Proposer
 from target_node.serving.prefix_cache import default_budget_mb
+
+# The widest tree a step verifies: more nodes than a drafter's best-first guesses ever pay for on
+# any machine measured (docs/trees.md), and the governor times each width at start.
+MAX_TREE_NODES = 256
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,9 @@ class ServiceSettings:
     )
 
     def __post_init__(self) -> None:
+        refuse_unfinite(self)
+        if self.tree_nodes > MAX_TREE_NODES:
+            raise ValueError(f"tree_nodes must be at most {MAX_TREE_NODES}, got {self.tree_nodes}")
         if not 1 <= self.max_new_tokens_limit <= MAX_REPLY_TOKENS:
             # Else a request would be accepted, run to its end, and have its `done` refused by the wire.
             raise ValueError(
