@@ -89,7 +89,9 @@ def test_the_shipped_drafter_gives_plain_output_bit_for_bit_in_every_mode(prompt
             result = generate(target, prompt, proposer, DecodeOptions(MAX_NEW, **options))
             assert result.tokens == want, (dtype, mode)
         engine = target.engine
-        if engine.screened is not None:  # the int8 screen at every width, against the whole head
+        # The int8 screen at every width, against the whole head, on one answer's rows (each
+        # answer's ~33 row windows a width cost 40 s a prompt on an AVX512 EPYC).
+        if engine.screened is not None and prompt is prompts[0]:
             target.reset()
             hidden, _ = target.forward(prompt + want)
             measured = engine.screen_rows, engine.screen_path
