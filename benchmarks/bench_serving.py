@@ -137,7 +137,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2, help="torch threads per daemon")
     ap.add_argument("--prompts", default=str(EVAL_PROMPTS), help="held-out prompts (jsonl)")
     ap.add_argument("--long-prompt", type=int, default=3000, help="tokens of the long prompt (0: skip that part)")
-    ap.add_argument("--extra", default="", help="more target daemon flags, space-separated")
+    ap.add_argument("--extra", default="", help="more flags for the drafting target daemons, space-separated")
     ap.add_argument("--json", default="bench_results/bench_serving.json")
     return ap.parse_args(argv)
 
@@ -159,12 +159,13 @@ def chat_asks(args: argparse.Namespace, count: int) -> list[dict]:
 def start_daemons(stack: ExitStack, args: argparse.Namespace, model: Path, checkpoint: str) -> dict[str, str]:
     """One draft daemon shared by the target daemons that draft; each target daemon's address, by name."""
     threads = ["--threads", str(args.threads)]
-    common = ["--model", str(model), *threads, *args.extra.split()]
+    common = ["--model", str(model), *threads]
     draft_address = free_address()
+    drafting = ["--drafter", draft_address, *args.extra.split()]  # a plain daemon refuses drafting flags
     targets = {
-        "batched": ["--drafter", draft_address, "--max-batch", str(args.max_batch)],
+        "batched": [*drafting, "--max-batch", str(args.max_batch)],
         "batched plain": ["--proposer", "none", "--max-batch", str(args.max_batch)],
-        "serial": ["--drafter", draft_address, "--max-batch", "1"],
+        "serial": [*drafting, "--max-batch", "1"],
         "serial plain": ["--proposer", "none", "--max-batch", "1"],
     }
     stack.enter_context(

@@ -237,6 +237,8 @@ class LinkCall:
                 # is up is then a ping's to say (/health said 200 for QUIET_S after it stopped).
                 forgotten = reply.type == "error" and reply.fields.get("code") == ErrorCode.UNKNOWN_REQUEST.value
                 self.link.heard = 0.0 if forgotten else time.monotonic()
+                if forgotten:  # nor does an earlier ping's silence say it: the next asker pings anew
+                    self.link.probed = 0.0
                 return reply
             if gone is not None and await gone():
                 raise ClientGone("the client disconnected")
@@ -254,12 +256,15 @@ class LinkCall:
         waits up to --daemon-timeout, and a drain waiting that long missed uvicorn's cut (a review)."""
         if gone is None:
             return await self.link.alive()
-        answer: list[bool] = []
+        answer: list[bool | Exception] = []
         left = False
         async with anyio.create_task_group() as probing:
 
             async def probe() -> None:
-                answer.append(await self.link.alive())
+                try:
+                    answer.append(await self.link.alive())
+                except Exception as exc:  # raised as itself below: a task group would wrap it (a review)
+                    answer.append(exc)
                 probing.cancel_scope.cancel()
 
             probing.start_soon(probe)
@@ -269,6 +274,8 @@ class LinkCall:
             probing.cancel_scope.cancel()
         if left:
             raise ClientGone("the client disconnected")
+        if isinstance(answer[0], Exception):
+            raise answer[0]
         return answer[0]
 
     async def close(self) -> None:

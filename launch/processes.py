@@ -64,7 +64,7 @@ def stop_on_signals() -> threading.Event:
         stop.set()
 
     for signum in (*ENDING, signal.SIGINT):
-        if signal.getsignal(signum) is not signal.SIG_IGN:
+        if signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN:  # a shell's `&` ignores SIGINT
             signal.signal(signum, handler)
     return stop
 

@@ -212,7 +212,8 @@ def checked_flags(
         parser.error(f"--dtype bfloat16 on {args.device}: {why}, and off it only float32 is exact (float32 or auto)")
     unused = ignored_flags(parser, args)
     if unused:
-        parser.error(f"{', '.join(unused)}: not used with --proposer {args.proposer}{' --no-lookup' * args.no_lookup}")
+        why = "--no-lookup" if unused == ["--datastore"] and args.proposer != "none" else f"--proposer {args.proposer}"
+        parser.error(f"{', '.join(unused)}: not used with {why}")
     try:
         return settings_from(args, ServiceSettings), proposer_settings(args)
     except ValueError as exc:

@@ -215,7 +215,7 @@ REFUSED_FLAGS = [
         ["--proposer", "none", "--predraft", "4", "--always-draft"],
         "--predraft, --always-draft: not used with --proposer none",
     ),
-    ("launch.target_daemon", ["--no-lookup", "--datastore", "none"], "--datastore: not used with --proposer remote"),
+    ("launch.target_daemon", ["--no-lookup", "--datastore", "none"], "--datastore: not used with --no-lookup"),
     ("launch.serve", ["--log-level", "garbage"], "invalid choice: 'garbage'"),  # was: a KeyError once models loaded
     ("launch.train", ["--stage", "train", "--taps", "x,y"], "expected layer ids such as 3,10,17"),
     ("launch.train", ["--stage", "train", "--block-size", "500"], "must be at most 128, got 500"),
@@ -522,3 +522,23 @@ def test_the_front_ends_flags_parse_without_torch():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=DRAFTER.parent.parent)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
+
+
+def test_a_daemon_stops_on_sigint_and_sigterm_even_where_started_ignoring_them_but_keeps_nohups_hang_ups():
+    """A daemon started with `&` from a script inherits SIGINT ignored: `kill -INT` had to stop it,
+    and did until the nohup rule for SIGHUP was applied to every signal (a review)."""
+    import signal
+
+    from launch.processes import stop_on_signals
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for s in before:
+            signal.signal(s, signal.SIG_IGN)
+        stop_on_signals()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN  # as under nohup
+        for s in (signal.SIGINT, signal.SIGTERM):
+            assert callable(signal.getsignal(s)), s
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

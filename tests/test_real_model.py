@@ -77,7 +77,7 @@ def test_the_shipped_drafter_gives_plain_output_bit_for_bit_in_every_mode(prompt
     """The engine's promise on the real model: chain, tree and the governor's default all give
     exactly the plain greedy output, in fp32 and in bf16, where today's transformers path did not."""
     from draft_node.checkpoint import load_drafter
-    from launch.common import SHIPPED_DRAFTER
+    from target_node.model.default_model import SHIPPED_DRAFTER
 
     target = TargetModel.load(ensure_default_model(), dtype=dtype)
     assert target.engine is not None

@@ -242,3 +242,69 @@ def test_a_daemon_that_forgot_a_request_is_not_taken_for_alive_by_that_reply(tmp
         call.call.client.close()
         server.close()
     assert answers == ["error", False]
+
+
+def test_a_stream_that_pings_gets_the_pings_own_error_not_a_group_of_them(tmp_path, monkeypatch):
+    """The ping runs beside the stream's own checks (a task group), which wrapped its errors: out
+    of sockets was a 500 where it is a 429 `TooManyOpen` (a review)."""
+    from frontend.link import TooManyOpen
+
+    address = f"ipc://{tmp_path}/daemon.sock"
+    server = Server(address)  # answers nothing: the stream pings
+    link = TargetLink(address, daemon_timeout_s=5.0)
+    call = link.generate({"token_ids": [1, 2, 3], "max_new_tokens": 4})
+
+    async def no_socket() -> bool:
+        raise TooManyOpen("no socket for a ping")
+
+    monkeypatch.setattr(link, "alive", no_socket)
+
+    async def wait() -> None:
+        async def gone() -> bool:
+            return False
+
+        with pytest.raises(TooManyOpen):
+            await call.next(gone=gone)
+
+    try:
+        anyio.run(wait)
+    finally:
+        call.call.client.close()
+        server.close()
+
+
+def test_a_live_daemon_that_forgot_one_request_is_still_alive(tmp_path):
+    """After an `unknown_request` (a request dropped for late heartbeats), the last answered ping's
+    time made `alive` say no for QUIET_S without asking: another stream got a 503 (a review)."""
+    from protocol import ErrorCode, encode_error
+
+    address = f"ipc://{tmp_path}/daemon.sock"
+    server, stop = Server(address), threading.Event()
+
+    def daemon():  # answers pings; forgets every generate
+        while not stop.is_set():
+            got = server.next(20)
+            if got is None:
+                continue
+            identity, msg = got
+            if msg.type == "ping":
+                server.send(identity, encode("pong", msg.id, {"time": 0.0, "sessions": 0}))
+            elif msg.type == "generate":
+                server.send(identity, encode_error(msg.id, ErrorCode.UNKNOWN_REQUEST, "not held"))
+
+    thread = threading.Thread(target=daemon)
+    thread.start()
+    link = TargetLink(address, daemon_timeout_s=2.0)
+    answers: list = []
+
+    async def ask() -> None:
+        answers.append(await link.alive())  # a ping, answered
+        call = link.generate({"token_ids": [1, 2, 3], "max_new_tokens": 4})
+        try:
+            answers.append((await call.next()).type)
+        finally:
+            call.call.client.close()
+        answers.append(await link.alive())
+
+    run_then_stop(ask, server, stop, thread)
+    assert answers == [True, "error", True]
