@@ -162,13 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the connections get when the server stops; the answers still running a second before "
         f"it ends stop with a 503 server_shutting_down error (default %(default)s, at least {MIN_GRACE_S:g})",
     )
-    parser.add_argument(
-        "--log-level",
-        type=str.lower,
-        default="info",
-        choices=("critical", "error", "warning", "info", "debug", "trace"),
-        help="uvicorn's log level (default %(default)s)",
-    )
+    levels = ("critical", "error", "warning", "info", "debug", "trace")
+    parser.add_argument("--log-level", type=str.lower, default="info", choices=levels, help="uvicorn's (%(default)s)")
     group = parser.add_argument_group("all in one (without --target)")
     add_daemon_args(group)
     return parser
