@@ -12,6 +12,7 @@ from draft_node.settings import DraftSettings
 from launch.common import add_model_args, add_settings, apply_runtime_args, named_dtype, settings_from
 from launch.net import DRAFT_ADDRESS, HelpFormatter, add_server_security_args, address, one_line_errors, server_security
 from launch.processes import ctrl_c_exits_130, stop_on_signals
+from protocol.transport import try_bind
 from target_node.model.default_model import ensure_default_drafter
 
 
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     with one_line_errors(parser.prog, CheckpointError):
+        try_bind(args.bind, curve, args.insecure_plaintext)  # before the drafter loads
         drafter = load_drafter(args.checkpoint or ensure_default_drafter(), args.device, dtype)
         service = DraftService(drafter, settings)
         logging.getLogger("draft_daemon").info(
