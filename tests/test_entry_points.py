@@ -78,6 +78,16 @@ MISTAKES = [
     pytest.param(
         *("launch.draft_daemon", ["--bind", "TAKEN"], "cannot listen on tcp://127.0.0.1:"), id="draft-address-taken"
     ),
+    pytest.param(  # said so only once the model had loaded (an audit): here, before it looks for one
+        *("launch.target_daemon", ["--bind", "TAKEN", "--model", "/nowhere/model", "--proposer", "none"]),
+        "cannot listen on tcp://127.0.0.1:",
+        id="target-address-taken",
+    ),
+    pytest.param(
+        *("launch.target_daemon", ["--record", "FILE", "--model", "/nowhere/model", "--proposer", "none"]),
+        "cannot write there",
+        id="target-record-folder-a-file",
+    ),
     pytest.param(
         *("launch.client", ["--address", "tcp://127.0.0.1:9", "--prompt", "hi"], "no target daemon answered a ping"),
         id="client-nobody-there",
