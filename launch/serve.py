@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"it ends stop with a 503 server_shutting_down error (default %(default)s, at least {MIN_GRACE_S:g})",
     )
     levels = ("critical", "error", "warning", "info", "debug", "trace")
-    parser.add_argument("--log-level", type=str.lower, default="info", choices=levels, help="uvicorn's (%(default)s)")
+    parser.add_argument("--log-level", type=str.lower, default="info", choices=levels, help="default %(default)s")
     group = parser.add_argument_group("all in one (without --target)")
     add_daemon_args(group)
     return parser
