@@ -58,10 +58,14 @@ def stop_on_signals() -> threading.Event:
     telling its clients their requests did not finish. SIGHUP killed a daemon outright (a closed
     terminal: its clients waited out their timeouts, its ipc file stayed); one ignored, as under
     nohup, stays ignored."""
-    stop = threading.Event()
+    stop, heard = threading.Event(), []
 
     def handler(signum: int, frame: object) -> None:
-        stop.set()
+        # Once: a second signal's handler runs inside the first's, and stop.set() took the lock
+        # that one held, for good (a SIGTERM and a SIGHUP together left a daemon hung, 1 in 6).
+        if not heard:
+            heard.append(signum)
+            stop.set()
 
     for signum in (*ENDING, signal.SIGINT):
         if signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN:  # a shell's `&` ignores SIGINT

@@ -552,3 +552,32 @@ def test_a_daemon_stops_on_sigint_and_sigterm_even_where_started_ignoring_them_b
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def test_a_second_signal_arriving_inside_the_firsts_handler_does_not_hang_the_daemon():
+    """Python runs a signal's handler between any two bytecodes, another's too: a SIGHUP whose
+    handler ran inside a SIGTERM's stop.set() waited for the lock that one held, for good (a daemon
+    hung in 1 of 6 runs of the test below once SIGHUP was handled)."""
+    import signal
+    import threading
+
+    from launch.processes import stop_on_signals
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        stop = stop_on_signals()
+        handler = signal.getsignal(signal.SIGTERM)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    handler(signal.SIGTERM, None)
+    assert stop.is_set()
+
+    def inside_the_first():  # as if the second arrived while the first held the event's lock
+        with stop._cond:
+            handler(signal.SIGHUP, None)
+
+    nested = threading.Thread(target=inside_the_first, daemon=True)
+    nested.start()
+    nested.join(5)
+    assert not nested.is_alive()
