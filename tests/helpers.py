@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,6 +16,24 @@ from target_node.drafting.proposal import Proposal
 from target_node.drafting.proposers import NoProposer
 from target_node.model.target import TargetModel
 from target_node.model.tiny import tiny_target  # noqa: F401 - the tests import it from here
+
+
+def hang_ups_by_default() -> None:
+    """A child's preexec_fn where a test sends it SIGHUP: under nohup the tests' process ignores
+    SIGHUP, every child inherited that, and the hang-up tests failed (a server that ignored both
+    hang-ups streamed on to its length and never stopped)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+@contextmanager
+def children_hear_hang_ups() -> Iterator[None]:
+    """`hang_ups_by_default` for children started by code that takes no preexec_fn (this process's
+    own SIGHUP is back as it was at the block's end)."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def drafter_config(**overrides):

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from helpers import draft_daemon, drafter_config
+from helpers import children_hear_hang_ups, draft_daemon, drafter_config
 
 from draft_node.checkpoint import load_drafter, random_drafter, save_drafter
 from draft_node.daemon import DraftService
@@ -276,7 +276,7 @@ def test_a_hang_up_stops_a_daemon_cleanly(tmp_path):
 
     folder = save_drafter(random_drafter(CFG), tmp_path / "ckpt")
     address = f"ipc://{tmp_path}/d.sock"
-    with draft_daemon(address, folder) as proc:
+    with children_hear_hang_ups(), draft_daemon(address, folder) as proc:
         proc.send_signal(signal.SIGHUP)
         assert proc.wait(30) == 0
     assert not (tmp_path / "d.sock").exists()

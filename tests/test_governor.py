@@ -225,7 +225,7 @@ def test_a_plain_step_that_waited_for_a_failed_draft_is_not_the_plain_rate():
     proposer = DFlashProposer(StallsOnce(random_drafter(cfg)))
     result = generate(target, prompt, proposer, DecodeOptions(80), governor=gov)
     assert result.tokens == greedy(target, prompt, 80)
-    assert max(seconds for _, seconds in gov.plain) < 0.5, list(gov.plain)
+    assert max(seconds for _, seconds in gov.plain) < 1.0, list(gov.plain)  # the stall: 1.5 s
     assert gov.switches >= 1 and result.stats.plain_steps > 0.6 * result.stats.steps, gov.to_dict()
 
 

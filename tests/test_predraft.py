@@ -604,7 +604,7 @@ def test_a_remote_hit_takes_the_drafts_sent_during_the_verify_and_waits_for_no_r
             waited = time.perf_counter() - began
         finally:
             os.kill(proc.pid, signal.SIGCONT)
-        assert backend.hit and torch.equal(got, want) and waited < 1.0
+        assert backend.hit and torch.equal(got, want) and waited < 4.0  # a wait would be the 5 s timeout
         assert backend.counters["timeouts"] == 0
         # The hit's rows joined the daemon's context: its next fresh draft is the in-process one.
         after, _ = backend.draft(8, features[8:10], noise[10], 10, 7)

@@ -650,10 +650,8 @@ def test_a_server_answers_pings_while_its_caller_computes(tmp_path):
         time.sleep(0.2)  # the connection's end reaches the server
         pong = lambda identity, m: encode("pong", m.id, {"time": 0.0, "sessions": 7})  # noqa: E731
         with server.answering({"ping": pong}):
-            began = time.monotonic()
-            answer = pinger.call("ping", timeout_s=2.0)
+            answer = pinger.call("ping", timeout_s=2.0)  # answered mid-step: the step lasts the block
             assert answer is not None and answer["sessions"] == 7, answer
-            assert time.monotonic() - began < 1.0
             late = asker.send("stats")  # held for next()
             assert server.send(asker_id, encode("stats_ok", 1, {"stats": {"n": 1}}))
             reply = asker.wait(1, "stats", 2.0)  # out before the step ends
@@ -812,10 +810,11 @@ def test_a_flood_during_a_step_is_held_within_bounds_and_every_peers_word_is_not
                 flooder.send("ping", request_id=i)
             for i in range(3001, 3001 + HELD_PER_PEER + 20):
                 flooder.send("stats", request_id=i)
-            began = time.monotonic()
             answer = pinger.call("ping", timeout_s=2.0)
-            assert answer is not None and time.monotonic() - began < 0.25
+            answered = time.monotonic()
+            assert answer is not None
             for _ in range(5):
+                last_beat = time.monotonic()
                 beater.send("heartbeat")
                 time.sleep(0.05)
             beaten = time.monotonic()
@@ -831,7 +830,11 @@ def test_a_flood_during_a_step_is_held_within_bounds_and_every_peers_word_is_not
         assert (pongs, busy) == (1500, 20)
         heard = server.heard()
         assert set(heard) == {flooder.routing_id, beater.routing_id, pinger.routing_id}
-        assert abs(heard[beater.routing_id] - beaten) < 0.1
+        # Ahead of the flood, not behind it: the flood was still being read once the ping was
+        # answered (an order, not a speed, so a slow machine passes as a fast one does).
+        assert heard[flooder.routing_id] > answered
+        # The last beat, stamped as it arrived: not an earlier one, not when the step ended (1 s on).
+        assert last_beat <= heard[beater.routing_id] < beaten + 0.5
         held = []
         while (taken := server.next(0)) is not None:
             held.append(taken)

@@ -133,7 +133,7 @@ def test_fuzzed_messages_get_typed_errors_and_the_daemon_stays_healthy(served, k
         Template("cancel", {}, {}),
         Template("heartbeat", {}, {}),
     ]
-    fuzzer = Fuzzer(templates, seed=14, extra_kinds=("bad_sampling",))
+    fuzzer = Fuzzer(templates, seed=14, extra_kinds=("bad_sampling", "extreme_sampling"))
     sock = dealer(zmq.Context.instance(), served.address, curve=link(keys))
     try:
         # A cancel of a request not running is not answered; a heartbeat for one is (`unknown_request`).
@@ -403,8 +403,11 @@ def test_pings_and_heartbeats_get_in_during_one_long_forward_under_a_flood(serve
     print(f"request {took:.2f} s, {len(rtts)} pings under a flood, slowest {max(rtts) * 1000:.0f} ms")
     assert done["token_ids"] == greedy(served.model, prompt, 2)
     assert took > 1.0, took  # the forward is long enough for the bound below to mean something
-    assert max(rtts) < 0.25, rtts
-    assert unknown.type == "error" and unknown["code"] == "unknown_request" and unknown_s < 0.25, (unknown, unknown_s)
+    # Answered mid-forward, not at its end: a bound that grows with the forward, so a slow machine
+    # (a longer forward) does not fail it, while an answer held to the step's end would.
+    bound = max(0.25, took / 4)
+    assert max(rtts) < bound, (rtts, took)
+    assert unknown.type == "error" and unknown["code"] == "unknown_request" and unknown_s < bound, (unknown, unknown_s)
     assert [(m.type, m.id) for m in late_replies] == [("done", 1)], late_replies
     assert beaten and beaten[0]["finish_reason"] == "length", beaten
     assert beaten[0]["token_ids"] == greedy(served.model, PROMPT, 24)

@@ -152,7 +152,7 @@ def test_a_client_that_pings_a_quiet_daemon_keeps_its_heartbeats_going(tmp_path,
         server.close()
     assert done.type == "done" and len(beats) >= 5
     gaps = [b - a for a, b in zip([began, *beats], beats, strict=False)]
-    assert max(gaps) < 2.5 * 0.2, gaps  # the daemon drops a request after 3 missed beats
+    assert max(gaps) < 3 * 0.2, gaps  # the daemon drops a request after 3 missed beats: the contract
 
 
 def test_stats_callers_behind_an_unanswered_call_do_not_wait_again(tmp_path):

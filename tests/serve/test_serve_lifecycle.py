@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from helpers import running
+from helpers import hang_ups_by_default, running
 
 from frontend.server import listening_sockets, url
 from launch.local import free_port
@@ -67,7 +67,7 @@ def all_in_one(model: Path, port: int, *flags: str, env: dict | None = None) -> 
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),  # a run under nohup ignores it
+        preexec_fn=hang_ups_by_default,
     )
     return proc, Lines(proc)
 
@@ -155,7 +155,7 @@ def standalone(target_address: str, *flags: str, **popen) -> tuple[subprocess.Po
     """dflash-serve in front of `target_address`, once it answers; (process, port)."""
     port = free_port()
     command = [sys.executable, "-m", "launch.serve", "--target", target_address, "--port", str(port), *flags]
-    run = subprocess.Popen(command, cwd=ROOT, **popen)
+    run = subprocess.Popen(command, cwd=ROOT, **({"preexec_fn": hang_ups_by_default} | popen))
     if not wait_http_ready(f"http://127.0.0.1:{port}/health", 120, alive=lambda: run.poll() is None):
         run.kill()
         raise AssertionError(f"dflash-serve did not start (exit code {run.wait()})")
