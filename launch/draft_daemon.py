@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
+
+import torch
 
 from draft_node.checkpoint import load_drafter
 from draft_node.config import CheckpointError
@@ -12,12 +15,12 @@ from draft_node.settings import DraftSettings
 from launch.common import add_model_args, add_settings, apply_runtime_args, named_dtype, settings_from
 from launch.net import DRAFT_ADDRESS, HelpFormatter, add_server_security_args, address, one_line_errors, server_security
 from launch.processes import ctrl_c_exits_130, stop_on_signals
+from protocol.keys import ServerKeys
 from protocol.transport import try_bind
 from target_node.model.default_model import ensure_default_drafter
 
 
-@ctrl_c_exits_130
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-draft-daemon", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "--checkpoint",
@@ -33,9 +36,26 @@ def main(argv: list[str] | None = None) -> None:
     add_settings(parser, DraftSettings)
     add_server_security_args(parser)
     add_model_args(parser, "drafter")
+    return parser
+
+
+@dataclass(frozen=True)
+class DaemonCommand:
+    """The command line with every check passed (`checked_command`): what `main` starts from."""
+
+    parser: argparse.ArgumentParser
+    args: argparse.Namespace
+    settings: DraftSettings
+    dtype: torch.dtype
+    curve: ServerKeys | None
+
+
+def checked_command(argv: list[str] | None = None) -> DaemonCommand:
+    """The flags parsed and checked, each refusal one line and exit 2, before anything is set,
+    bound or loaded (the tests ask it in their own process)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     curve = server_security(parser, args)
-    apply_runtime_args(args)
     dtype = named_dtype(args.dtype, args.device)
     if args.device.startswith("cpu") and args.dtype == "float16":  # the CPU kernels' linears take fp32 or bf16
         parser.error("--dtype float16 on a CPU: the drafter's CPU kernels take float32 or bfloat16")
@@ -43,10 +63,18 @@ def main(argv: list[str] | None = None) -> None:
         settings = settings_from(args, DraftSettings)
     except ValueError as exc:
         parser.error(str(exc))
+    return DaemonCommand(parser, args, settings, dtype, curve)
+
+
+@ctrl_c_exits_130
+def main(argv: list[str] | None = None) -> None:
+    command = checked_command(argv)
+    parser, args, dtype, curve = command.parser, command.args, command.dtype, command.curve
+    apply_runtime_args(args)
     with one_line_errors(parser.prog, CheckpointError):
         try_bind(args.bind, curve, args.insecure_plaintext)  # before the drafter loads
         drafter = load_drafter(args.checkpoint or ensure_default_drafter(), args.device, dtype)
-        service = DraftService(drafter, settings)
+        service = DraftService(drafter, command.settings)
         logging.getLogger("draft_daemon").info(
             "drafter: %d layers, block %d, taps %s on %s/%s",
             drafter.config.num_hidden_layers,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from answers.index import datastore_coming
@@ -39,6 +39,7 @@ from launch.net import (
 )
 from launch.processes import ctrl_c_exits_130, stop_on_signals
 from protocol import FLOAT_DTYPES
+from protocol.keys import ClientKeys, ServerKeys
 from protocol.messages import MAX_PREDRAFT_OUTCOMES
 from protocol.transport import try_bind
 from target_node.drafting.bridge import DrafterMismatch
@@ -172,14 +173,34 @@ def with_default_drafter(settings: ProposerSettings, model: Path) -> ProposerSet
     return replace(settings, checkpoint=ensure_default_drafter(model))
 
 
-@ctrl_c_exits_130
-def main(argv: list[str] | None = None) -> None:
+@dataclass(frozen=True)
+class DaemonCommand:
+    """The command line with every check passed (`checked_command`): what `main` starts from."""
+
+    parser: argparse.ArgumentParser
+    args: argparse.Namespace
+    settings: ServiceSettings
+    drafting: ProposerSettings
+    curve: ServerKeys | None
+    drafter_keys: ClientKeys | None
+
+
+def checked_command(argv: list[str] | None = None) -> DaemonCommand:
+    """The flags parsed and checked, each refusal one line and exit 2, before anything is set,
+    bound or loaded (a refusal costs a user no model load; the tests ask it in their own process)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     curve = server_security(parser, args, key_serves_links_out=bool(args.drafter_key))
     drafter_keys = client_security(parser, args.curve_key, args.drafter_key, "--drafter-key", key_serves_a_socket=True)
-    apply_runtime_args(args)
     settings, drafting = checked_flags(parser, args)
+    return DaemonCommand(parser, args, settings, drafting, curve, drafter_keys)
+
+
+@ctrl_c_exits_130
+def main(argv: list[str] | None = None) -> None:
+    command = checked_command(argv)
+    parser, args, settings, curve = command.parser, command.args, command.settings, command.curve
+    apply_runtime_args(args)
     refusals = (DrafterMismatch, CheckpointError, UnsupportedModel, UnsupportedCache, ModelLoadError, TrafficError)
     with one_line_errors(parser.prog, *refusals):
         # Before the model loads (minutes, on a GPU): an address this host cannot bind, a folder it cannot write.
@@ -192,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
             if not target.exact:
                 parser.exit(1, f"{parser.prog}: error: {inexact(target)}\n")
             recorder = TrafficRecorder(args.record, target.name, target.numerics) if args.record else None
-            proposers = build_proposers(with_default_drafter(drafting, model), target, target.slots, drafter_keys)
+            drafting = with_default_drafter(command.drafting, model)
+            proposers = build_proposers(drafting, target, target.slots, command.drafter_keys)
             looks_up = settings.looks_up(proposers[0])
             datastore = datastore_coming(
                 settings.datastore if looks_up else "none", target.name, vocab_size=target.vocab_size

@@ -1,6 +1,7 @@
 """Every console script the package declares imports and explains itself."""
 
 import argparse
+import importlib
 import json
 import re
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from helpers import running
+from helpers import hang_ups_by_default, running
 
 DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
 SCRIPTS = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
@@ -243,10 +244,34 @@ REFUSED_FLAGS = [
 ]
 
 
+# What the commands that import torch and transformers (3 s a start) check before they start,
+# asked in this process; each command's main asks it first (the test after).
+CHECKED_IN_PROCESS = {
+    "launch.target_daemon": "checked_command",
+    "launch.draft_daemon": "checked_command",
+    "launch.train": "parse_args",
+}
+
+
 @pytest.mark.parametrize("module, args, says", REFUSED_FLAGS)
-def test_a_flag_no_machine_can_honour_is_refused_by_the_parser(module, args, says):
+def test_a_flag_no_machine_can_honour_is_refused_by_the_parser(module, args, says, capsys):
     """Before, --device cuda:0 without CUDA and --threads -1 loaded the model and then ended in a
     traceback from deep inside torch (an audit of the commands)."""
+    if module not in CHECKED_IN_PROCESS:
+        done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and says in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
+        return
+    checked = getattr(importlib.import_module(module), CHECKED_IN_PROCESS[module])
+    with pytest.raises(SystemExit) as refused:
+        checked(args)
+    stderr = capsys.readouterr().err
+    assert refused.value.code == 2 and says in stderr.strip().splitlines()[-1], stderr[-2000:]
+
+
+@pytest.mark.parametrize("module", sorted(CHECKED_IN_PROCESS))
+def test_each_command_checked_in_process_refuses_so_when_run(module):
+    """The command itself refuses as its check does, at once: its main asks the check first."""
+    module, args, says = next(row for row in REFUSED_FLAGS if row[0] == module)
     done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and says in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
 
@@ -394,7 +419,7 @@ def test_a_script_that_starts_a_daemon_stops_it_however_the_script_ends(tmp_path
         stderr=subprocess.STDOUT,
         text=True,
         cwd=DRAFTER.parent.parent,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),  # a run under nohup ignores it
+        preexec_fn=hang_ups_by_default,
     )
     pid = None
     try:
