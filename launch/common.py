@@ -127,7 +127,7 @@ def apply_runtime_args(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-def resolve_model(folder: str | None) -> Path:
+def resolve_model(folder: str | Path | None) -> Path:
     """A local HF folder, or the default SmolLM2-135M-Instruct converted once into the cache. A
     folder that holds no model is refused here, before anything is loaded or started from it."""
     return model_folder(folder) if folder else ensure_default_model()

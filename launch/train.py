@@ -21,7 +21,9 @@ Recorded traffic (`dflash-target-daemon --record DIR`) is more data: `--data DIR
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,10 +32,14 @@ from launch.common import at_least, device_name, layer_ids, named_dtype, number_
 from launch.net import HelpFormatter, one_line_errors
 from protocol import FLOAT_DTYPES
 from protocol.messages import MAX_BLOCK_SIZE
+from protocol.tensors import torch_dtype
 from target_node import CACHE_ROOT
 from target_node.model.default_model import SHIPPED_DRAFTER
 from training.distributed import start, stop
 from training.prompts import EVAL_PROMPTS
+
+if TYPE_CHECKING:
+    from training.run_options import RunOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTER = ROOT.parent / "shared" / "prompts" / "train.jsonl"  # the starter prompts beside the repo
@@ -47,14 +53,16 @@ def main(argv: list[str] | None = None) -> None:
     from training.stages import run_stages  # it imports transformers, which --help can do without
     from training.trainer import TrainingError
 
-    args = parse_args(argv)
+    options = run_options(parse_args(argv))
     with one_line_errors("dflash-train", CheckpointError, TrainingError, FeatureCacheError, AnswerStoreError):
-        args.model = str(resolve_model(args.model))
-        torch.set_num_threads(args.threads)
-        ranks, args.device = start(args.device)  # under torchrun: this rank's place and device
+        model = resolve_model(options.run.model)
+        torch.set_num_threads(options.run.threads)
+        ranks, device = start(options.run.device)  # under torchrun: this rank's place and device
         try:
-            args.gen_dtype = named_dtype(args.gen_dtype, args.device)  # "auto" as this rank's device has it
-            run_stages(args, ranks)
+            gen_dtype = named_dtype(options.generation.dtype, device)  # "auto" as this rank's device has it
+            run = replace(options.run, model=model, device=device)
+            options = replace(options, run=run, generation=replace(options.generation, dtype=gen_dtype))
+            run_stages(options, ranks)
         finally:
             stop(ranks)
 
@@ -79,6 +87,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.out is None:  # a run's drafter stays beside its state until someone ships it
         args.out = str(Path(args.cache) / "train" / args.name / "drafter")
     return args
+
+
+def run_options(args: argparse.Namespace) -> RunOptions:
+    """The parsed flags as the typed options every stage reads: the one place a flag becomes a field."""
+    from training.run_options import (
+        DrafterShape,
+        FeatureSource,
+        Generation,
+        RunOptions,
+        RunSetup,
+        SelectorSchedule,
+        StageInputs,
+    )
+    from training.trainer import TrainOptions  # it imports transformers, which --help can do without
+
+    # Every schedule, objective and checkpoint flag is named after its TrainOptions field; the
+    # rank's device decides the rest (training.stages).
+    per_rank = {"device", "autocast", "loader_threads"}
+    given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if hasattr(args, f.name)}
+    given = {k: v for k, v in given.items() if k not in per_rank}
+    training = TrainOptions(**given | {"save_dtype": torch_dtype(args.save_dtype), "out": Path(args.out)})
+    model = Path(args.model) if args.model else None
+    drafters = tuple(map(Path, args.drafters.split(","))) if args.drafters else ()
+    return RunOptions(
+        run=RunSetup(
+            stage=args.stage, name=args.name, cache=Path(args.cache), model=model, device=args.device,
+            threads=args.threads, restart=args.restart,
+        ),
+        generation=Generation(
+            store=Path(args.store), extra_stores=tuple(map(Path, args.data)),
+            starter=Path(args.starter) if args.starter else None, dtype=args.gen_dtype,
+            feature_dtype=args.feature_dtype, batch=args.gen_batch, max_new=args.max_new, minutes=args.gen_minutes,
+            seed=args.gen_seed,
+        ),
+        shape=DrafterShape(
+            layers=args.layers, block_size=args.block_size, taps=tuple(args.taps), mask_token_id=args.mask_token_id,
+            format=args.format, selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
+        ),
+        features=FeatureSource(
+            choice=args.features, cached_only=args.cached_only, fill_minutes=args.feature_minutes,
+            autocast_choice=args.autocast, loader_threads_choice=args.loader_threads,
+        ),
+        selector=SelectorSchedule(steps=args.selector_steps, lr=args.selector_lr, batches=args.selector_batches),
+        stage_inputs=StageInputs(
+            average_with=Path(args.average_with) if args.average_with else None, weight=args.weight,
+            drafters=drafters, prompts=Path(args.prompts), estimate_tokens=args.estimate_tokens,
+        ),
+        training=training,
+    )  # fmt: skip
 
 
 def _run_flags(ap: argparse.ArgumentParser) -> None:

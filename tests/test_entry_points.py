@@ -292,10 +292,11 @@ def test_launch_holds_only_entry_points_and_their_helpers():
 
 def test_a_training_run_writes_its_drafter_beside_its_state_unless_told_where(tmp_path):
     """The default --out was the shipped drafter's folder: a run without --out overwrote it (an audit)."""
-    from launch.train import parse_args
+    from launch.train import parse_args, run_options
 
     args = parse_args(["--stage", "train", "--name", "trial", "--cache", str(tmp_path)])
     assert args.out == str(tmp_path / "train" / "trial" / "drafter")
+    assert run_options(args).training.out == tmp_path / "train" / "trial" / "drafter"
     assert parse_args(["--stage", "train", "--out", str(tmp_path / "mine")]).out == str(tmp_path / "mine")
 
 

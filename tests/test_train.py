@@ -1443,14 +1443,14 @@ def test_launch_train_ends_a_users_mistake_in_one_line(setup, tmp_path, capsys):
 
 def test_a_batch_smaller_than_the_ranks_is_refused_before_any_work(tmp_path):
     """--batch 1 on two ranks left one of them an empty share, which crashed inside a reshape."""
-    from launch.train import parse_args
+    from launch.train import parse_args, run_options
     from training.distributed import Ranks
     from training.stages import run_stages
     from training.trainer import TrainingError
 
-    args = parse_args(["--stage", "train", "--batch", "1", "--cache", str(tmp_path), "--store", str(tmp_path)])
+    flags = ["--stage", "train", "--batch", "1", "--cache", str(tmp_path), "--store", str(tmp_path)]
     with pytest.raises(TrainingError, match="--batch 1 gives 2 ranks"):
-        run_stages(args, Ranks(0, 2))
+        run_stages(run_options(parse_args(flags)), Ranks(0, 2))
 
 
 def test_a_models_identity_is_its_weights_not_its_save(tmp_path):

@@ -1,27 +1,26 @@
 """The stages of a training run, as `launch.train --stage` names them, on one rank.
 
-They read the parsed command line (`launch.train.parse_args`): each flag is the stage's own
-setting, so the command, its docs and these stages say one thing. `launch.train` fills in what the
-flags leave to the machine before any stage runs: the target's folder, the dtype "auto" names on
-this rank's device, the drafter `--stage selector` starts from.
+They read the run's options (`training.run_options.RunOptions`, which `launch.train.run_options`
+builds from the flags): each field is a flag's, so the command, its docs and these stages say one
+thing. `launch.train` fills in what the flags leave to the machine before any stage runs: the
+target's folder, the dtype "auto" names on this rank's device, the drafter `--stage selector`
+starts from.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 from answers.store import Answer, AnswerStore
 from dflash_kernels import computes_bf16
 from draft_node.checkpoint import config_for_target, load_drafter, save_draft_vocab, save_drafter
 from draft_node.config import DFlashConfig
-from protocol.tensors import torch_dtype
 from target_node.engine.engine import batch_engine
 from target_node.model.target import TargetModel
 from training.average import average_drafters
@@ -32,6 +31,7 @@ from training.estimate import estimate, kind_table
 from training.features import FeatureCache, LiveFeatures, feature_folder
 from training.generate import GenerateOptions, generate
 from training.prompts import Ask, HeldOut, jobs, read_prompts
+from training.run_options import DrafterShape, RunOptions, StageInputs
 from training.selector import train_selector
 from training.trainer import TARGET_INIT, Trainer, TrainingError, TrainOptions, saved_state, train
 from training.variety import report
@@ -60,100 +60,97 @@ def _rank_log(ranks: Ranks) -> Log:
     return log
 
 
-def run_stages(args: argparse.Namespace, ranks: Ranks) -> None:
+def run_stages(options: RunOptions, ranks: Ranks) -> None:
     """The stages --stage names, on this rank: generation and features sharded by rank, training
     data-parallel, everything else (one-process work) on rank 0 alone."""
-    cache = Path(args.cache)
-    work = cache / "train" / args.name
+    run, gen, source = options.run, options.generation, options.features
+    work = run.cache / "train" / run.name
     work.mkdir(parents=True, exist_ok=True)
     log = log_to(work / "train.log") if ranks.main else _rank_log(ranks)
-    check_run(args, ranks)
-    if args.stage in ("variety", "average", "grow"):
-        offline_stage(args, log)
+    check_run(options, ranks)
+    if run.stage in ("variety", "average", "grow"):
+        offline_stage(options, log)
         return
     # The target as the daemon serves it on this device (--feature-dtype "auto": bf16 where the
     # device computes it natively and the engine runs the model), with as many engine slots as
     # generation decodes rows at once (slots cost memory only once used). Its engine computes the
     # features, so the drafter trains on the rows serving feeds it; training reads its embeddings
     # and head (in fp32 from here on: the values serving projects through).
-    target = TargetModel.load(args.model, args.device, args.feature_dtype, slots=args.gen_batch)
-    cfg = drafter_config(args, target)
-    if args.stage in ("train", "all") and args.resume:  # refused now, not after hours of feature fill
+    target = TargetModel.load(run.model, run.device, gen.feature_dtype, slots=gen.batch)
+    cfg = drafter_config(options.shape, target)
+    if run.stage in ("train", "all") and options.training.resume:  # refused now, not after hours of feature fill
         saved_state(work / "state.pt", cfg)
     # Distillation reads the target's last layer too, cached beside the drafter's taps.
-    taps = tuple(cfg.target_layer_ids) + ((target.config.num_hidden_layers - 1,) if args.distill else ())
+    taps = tuple(cfg.target_layer_ids) + ((target.config.num_hidden_layers - 1,) if options.training.distill else ())
     width = len(taps) * target.config.hidden_size
-    folder = feature_folder(cache, args.model, taps, target.model.dtype)
-    features, store = FeatureCache(folder, width, model=args.model), AnswerStore(args.store)
-    if args.stage in ("gen", "all"):
-        generate_stage(args, target, taps, store, features, log, ranks)
+    folder = feature_folder(run.cache, run.model, taps, target.model.dtype)
+    features, store = FeatureCache(folder, width, model=run.model), AnswerStore(gen.store)
+    if run.stage in ("gen", "all"):
+        generate_stage(options, target, taps, store, features, log, ranks)
         if ranks.many:  # every rank's answers and rows, not its own alone: rank 0 trained on half of them
             ranks.barrier()
-            store, features = AnswerStore(args.store), FeatureCache(folder, width, model=args.model)
+            store, features = AnswerStore(gen.store), FeatureCache(folder, width, model=run.model)
     answers = list(store.answers)
-    for extra in args.data:
+    for extra in gen.extra_stores:
         answers += [a for a in AnswerStore(extra).answers if a.key not in store.keys]
-    live = args.stage in ("train", "all") and live_features(args.features, args.device)
-    if args.stage == "features" or (args.stage in ("train", "all") and not args.cached_only and not live):
-        deadline = time.time() + args.feature_minutes * 60 if args.feature_minutes else None
+    live = run.stage in ("train", "all") and live_features(source.choice, run.device)
+    if run.stage == "features" or (run.stage in ("train", "all") and not source.cached_only and not live):
+        deadline = time.time() + source.fill_minutes * 60 if source.fill_minutes else None
         mine = answers[ranks.rank :: ranks.world]
-        rows = rows_per_forward(args.device)
+        rows = rows_per_forward(run.device)
         added = features.fill(mine, target, taps, batch_tokens=rows, deadline=deadline, log=log)
         ranks.barrier()  # every rank's rows are in before any trains on them
-        features = FeatureCache(folder, width, model=args.model)
+        features = FeatureCache(folder, width, model=run.model)
         log(f"features: {added} answers filled by prefill; {len(features)} cached")
-    if args.stage in ("estimate", "selector", "vocab"):
-        target_stage(args, target, store, answers, cache, log)
-    if args.stage in ("train", "all"):
+    if run.stage in ("estimate", "selector", "vocab"):
+        target_stage(options, target, store, answers, log)
+    if run.stage in ("train", "all"):
         if ranks.many:  # a store or cache that grew while the ranks read it: what every rank holds
             common = ranks.common({a.key for a in answers if live or a.key in features})
             answers = [a for a in answers if a.key in common]
-        source = LiveFeatures(target, taps, batch_tokens=rows_per_forward(args.device)) if live else features
-        log(f"features: live, from the target's forward on each batch ({args.device})" if live else "features: cached")
-        train_stage(args, target, cfg, answers, source, work, log, ranks)
+        rows_from = LiveFeatures(target, taps, batch_tokens=rows_per_forward(run.device)) if live else features
+        log(f"features: live, from the target's forward on each batch ({run.device})" if live else "features: cached")
+        train_stage(options, target, cfg, answers, rows_from, work, log, ranks)
 
 
-def check_run(args: argparse.Namespace, ranks: Ranks) -> None:
+def check_run(options: RunOptions, ranks: Ranks) -> None:
     """What would fail only after minutes of work, refused before any."""
-    if ranks.many and args.stage not in ("gen", "features", "train", "all"):
-        raise SystemExit(f"--stage {args.stage} runs in one process; torchrun runs gen, features and train")
-    if ranks.many and args.stage in ("train", "all") and args.batch < ranks.world:
-        raise TrainingError(f"--batch {args.batch} gives {ranks.world} ranks nothing to share: at least one each")
-    state = Path(args.cache) / "train" / args.name / "state.pt"
-    if args.stage in ("train", "all") and state.exists() and not (args.resume or args.restart):
+    run, training = options.run, options.training
+    if ranks.many and run.stage not in ("gen", "features", "train", "all"):
+        raise SystemExit(f"--stage {run.stage} runs in one process; torchrun runs gen, features and train")
+    if ranks.many and run.stage in ("train", "all") and training.batch < ranks.world:
+        raise TrainingError(f"--batch {training.batch} gives {ranks.world} ranks nothing to share: at least one each")
+    state = run.cache / "train" / run.name / "state.pt"
+    if run.stage in ("train", "all") and state.exists() and not (training.resume or run.restart):
         # A run that forgot --resume replaced a 4,000-step state with its own, silently (an audit).
-        raise TrainingError(
-            f"--name {args.name} has a run already ({state}): --resume it, or --restart it from scratch"
-        )
-    if args.stage in ("train", "all") and args.init and not str(args.init).startswith(TARGET_INIT):
-        load_drafter(args.init)  # a bad --init ends the run before any feature fill, not after it
+        raise TrainingError(f"--name {run.name} has a run already ({state}): --resume it, or --restart it from scratch")
+    if run.stage in ("train", "all") and training.init and not str(training.init).startswith(TARGET_INIT):
+        load_drafter(training.init)  # a bad --init ends the run before any feature fill, not after it
 
 
-def offline_stage(args: argparse.Namespace, log: Log) -> None:
+def offline_stage(options: RunOptions, log: Log) -> None:
     """The stages that need no target: variety, average, grow."""
-    if args.stage == "variety":
-        print(json.dumps(report(AnswerStore(args.store).answers), indent=2))
-    elif args.stage == "average":
-        average_stage(args, log)
+    if options.run.stage == "variety":
+        print(json.dumps(report(AnswerStore(options.generation.store).answers), indent=2))
+    elif options.run.stage == "average":
+        average_stage(options.training, options.stage_inputs, log)
     else:
-        grow_stage(args, log)
+        grow_stage(options.training, options.shape, log)
 
 
-def target_stage(
-    args: argparse.Namespace, target: TargetModel, store: AnswerStore, answers: list[Answer], cache: Path, log: Log
-) -> None:
+def target_stage(options: RunOptions, target: TargetModel, store: AnswerStore, answers: list[Answer], log: Log) -> None:
     """The one-process stages that read the target: estimate, selector, vocab."""
-    if args.stage == "estimate":
-        estimate_stage(args, target, store, cache, log)
-    elif args.stage == "selector":
-        selector_stage(args, target, answers, cache, log)
+    if options.run.stage == "estimate":
+        estimate_stage(options, target, store, log)
+    elif options.run.stage == "selector":
+        selector_stage(options, target, answers, log)
     else:
         # The answers' own tokens: counting only those with cached features wrote [] for a fresh
         # cache, which reads as the whole vocabulary (an audit).
-        ids = draft_vocabulary(samples([a for a in answers if not a.held_out], None), args.draft_vocab)
+        ids = draft_vocabulary(samples([a for a in answers if not a.held_out], None), options.training.draft_vocab)
         if not ids:
-            raise TrainingError(f"--stage vocab: no answer tokens in {args.store}")
-        log(f"draft vocabulary: {len(ids)} tokens -> {save_draft_vocab(args.out, ids)}")
+            raise TrainingError(f"--stage vocab: no answer tokens in {options.generation.store}")
+        log(f"draft vocabulary: {len(ids)} tokens -> {save_draft_vocab(options.training.out, ids)}")
 
 
 def rows_per_forward(device: str) -> int:
@@ -168,28 +165,27 @@ def live_features(choice: str, device: str) -> bool:
     return choice == "live" or (choice == "auto" and device.startswith("cuda"))
 
 
-def drafter_config(args: argparse.Namespace, target: TargetModel) -> DFlashConfig:
+def drafter_config(shape: DrafterShape, target: TargetModel) -> DFlashConfig:
     """The drafter this run trains, for `target`, from the shape flags."""
-    taps = args.taps or 5
     cfg = config_for_target(
         target.config,
-        num_layers=args.layers,
-        block_size=args.block_size,
-        taps=taps,
-        mask_token_id=args.mask_token_id,
-        dflash2=args.format == "dflash2",
+        num_layers=shape.layers,
+        block_size=shape.block_size,
+        taps=list(shape.taps) or 5,
+        mask_token_id=shape.mask_token_id,
+        dflash2=shape.format == "dflash2",
     )
     if not cfg.dflash2:
         return cfg
     return replace(
         cfg,
-        selector_rank=args.selector_rank or cfg.selector_rank,
-        selector_top_k=args.selector_top_k or cfg.selector_top_k,
+        selector_rank=shape.selector_rank or cfg.selector_rank,
+        selector_top_k=shape.selector_top_k or cfg.selector_top_k,
     )
 
 
 def generate_stage(
-    args: argparse.Namespace,
+    options: RunOptions,
     target: TargetModel,
     taps: tuple[int, ...],
     store: AnswerStore,
@@ -202,24 +198,25 @@ def generate_stage(
     The target writes them where it is in --gen-dtype and decodes a batch at once, and its answers'
     features come for free; else a target that does (where "auto" declines the device, the engine
     all the same: the transformers path decodes one row at a time) writes, and prefill fills them."""
-    engine = batch_engine(args.device)
-    same = args.gen_dtype == target.model.dtype and (target.slots >= args.gen_batch or engine is None)
-    load = {"engine": engine, "slots": args.gen_batch}
-    writer = target if same else TargetModel.load(args.model, args.device, args.gen_dtype, **load)
-    deadline = time.time() + args.gen_minutes * 60
-    starter = read_prompts(args.starter) if args.starter and Path(args.starter).is_file() else []
+    run, gen = options.run, options.generation
+    engine = batch_engine(run.device)
+    same = gen.dtype == target.model.dtype and (target.slots >= gen.batch or engine is None)
+    load = {"engine": engine, "slots": gen.batch}
+    writer = target if same else TargetModel.load(run.model, run.device, gen.dtype, **load)
+    deadline = time.time() + gen.minutes * 60
+    starter = read_prompts(gen.starter) if gen.starter and gen.starter.is_file() else []
     log(
-        f"gen: {writer.model.dtype}, batch {args.gen_batch}, max_new {args.max_new}, {args.threads} threads, "
+        f"gen: {writer.model.dtype}, batch {gen.batch}, max_new {gen.max_new}, {run.threads} threads, "
         f"taps {list(taps)}, until {time.strftime('%H:%M:%S', time.localtime(deadline))}"
     )
-    seed = args.gen_seed + ranks.rank
-    opts = GenerateOptions(seed=seed, batch=args.gen_batch, max_new=args.max_new, deadline=deadline)
+    seed = gen.seed + ranks.rank
+    opts = GenerateOptions(seed=seed, batch=gen.batch, max_new=gen.max_new, deadline=deadline)
     openings = jobs(seed, starter=starter if ranks.main else [])
     generate(writer, store, openings, opts, features=features if same else None, layer_ids=taps, log=log)
 
 
 def train_stage(
-    args: argparse.Namespace,
+    options: RunOptions,
     target: TargetModel,
     cfg: DFlashConfig,
     answers: list[Answer],
@@ -230,21 +227,18 @@ def train_stage(
 ) -> None:
     """Train the drafter on every rank (its state under `work`, its checkpoint at --out); a DFlash2
     drafter's selector then learns on the finished backbone's outputs, on rank 0."""
-    # Every training flag is named after its TrainOptions field; the dtype, autocast and the folder need parsing.
-    given = {f.name: getattr(args, f.name) for f in fields(TrainOptions) if hasattr(args, f.name)}
-    opts = TrainOptions(
-        **given
-        | {
-            "save_dtype": torch_dtype(args.save_dtype),
-            "out": Path(args.out),
-            "autocast": autocast(args.autocast, args.device),
-            "loader_threads": loader_threads(args.loader_threads, args.device),
-        }
+    device, choices = options.run.device, options.features
+    opts = replace(
+        options.training,
+        device=device,
+        autocast=autocast(choices.autocast_choice, device),
+        loader_threads=loader_threads(choices.loader_threads_choice, device),
     )
     trainer = train(target, cfg, answers, features, opts, work / "state.pt", log=log, ranks=ranks)
     if cfg.dflash2 and ranks.main:  # the backbone is done: its selector learns on its outputs
         trainer.ranks = ONE  # rank 0 alone, on whole batches: it learnt on rank 0's shares (an audit)
-        train_selector(trainer, args.selector_batches, args.selector_steps, args.selector_lr, log)
+        selector = options.selector
+        train_selector(trainer, selector.batches, selector.steps, selector.lr, log)
         trainer.save(work / "state.pt", opts.out)
         log(f"DFlash2 drafter -> {opts.out}")
 
@@ -265,47 +259,51 @@ def autocast(choice: str, device: str) -> bool:
     return computes_bf16(device)
 
 
-def average_stage(args: argparse.Namespace, log: Log) -> None:
+def average_stage(training: TrainOptions, inputs: StageInputs, log: Log) -> None:
     """(1 - --weight) x --init + --weight x --average-with, saved at --out (training.average)."""
-    if not (args.init and args.average_with):
+    if not (training.init and inputs.average_with):
         raise SystemExit("--stage average needs --init A and --average-with B")
-    drafter = average_drafters(load_drafter(args.init), load_drafter(args.average_with), args.weight)
-    save_drafter(drafter.to(torch_dtype(args.save_dtype)), args.out)
-    log(f"average: {1 - args.weight:g} x {args.init} + {args.weight:g} x {args.average_with} -> {args.out}")
+    drafter = average_drafters(load_drafter(training.init), load_drafter(inputs.average_with), inputs.weight)
+    save_drafter(drafter.to(training.save_dtype), training.out)
+    log(
+        f"average: {1 - inputs.weight:g} x {training.init} + {inputs.weight:g} x {inputs.average_with} "
+        f"-> {training.out}"
+    )
 
 
-def grow_stage(args: argparse.Namespace, log: Log) -> None:
+def grow_stage(training: TrainOptions, shape: DrafterShape, log: Log) -> None:
     """--init grown to --layers layers (training.drafter_starts.grown_drafter), saved at --out."""
-    if not args.init:
+    if not training.init:
         raise SystemExit("--stage grow needs --init A and --layers N")
-    drafter = load_drafter(args.init)
+    drafter = load_drafter(training.init)
     try:
-        grown = grown_drafter(drafter, args.layers)
+        grown = grown_drafter(drafter, shape.layers)
     except ValueError as exc:
         raise SystemExit(f"--stage grow: {exc}") from exc
-    save_drafter(grown.to(torch_dtype(args.save_dtype)), args.out)
-    log(f"grow: {args.init} ({drafter.config.num_hidden_layers} layers) -> {args.out} ({args.layers} layers)")
+    save_drafter(grown.to(training.save_dtype), training.out)
+    log(f"grow: {training.init} ({drafter.config.num_hidden_layers} layers) -> {training.out} ({shape.layers} layers)")
 
 
-def estimate_stage(args: argparse.Namespace, target: TargetModel, store: AnswerStore, cache: Path, log: Log) -> None:
+def estimate_stage(options: RunOptions, target: TargetModel, store: AnswerStore, log: Log) -> None:
     """Each drafter's chain acceptance, offline, on the same blocks: the held-out prompts' answers, the store's.
 
     The target answers --prompts once (greedy, kept under the cache, keyed by the prompts, the
     model and its dtype); features come by prefill for each drafter's taps.
     """
-    if not args.drafters:
+    inputs, cache, model = options.stage_inputs, options.run.cache, options.run.model
+    if not inputs.drafters:
         raise SystemExit("--stage estimate needs --drafters A[,B...]")
     dtype = target.model.dtype
-    answers, folder = prompts_answers(target, args.model, args.prompts, args.estimate_tokens, cache, log)
+    answers, folder = prompts_answers(target, model, inputs.prompts, inputs.estimate_tokens, cache, log)
     held_out = [a for a in store.answers if a.held_out]
     rows = ["| drafter | held-out prompts' answers | store held-out answers |", "|---|---|---|"]
     kinds: dict[str, dict] = {}  # drafter -> the store's held-out answers' tau by kind
-    for path in args.drafters.split(","):
+    for path in inputs.drafters:
         drafter = load_drafter(path)
         taps, width = "-".join(map(str, drafter.config.target_layer_ids)), drafter.config.feature_width
         groups = (
             (answers.answers, FeatureCache(folder / f"features-taps{taps}", width)),
-            (held_out, FeatureCache(feature_folder(cache, args.model, drafter.config.target_layer_ids, dtype), width)),
+            (held_out, FeatureCache(feature_folder(cache, model, drafter.config.target_layer_ids, dtype), width)),
         )
         scores = []
         for group, features in groups:
@@ -314,14 +312,14 @@ def estimate_stage(args: argparse.Namespace, target: TargetModel, store: AnswerS
             result = estimate(target, drafter, group, features)
             walk = f", walk {result['selector_tau']:.3f}" if "selector_tau" in result else ""
             scores.append(f"{result['tau']:.3f}{walk} ({sum(result['histogram'])} blocks)" if result else "-")
-        kinds[path] = result.get("by_kind", {}) if result else {}  # the store's: the last group scored
+        kinds[str(path)] = result.get("by_kind", {}) if result else {}  # the store's: the last group scored
         rows.append(f"| {path} | {scores[0]} | {scores[1]} |")
     log("chain tau, estimated offline:\n" + "\n".join(rows))
     log("the store's held-out answers by kind:\n" + "\n".join(kind_table(kinds)))
 
 
 def prompts_answers(
-    target: TargetModel, model: str, prompts_path: str | Path, tokens: int, cache: Path, log: Log
+    target: TargetModel, model: str | Path, prompts_path: str | Path, tokens: int, cache: Path, log: Log
 ) -> tuple[AnswerStore, Path]:
     """The target's greedy answers to held-out prompts (`tokens` each), generated once and kept
     under the cache, keyed by the prompts, the model and its dtype; and the folder that holds them."""
@@ -335,27 +333,27 @@ def prompts_answers(
     return answers, folder
 
 
-def selector_stage(args: argparse.Namespace, target: TargetModel, answers: list[Answer], cache: Path, log: Log) -> None:
+def selector_stage(options: RunOptions, target: TargetModel, answers: list[Answer], log: Log) -> None:
     """A DFlash2 drafter from a trained drafter (--init, which `launch.train` defaults to the shipped
     one): the same backbone (a DFlash one gains identity convolutions) and a selector trained on its
     block rows (training.selector)."""
-    backbone = load_drafter(args.init)
-    drafter = as_dflash2(backbone.float(), target.vocab_size, args.selector_rank, args.selector_top_k)
+    shape, selector, training = options.shape, options.selector, options.training
+    backbone = load_drafter(training.init)
+    drafter = as_dflash2(backbone.float(), target.vocab_size, shape.selector_rank, shape.selector_top_k)
     cfg = drafter.config
-    folder = feature_folder(cache, args.model, cfg.target_layer_ids, target.model.dtype)
+    folder = feature_folder(options.run.cache, options.run.model, cfg.target_layer_ids, target.model.dtype)
     features = FeatureCache(folder, cfg.feature_width)
     # The answers whose features are cached (--stage features fills the rest): the backbone's rows need them.
     log(f"selector: {sum(a.key in features for a in answers)} of {len(answers)} answers have cached features")
     opts = TrainOptions(
-        batch=args.batch, anchors=args.anchors, max_len=args.max_len, seed=args.seed, val_answers=args.val_answers,
-        draft_vocab=0,
+        batch=training.batch, anchors=training.anchors, max_len=training.max_len, seed=training.seed,
+        val_answers=training.val_answers, draft_vocab=0,
     )  # fmt: skip
     trainer = Trainer(target, cfg, answers, features, opts)
     trainer.use_vocabulary(list(backbone.draft_vocab or []))
     trainer.init_from(drafter)
-    train_selector(trainer, args.selector_batches, args.selector_steps, args.selector_lr, log)
-    out = Path(args.out)
-    exported = export_drafter(trainer.drafter, trainer.scale).to(torch_dtype(args.save_dtype))
+    train_selector(trainer, selector.batches, selector.steps, selector.lr, log)
+    exported = export_drafter(trainer.drafter, trainer.scale).to(training.save_dtype)
     exported.draft_vocab = list(backbone.draft_vocab or [])
-    save_drafter(exported, out)
-    log(f"selector: DFlash2 drafter -> {out}")
+    save_drafter(exported, training.out)
+    log(f"selector: DFlash2 drafter -> {training.out}")
