@@ -484,6 +484,7 @@ def test_a_daemon_that_goes_away_mid_request_is_noticed_in_seconds(model_dir, tm
     import frontend.target_client as target_client
 
     monkeypatch.setattr(target_client, "QUIET_S", 1.0)
+    monkeypatch.setattr(target_client, "PING_S", 2.0)  # a killed daemon's ping times out: 2 s, not 10
     address = f"ipc://{tmp_path}/going.sock"
     with daemon("target daemon", "launch.target_daemon", address, ["--model", str(model_dir)], 120) as proc:
         client = TargetClient(address, timeout_s=60.0)
