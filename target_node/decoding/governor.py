@@ -72,18 +72,24 @@ class VerifyCosts:
         return self.seconds[min(above)]
 
     def measure(self, target, widths: Sequence[int], context: int = 128, repeats: int = 3) -> None:  # a TargetModel
-        """Time target steps of each width after a `context`-token prefix (median of `repeats`)."""
+        """Time target steps of each width after a `context`-token prefix (median of `repeats`).
+        One step of the widest warms up first: a warm-up at every width made a third of a daemon's
+        start (the rows it lays out serve the narrower steps too, and the serving steps correct
+        what a start measures: `update`)."""
         target.reset()
         target.forward([3 + i % 97 for i in range(context)])
+        widths = list(widths)
+
+        def step(width: int) -> float:
+            began = time.perf_counter()
+            hidden, _ = target.forward([5] * width)
+            target.greedy(hidden)
+            target.rollback(context)
+            return time.perf_counter() - began
+
+        step(max(widths, default=1))
         for width in widths:
-            times = []
-            for _ in range(repeats + 1):  # the first run warms up
-                began = time.perf_counter()
-                hidden, _ = target.forward([5] * width)
-                target.greedy(hidden)
-                target.rollback(context)
-                times.append(time.perf_counter() - began)
-            self.seconds[width] = statistics.median(times[1:])
+            self.seconds[width] = statistics.median(step(width) for _ in range(repeats))
         target.reset()
 
 
