@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
-from draft_node.files import write_atomically
+from basics.files import write_atomically
 
 STORE = Path(__file__).resolve().parent.parent / "data" / "answers"
 HELD_OUT_BUCKETS = 32  # one job in 32 is held out

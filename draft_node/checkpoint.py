@@ -15,8 +15,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from basics.files import write_atomically
 from draft_node.config import CheckpointError, DFlashConfig, in_dflash2
-from draft_node.files import write_atomically
 from draft_node.model import DFlashDrafter
 
 

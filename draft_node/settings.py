@@ -1,33 +1,16 @@
 """What a draft daemon allows: one object, one field per flag.
 
-Each field carries its default and its help; the daemon's command line is built from them
-(`launch.common.add_settings`), and the limits table in docs/serving.md is tested against them.
-`setting` is the one way a daemon's settings field is declared (the target daemon's too).
+Each field carries its default and its help (`basics.settings_fields.setting`); the daemon's
+command line is built from them (`launch.common.add_settings`), and the limits table in
+docs/serving.md is tested against them.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass
 
+from basics.settings_fields import refuse_unfinite, setting
 from protocol.messages import KEEPALIVE_S, MAX_RING_CAPACITY
-
-
-def setting(default: Any, help: str, unit: str = "", limit: bool = True) -> Any:
-    """A field with its help; `unit` says how the docs write its default ("ms", "s", "bytes"), and
-    `limit` whether the docs' limits table lists it."""
-    return field(default=default, metadata={"help": help, "unit": unit, "limit": limit})
-
-
-def refuse_unfinite(settings: object) -> None:
-    """A settings object's numbers are finite: NaN passed every `x < 0` check (a NaN --idle-timeout
-    never evicted) and inf failed deep inside the first use (a NaN or inf --keep-mb, after the
-    model loaded: an audit)."""
-    for f in fields(settings):  # type: ignore[arg-type]
-        value = getattr(settings, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{f.name} must be a finite number, got {value}")
 
 
 @dataclass(frozen=True)

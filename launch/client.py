@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-from draft_node.files import write_atomically
+from basics.files import write_atomically
 from frontend.target_client import TargetClient
 from launch.common import at_least, number_in
 from launch.net import TARGET_ADDRESS, HelpFormatter, client_security, one_line_errors, peer_address

@@ -18,7 +18,8 @@ def test_the_lower_floors_import_nothing_from_the_upper_ones():
     rooms = {(a, b) for a, b in read(ROOT).arrows}
     assert not {b for a, b in rooms if a == "protocol"}, "protocol knows nothing of the rest"
     assert not {b for a, b in rooms if a == "dflash_kernels"}
-    assert {b for a, b in rooms if a == "draft_node"} <= {"protocol", "dflash_kernels"}, (
+    assert not {b for a, b in rooms if a == "basics"}, "what every package stands on stands on nothing"
+    assert {b for a, b in rooms if a == "draft_node"} <= {"protocol", "dflash_kernels", "basics"}, (
         "the drafter knows only the wire"
     )
     assert not {a for a, b in rooms if b in ("launch", "benchmarks") and a not in ("launch", "benchmarks")}

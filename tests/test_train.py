@@ -1733,7 +1733,7 @@ checkpoint.save_drafter(drafter, {str(folder)!r})
 def test_a_partial_file_a_killed_write_left_does_not_stop_the_next(tmp_path):
     """A killed write left its partial file with the old file's read-only mode, and every later
     write to it failed (a review)."""
-    from draft_node.files import write_atomically
+    from basics.files import write_atomically
 
     def fresh(text: str):  # a writer that cannot open an existing file, as a read-only one is to a user
         def write(tmp: Path) -> None:

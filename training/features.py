@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from answers.store import Answer
-from draft_node.files import write_atomically
+from basics.files import write_atomically
 from target_node.model.target import TargetModel
 
 WINDOW = 512  # answers sorted by length together when filling (see FeatureCache.fill)

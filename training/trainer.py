@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from answers.store import Answer
+from basics.files import write_atomically
 from draft_node.checkpoint import load_drafter, save_drafter
 from draft_node.config import DFlashConfig
-from draft_node.files import write_atomically
 from draft_node.model import DFlashDrafter
 from training.batches import Batch, Sample, draft_vocabulary, feature_scale, make_batch, samples, teacher_positions
 from training.distributed import ONE, Ranks

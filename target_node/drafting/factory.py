@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from basics.settings_fields import refuse_unfinite
 from draft_node.checkpoint import load_drafter
-from draft_node.settings import refuse_unfinite
 from protocol.keys import ClientKeys
 from protocol.messages import MAX_PREDRAFT_OUTCOMES, MAX_RING_CAPACITY, fit_problems
 from target_node.drafting.bridge import DrafterMismatch

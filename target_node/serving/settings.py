@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from draft_node.settings import refuse_unfinite, setting
+from basics.settings_fields import refuse_unfinite, setting
 from protocol.messages import MAX_REPLY_TOKENS
 from target_node.drafting.proposers import NoProposer, Proposer
 from target_node.serving.prefix_cache import default_budget_mb
