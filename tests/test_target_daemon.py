@@ -225,11 +225,11 @@ def test_admission_takes_a_bounded_share_of_a_step_and_refuses_every_request_in_
     sent = []
     monkeypatch.setattr(service, "send", lambda identity, frames: sent.append(decode(frames).id))
 
-    def slow_refusal(msg):
+    def slow_refusal(target, msg):
         time.sleep(0.1)  # a long prompt's tokenizing
         raise ProtocolError(ErrorCode.BAD_FIELD, "the prompt cannot be tokenized")
 
-    monkeypatch.setattr(service, "prompt_ids", slow_refusal)
+    monkeypatch.setattr(daemon_module, "prompt_ids", slow_refusal)
     monkeypatch.setattr(daemon_module, "ADMIT_BUDGET_S", 0.25)
     for i in range(1, 11):
         fields = {"prompt": "x", "token_ids": [], "hints": [], "messages": [], "stop": [], "max_new_tokens": 4}
@@ -421,15 +421,17 @@ def test_a_fitted_budget_is_cut_to_the_daemons_limit_and_an_explicit_one_is_not(
     its limit is still held to it."""
     from target_node.drafting.proposers import NoProposer
     from target_node.serving.daemon import TargetService
+    from target_node.serving.requests import answer_budget
     from target_node.serving.settings import ServiceSettings
 
     target = TargetModel(tiny_target("llama", seed=5).model, slots=1)
-    service = TargetService(target, [NoProposer()], ServiceSettings(max_new_tokens_limit=300))
-    assert service.answer_budget({"max_new_tokens": 512, "fit_context": True}, 10) == 300
-    assert service.answer_budget({"max_new_tokens": 512, "fit_context": True}, 2000) == 48
+    settings = ServiceSettings(max_new_tokens_limit=300)
+    service = TargetService(target, [NoProposer()], settings)
+    assert answer_budget(target, settings, {"max_new_tokens": 512, "fit_context": True}, 10) == 300
+    assert answer_budget(target, settings, {"max_new_tokens": 512, "fit_context": True}, 2000) == 48
     explicit = {"max_new_tokens": 512, "fit_context": False, "stop": [], "hints": [], "sampling": {}}
     with pytest.raises(ProtocolError, match="exceeds this daemon's limit 300"):
-        service.decode_options(explicit, service.answer_budget(explicit, 10))
+        service.decode_options(explicit, answer_budget(target, settings, explicit, 10))
 
 
 def test_an_answer_over_what_a_done_reply_holds_is_refused_alone(tmp_path, monkeypatch):

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from protocol import ErrorCode, Message, ProtocolError, encode, encode_error
 from protocol.keys import ServerKeys
 from protocol.messages import HEARTBEAT_MISSES
-from protocol.sampling import SamplingParams
 from protocol.stats import ServedStats
 from protocol.transport import CONTROL_MAX_FRAME, Server
 from target_node.decoding.governor import Governor
@@ -41,6 +40,7 @@ from target_node.drafting.proposers import NoProposer, Proposer
 from target_node.model.target import ContextLengthError, TargetModel
 from target_node.serving.metrics import RequestClock, ServedMetrics, drafter_state
 from target_node.serving.prefix_cache import PrefixCache
+from target_node.serving.requests import answer_budget, decode_options, prompt_ids
 from target_node.serving.settings import ServiceSettings
 
 log = logging.getLogger("target_daemon")
@@ -457,65 +457,11 @@ class TargetService:
 
     # --- model side --------------------------------------------------------
 
-    def prompt_ids(self, msg: Message) -> list[int]:
-        try:
-            if msg["messages"]:
-                ids = self.target.encode_chat(msg["messages"])
-            elif msg["prompt"]:
-                ids = self.target.encode_text(msg["prompt"])
-            else:
-                ids = list(msg["token_ids"])
-        except Exception as exc:  # the tokenizer or chat template refused this input
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"the prompt cannot be tokenized: {exc}") from exc
-        vocab = self.target.vocab_size  # read once, not once per token
-        top = max(max(ids, default=0), max(msg["hints"], default=0))  # in C: a 65,536-id prompt in ~1 ms
-        bad = [t for t in (*ids, *msg["hints"]) if t >= vocab] if top >= vocab else []
-        if bad:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"token ids {bad[:5]} are outside the vocabulary ({vocab})")
-        if not ids:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "the prompt is empty")
-        if msg["stop"] and self.target.tokenizer is None:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "stop strings need a tokenizer; this target has none")
-        return ids
-
-    def answer_budget(self, msg: Message, prompt_tokens: int) -> int:
-        """The request's max_new_tokens, where it asks (`fit_context`) cut to the positions its
-        prompt leaves and to this daemon's own limit: a prompt that leaves none is still over the
-        model's length."""
-        budget, limit = msg["max_new_tokens"], self.target.max_positions
-        if msg["fit_context"]:
-            budget = min(budget, self.settings.max_new_tokens_limit)
-            if limit is not None and prompt_tokens >= limit:  # said so: the client set no max_new_tokens
-                why = f"the prompt ({prompt_tokens} tokens) fills the model's {limit} positions, leaving none to answer"
-                raise ContextLengthError(why)
-            if limit is not None:
-                budget = min(budget, limit - prompt_tokens)
-        self.target.check_length(prompt_tokens, budget)
-        return budget
-
     def decode_options(self, msg: Message, max_new_tokens: int) -> DecodeOptions:
-        """A generate request's options, under this daemon's limits and settings."""
-        if max_new_tokens > self.settings.max_new_tokens_limit:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD,
-                f"max_new_tokens {max_new_tokens} exceeds this daemon's limit {self.settings.max_new_tokens_limit}",
-            )
-        try:
-            sampling = SamplingParams.from_dict(msg["sampling"])
-        except (TypeError, ValueError) as exc:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"sampling: {exc}") from exc
+        """A generate request's options, under this daemon's limits, settings and datastore."""
         lookup = self.settings.looks_up(self.proposer)
-        return DecodeOptions(
-            max_new_tokens,
-            stop_strings=tuple(msg["stop"]),
-            hint_tokens=tuple(msg["hints"]),
-            sampling=sampling,
-            adaptive=self.adaptive,
-            tree_nodes=self.settings.tree_nodes,
-            lookup=lookup,
-            datastore=self.built_datastore() if lookup else None,
-            prefill_chunk=self.settings.prefill_chunk,
-        )
+        datastore = self.built_datastore() if lookup else None
+        return decode_options(msg, max_new_tokens, self.settings, self.adaptive, lookup, datastore)
 
     def built_datastore(self) -> Datastore | None:
         if isinstance(self.datastore, Future):
@@ -539,10 +485,10 @@ class TargetService:
             msg, identity = job.request, job.identity
             slot = self.free[0]
             try:
-                prompt = self.prompt_ids(msg)
+                prompt = prompt_ids(self.target, msg)
                 # The model's bound before this daemon's own limit: a request over both is told the
                 # one it can act on (what OpenAI clients know as context_length_exceeded).
-                options = self.decode_options(msg, self.answer_budget(msg, len(prompt)))
+                options = self.decode_options(msg, answer_budget(self.target, self.settings, msg, len(prompt)))
                 clock = RequestClock(job.received)
                 proposer = self.proposers[slot]
 
