@@ -112,3 +112,13 @@ def test_the_benchmarks_exit_1_when_a_drafted_output_is_not_plain_decodings(monk
             with pytest.raises(SystemExit) as ended:
                 bench_serving.main(argv)
             assert ended.value.code == code
+
+
+def test_the_start_benchmark_times_a_load_and_a_service_that_measured_its_costs(chat_model_dir, capsys):
+    from benchmarks import bench_start
+
+    result = bench_start.main(["--model", str(chat_model_dir), "--slots", "2", "--tree-nodes", "4", "--repeats", "1"])
+    assert result["load_s"] > 0 and result["service_s"] > 0
+    # Widths 1..5 (a tree of 4) and the two slots' widest, 10: each measured once.
+    assert result["widths_measured"] == 6
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
