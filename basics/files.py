@@ -13,12 +13,17 @@ def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """`write` the file beside `path`, sync it and rename it over `path`: a reader, a process killed
     meanwhile or a power cut find the old file or the new one, never part of one. The old file's
     permissions carry over; a partial file a killed write left (read-only, perhaps) is removed
-    first, or it failed every later write (a review)."""
+    first, or it failed every later write (a review). A write that fails (a full disk) takes its
+    partial file with it: left, they kept the disk full (an audit)."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)
-    write(tmp)
-    if path.exists():
-        shutil.copymode(path, tmp)
-    with open(tmp, "rb") as written:
-        os.fsync(written.fileno())
-    tmp.replace(path)
+    try:
+        write(tmp)
+        if path.exists():
+            shutil.copymode(path, tmp)
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -33,7 +33,7 @@ SOURCE = Path(__file__).with_name("cpu.cpp")
 # this package, below both nodes, cannot import.
 # Absolute: a relative $DFLASH_SPLIT_CACHE kept each working directory's daemons apart (an audit).
 KERNEL_CACHE = (
-    Path(os.environ.get("DFLASH_SPLIT_CACHE", Path.home() / ".cache" / "dflash-split")).expanduser().absolute()
+    Path(os.environ.get("DFLASH_SPLIT_CACHE") or Path.home() / ".cache" / "dflash-split").expanduser().absolute()
     / "kernels"
 )
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c++20", "-fopenmp"]

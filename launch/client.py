@@ -185,6 +185,10 @@ class Printer:
             raise self.failed
 
 
+class AnswersNotSaved(OSError):
+    """--json could not be written (a full disk, a read-only folder); the answers went to stdout."""
+
+
 def save_answers(path: str | None, results: list[dict]) -> OSError | None:
     """Write the answers finished to --json (atomically: a run stopped as it writes leaves the last
     whole file); the error, where it cannot, for the caller to report."""
@@ -222,8 +226,8 @@ def run(args: argparse.Namespace, keys: ClientKeys | None = None, out: TextIO = 
         unsaved = save_answers(args.json, results)
         if unsaved is not None and sys.exc_info()[1] is not None:  # the run's own error goes on
             print(f"dflash-client: could not write --json: {unsaved}", file=sys.stderr)
-    if unsaved is not None:
-        raise unsaved
+    if unsaved is not None:  # the answers are on stdout: one line, not a traceback (an audit)
+        raise AnswersNotSaved(f"could not write --json: {unsaved}")
     return results
 
 
@@ -278,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     keys = client_security(parser, args.curve_key, args.server_key, "--server-key")
     with ends_quietly():
         check_client_args(parser, args)  # Ctrl-C while it reads a terminal's prompts
-        with one_line_errors(parser.prog, DroppedRequest):
+        with one_line_errors(parser.prog, DroppedRequest, AnswersNotSaved):
             run(args, keys)
 
 

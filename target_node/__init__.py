@@ -5,4 +5,5 @@ import os
 from pathlib import Path
 
 # Where converted models, compiled kernels, features and other rebuildable files live: never the repo.
-CACHE_ROOT = Path(os.environ.get("DFLASH_SPLIT_CACHE", Path.home() / ".cache" / "dflash-split"))
+# `or`, not get's default: Path.home() raises where there is no HOME, which the variable spares.
+CACHE_ROOT = Path(os.environ.get("DFLASH_SPLIT_CACHE") or Path.home() / ".cache" / "dflash-split")

@@ -1782,3 +1782,34 @@ def test_a_run_is_resumed_or_restarted_never_replaced_and_a_wrong_resume_is_refu
     with pytest.raises(SystemExit):
         main(["--stage", "train", "--store", str(tmp_path / "no-such-store")])
     assert "--store" in capsys.readouterr().err
+
+
+def test_a_write_that_fails_leaves_the_old_file_and_no_partial_one(tmp_path):
+    """A full disk: the partial .tmp stayed, and kept the disk full (an audit)."""
+    import errno
+
+    from basics.files import write_atomically
+
+    path = tmp_path / "state.pt"
+    path.write_text("old")
+
+    def fails_part_way(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_atomically(path, fails_part_way)
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]
+
+
+def test_rows_added_after_a_part_written_row_sit_at_their_offsets(tmp_path):
+    """A write that failed part-way (a full disk) left part of a row, and every row added after it
+    sat that many bytes off its index's offset, for good (an audit)."""
+    cache = features_module.FeatureCache(tmp_path / "features", 4)
+    cache.add("first", torch.ones(2, 4))
+    with open(cache.rows_path, "ab") as fh:  # what a failed write of another row left
+        fh.write(b"\x00" * 3)
+    cache.add("second", torch.full((3, 4), 7.0))
+    reopened = features_module.FeatureCache(tmp_path / "features", 4)
+    assert torch.equal(reopened.get("first"), torch.ones(2, 4))
+    assert torch.equal(reopened.get("second"), torch.full((3, 4), 7.0))

@@ -207,6 +207,9 @@ class FeatureCache:
         data = features.detach().to(torch.float16).cpu().numpy().tobytes()
         with self.locked(), open(self.rows_path, "ab") as fh:
             offset = fh.seek(0, 2) // (self.width * 2)  # where the file ends now, whoever wrote last
+            # A write that failed part-way (a full disk) left part of a row: cut, or every row
+            # written after it sat that many bytes off its index's offset, for good (an audit).
+            fh.truncate(offset * self.width * 2)
             fh.write(data)
             fh.flush()
             with open(self.index_path, "a") as index:
