@@ -407,3 +407,27 @@ def test_an_answer_stored_twice_is_indexed_once(tmp_path):
     (tmp_path / "first" / "20261205-000000-abcd.jsonl.gz").rename(store / "20261204-000000-abcd.jsonl.gz")
     served = datastore_for(str(store), "tiny", cache)
     assert len(served) == 3 + 2 and served([4, 5, 6], 1).tokens in ([7], [9])
+
+
+def test_a_builder_whose_stop_signal_never_reaches_its_handler_still_ends_with_its_daemon(tmp_path):
+    """A SIGTERM whose C handler ran just before the main thread blocked opening a FIFO never
+    reached its Python handler, and the builder outlived its daemon for good (seen once under
+    load: the kernel's stack in fifo_open, the signal caught, nothing pending). Here its handler
+    does nothing, as such a signal does: the builder ends all the same."""
+    import subprocess
+    import sys
+    import time
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code = (
+        "import signal, threading; import answers.index as index; index.END_GRACE_S = 0.5; "
+        "signal.signal(signal.SIGTERM, lambda *_: None); "
+        "threading.Thread(target=index._end_with_parent, daemon=True).start(); "
+        f"print('ready', flush=True); open({str(fifo)!r})"
+    )
+    builder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert builder.stdout.readline().strip() == "ready"
+    builder.stdin.close()  # its daemon ends
+    began = time.monotonic()
+    assert builder.wait(30) == 1 and time.monotonic() - began < 10
