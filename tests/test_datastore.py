@@ -427,7 +427,11 @@ def test_a_builder_whose_stop_signal_never_reaches_its_handler_still_ends_with_i
         f"print('ready', flush=True); open({str(fifo)!r})"
     )
     builder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert builder.stdout.readline().strip() == "ready"
-    builder.stdin.close()  # its daemon ends
-    began = time.monotonic()
-    assert builder.wait(30) == 1 and time.monotonic() - began < 10
+    try:
+        assert builder.stdout.readline().strip() == "ready"
+        builder.stdin.close()  # its daemon ends
+        began = time.monotonic()
+        assert builder.wait(30) == 1 and time.monotonic() - began < 10
+    finally:
+        builder.kill()  # one that outlived it must not outlive the test too
+        builder.wait()
