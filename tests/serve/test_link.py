@@ -11,25 +11,33 @@ from protocol import encode
 from protocol.transport import Server
 
 
-def test_a_waiting_request_promises_heartbeats_and_keeps_the_promise(tmp_path):
-    """So a front end that dies frees its requests' slots within three beats (the daemon drops a
-    silent client's requests), where a request without them ran on for nobody."""
-    address = f"ipc://{tmp_path}/daemon.sock"
-    server, heard, stop = Server(address), [], threading.Event()
+def pings_answered(server: Server, stop: threading.Event, otherwise) -> threading.Thread:
+    """A fake daemon's thread, until `stop`: pings answered at once, every other message given to
+    `otherwise(identity, msg)`."""
 
-    def daemon():  # answers pings, keeps everything else
+    def daemon() -> None:
         while not stop.is_set():
-            got = server.next(50)
+            got = server.next(20)
             if got is None:
                 continue
             identity, msg = got
             if msg.type == "ping":
                 server.send(identity, encode("pong", msg.id, {"time": 0.0, "sessions": 0}))
             else:
-                heard.append((time.monotonic(), msg))
+                otherwise(identity, msg)
 
     thread = threading.Thread(target=daemon)
     thread.start()
+    return thread
+
+
+def test_a_waiting_request_promises_heartbeats_and_keeps_the_promise(tmp_path):
+    """So a front end that dies frees its requests' slots within three beats (the daemon drops a
+    silent client's requests), where a request without them ran on for nobody."""
+    address = f"ipc://{tmp_path}/daemon.sock"
+    server, heard, stop = Server(address), [], threading.Event()
+
+    thread = pings_answered(server, stop, lambda identity, msg: heard.append((time.monotonic(), msg)))
     link = TargetLink(address)
     call = link.generate({"token_ids": [1, 2, 3], "max_new_tokens": 4})
     began = time.monotonic()
@@ -281,19 +289,11 @@ def test_a_live_daemon_that_forgot_one_request_is_still_alive(tmp_path):
     address = f"ipc://{tmp_path}/daemon.sock"
     server, stop = Server(address), threading.Event()
 
-    def daemon():  # answers pings; forgets every generate
-        while not stop.is_set():
-            got = server.next(20)
-            if got is None:
-                continue
-            identity, msg = got
-            if msg.type == "ping":
-                server.send(identity, encode("pong", msg.id, {"time": 0.0, "sessions": 0}))
-            elif msg.type == "generate":
-                server.send(identity, encode_error(msg.id, ErrorCode.UNKNOWN_REQUEST, "not held"))
+    def forgets(identity: bytes, msg) -> None:  # every generate
+        if msg.type == "generate":
+            server.send(identity, encode_error(msg.id, ErrorCode.UNKNOWN_REQUEST, "not held"))
 
-    thread = threading.Thread(target=daemon)
-    thread.start()
+    thread = pings_answered(server, stop, forgets)
     link = TargetLink(address, daemon_timeout_s=2.0)
     answers: list = []
 
