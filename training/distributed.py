@@ -11,6 +11,7 @@ read the same cache folder (one machine, or a shared file system across hosts).
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -100,5 +101,10 @@ def start(device: str) -> tuple[Ranks, str]:
 
 
 def stop(ranks: Ranks) -> None:
+    """Leave the process group. A DDP wrapper still alive in a reference cycle (a trainer is one)
+    was freed at interpreter exit, after the group was gone, and gloo's teardown then aborted the
+    rank (SIGABRT, "terminate called without an active exception": a CI run, a third of exits in a
+    reproduction): collect it while the group and the interpreter are whole."""
     if ranks.many and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
