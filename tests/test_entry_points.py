@@ -3,6 +3,7 @@
 import argparse
 import importlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -176,6 +177,33 @@ def test_a_users_mistake_is_one_line_on_stderr_not_a_traceback(
     report = next((i for i, line in enumerate(logged) if "LOAD REPORT" in line), len(logged))
     logged = logged[:report]
     assert all(LOG_RECORD.match(line) or line.startswith("Loading weights") for line in logged), done.stderr[-2000:]
+
+
+def test_a_cache_that_cannot_take_the_default_model_is_one_line_before_any_conversion(tmp_path):
+    """A read-only or full cache converted the default model for half a minute, then ended in a
+    traceback (an audit): a cache under a file (one that no user, root included, can write) is
+    refused at once, in one line that says what to do."""
+    (tmp_path / "file").write_text("")
+    env = {**os.environ, "DFLASH_SPLIT_CACHE": str(tmp_path / "file" / "cache")}
+    argv = [sys.executable, "-m", "launch.target_daemon", "--proposer", "none"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and last.startswith("dflash-target-daemon: error:"), done.stderr[-2000:]
+    assert "cannot take it" in last and "DFLASH_SPLIT_CACHE" in last, last
+
+
+def test_a_cache_without_room_for_the_default_model_is_refused_before_converting(tmp_path, monkeypatch):
+    import shutil
+
+    from target_node.model import default_model
+
+    def converted(*_):
+        raise AssertionError("the conversion started")
+
+    monkeypatch.setattr(default_model, "_wheel_folder", converted)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10 << 30, 10 << 30, 100 << 20))
+    with pytest.raises(default_model.DefaultModelError, match="100 MiB free, 560 MiB needed"):
+        default_model.ensure_default_model(tmp_path / "models" / "SmolLM2")
 
 
 DAEMONS = ["launch.target_daemon", "launch.draft_daemon"]

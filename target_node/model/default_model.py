@@ -11,6 +11,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from target_node import CACHE_ROOT
@@ -19,6 +22,12 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_DIR = CACHE_ROOT / "models" / "SmolLM2-135M-Instruct"
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[2] / "drafters" / "smollm2"  # trained for it
 RANDOM_DRAFTERS = CACHE_ROOT / "drafters" / "random-b8"  # for any other target
+DEFAULT_MODEL_BYTES = 560 << 20  # the converted folder: 538 MB of fp32 weights and a 3.5 MB tokenizer
+
+
+class DefaultModelError(FileNotFoundError):
+    """The default model is not in the cache and cannot be written there: a user's setting to
+    mend (one line from every command), not a bug."""
 
 
 def model_folder(folder: str | Path) -> Path:
@@ -59,6 +68,7 @@ def ensure_default_model(target_dir: Path = DEFAULT_MODEL_DIR, gguf_folder: Path
     target_dir = Path(target_dir)
     if (target_dir / "config.json").exists() and (target_dir / "model.safetensors").exists():
         return target_dir
+    _check_room(target_dir.parent)  # before the half minute the conversion takes, not after
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -71,14 +81,37 @@ def ensure_default_model(target_dir: Path = DEFAULT_MODEL_DIR, gguf_folder: Path
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(gguf_model.state_dict())
     tmp = target_dir.with_name(target_dir.name + ".partial")
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except OSError as exc:  # the disk filled meanwhile: no half folder left to fill it for good
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DefaultModelError(_unwritable(target_dir.parent, exc.strerror or str(exc))) from None
     if target_dir.exists():
-        import shutil
-
         shutil.rmtree(target_dir)
     tmp.rename(target_dir)
     return target_dir
+
+
+def _check_room(folder: Path) -> None:
+    """DefaultModelError unless the converted model can be written into `folder`: a read-only or
+    full cache converted for half a minute and then ended in a traceback (an audit)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(dir=folder))
+        free = shutil.disk_usage(folder).free
+    except OSError as exc:
+        raise DefaultModelError(_unwritable(folder, exc.strerror or str(exc))) from None
+    if free < DEFAULT_MODEL_BYTES:
+        have, need = free / (1 << 20), DEFAULT_MODEL_BYTES / (1 << 20)
+        raise DefaultModelError(_unwritable(folder, f"{have:.0f} MiB free, {need:.0f} MiB needed"))
+
+
+def _unwritable(folder: Path, why: str) -> str:
+    return (
+        f"the default model is converted once into {folder}, which cannot take it ({why}): "
+        "free space there, set DFLASH_SPLIT_CACHE to a writable folder, or give --model a model folder"
+    )
 
 
 def ensure_default_drafter(model_dir: Path | None = None) -> Path:
