@@ -42,11 +42,19 @@ Log = Callable[[str], None]
 def log_to(path: Path) -> Log:
     """Rank 0's log: each line on the terminal and appended to `path`, where it outlives the run."""
 
+    failed = [False]
+
     def log(msg: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} {msg}"
         print(line, flush=True)
-        with open(path, "a") as fh:
-            fh.write(line + "\n")
+        try:
+            with open(path, "a") as fh:
+                fh.write(line + "\n")
+        except OSError as exc:  # a full disk ended the run here, between its saves (an audit)
+            if not failed[0]:
+                said = f"cannot append to {path} ({exc.strerror}): lines go to the terminal until it can"
+                print(f"{line[:8]} {said}", flush=True)
+            failed[0] = True
 
     return log
 

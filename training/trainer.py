@@ -14,6 +14,7 @@ public checkpoint format (and inference) stay unchanged and exactly equivalent.
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel
 
 from answers.store import Answer
@@ -468,12 +470,22 @@ class Trainer:
         self.seconds, self.positions = float(state.get("seconds", 0.0)), int(state.get("positions", 0))
 
     def save(self, state_path: Path, out: Path | None) -> None:
+        """The run's state and its public checkpoint, each replaced whole; TrainingError where the
+        disk refuses either (a traceback before: an audit), the last good ones kept."""
         state = self.state()
-        write_atomically(state_path, lambda tmp: torch.save(state, tmp))
+        self._written(state_path.parent, lambda: write_atomically(state_path, lambda tmp: torch.save(state, tmp)))
         if out is not None:
             exported = export_drafter(self.drafter, self.scale).to(self.opts.save_dtype)
             exported.draft_vocab = self.vocab.tolist() if self.opts.draft_vocab else []
-            save_drafter(exported, out)
+            self._written(out, lambda: save_drafter(exported, out))
+
+    def _written(self, folder: Path, write: Callable[[], object]) -> None:
+        try:
+            write()
+        except (OSError, RuntimeError, SafetensorError) as exc:  # torch.save's full disk is a RuntimeError
+            raise TrainingError(
+                f"step {self.step}: cannot save into {folder} ({_why(exc, folder)}); the last save there is kept"
+            ) from exc
 
 
 def train(
@@ -556,7 +568,10 @@ def _checkpoints(trainer: Trainer, state_path: Path, log: Callable[[str], None])
         if ev:
             log(f"eval step {step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f} | hist {ev['histogram']}")
     if opts.save_every and step % opts.save_every == 0:
-        trainer.save(state_path, opts.out)
+        try:
+            trainer.save(state_path, opts.out)
+        except TrainingError as exc:  # the weights live on in memory: the next save tries again
+            log(f"{exc}; training goes on")
 
 
 def _start(trainer: Trainer, target, state_path: Path, log: Callable[[str], None]) -> None:
@@ -592,6 +607,18 @@ def saved_state(state_path: Path, cfg: DFlashConfig, device: torch.device | str 
             f"--resume: {state_path} is a run of another drafter shape than these flags ask for: {differ}"
         )
     return state
+
+
+def _why(exc: BaseException, folder: Path) -> str:
+    """What a failed write says, with the room left where the writer's own words do not say it
+    (torch.save's are "unexpected pos 576 vs 534")."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    try:
+        free = f"{shutil.disk_usage(folder).free / (1 << 20):.0f} MiB free there"
+    except OSError:
+        free = "the folder cannot be read"
+    return f"{exc}; {free}"
 
 
 def _quiet(message: str) -> None:
