@@ -312,16 +312,32 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if not args.build:
-        datastore_for(args.datastore, args.model)
+        try:
+            index = index_for(args.datastore, args.model)
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
+        _built(index)
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the build removes its part on a stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon's Ctrl-C: it stops this builder itself
     threading.Thread(target=_end_with_parent, daemon=True).start()
     os.nice(10)  # the daemon's requests come first
     store, model_name, cache = args.build
-    index = index_for(store, model_name, Path(cache))
-    if index is not None and index.load() is None:
+    _built(index_for(store, model_name, Path(cache)))
+
+
+def _built(index: Index | None) -> None:
+    """Build `index` where it is not built yet; one logged line and exit 1 where the disk refuses
+    it (a traceback in the daemon's log, and exit 0 from the command, before: an audit)."""
+    if index is None or index.load() is not None:
+        return
+    shards, source = len(index.shards), index.source
+    log.info("datastore: indexing %d shards of %s's answers in %s (once)", shards, index.model_name, source)
+    try:
         index.build()
+    except OSError as exc:
+        log.error("datastore: could not build %s (%s)", index.where, exc.strerror or exc)
+        raise SystemExit(1) from None
 
 
 END_GRACE_S = 5.0  # what a builder whose daemon ended gives its own SIGTERM before it exits outright

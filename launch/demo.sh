@@ -9,7 +9,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${DFLASH_VENV:-$root/.venv}"
 bash "$root/launch/setup_env.sh"
 cd "$root"
-"$venv/bin/python" -m answers.index  # the datastore's index, once per machine and store
+# The datastore's index, once per machine and store; the daemon serves without it where it cannot be built.
+"$venv/bin/python" -m answers.index || echo "demo: going on without the datastore's index" >&2
 prompts=(--prompts-file launch/demo_prompts.txt)
 for arg in "$@"; do
   case "$arg" in --prompt | --prompt=* | --prompts-file | --prompts-file=*) prompts=() ;; esac

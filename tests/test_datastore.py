@@ -341,6 +341,32 @@ def test_a_failed_background_build_leaves_the_daemon_serving_without(tmp_path, c
     assert "serving without it" in caplog.text
 
 
+def test_a_build_the_disk_refuses_is_one_line_and_exit_1_from_either_command(tmp_path):
+    """Where the index cannot be written, the daemon's builder printed a whole traceback into its
+    log, and `python -m answers.index` (the demo's set-up) said nothing of it and exited 0 (an
+    audit): each now logs one line and exits 1. The demo goes on without the index."""
+    import subprocess
+    import sys
+
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    write_store(store, "tiny", [[5, 6, 7, 8]])
+    cache.mkdir()
+    (cache / "datastore").write_text("a file where the indexes' folder goes")
+    build = [sys.executable, "-m", "answers.index", "--build", str(store), "tiny", str(cache)]
+    builder = subprocess.Popen(build, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    builder.wait(120)  # its standard input open, as its daemon holds it
+    builder.stdin.close()
+    err = builder.stderr.read()
+    assert builder.returncode == 1 and "Traceback" not in err and "could not build" in err, err
+    env = {**os.environ, "DFLASH_SPLIT_CACHE": str(cache)}
+    command = [sys.executable, "-m", "answers.index", "--datastore", str(store), "--model", "tiny"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "could not build" in done.stderr, done.stderr
+    command[command.index(str(store))] = str(tmp_path / "nowhere")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and "no such answer store folder" in done.stderr.splitlines()[-1], done.stderr
+
+
 def test_a_builder_ends_with_the_process_that_started_it(tmp_path):
     """A daemon killed (SIGKILL, the OOM killer) left its builder running, and every restart
     started another: three at 2.6 GB each (a review). A builder reads its standard input, which

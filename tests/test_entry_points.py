@@ -504,9 +504,9 @@ def test_the_flood_benchmark_refuses_a_long_prompt_the_model_cannot_hold(chat_mo
     assert ended.value.code == 2 and "holds" in capsys.readouterr().err
 
 
-def _fake_venv(folder: Path, pip_works: bool = True) -> Path:
-    """A venv whose python logs its arguments (and has pip or not), stamped as set up: what
-    launch/*.sh run, without installing anything."""
+def _fake_venv(folder: Path, pip_works: bool = True, index_builds: bool = True) -> Path:
+    """A venv whose python logs its arguments (and has pip or not, builds the datastore's index or
+    fails to), stamped as set up: what launch/*.sh run, without installing anything."""
     root = DRAFTER.parent.parent
     bin_ = folder / "bin"
     bin_.mkdir(parents=True)
@@ -515,6 +515,7 @@ def _fake_venv(folder: Path, pip_works: bool = True) -> Path:
 echo "$@" >> "$(dirname "$0")/../calls"
 if [ "$1 $2" = "-m pip" ] && [ "$3" = "--version" ]; then {pip}; fi
 if [ "$1 $2" = "-m ensurepip" ]; then touch "$(dirname "$0")/../pip-installed"; fi
+if [ "$1 $2" = "-m answers.index" ]; then exit {0 if index_builds else 1}; fi
 """
     for name in ("python", "ruff"):
         (bin_ / name).write_text(script)
@@ -539,6 +540,15 @@ def test_the_demo_takes_the_callers_venv_and_its_own_prompts_replace_the_demos(t
         run = (venv / "calls").read_text().splitlines()[-1]
         assert run.startswith("-m launch.local") and run.endswith(" ".join(extra))
         assert ("demo_prompts.txt" in run) == demo_prompts
+
+
+def test_the_demo_goes_on_without_the_datastores_index_where_it_cannot_be_built(tmp_path):
+    venv = _fake_venv(tmp_path / "venv", index_builds=False)
+    env = dict(os.environ, DFLASH_VENV=str(venv))
+    demo = [str(DRAFTER.parent.parent / "launch/demo.sh"), "--prompt", "Hi"]
+    done = subprocess.run(["bash", *demo], env=env, capture_output=True, text=True, check=True)
+    assert (venv / "calls").read_text().splitlines()[-1].startswith("-m launch.local")
+    assert "going on without the datastore's index" in done.stderr
 
 
 def test_a_venv_left_without_pip_by_an_interrupted_setup_gets_pip_back(tmp_path):
