@@ -21,6 +21,9 @@ log = logging.getLogger("traffic")
 FLUSH_EVERY_S = 10.0  # recorded answers are written out at least this often, and when the daemon stops
 SHARD_RECORDS = 256  # answers a shard holds: each write rewrites the open one
 PRESET = 3  # xz's: a shard of 256 answers in 75 ms where the committed store's 9e takes 344, 10% larger
+# Tokens of shards the disk refused that are held to write again (~40 bytes each in memory): past
+# it, the oldest are dropped (a long outage grew the daemon's memory without a bound: an audit).
+MAX_HELD_TOKENS = 2_000_000
 
 
 class TrafficError(ValueError):
@@ -85,12 +88,24 @@ class TrafficRecorder:
         """On the writer thread. A shard whose write fails is written again at the next tick: one
         failed write as a shard filled lost its 256 answers for good (a review)."""
         try:
+            # A folder removed meanwhile is made again the operator's alone (it was made 0755: an audit).
+            shard.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             write_shard(shard, answers, preset=PRESET)
         except Exception as exc:  # a full disk: the daemon serves on
             log.error("could not write the recorded requests out (tried again in %g s): %s", FLUSH_EVERY_S, exc)
             self.failed[shard] = answers
+            self._drop_oldest_failed()
         else:
             self.failed.pop(shard, None)
+
+    def _drop_oldest_failed(self) -> None:
+        held = sum(len(a.tokens) for answers in self.failed.values() for a in answers)
+        for shard in [shard for shard in self.failed if shard != self.store.current_shard]:  # oldest first
+            if held <= MAX_HELD_TOKENS:
+                break
+            dropped = self.failed.pop(shard)
+            held -= sum(len(a.tokens) for a in dropped)
+            log.error("dropped %d recorded requests the disk would not take (%s)", len(dropped), shard.name)
 
     def tick(self) -> None:
         """Write out what is recorded where FLUSH_EVERY_S have passed since the last write (the

@@ -1645,6 +1645,46 @@ def test_a_full_shard_whose_write_failed_is_written_again(tmp_path, monkeypatch)
     assert [a.tokens[-1] for a in AnswerStore(tmp_path / "rec").answers] == [0, 1, 2]
 
 
+def test_a_long_outage_drops_the_oldest_unwritten_shards_and_a_removed_folder_comes_back_private(
+    tmp_path, monkeypatch, caplog
+):
+    """Shards the disk refused were all held to write again: a long outage grew the daemon without
+    a bound. Past MAX_HELD_TOKENS the oldest are dropped, logged; the newest are written once the
+    disk takes them, into a folder made again 0700 where it was removed (it came back 0755: an
+    audit)."""
+    import shutil
+
+    import answers.traffic as traffic
+    from protocol import Message
+    from target_node.decoding.sequence import Result
+    from target_node.decoding.stats import Stats
+
+    write, full = traffic.write_shard, [True]
+
+    def disk(path, answers, preset):
+        if full[0]:
+            raise OSError(28, "No space left on device")
+        write(path, answers, preset)
+
+    monkeypatch.setattr(traffic, "write_shard", disk)
+    monkeypatch.setattr(traffic, "SHARD_RECORDS", 2)
+    monkeypatch.setattr(traffic, "MAX_HELD_TOKENS", 20)  # two shards of two 5-token answers
+    recorder = traffic.TrafficRecorder(str(tmp_path / "rec"), "tiny")
+    with caplog.at_level("ERROR", logger="traffic"):
+        for i in range(13):  # six shards fill and fail; the seventh is open
+            message = Message("generate", i, {"prompt": f"q{i}", "messages": [], "sampling": None})
+            recorder(message, [1, 2], Result([7, 8, i], "", "length", Stats()))
+            if recorder.writing is not None:
+                recorder.writing.result()
+    held = sum(len(a.tokens) for answers in recorder.failed.values() for a in answers)
+    assert held <= 20 + 5 and caplog.text.count("dropped 2 recorded requests") == 4, caplog.text
+    shutil.rmtree(tmp_path / "rec")
+    full[0] = False
+    recorder.close()
+    assert (tmp_path / "rec").stat().st_mode & 0o777 == 0o700
+    assert [a.tokens[-1] for a in AnswerStore(tmp_path / "rec").answers] == [8, 9, 10, 11, 12]
+
+
 def test_a_recorder_holds_the_open_shard_not_every_answer_it_ever_recorded(tmp_path, monkeypatch):
     """A recording daemon kept every answer it served in memory, and a restarted one read every
     answer in the folder back (an audit: 10.5 KiB a request, for good). Its store now holds the
