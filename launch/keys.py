@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.force and (out / f"{name}.key_secret").exists():
             parser.error(f"{out / name}.key_secret exists; --force replaces it (and locks out its old peers)")
     for name in args.names:
-        with one_line_errors(parser.prog, FileExistsError, PermissionError):
+        with one_line_errors(parser.prog, OSError):  # a file in the way, a read-only or full disk
             public, secret = create_keypair(out, name)
         print(f"{name}: public {public} ({load_public(public).decode()}), secret {secret}")
 

@@ -49,10 +49,15 @@ def create_keypair(folder: str | Path, name: str) -> tuple[Path, Path]:
     # Written owner-only from the start: made with the usual umask and then narrowed, the secret
     # was readable by every local user for a moment (an audit).
     umask = os.umask(0o077)
+    files = (folder / f"{name}.key", folder / f"{name}.key_secret")
     try:
-        for old in (folder / f"{name}.key", folder / f"{name}.key_secret"):
+        for old in files:
             old.unlink(missing_ok=True)  # rewritten in place, a file keeps its old mode (--force over 0644)
         public, secret = (Path(p) for p in zmq.auth.create_certificates(folder, name))
+    except OSError:  # a full disk: no half-written key left to be refused (or loaded) later
+        for half in files:
+            half.unlink(missing_ok=True)
+        raise
     finally:
         os.umask(umask)
     os.chmod(public, 0o644)  # the public half is for handing out

@@ -83,3 +83,24 @@ def test_a_key_of_z85_characters_past_32_bits_a_group_is_refused_as_a_key_error(
     rewrite(public, keys.load_public(public), b"%" * 40)
     with pytest.raises(KeyFileError, match="z85"):
         keys.load_public(public)
+
+
+def test_a_disk_that_refuses_a_key_is_one_line_and_leaves_no_half_pair(tmp_path, monkeypatch, capsys):
+    """`dflash-keys` on a full or read-only disk ended in a traceback (an audit), and a public key
+    written before the disk filled stayed beside no secret. Here the disk fills after the public
+    half (as zmq.auth writes it: public first)."""
+    from launch.keys import main
+
+    made = zmq.auth.create_certificates
+
+    def disk_fills(folder, name):
+        made(folder, name)
+        (tmp_path / f"{name}.key_secret").write_bytes(b"#   ZeroMQ")  # cut short
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(zmq.auth, "create_certificates", disk_fills)
+    with pytest.raises(SystemExit) as ended:
+        main(["--out", str(tmp_path), "client"])
+    assert ended.value.code == 1
+    assert capsys.readouterr().err.strip() == "dflash-keys: error: [Errno 28] No space left on device"
+    assert list(tmp_path.iterdir()) == []
