@@ -24,6 +24,7 @@ from basics.files import write_atomically
 from frontend.target_client import TargetClient
 from launch.common import at_least, number_in
 from launch.net import TARGET_ADDRESS, HelpFormatter, client_security, one_line_errors, peer_address
+from launch.processes import ends_on_sigterm
 from protocol import ProtocolError, encode
 from protocol.keys import ClientKeys
 from protocol.messages import MAX_HEARTBEAT_S
@@ -270,6 +271,7 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+@ends_on_sigterm  # through run's `finally`, which writes --json: a SIGTERM or SIGHUP lost it (an audit)
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dflash-client", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(

@@ -88,6 +88,25 @@ def test_the_answers_finished_are_written_when_a_later_prompt_fails(served, tmp_
     assert written["prompt"] == "Hello" and written["finish_reason"] in ("length", "eos")
 
 
+def test_a_sigterm_writes_the_answers_finished_before_it(served, tmp_path):
+    """SIGTERM or SIGHUP (systemd, `timeout`, a closed terminal) ended the client at once and lost
+    the --json of answers it had finished, which Ctrl-C kept (an audit)."""
+    import json
+    import signal
+
+    out = tmp_path / "out.json"
+    argv = [sys.executable, "-m", "launch.client", "--address", served, "--raw", "--max-new-tokens", "300"]
+    argv += ["--prompt", "Hello", "--prompt", "Once upon a time", "--json", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # the first answer's closing line: "[length] ..." or "[eos] ..."
+        if line.startswith("["):
+            break
+    proc.send_signal(signal.SIGTERM)  # the second runs ~2 s
+    assert proc.wait(60) == 128 + signal.SIGTERM, proc.stderr.read()
+    (written,) = json.loads(out.read_text())
+    assert written["prompt"] == "Hello" and written["finish_reason"] in ("length", "eos")
+
+
 def test_a_request_the_daemon_dropped_is_an_error_not_an_answer(tmp_path, monkeypatch):
     """`done` with finish_reason "cancelled" reaches the client only when the daemon dropped the
     request (its own cancel, on Ctrl-C, is never yielded): it exited 0 with a cut answer."""
