@@ -596,7 +596,9 @@ def test_a_remote_hit_takes_the_drafts_sent_during_the_verify_and_waits_for_no_r
             b.draft(0, features[:5], noise[5], 5, 7)
             b.predraft(5, heads, known)
         want, _ = local.draft(5, features[5:8], noise[8], 8, 7, predraft=1)  # outcome 1: 4 known rows
-        time.sleep(0.5)  # the verify: the pre-drafts arrive meanwhile
+        # The verify: the pre-drafts arrive meanwhile (a fixed 0.5 s sleep here lost to a draft
+        # daemon descheduled longer, and the draft below timed out: a review).
+        assert backend.client.sock.poll(30_000)
         os.kill(proc.pid, signal.SIGSTOP)
         try:
             began = time.perf_counter()

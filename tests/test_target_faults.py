@@ -402,7 +402,8 @@ def test_pings_and_heartbeats_get_in_during_one_long_forward_under_a_flood(serve
             beater.close()
     print(f"request {took:.2f} s, {len(rtts)} pings under a flood, slowest {max(rtts) * 1000:.0f} ms")
     assert done["token_ids"] == greedy(served.model, prompt, 2)
-    assert took > 1.0, took  # the forward is long enough for the bound below to mean something
+    if took <= 1.0:  # a machine this fast ends the forward before a held ping could show (a review)
+        pytest.skip(f"the 8,000-token forward took {took:.2f} s: too short for the bound below to mean anything")
     # Answered mid-forward, not at its end: a bound that grows with the forward, so a slow machine
     # (a longer forward) does not fail it, while an answer held to the step's end would.
     bound = max(0.25, took / 4)
