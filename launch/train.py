@@ -21,6 +21,7 @@ Recorded traffic (`dflash-target-daemon --record DIR`) is more data: `--data DIR
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,7 @@ import torch
 from answers.store import STORE
 from launch.common import at_least, device_name, layer_ids, named_dtype, number_in, resolve_model
 from launch.net import HelpFormatter, one_line_errors
+from launch.processes import ctrl_c_exits_130, ends_on_sigterm
 from protocol import FLOAT_DTYPES
 from protocol.messages import MAX_BLOCK_SIZE
 from protocol.tensors import torch_dtype
@@ -45,12 +47,18 @@ ROOT = Path(__file__).resolve().parent.parent
 STARTER = ROOT.parent / "shared" / "prompts" / "train.jsonl"  # the starter prompts beside the repo
 
 
+@ends_on_sigterm  # SIGTERM or SIGHUP ends a run through its clean-up: generation writes out its answers
+@ctrl_c_exits_130
 def main(argv: list[str] | None = None) -> None:
-    """Run the stages --stage names (training.stages), on this rank of a torchrun job or alone."""
+    """Run the stages --stage names (training.stages), on this rank of a torchrun job or alone.
+    While training steps run, a signal stops the run after the step under way, saved
+    (training.stopping); elsewhere it ends the run at once through its clean-up: a generation
+    stage writes out the answers it finished (it lost them all: an audit)."""
     from answers.store import AnswerStoreError
     from draft_node.config import CheckpointError
     from training.features import FeatureCacheError
     from training.stages import run_stages  # it imports transformers, which --help can do without
+    from training.stopping import Stopped
     from training.trainer import TrainingError
 
     options = run_options(parse_args(argv))
@@ -63,6 +71,9 @@ def main(argv: list[str] | None = None) -> None:
             run = replace(options.run, model=model, device=device)
             options = replace(options, run=run, generation=replace(options.generation, dtype=gen_dtype))
             run_stages(options, ranks)
+        except Stopped as exc:
+            sys.stderr.write(f"dflash-train: {exc}\n")
+            raise SystemExit(128 + exc.signum) from None
         finally:
             stop(ranks)
 

@@ -1402,6 +1402,65 @@ def test_a_log_the_disk_refuses_leaves_the_lines_on_the_terminal(tmp_path, capsy
     assert sum("cannot append to" in line for line in printed) == 1, printed
 
 
+def test_a_signal_mid_run_stops_it_after_the_step_under_way_and_saves(setup, tmp_path, monkeypatch):
+    """SIGTERM or Ctrl-C ended a run at once, with nothing saved since the last --save-every (an
+    audit). Heard during a step, it now stops the run after that step, saved, and the handlers
+    are the caller's again; a second Ctrl-C ends it at once."""
+    import signal
+
+    from training.stopping import Stopped
+
+    target, cfg, store, features = setup
+    real_step, before = Trainer.train_step, signal.getsignal(signal.SIGTERM)
+
+    def signalled_at(step: int, *signals: int):
+        def train_step(self, batch):
+            loss = real_step(self, batch)
+            if self.step == step:
+                for signum in signals:
+                    os.kill(os.getpid(), signum)
+            return loss
+
+        return train_step
+
+    monkeypatch.setattr(Trainer, "train_step", signalled_at(3, signal.SIGTERM))
+    state, out, said = tmp_path / "state.pt", tmp_path / "out", []
+    with pytest.raises(Stopped, match="stopped by SIGTERM after step 3; its state is saved") as stopped:
+        train(target, cfg, store.answers, features, opts(steps=50, out=out), state, log=said.append)
+    assert stopped.value.signum == signal.SIGTERM and "stopping after step 3: saving" in said
+    assert torch.load(state, weights_only=False)["step"] == 3 and load_drafter(out) is not None
+    assert signal.getsignal(signal.SIGTERM) is before
+    monkeypatch.setattr(Trainer, "train_step", signalled_at(2, signal.SIGINT, signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        train(target, cfg, store.answers, features, opts(steps=50), tmp_path / "twice.pt", log=said.append)
+    assert not (tmp_path / "twice.pt").exists()
+
+
+def test_dflash_train_stopped_by_sigterm_saves_and_says_so_in_one_line(setup, tmp_path):
+    import signal
+
+    target, _, store, _ = setup
+    model_dir = tmp_path / "model"
+    target.model.save_pretrained(model_dir)
+    root = Path(__file__).resolve().parent.parent
+    args = ["--model", model_dir, "--store", store.folder, "--name", "cut", "--cache", tmp_path / "cache"]
+    args += ["--stage", "train", "--block-size", "4", "--steps", 100000, "--batch", 5, "--anchors", 4]
+    args += ["--eval-every", 0, "--save-every", 0, "--threads", 1, "--out", tmp_path / "out", "--autocast", "off"]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "launch.train", *map(str, args)]
+    proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if " step 1 | loss" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    step = int(re.search(r"dflash-train: stopped by SIGTERM after step (\d+);", err.strip().splitlines()[-1]).group(1))
+    assert (
+        "Traceback" not in err and torch.load(tmp_path / "cache/train/cut/state.pt", weights_only=False)["step"] == step
+    )
+
+
 def test_answers_whose_prompt_fills_max_len_are_not_trained_on():
     from training.batches import samples
 

@@ -48,6 +48,10 @@ class Ranks:
             dist.all_reduce(value)
         return value
 
+    def anyone(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank: a signal one rank heard stops every rank at one step."""
+        return bool(self.total(torch.tensor([float(flag)])).item()) if self.many else flag
+
     def from_main(self, value: float) -> float:
         """Rank 0's `value` on every rank: what is read from a clock (stop now, the learning rate's
         place in its schedule) must not differ between ranks."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from training.features import FeatureCache, LiveFeatures
 from training.heap import release_freed_memory
 from training.loader import BatchStream
 from training.prompts import JOB_WEIGHTS
+from training.stopping import Stopped, signals_between_steps
 from training.variety import job_kind
 
 
@@ -520,26 +522,32 @@ def train(
         f"{len(trainer.val_records)} held out; {cfg.num_hidden_layers} layer(s), block {cfg.block_size}, "
         f"taps {list(cfg.target_layer_ids)}, {sum(p.numel() for p in trainer.drafter.parameters())} params"
     )
-    _steps(trainer, state_path, log)
+    stopped_by = _steps(trainer, state_path, log)
     if ranks.main:
         trainer.save(state_path, opts.out)
-        ev = trainer.evaluate()
+        ev = trainer.evaluate() if stopped_by is None else None  # a stopped run ends now
         if ev:
             log(f"final step {trainer.step} | val loss {ev['loss']:.4f} | est tau {ev['tau']:.3f}")
     ranks.barrier()  # the checkpoint is written before any rank goes on to read it
+    if stopped_by is not None:
+        raise Stopped(stopped_by, trainer.step)
     return trainer
 
 
-def _steps(trainer: Trainer, state_path: Path, log: Callable[[str], None]) -> None:
+def _steps(trainer: Trainer, state_path: Path, log: Callable[[str], None]) -> int | None:
     """The optimizer steps up to opts.steps, or until opts.minutes have passed on rank 0's clock
-    (the schedule then ends with the budget); batches built ahead by opts.loader_threads threads."""
+    (the schedule then ends with the budget); batches built ahead by opts.loader_threads threads.
+    Returns the signal that stopped it between two steps (training.stopping), if one did."""
     opts, ranks = trainer.opts, trainer.ranks
     last = time.time()
     start = last - trainer.seconds  # a resumed run's clock goes on
     window: list[float] = []
     seen = trainer.positions
-    with BatchStream(trainer.batch, trainer.step, opts.loader_threads) as batches:
+    with BatchStream(trainer.batch, trainer.step, opts.loader_threads) as batches, signals_between_steps() as heard:
         while trainer.step < opts.steps:
+            if ranks.anyone(bool(heard)):  # every rank stops after the same step
+                log(f"stopping after step {trainer.step}: saving")
+                return heard[0] if heard else signal.SIGTERM
             if opts.minutes:  # rank 0's clock decides, for the schedule as for the stop
                 trainer.time_spent = ranks.from_main(trainer.seconds / (opts.minutes * 60))
                 if trainer.time_spent >= 1:
