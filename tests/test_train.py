@@ -1461,6 +1461,29 @@ def test_dflash_train_stopped_by_sigterm_saves_and_says_so_in_one_line(setup, tm
     )
 
 
+def test_generation_stopped_by_sigterm_writes_out_the_answers_it_finished(chat_model_dir, tmp_path):
+    """The store writes out once a minute: SIGTERM (systemd, `timeout`, torchrun's stop) ended a
+    generation run at once and lost every answer since (an audit: 100 answers, no store at all)."""
+    import json
+    import signal
+
+    starter = tmp_path / "starter.jsonl"
+    starter.write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(400)))
+    args = ["--model", chat_model_dir, "--stage", "gen", "--store", tmp_path / "store", "--cache", tmp_path / "cache"]
+    args += ["--starter", starter, "--gen-minutes", 5, "--threads", 1, "--max-new", 8, "--gen-batch", 16]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "launch.train", *map(str, args)]
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if " answers 100 | " in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
+    assert len(AnswerStore(tmp_path / "store")) >= 100
+
+
 def test_answers_whose_prompt_fills_max_len_are_not_trained_on():
     from training.batches import samples
 
