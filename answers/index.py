@@ -316,7 +316,10 @@ def main() -> None:
             index = index_for(args.datastore, args.model)
         except FileNotFoundError as exc:
             parser.error(str(exc))
-        _built(index)
+        try:
+            _built(index)
+        except KeyboardInterrupt:  # its part is removed on the way: the shell's code, not a traceback
+            raise SystemExit(130) from None
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the build removes its part on a stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon's Ctrl-C: it stops this builder itself

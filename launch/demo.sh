@@ -9,8 +9,15 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${DFLASH_VENV:-$root/.venv}"
 bash "$root/launch/setup_env.sh"
 cd "$root"
-# The datastore's index, once per machine and store; the daemon serves without it where it cannot be built.
-"$venv/bin/python" -m answers.index || echo "demo: going on without the datastore's index" >&2
+# The datastore's index, once per machine and store; the daemon serves without it where it cannot be
+# built. A signal to this script stops it too (it ran on, orphaned: an audit).
+"$venv/bin/python" -m answers.index &
+indexer=$!
+trap 'kill "$indexer" 2>/dev/null; exit 130' INT # a job in the background ignores Ctrl-C itself
+trap 'kill "$indexer" 2>/dev/null; exit 143' TERM
+trap 'kill "$indexer" 2>/dev/null; exit 129' HUP
+wait "$indexer" || echo "demo: going on without the datastore's index" >&2
+trap - INT TERM HUP
 prompts=(--prompts-file launch/demo_prompts.txt)
 for arg in "$@"; do
   case "$arg" in --prompt | --prompt=* | --prompts-file | --prompts-file=*) prompts=() ;; esac

@@ -5,8 +5,10 @@ import importlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -504,9 +506,9 @@ def test_the_flood_benchmark_refuses_a_long_prompt_the_model_cannot_hold(chat_mo
     assert ended.value.code == 2 and "holds" in capsys.readouterr().err
 
 
-def _fake_venv(folder: Path, pip_works: bool = True, index_builds: bool = True) -> Path:
-    """A venv whose python logs its arguments (and has pip or not, builds the datastore's index or
-    fails to), stamped as set up: what launch/*.sh run, without installing anything."""
+def _fake_venv(folder: Path, pip_works: bool = True, index: str = "exit 0") -> Path:
+    """A venv whose python logs its arguments (and has pip or not, and whose `-m answers.index`
+    runs `index`), stamped as set up: what launch/*.sh run, without installing anything."""
     root = DRAFTER.parent.parent
     bin_ = folder / "bin"
     bin_.mkdir(parents=True)
@@ -515,7 +517,7 @@ def _fake_venv(folder: Path, pip_works: bool = True, index_builds: bool = True) 
 echo "$@" >> "$(dirname "$0")/../calls"
 if [ "$1 $2" = "-m pip" ] && [ "$3" = "--version" ]; then {pip}; fi
 if [ "$1 $2" = "-m ensurepip" ]; then touch "$(dirname "$0")/../pip-installed"; fi
-if [ "$1 $2" = "-m answers.index" ]; then exit {0 if index_builds else 1}; fi
+if [ "$1 $2" = "-m answers.index" ]; then {index}; fi
 """
     for name in ("python", "ruff"):
         (bin_ / name).write_text(script)
@@ -543,12 +545,31 @@ def test_the_demo_takes_the_callers_venv_and_its_own_prompts_replace_the_demos(t
 
 
 def test_the_demo_goes_on_without_the_datastores_index_where_it_cannot_be_built(tmp_path):
-    venv = _fake_venv(tmp_path / "venv", index_builds=False)
+    venv = _fake_venv(tmp_path / "venv", index="exit 1")
     env = dict(os.environ, DFLASH_VENV=str(venv))
     demo = [str(DRAFTER.parent.parent / "launch/demo.sh"), "--prompt", "Hi"]
     done = subprocess.run(["bash", *demo], env=env, capture_output=True, text=True, check=True)
     assert (venv / "calls").read_text().splitlines()[-1].startswith("-m launch.local")
     assert "going on without the datastore's index" in done.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_demo_stopped_while_it_indexes_stops_its_indexer(tmp_path, signum):
+    """SIGTERM to the demo's script ended it and left its indexer running, orphaned (an audit)."""
+    venv = _fake_venv(tmp_path / "venv", index='echo $$ > "$(dirname "$0")/../indexer"; exec sleep 60')
+    env = dict(os.environ, DFLASH_VENV=str(venv))
+    demo = subprocess.Popen(["bash", str(DRAFTER.parent.parent / "launch/demo.sh")], env=env)
+    deadline = time.monotonic() + 30
+    while not (venv / "indexer").is_file() or not (venv / "indexer").read_text().strip():
+        assert time.monotonic() < deadline and demo.poll() is None, "the indexer never started"
+        time.sleep(0.05)
+    indexer = int((venv / "indexer").read_text())
+    demo.send_signal(signum)
+    assert demo.wait(30) == 128 + signum
+    while running(indexer) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(indexer), "the indexer outlived the demo"
+    assert "-m launch.local" not in (venv / "calls").read_text()
 
 
 def test_a_venv_left_without_pip_by_an_interrupted_setup_gets_pip_back(tmp_path):
