@@ -106,7 +106,8 @@ class Front:
             check(first, body)
         except ClientGone:
             if self.drain.due():  # the answer first: the cancel waits for the daemon's word
-                return shutting_down().response(background=BackgroundTask(call.close))
+                wait_s = self.drain.cancel_wait_s()
+                return shutting_down().response(background=BackgroundTask(call.close, wait_s))
             await call.close()
             return Response(status_code=CLIENT_CLOSED)
         except DaemonUnreachable as exc:
@@ -239,6 +240,6 @@ async def events(
     except TooManyOpen as exc:  # a ping with no socket left: the stream ended with no word (a review)
         yield sse(too_many_open(str(exc)).body())
     finally:
-        await call.close()
+        await call.close(drain.cancel_wait_s() if drained else None)
     if not drained:
         yield DONE_EVENT

@@ -28,6 +28,15 @@ class Drain:
         since = self.since()
         return since is not None and time.monotonic() >= since + self.grace_s - self.ahead_s
 
+    def cancel_wait_s(self) -> float:
+        """How long an answer the drain ended waits for the daemon to confirm its cancel: half the
+        time left before uvicorn's cut. A hung daemon's wait, --daemon-timeout, outlasted the cut:
+        the stream was cut after its error event, and the wait's thread held the server's exit
+        for seconds more (an audit)."""
+        since = self.since()
+        left = self.grace_s if since is None else since + self.grace_s - time.monotonic()
+        return max(0.0, left / 2)
+
     async def cut(self) -> bool:
         """`due`, in the shape LinkCall.next's `gone` takes."""
         return self.due()

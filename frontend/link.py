@@ -10,6 +10,8 @@ is unreachable.
 from __future__ import annotations
 
 import errno
+import functools
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -20,7 +22,7 @@ from anyio import to_thread
 from frontend.target_client import GenerateCall
 from protocol import ErrorCode, Message, ProtocolError
 from protocol.keys import ClientKeys
-from protocol.transport import request
+from protocol.transport import Client
 
 WAIT_SLICE_S = 0.2  # longest a worker thread blocks on one reply
 QUIET_S = 0.5  # silence after which the daemon is pinged
@@ -127,17 +129,30 @@ class TargetLink:
         self.stats_calls = 0  # stats calls begun
         self.stats_ended = 0  # of them, ended (answered or not)
         self.last_stats: tuple[int, dict | None] = (0, None)  # the latest call's number and figures
+        # Set as the server stops: worker threads still waiting on the daemon give up (an
+        # abandoned ping to a hung daemon held the server's exit for up to --daemon-timeout).
+        self.closing = threading.Event()
+
+    def close(self) -> None:
+        self.closing.set()
 
     def call_sync(self, type_: str) -> Message | None:
-        """One `ping` or `stats` on a fresh socket; None when the daemon does not answer in time."""
+        """One `ping` or `stats` on a fresh socket; None when the daemon does not answer in time,
+        or once the link closes."""
+        client = Client(self.address, curve=self.curve)
         try:
-            reply = request(self.address, type_, timeout_s=self.daemon_timeout_s, curve=self.curve)
+            sent, reply = client.send(type_, {}), None
+            deadline = time.monotonic() + self.daemon_timeout_s
+            while reply is None and (left := deadline - time.monotonic()) > 0 and not self.closing.is_set():
+                reply = client.wait(sent, type_, min(left, WAIT_SLICE_S))
         except ProtocolError as exc:
             raise DaemonMisspoke(str(exc)) from exc
         except zmq.ZMQError as exc:
             if exc.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
             raise TooManyOpen(f"no socket for a {type_} ({exc}); retry later") from exc  # it was a bare 500
+        finally:
+            client.close()
         if reply is None or reply.type == "error":
             return None
         self.heard = time.monotonic()
@@ -278,15 +293,18 @@ class LinkCall:
             raise answer[0]
         return answer[0]
 
-    async def close(self) -> None:
-        """Cancel the request if it is still running, wait for the daemon to confirm, drop the socket.
+    async def close(self, wait_s: float | None = None) -> None:
+        """Cancel the request if it is still running, wait for the daemon to confirm (up to
+        --daemon-timeout, or `wait_s` where less), drop the socket.
 
         Shielded: it runs when the HTTP client has gone and the request's task is being cancelled.
         """
+        wait_s = self.link.daemon_timeout_s if wait_s is None else min(wait_s, self.link.daemon_timeout_s)
         with anyio.CancelScope(shield=True):
             try:
                 if not self.call.finished:
-                    await to_thread.run_sync(self.call.cancel, self.link.daemon_timeout_s, limiter=self.link.limiter)
+                    cancel = functools.partial(self.call.cancel, wait_s, self.link.closing.is_set)
+                    await to_thread.run_sync(cancel, limiter=self.link.limiter)
                 self.call.client.close()
             finally:
                 if self.counted:  # closing twice is harmless

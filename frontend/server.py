@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from frontend.link import TargetLink
 from protocol.transport import BindError
 
 
@@ -23,6 +24,19 @@ class HTTPServer(uvicorn.Server):
     knows when its shutdown began (`stopping_since`), for the drain."""
 
     stopping_since: float | None = None
+
+    def __init__(self, config: uvicorn.Config, link: TargetLink | None = None) -> None:
+        """`link`: closed once the connections are done, so that no wait on a hung daemon holds
+        the exit (it held it for up to --daemon-timeout: an audit)."""
+        super().__init__(config)
+        self.link = link
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if self.link is not None:
+                self.link.close()
 
     def stop(self) -> None:
         """Shut down as on SIGTERM, for a reason of the caller's (the daemon it serves is gone)."""

@@ -11,7 +11,7 @@ drops unsent messages when it closes, so that `done` is the proof the daemon sto
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import zmq
 
@@ -68,15 +68,16 @@ class GenerateCall:
             if time.monotonic() >= end:
                 return None
 
-    def cancel(self, wait_s: float = CANCEL_WAIT_S) -> None:
-        """Cancel the request if it still runs and wait up to `wait_s` for the daemon to confirm."""
+    def cancel(self, wait_s: float = CANCEL_WAIT_S, given_up: Callable[[], bool] = lambda: False) -> None:
+        """Cancel the request if it still runs and wait up to `wait_s` for the daemon to confirm,
+        or until `given_up()` says (asked every SLICE_S)."""
         if self.finished:
             return
         self.finished = True
         self.client.send("cancel", {}, request_id=self.id)
         deadline = time.monotonic() + wait_s
         try:
-            while (left := deadline - time.monotonic()) > 0:
+            while (left := deadline - time.monotonic()) > 0 and not given_up():
                 reply = self.client.wait(self.id, "generate", min(left, SLICE_S))
                 if reply is not None and reply.type in ("done", "error"):
                     return

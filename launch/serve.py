@@ -257,7 +257,7 @@ def http_server(args: argparse.Namespace, address: str) -> HTTPServer:
         timeout_graceful_shutdown=args.shutdown_grace,
         http=bounded_h11(max(1, connection_limit(open_calls) - REFUSALS_DRAINED)),
     )
-    server = HTTPServer(config)
+    server = HTTPServer(config, link)
     return server
 
 

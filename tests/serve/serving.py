@@ -41,7 +41,7 @@ def stream_end(failure: Exception) -> tuple[dict, str]:
         async def next(self, gone=None):
             raise failure
 
-        async def close(self):
+        async def close(self, wait_s=None):
             pass
 
     async def stream():

@@ -252,7 +252,7 @@ def test_an_answer_the_daemon_cut_off_unasked_is_an_error_not_a_stop():
         async def next(self, gone=None):
             return self.replies.pop(0)
 
-        async def close(self):
+        async def close(self, wait_s=None):
             self.closed = True
 
     body = ChatCompletionRequest(model=MODEL, messages=CHAT, stream=True)

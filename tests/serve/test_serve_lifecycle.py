@@ -187,6 +187,36 @@ def test_answers_still_streaming_when_the_grace_ends_get_an_error_event_and_done
     assert not any('"finish_reason": "length"' in line for line in rest)  # ended by the shutdown, not its length
 
 
+def test_a_server_stopped_while_its_daemon_hangs_ends_its_streams_whole_within_the_grace(chat_model_dir, tmp_path):
+    """A drained answer's cancel waited --daemon-timeout for a hung daemon's word: past uvicorn's
+    cut the stream broke off after its error event (curl: 18), and the waiting thread held the
+    server's exit for seconds more (an audit: 10 s for a grace of 5). The wait is now what the
+    grace leaves, so a server with a 30 s --daemon-timeout ends in a few seconds, streams whole."""
+    from launch.local import daemon
+
+    address = f"ipc://{tmp_path}/hung.sock"
+    args = ["--model", str(chat_model_dir), "--proposer", "ngram", "--threads", "1"]
+    with daemon("target daemon", "launch.target_daemon", address, args, 120) as target:
+        run, port = standalone(address, "--shutdown-grace", "2", "--daemon-timeout", "30")
+        try:
+            body = {"prompt": "Once upon a time", "max_tokens": 1800, "temperature": 0, "stream": True}
+            with requests.post(f"http://127.0.0.1:{port}/v1/completions", json=body, stream=True, timeout=60) as reply:
+                events = reply.iter_lines()
+                assert next(line for line in events if line).startswith(b"data: {")  # streaming
+                target.send_signal(signal.SIGSTOP)
+                run.send_signal(signal.SIGTERM)
+                stopped = time.monotonic()
+                rest = [line.decode() for line in events if line]  # a broken body raises here
+            code = run.wait(60)
+            took = time.monotonic() - stopped
+        finally:
+            target.send_signal(signal.SIGCONT)
+            run.kill()
+            run.wait()
+    assert code == 0 and took < 15, (code, took)  # the grace and a start's worth, not the daemon timeout
+    assert rest[-1] == "data: [DONE]" and "server_shutting_down" in rest[-2], rest[-3:]
+
+
 def test_a_hang_up_ignored_as_nohup_does_stays_ignored(target_address):
     """Under nohup a closed terminal must not stop the server: it did once the server handled
     SIGHUP (a review)."""
@@ -262,15 +292,16 @@ def test_a_drained_stream_sends_its_error_and_done_before_the_cancel_waits_on_th
     from frontend.schemas import ChatCompletionRequest
     from protocol import Message
 
-    sent = []
+    sent, waits = [], []
 
     class Streaming:
         async def next(self, gone=None):
             await asyncio.sleep(0.01)
             return Message("chunk", 1, {"text": "a", "token_ids": [5]})
 
-        async def close(self):
+        async def close(self, wait_s=None):
             sent.append("closed")
+            waits.append(wait_s)
 
     async def stream():
         first = Message("chunk", 1, {"text": "Ot", "token_ids": [1, 2]})
@@ -283,6 +314,7 @@ def test_a_drained_stream_sends_its_error_and_done_before_the_cancel_waits_on_th
     assert sent[-1] == "closed" and sent[-2] == "data: [DONE]\n\n", sent[-3:]
     assert json.loads(sent[-3].removeprefix("data: "))["error"]["code"] == "server_shutting_down"
     assert len(sent) > 10  # it streamed until the drain was due (0.5 s), not less
+    assert waits[0] is not None and 0 < waits[0] <= 0.25  # half what is left before uvicorn's cut
 
 
 @pytest.mark.parametrize(
