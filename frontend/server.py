@@ -3,8 +3,10 @@ signals, graceful for the answers still running (drain.py) whichever signal it i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
+import math
 import signal
 import socket
 import threading
@@ -16,6 +18,8 @@ import uvicorn
 from frontend.link import TargetLink
 from protocol.transport import BindError
 
+FORCED_END_S = 1.0  # what a forced quit gives the answers still streaming to send their error event
+
 
 class HTTPServer(uvicorn.Server):
     """uvicorn's server, taking SIGHUP (a terminal closed, an ssh cut) as it takes SIGTERM: left
@@ -24,6 +28,7 @@ class HTTPServer(uvicorn.Server):
     knows when its shutdown began (`stopping_since`), for the drain."""
 
     stopping_since: float | None = None
+    signalled: int | None = None  # the signal that stopped it, for the caller to raise (capture_signals)
 
     def __init__(self, config: uvicorn.Config, link: TargetLink | None = None) -> None:
         """`link`: closed once the connections are done, so that no wait on a hung daemon holds
@@ -34,9 +39,23 @@ class HTTPServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         try:
             await super().shutdown(sockets)
+            if self.force_exit:
+                await self._forced_end()
         finally:
             if self.link is not None:
                 self.link.close()
+
+    async def _forced_end(self) -> None:
+        """A forced quit (a second Ctrl-C): uvicorn returns at once, and the end of the event loop
+        cut the answers still streaming and the app's lifespan, each logged with a traceback (an
+        audit). The drain is due at once (handle_exit), so they end with their error event within
+        a reply wait; what has not ended by FORCED_END_S is cancelled here."""
+        deadline = time.monotonic() + FORCED_END_S
+        while self.server_state.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in self.server_state.tasks:
+            task.cancel()
+        await self.lifespan.shutdown()
 
     def stop(self) -> None:
         """Shut down as on SIGTERM, for a reason of the caller's (the daemon it serves is gone)."""
@@ -48,21 +67,37 @@ class HTTPServer(uvicorn.Server):
         if self.stopping_since is None:
             self.stopping_since = time.monotonic()
         super().handle_exit(sig, frame)
+        if self.force_exit:  # the drain is due now (see _forced_end)
+            self.stopping_since = -math.inf
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        # Inside uvicorn's own capture, so the handler found is back before uvicorn raises the
-        # signals it caught again, once it has shut down. Signals are the main thread's alone.
+        # Inside uvicorn's own capture, so the handler found is back before uvicorn would raise the
+        # signals it caught again. It does not: raised there, inside the event loop, a handler that
+        # ends the process (launch.serve's) cut the tasks a forced exit leaves pending, each logged
+        # with a traceback (an audit). The last is kept in `signalled`, for the caller to raise
+        # once the loop is done. Signals are the main thread's alone.
         with super().capture_signals():
-            found = signal.getsignal(signal.SIGHUP)
-            if found is signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            signal.signal(signal.SIGHUP, self.handle_exit)
+            captured = getattr(self, "_captured_signals", [])
             try:
-                yield
+                with self._hang_ups_as_exits():
+                    yield
             finally:
-                signal.signal(signal.SIGHUP, found)
+                if captured:
+                    self.signalled = captured[-1]
+                captured.clear()
+
+    @contextlib.contextmanager
+    def _hang_ups_as_exits(self) -> Iterator[None]:
+        found = signal.getsignal(signal.SIGHUP)
+        if found is signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        signal.signal(signal.SIGHUP, self.handle_exit)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGHUP, found)
 
 
 def listening_sockets(host: str, port: int) -> list[socket.socket]:

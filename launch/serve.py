@@ -284,6 +284,8 @@ def serve(
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a stop now must not make it 0
             signal.signal(signum, signal.SIG_IGN)
         raise SystemExit(1)
+    if server.signalled is not None:  # out of the event loop now: it ends the process here (leave)
+        signal.raise_signal(server.signalled)
 
 
 if __name__ == "__main__":

@@ -162,13 +162,17 @@ def standalone(target_address: str, *flags: str, **popen) -> tuple[subprocess.Po
     return run, port
 
 
-@pytest.mark.parametrize("endings", [("SIGHUP", "SIGHUP"), ("SIGTERM", "SIGHUP")])
-def test_answers_still_streaming_when_the_grace_ends_get_an_error_event_and_done(target_address, endings):
+@pytest.mark.parametrize("endings", [("SIGHUP", "SIGHUP"), ("SIGTERM", "SIGHUP"), ("SIGTERM", "SIGINT")])
+def test_answers_still_streaming_when_the_grace_ends_get_an_error_event_and_done(target_address, endings, tmp_path):
     """uvicorn cut streams still open after its graceful shutdown mid-body: no error event, no
     [DONE], and Python's http.client read the half answer as a whole one (an audit). A second
     signal during the grace does not cut it short (it did for a SIGHUP: a review), and the stop
-    asked for is a success (exit 0: 143 left a stopped systemd unit failed)."""
-    run, port = standalone(target_address, "--shutdown-grace", "1")
+    asked for is a success (exit 0: 143 left a stopped systemd unit failed). A forced quit (a
+    Ctrl-C after the SIGTERM) ends them so too, at once: the event loop's end cut them, with a
+    traceback each and one for the app's lifespan (an audit)."""
+    log = tmp_path / "serve.log"
+    with log.open("w") as written:
+        run, port = standalone(target_address, "--shutdown-grace", "1", stderr=written)
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 1800, "temperature": 0, "stream": True}
         with requests.post(f"http://127.0.0.1:{port}/v1/completions", json=body, stream=True, timeout=60) as reply:
@@ -185,6 +189,7 @@ def test_answers_still_streaming_when_the_grace_ends_get_an_error_event_and_done
     error = json.loads(rest[-2].removeprefix("data: "))["error"]
     assert error["code"] == "server_shutting_down", error
     assert not any('"finish_reason": "length"' in line for line in rest)  # ended by the shutdown, not its length
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
 
 
 def test_a_server_stopped_while_its_daemon_hangs_ends_its_streams_whole_within_the_grace(chat_model_dir, tmp_path):
