@@ -1437,50 +1437,45 @@ def test_a_signal_mid_run_stops_it_after_the_step_under_way_and_saves(setup, tmp
 
 
 def test_dflash_train_stopped_by_sigterm_saves_and_says_so_in_one_line(setup, tmp_path):
-    import signal
-
     target, _, store, _ = setup
     model_dir = tmp_path / "model"
     target.model.save_pretrained(model_dir)
-    root = Path(__file__).resolve().parent.parent
     args = ["--model", model_dir, "--store", store.folder, "--name", "cut", "--cache", tmp_path / "cache"]
     args += ["--stage", "train", "--block-size", "4", "--steps", 100000, "--batch", 5, "--anchors", 4]
     args += ["--eval-every", 0, "--save-every", 0, "--threads", 1, "--out", tmp_path / "out", "--autocast", "off"]
+    err = _train_stopped_by_sigterm(args, once=" step 1 | loss")
+    step = int(re.search(r"dflash-train: stopped by SIGTERM after step (\d+);", err.strip().splitlines()[-1]).group(1))
+    assert torch.load(tmp_path / "cache/train/cut/state.pt", weights_only=False)["step"] == step
+
+
+def _train_stopped_by_sigterm(args: list, once: str) -> str:
+    """`dflash-train args` sent SIGTERM once it prints a line holding `once`: its stderr, once it
+    has ended with SIGTERM's exit code and no traceback."""
+    import signal
+
+    root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "launch.train", *map(str, args)]
     proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
-        if " step 1 | loss" in line:
+        if once in line:
             break
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    step = int(re.search(r"dflash-train: stopped by SIGTERM after step (\d+);", err.strip().splitlines()[-1]).group(1))
-    assert (
-        "Traceback" not in err and torch.load(tmp_path / "cache/train/cut/state.pt", weights_only=False)["step"] == step
-    )
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
+    return err
 
 
 def test_generation_stopped_by_sigterm_writes_out_the_answers_it_finished(chat_model_dir, tmp_path):
     """The store writes out once a minute: SIGTERM (systemd, `timeout`, torchrun's stop) ended a
     generation run at once and lost every answer since (an audit: 100 answers, no store at all)."""
     import json
-    import signal
 
     starter = tmp_path / "starter.jsonl"
     starter.write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(400)))
     args = ["--model", chat_model_dir, "--stage", "gen", "--store", tmp_path / "store", "--cache", tmp_path / "cache"]
     args += ["--starter", starter, "--gen-minutes", 5, "--threads", 1, "--max-new", 8, "--gen-batch", 16]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "launch.train", *map(str, args)]
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        if " answers 100 | " in line:
-            break
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
+    _train_stopped_by_sigterm(args, once=" answers 100 | ")
     assert len(AnswerStore(tmp_path / "store")) >= 100
 
 
