@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
             options = replace(options, run=run, generation=replace(options.generation, dtype=gen_dtype))
             run_stages(options, ranks)
         except Stopped as exc:
-            sys.stderr.write(f"dflash-train: {exc}\n")
+            if ranks.main:  # one line for the run, as its log is rank 0's
+                sys.stderr.write(f"dflash-train: {exc}\n")
             raise SystemExit(128 + exc.signum) from None
         finally:
             stop(ranks)

@@ -1430,6 +1430,10 @@ def test_a_signal_mid_run_stops_it_after_the_step_under_way_and_saves(setup, tmp
     assert stopped.value.signum == signal.SIGTERM and "stopping after step 3: saving" in said
     assert torch.load(state, weights_only=False)["step"] == 3 and load_drafter(out) is not None
     assert signal.getsignal(signal.SIGTERM) is before
+    # One heard during the last step stops the run too: it ended as a finished run, exit 0 (a review).
+    monkeypatch.setattr(Trainer, "train_step", signalled_at(4, signal.SIGHUP))
+    with pytest.raises(Stopped, match="stopped by SIGHUP after step 4"):
+        train(target, cfg, store.answers, features, opts(steps=4), tmp_path / "last.pt", log=said.append)
     monkeypatch.setattr(Trainer, "train_step", signalled_at(2, signal.SIGINT, signal.SIGINT))
     with pytest.raises(KeyboardInterrupt):
         train(target, cfg, store.answers, features, opts(steps=50), tmp_path / "twice.pt", log=said.append)
@@ -1797,7 +1801,9 @@ def test_a_recorder_holds_the_open_shard_not_every_answer_it_ever_recorded(tmp_p
 
 
 def _rank_scale(rank: int, world: int, init_file: str, store: str, folders: list[str], width: int, out: str) -> None:
-    """One rank of `test_ranks_that_opened_a_growing_cache_at_different_moments_share_rank_0s_scale`."""
+    """One rank of `test_ranks_that_opened_a_growing_cache_at_different_moments_share_rank_0s_scale`,
+    which also asks `Ranks.most` here: the signal a stop names is the ranks' largest (rank 0 named
+    SIGTERM for a SIGHUP rank 1 heard: a review)."""
     import torch.distributed as dist
 
     from training.distributed import Ranks, stop
@@ -1810,7 +1816,7 @@ def _rank_scale(rank: int, world: int, init_file: str, store: str, folders: list
     trainer = Trainer(target, cfg, answers, FeatureCache(folders[rank], width), opts(), Ranks(rank, world))
     every = [torch.zeros_like(trainer.scale) for _ in range(world)]
     dist.all_gather(every, trainer.scale)
-    torch.save(every, Path(out) / f"rank{rank}.pt")
+    torch.save({"scales": every, "most": Ranks(rank, world).most([0, 1][rank])}, Path(out) / f"rank{rank}.pt")
     del trainer
     stop(Ranks(rank, world))
 
@@ -1835,7 +1841,8 @@ def test_ranks_that_opened_a_growing_cache_at_different_moments_share_rank_0s_sc
     mp.spawn(_rank_scale, args=args, nprocs=2, join=True)
     for rank in (0, 1):
         seen = torch.load(tmp_path / f"rank{rank}.pt")
-        assert torch.equal(seen[0], seen[1]) and torch.equal(seen[0], alone.scale), rank
+        assert torch.equal(seen["scales"][0], seen["scales"][1]) and torch.equal(seen["scales"][0], alone.scale), rank
+        assert seen["most"] == 1, rank
 
 
 def test_ranks_stop_only_once_what_a_collection_frees_is_freed(monkeypatch):

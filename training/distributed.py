@@ -48,9 +48,14 @@ class Ranks:
             dist.all_reduce(value)
         return value
 
-    def anyone(self, flag: bool) -> bool:
-        """Whether `flag` holds on any rank: a signal one rank heard stops every rank at one step."""
-        return bool(self.total(torch.tensor([float(flag)])).item()) if self.many else flag
+    def most(self, value: int) -> int:
+        """The largest of the ranks' `value`s: a signal one rank heard stops every rank after one
+        step. On the collective's device: an NCCL group takes no CPU tensor (a review)."""
+        if not self.many:
+            return value
+        held = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+        return int(held.item())
 
     def from_main(self, value: float) -> float:
         """Rank 0's `value` on every rank: what is read from a clock (stop now, the learning rate's

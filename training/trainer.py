@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -544,15 +543,18 @@ def _steps(trainer: Trainer, state_path: Path, log: Callable[[str], None]) -> in
     window: list[float] = []
     seen = trainer.positions
     with BatchStream(trainer.batch, trainer.step, opts.loader_threads) as batches, signals_between_steps() as heard:
-        while trainer.step < opts.steps:
-            if ranks.anyone(bool(heard)):  # every rank stops after the same step
+        while True:
+            # Before the step count: one heard during the last step stops the run too (a review).
+            if stopped_by := ranks.most(heard[0] if heard else 0):  # every rank after the same step
                 log(f"stopping after step {trainer.step}: saving")
-                return heard[0] if heard else signal.SIGTERM
+                return stopped_by
+            if trainer.step >= opts.steps:
+                return None
             if opts.minutes:  # rank 0's clock decides, for the schedule as for the stop
                 trainer.time_spent = ranks.from_main(trainer.seconds / (opts.minutes * 60))
                 if trainer.time_spent >= 1:
                     log("time budget reached")
-                    break
+                    return None
             window.append(trainer.train_step(batches.take(trainer.step)))
             trainer.seconds = time.time() - start
             if trainer.step % 20 == 0 or trainer.step == 1:
