@@ -120,16 +120,20 @@ def datastore_for(
         return None
     store = index.load()
     if store is None:
-        log.info(
-            "datastore: indexing %d shards of %s's answers in %s (once)", len(index.shards), model_name, index.source
-        )
         try:
-            index.build()
+            build_saying_so(index)
         except Exception as exc:  # a full disk, a folder not ours
             log.error("datastore: could not build %s (%s): serving without it", index.where, exc)
             return None
         store = index.load()
     return _serving(store, index, vocab_size)
+
+
+def build_saying_so(index: Index) -> None:
+    """Build `index`, logging that it does (once: later starts map it)."""
+    shards, source = len(index.shards), index.source
+    log.info("datastore: indexing %d shards of %s's answers in %s (once)", shards, index.model_name, source)
+    index.build()
 
 
 def datastore_coming(
@@ -334,10 +338,8 @@ def _built(index: Index | None) -> None:
     it (a traceback in the daemon's log, and exit 0 from the command, before: an audit)."""
     if index is None or index.load() is not None:
         return
-    shards, source = len(index.shards), index.source
-    log.info("datastore: indexing %d shards of %s's answers in %s (once)", shards, index.model_name, source)
     try:
-        index.build()
+        build_saying_so(index)
     except OSError as exc:
         log.error("datastore: could not build %s (%s)", index.where, exc.strerror or exc)
         raise SystemExit(1) from None

@@ -22,7 +22,7 @@ from anyio import to_thread
 from frontend.target_client import GenerateCall
 from protocol import ErrorCode, Message, ProtocolError
 from protocol.keys import ClientKeys
-from protocol.transport import Client
+from protocol.transport import request
 
 WAIT_SLICE_S = 0.2  # longest a worker thread blocks on one reply
 QUIET_S = 0.5  # silence after which the daemon is pinged
@@ -134,25 +134,21 @@ class TargetLink:
         self.closing = threading.Event()
 
     def close(self) -> None:
+        """The server stops: waits on the daemon end within a slice (see `closing`)."""
         self.closing.set()
 
     def call_sync(self, type_: str) -> Message | None:
         """One `ping` or `stats` on a fresh socket; None when the daemon does not answer in time,
         or once the link closes."""
-        client = Client(self.address, curve=self.curve)
         try:
-            sent, reply = client.send(type_, {}), None
-            deadline = time.monotonic() + self.daemon_timeout_s
-            while reply is None and (left := deadline - time.monotonic()) > 0 and not self.closing.is_set():
-                reply = client.wait(sent, type_, min(left, WAIT_SLICE_S))
+            timeout_s, closing = self.daemon_timeout_s, self.closing.is_set
+            reply = request(self.address, type_, timeout_s=timeout_s, curve=self.curve, given_up=closing)
         except ProtocolError as exc:
             raise DaemonMisspoke(str(exc)) from exc
         except zmq.ZMQError as exc:
             if exc.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
             raise TooManyOpen(f"no socket for a {type_} ({exc}); retry later") from exc  # it was a bare 500
-        finally:
-            client.close()
         if reply is None or reply.type == "error":
             return None
         self.heard = time.monotonic()

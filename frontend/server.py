@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import math
 import signal
 import socket
@@ -50,12 +51,15 @@ class HTTPServer(uvicorn.Server):
         cut the answers still streaming and the app's lifespan, each logged with a traceback (an
         audit). The drain is due at once (handle_exit), so they end with their error event within
         a reply wait; what has not ended by FORCED_END_S is cancelled here."""
+        logging.getLogger("uvicorn.error").info("Forced quit: ending %d running task(s)", len(self.server_state.tasks))
         deadline = time.monotonic() + FORCED_END_S
         while self.server_state.tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for task in self.server_state.tasks:
             task.cancel()
-        await self.lifespan.shutdown()
+        done = getattr(self.lifespan, "shutdown_event", None)
+        if done is None or not done.is_set():  # uvicorn skipped it, unless forced while it ran
+            await self.lifespan.shutdown()
 
     def stop(self) -> None:
         """Shut down as on SIGTERM, for a reason of the caller's (the daemon it serves is gone)."""

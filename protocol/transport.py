@@ -676,13 +676,29 @@ def _remove_ipc_file(bound: tuple[str, int, int] | None) -> None:
         pass
 
 
+GIVE_UP_SLICE_S = 0.2  # how often a request's wait asks whether it is given up
+
+
 def request(
-    address: str, type_: str, fields: dict | None = None, timeout_s: float = 1.0, curve: ClientKeys | None = None
+    address: str,
+    type_: str,
+    fields: dict | None = None,
+    timeout_s: float = 1.0,
+    curve: ClientKeys | None = None,
+    given_up: Callable[[], bool] | None = None,
 ) -> Message | None:
-    """One request on a fresh socket: for probes and readiness checks."""
+    """One request on a fresh socket: for probes and readiness checks. `given_up`, asked every
+    GIVE_UP_SLICE_S, ends the wait early with None (a server that stops: see frontend.link)."""
     client = Client(address, curve=curve)
     try:
-        return client.call(type_, fields or {}, timeout_s=timeout_s)
+        sent = client.send(type_, fields or {})
+        if given_up is None:
+            return client.wait(sent, type_, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0 and not given_up():
+            if (reply := client.wait(sent, type_, min(left, GIVE_UP_SLICE_S))) is not None:
+                return reply
+        return None
     finally:
         client.close()
 

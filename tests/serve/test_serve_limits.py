@@ -188,7 +188,7 @@ def test_a_probe_with_no_socket_left_is_429_not_a_bare_500(monkeypatch):
     def no_files(*args, **kwargs):
         raise zmq.ZMQError(errno.EMFILE)
 
-    monkeypatch.setattr(frontend.link.Client, "send", no_files)  # where a socket is made
+    monkeypatch.setattr(frontend.link, "request", no_files)
     app = create_app(
         TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.5), FrontendSettings(model_name=MODEL)
     )
