@@ -62,8 +62,16 @@ def free_address() -> str:
 COLOCATED_SPIN = "20000"
 
 
-def colocated_env() -> dict:
-    return dict(os.environ, PYTHONUNBUFFERED="1", GOMP_SPINCOUNT=os.environ.get("GOMP_SPINCOUNT", COLOCATED_SPIN))
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def daemon_env() -> dict:
+    """A daemon's environment: colocated spinning (above), and the project's packages found first
+    with the caller's working directory off the path: `python -m` put it first, and a `basics.py`
+    or `training.py` there was imported in place of the project's; the daemon died (an audit)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    spin = os.environ.get("GOMP_SPINCOUNT", COLOCATED_SPIN)
+    return dict(os.environ, PYTHONUNBUFFERED="1", GOMP_SPINCOUNT=spin, PYTHONSAFEPATH="1", PYTHONPATH=path)
 
 
 def start_daemon(
@@ -90,7 +98,7 @@ def start_daemon(
         # them at once, they aborted its answers: a review). Killed, it takes them with it (dies_with).
         proc = subprocess.Popen(
             command,
-            env=colocated_env(),
+            env=daemon_env(),
             stdout=out,
             stderr=out,
             preexec_fn=dies_with(os.getpid()),

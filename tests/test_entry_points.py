@@ -666,3 +666,18 @@ def test_a_second_signal_arriving_inside_the_firsts_handler_does_not_hang_the_da
     nested.start()
     nested.join(5)
     assert not nested.is_alive()
+
+
+def test_a_daemon_started_from_a_folder_holding_a_module_of_the_projects_name_imports_the_projects(
+    tmp_path, monkeypatch
+):
+    """`python -m` put the working directory first on a daemon's path: a user's `basics.py` there
+    was imported in place of the project's, and dflash-local's draft daemon died (an audit)."""
+    from launch.local import daemon
+
+    for name in ("basics", "protocol", "draft_node"):
+        (tmp_path / f"{name}.py").write_text("raise ImportError('the user´s module, not the project´s')\n")
+    monkeypatch.chdir(tmp_path)
+    address = f"ipc://{tmp_path}/draft.sock"
+    with daemon("draft daemon", "launch.draft_daemon", address, ["--checkpoint", str(DRAFTER), "--threads", "1"], 120):
+        pass
