@@ -8,7 +8,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${DFLASH_VENV:-$root/.venv}"
 bash "$root/launch/setup_env.sh"
-cd "$root"
+# Where the caller is, so that relative paths in the arguments are theirs (they were read and
+# written in the repository: an audit); the installed packages, not modules there, are imported.
+export PYTHONSAFEPATH=1
 # The datastore's index, once per machine and store; the daemon serves without it where it cannot be
 # built. A signal to this script stops it too (it ran on, orphaned: an audit).
 "$venv/bin/python" -m answers.index &
@@ -18,7 +20,7 @@ trap 'kill "$indexer" 2>/dev/null; exit 143' TERM
 trap 'kill "$indexer" 2>/dev/null; exit 129' HUP
 wait "$indexer" || echo "demo: going on without the datastore's index" >&2
 trap - INT TERM HUP
-prompts=(--prompts-file launch/demo_prompts.txt)
+prompts=(--prompts-file "$root/launch/demo_prompts.txt")
 for arg in "$@"; do
   case "$arg" in --prompt | --prompt=* | --prompts-file | --prompts-file=*) prompts=() ;; esac
 done

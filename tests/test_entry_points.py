@@ -515,6 +515,7 @@ def _fake_venv(folder: Path, pip_works: bool = True, index: str = "exit 0") -> P
     pip = "exit 0" if pip_works else '[ -f "$(dirname "$0")/../pip-installed" ] || exit 1'
     script = f"""#!/usr/bin/env bash
 echo "$@" >> "$(dirname "$0")/../calls"
+echo "$PWD" > "$(dirname "$0")/../cwd"
 if [ "$1 $2" = "-m pip" ] && [ "$3" = "--version" ]; then {pip}; fi
 if [ "$1 $2" = "-m ensurepip" ]; then touch "$(dirname "$0")/../pip-installed"; fi
 if [ "$1 $2" = "-m answers.index" ]; then {index}; fi
@@ -542,6 +543,18 @@ def test_the_demo_takes_the_callers_venv_and_its_own_prompts_replace_the_demos(t
         run = (venv / "calls").read_text().splitlines()[-1]
         assert run.startswith("-m launch.local") and run.endswith(" ".join(extra))
         assert ("demo_prompts.txt" in run) == demo_prompts
+
+
+def test_the_demo_reads_and_writes_the_callers_relative_paths_where_the_caller_is(tmp_path, monkeypatch):
+    """demo.sh changed into the repository: `--prompts-file mine.txt --json out.json` looked for
+    the prompts, and wrote the answers, there (an audit)."""
+    venv = _fake_venv(tmp_path / "venv")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    env = dict(os.environ, DFLASH_VENV=str(venv))
+    demo = [str(DRAFTER.parent.parent / "launch/demo.sh"), "--json", "out.json", "--prompts-file", "mine.txt"]
+    subprocess.run(["bash", *demo], env=env, check=True)
+    assert (venv / "cwd").read_text().strip() == str(tmp_path / "work")
 
 
 def test_the_demo_goes_on_without_the_datastores_index_where_it_cannot_be_built(tmp_path):
