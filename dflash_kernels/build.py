@@ -28,14 +28,10 @@ from pathlib import Path
 
 import torch
 
+from basics.cache import CACHE_ROOT
+
 SOURCE = Path(__file__).with_name("cpu.cpp")
-# Beside the project's other rebuildable files ($DFLASH_SPLIT_CACHE, as target_node.CACHE_ROOT), which
-# this package, below both nodes, cannot import.
-# Absolute: a relative $DFLASH_SPLIT_CACHE kept each working directory's daemons apart (an audit).
-KERNEL_CACHE = (
-    Path(os.environ.get("DFLASH_SPLIT_CACHE") or Path.home() / ".cache" / "dflash-split").expanduser().absolute()
-    / "kernels"
-)
+KERNEL_CACHE = CACHE_ROOT / "kernels"  # beside the project's other rebuildable files
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c++20", "-fopenmp"]
 
 FAILED_RETRY_S = 600.0  # a failed build is not tried again for this long (each try takes a daemon's start 20-60 s)

@@ -194,6 +194,21 @@ def test_a_cache_that_cannot_take_the_default_model_is_one_line_before_any_conve
     assert "cannot take it" in last and "DFLASH_SPLIT_CACHE" in last, last
 
 
+@pytest.mark.parametrize("given, found", [("~/c", "home/c"), ("rel", "work/rel")])
+def test_the_cache_is_one_absolute_folder_however_its_variable_is_written(tmp_path, given, found):
+    """A literal `~` (systemd's Environment=) or a relative $DFLASH_SPLIT_CACHE made a cache per
+    working directory for the models, drafters and indexes, while the kernels' was absolute (an
+    audit): one rule for all now."""
+    (tmp_path / "work").mkdir()
+    env = {**os.environ, "DFLASH_SPLIT_CACHE": given, "HOME": str(tmp_path / "home")}
+    show = "import target_node, dflash_kernels.build as b; print(target_node.CACHE_ROOT, b.KERNEL_CACHE)"
+    root = str(DRAFTER.parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", show], cwd=tmp_path / "work", env=env, capture_output=True, text=True)
+    cache, kernels = done.stdout.split()
+    assert cache == str(tmp_path / found) and kernels == str(tmp_path / found / "kernels"), done.stderr
+
+
 def test_a_cache_without_room_for_the_default_model_is_refused_before_converting(tmp_path, monkeypatch):
     import shutil
 
