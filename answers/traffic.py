@@ -31,12 +31,16 @@ class TrafficError(ValueError):
 
 
 def record_folder(folder: str) -> Path:
-    """`folder`, made if need be and the operator's alone (0700: it holds users' prompts), or
-    TrafficError where this process cannot write there: asked before the model loads too."""
+    """`folder`, made if need be the operator's alone (0700: it holds users' prompts), or
+    TrafficError where this process cannot write there: asked before the model loads too. A
+    folder that exists keeps its mode, with a warning where others may read it: made 0700, a
+    `--record .` or `--record ~` locked others out of it, even on a run that then failed (an audit)."""
     path = Path(folder)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        path.chmod(0o700)
+        if not path.is_dir():
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        elif path.stat().st_mode & 0o077:
+            log.warning("--record %s: others may read this folder and the prompts recorded in it (chmod 700)", folder)
         probe = path / ".writable"
         probe.write_text("")
         probe.unlink()

@@ -1608,6 +1608,23 @@ def test_a_resumed_run_learns_at_the_rate_its_options_now_ask_for(setup, tmp_pat
     assert lrs[o.lr / 10] == pytest.approx(lrs[o.lr] / 10) and lrs[o.lr] == first.optimizer.param_groups[0]["lr"]
 
 
+def test_a_record_folder_that_exists_keeps_its_mode_and_a_readable_one_is_warned_of(tmp_path, caplog):
+    """`--record .` made the working directory 0700, locking others out, even on a run that then
+    refused its model (an audit). A folder that exists keeps its mode; where others may read it,
+    the operator is told."""
+    from answers.traffic import record_folder
+
+    shared = tmp_path / "project"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with caplog.at_level("WARNING", logger="traffic"):
+        record_folder(str(shared))
+    assert shared.stat().st_mode & 0o777 == 0o755 and "others may read this folder" in caplog.text
+    caplog.clear()
+    record_folder(str(tmp_path / "new" / "rec"))
+    assert (tmp_path / "new" / "rec").stat().st_mode & 0o777 == 0o700 and not caplog.text
+
+
 def test_the_traffic_recorder_keeps_greedy_answers_privately_and_its_failures_to_itself(tmp_path):
     """`--record` into a folder it cannot write started, then answered every request `done` and
     then `error` (two replies); recorded files were world-readable; sampled answers, which are no
