@@ -193,6 +193,9 @@ def _compile(compiler: str, library: Path) -> None:
                 failed.write_text(message + "\n")
             raise KernelsUnavailable(message)
         _durable(Path(partial))
+        # As the umask has it: mkstemp's 0600 (0711 once linked) kept other users of a shared
+        # cache from loading it, and they fell back to torch's ops (an audit).
+        os.chmod(partial, 0o755 & ~_umask())
         os.replace(partial, library)
     finally:
         Path(partial).unlink(missing_ok=True)
@@ -203,6 +206,12 @@ def _compile(compiler: str, library: Path) -> None:
     os.replace(written, checksum)
     failed.unlink(missing_ok=True)
     _durable(library.parent)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _durable(path: Path) -> None:

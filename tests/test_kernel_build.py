@@ -38,6 +38,10 @@ def test_a_build_leaves_a_whole_library_with_its_checksum_and_nothing_else(tmp_p
     build._compile(str(compiler), library)
     assert library.read_bytes() == b"a whole library" and build._whole(library)
     assert sorted(p.name for p in library.parent.iterdir()) == ["dflash_kernels.sha256", "dflash_kernels.so"]
+    # Loadable by the other users of a shared cache, as the umask allows (it was mkstemp's 0600).
+    umask = os.umask(0)
+    os.umask(umask)
+    assert library.stat().st_mode & 0o777 == 0o755 & ~umask
 
 
 def test_a_damaged_library_is_built_again_and_never_loaded(tmp_path, compiler, monkeypatch):
