@@ -91,3 +91,12 @@ def test_a_saved_model_loads_with_the_cache_policy_asked_for(tmp_path):
     tiny_target("mamba2", layers=2).model.save_pretrained(tmp_path)
     assert TargetModel.load(tmp_path).policy.name == "replay"
     assert TargetModel.load(tmp_path, cache_policy="capture").policy.name == "capture"
+
+
+def test_a_model_is_named_by_its_folder_however_the_folder_is_written(chat_model_dir, monkeypatch):
+    """`--model .` (served from inside the folder) named the model "": the server's id fell back to
+    "dflash-split", and recorded answers and the datastore were keyed by "" (an audit)."""
+    from target_node.model.target import TargetModel
+
+    monkeypatch.chdir(chat_model_dir)
+    assert TargetModel.load(".", dtype="float32", slots=1).name == chat_model_dir.name

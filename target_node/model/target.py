@@ -12,6 +12,7 @@ owned by the proposer that drafts.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from functools import cache
 from pathlib import Path
@@ -95,8 +96,11 @@ class TargetModel:
 
     @property
     def name(self) -> str:
-        """The model's folder name: what the answer store, the stats reply and the datastore call it."""
-        return Path(str(self.config.name_or_path)).name
+        """The model's folder name: what the answer store, the stats reply and the datastore call it.
+        Whatever way the folder was written: `--model .` was served as "dflash-split", and its
+        answers recorded under "" (an audit)."""
+        given = str(self.config.name_or_path)
+        return Path(os.path.abspath(given)).name if given else ""
 
     @property
     def policy(self) -> Engine | CachePolicy:
