@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from answers.store import STORE, Answer, AnswerStoreError, open_shard, read_shard, shard_paths
+from basics.files import process_alive
 from target_node import CACHE_ROOT
 from target_node.drafting.datastore import Datastore
 
@@ -264,13 +265,8 @@ def _source(index: Path) -> str | None:
 
 def _builder_alive(part: Path) -> bool:
     """Whether the process that writes the part-built index `part` (NAME.PID.tmp) still runs."""
-    try:
-        os.kill(int(part.with_suffix("").suffix[1:]), 0)
-    except ProcessLookupError:
-        return False
-    except (ValueError, OSError):  # not a pid of ours to judge (another user's): left alone
-        return True
-    return True
+    pid = part.with_suffix("").suffix[1:]
+    return not pid.isdigit() or process_alive(int(pid))  # not a name of ours to judge: left alone
 
 
 def _is_index(folder: Path, model_name: str, whole: bool = True) -> bool:

@@ -3,8 +3,10 @@ and the feature cache's index (the standard library only, so light modules may u
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,11 +14,13 @@ from pathlib import Path
 def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """`write` the file beside `path`, sync it and rename it over `path`: a reader, a process killed
     meanwhile or a power cut find the old file or the new one, never part of one. The old file's
-    permissions carry over; a partial file a killed write left (read-only, perhaps) is removed
-    first, or it failed every later write (a review). A write that fails (a full disk) takes its
-    partial file with it: left, they kept the disk full (an audit)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
+    permissions carry over. Each writer has a partial file of its own (NAME.PID-THREAD.tmp): two
+    processes filling one cache removed each other's, and one failed (an audit). Partial files
+    whose writers are gone (killed; read-only, perhaps) are removed first, or they failed every
+    later write (a review). A write that fails (a full disk) takes its partial file with it:
+    left, they kept the disk full (an audit)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    _remove_partials_of_gone_writers(path, tmp)
     try:
         write(tmp)
         if path.exists():
@@ -27,3 +31,24 @@ def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _remove_partials_of_gone_writers(path: Path, mine: Path) -> None:
+    path.with_name(path.name + ".tmp").unlink(missing_ok=True)  # of a version that named none
+    mine.unlink(missing_ok=True)
+    for part in path.parent.glob(f"{glob.escape(path.name)}.*.tmp"):
+        writer = part.name[len(path.name) + 1 : -len(".tmp")].split("-")[0]
+        if writer.isdigit() and not process_alive(int(writer)):
+            part.unlink(missing_ok=True)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs; one this process may not signal (another user's) counts as
+    running, its files not ours to judge."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):
+        return True
+    return True

@@ -1996,6 +1996,34 @@ def test_a_run_is_resumed_or_restarted_never_replaced_and_a_wrong_resume_is_refu
     assert "--store" in capsys.readouterr().err
 
 
+def test_two_processes_writing_one_file_at_once_each_write_it_whole(tmp_path):
+    """One partial file for every writer: two processes filling one cache at once removed each
+    other's and one failed with FileNotFoundError (1 round in 4, an audit). Each writer has its own,
+    and a dead writer's is removed by the next write."""
+    import multiprocessing
+
+    path = tmp_path / "config.json"
+    dead = tmp_path / f"config.json.{2**22 + 1}-7.tmp"  # above any pid_max: no such process
+    dead.write_text("half")
+    context = multiprocessing.get_context("fork")
+    ready = context.Barrier(4)
+    procs = [context.Process(target=_writes_many, args=(path, i, ready)) for i in range(4)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+    assert [proc.exitcode for proc in procs] == [0, 0, 0, 0]
+    assert path.read_text() in {f"writer {i}" * 1000 for i in range(4)} and not list(tmp_path.glob("*.tmp"))
+
+
+def _writes_many(path: Path, i: int, ready) -> None:
+    from basics.files import write_atomically
+
+    ready.wait()
+    for _ in range(200):
+        write_atomically(path, lambda tmp: tmp.write_text(f"writer {i}" * 1000))
+
+
 def test_a_write_that_fails_leaves_the_old_file_and_no_partial_one(tmp_path):
     """A full disk: the partial .tmp stayed, and kept the disk full (an audit)."""
     import errno
