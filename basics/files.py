@@ -3,11 +3,13 @@ and the feature cache's index (the standard library only, so light modules may u
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -52,3 +54,23 @@ def process_alive(pid: int) -> bool:
     except (OSError, OverflowError):
         return True
     return True
+
+
+@contextmanager
+def locked(folder: Path) -> Iterator[None]:
+    """One process at a time in `folder`: concurrent starts wait for one build or conversion."""
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def as_umask_allows(path: Path, mode: int = 0o666) -> None:
+    """`path` readable as the umask allows: safetensors and mkstemp make their files 0600 whatever
+    it says, and the other users of a shared cache or checkpoint could not load them (an audit)."""
+    os.chmod(path, mode & ~umask())

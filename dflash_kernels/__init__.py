@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from basics.files import locked
 from dflash_kernels import build
-from dflash_kernels.build import KernelsUnavailable, locked, native_bf16
+from dflash_kernels.build import KernelsUnavailable, native_bf16
 
 __all__ = [
     "KernelsUnavailable",

@@ -11,7 +11,6 @@ matmuls.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -21,14 +20,13 @@ import subprocess
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from basics.cache import CACHE_ROOT
+from basics.files import as_umask_allows, locked
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 KERNEL_CACHE = CACHE_ROOT / "kernels"  # beside the project's other rebuildable files
@@ -147,14 +145,6 @@ def _whole(library: Path) -> bool:
         return False
 
 
-@contextmanager
-def locked(folder: Path) -> Iterator[None]:
-    """One process at a time in `folder`: concurrent daemons wait for one build (or one measurement)."""
-    with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def _compile(compiler: str, library: Path) -> None:
     """Compile into a file of this process's own (a killed build's orphaned compiler wrote the one
     the next build renamed, an audit), flushed to disk before it takes the library's name, and its
@@ -193,9 +183,7 @@ def _compile(compiler: str, library: Path) -> None:
                 failed.write_text(message + "\n")
             raise KernelsUnavailable(message)
         _durable(Path(partial))
-        # As the umask has it: mkstemp's 0600 (0711 once linked) kept other users of a shared
-        # cache from loading it, and they fell back to torch's ops (an audit).
-        os.chmod(partial, 0o755 & ~_umask())
+        as_umask_allows(Path(partial), 0o755)  # other users of a shared cache fell back to torch's ops
         os.replace(partial, library)
     finally:
         Path(partial).unlink(missing_ok=True)
@@ -206,12 +194,6 @@ def _compile(compiler: str, library: Path) -> None:
     os.replace(written, checksum)
     failed.unlink(missing_ok=True)
     _durable(library.parent)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _durable(path: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from basics.files import write_atomically
+from basics.files import as_umask_allows, write_atomically
 from draft_node.config import CheckpointError, DFlashConfig, in_dflash2
 from draft_node.model import DFlashDrafter
 
@@ -114,7 +114,12 @@ def save_drafter(drafter: DFlashDrafter, folder: str | Path) -> Path:
     else:  # an earlier drafter's would be read as this one's
         (folder / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
-    write_atomically(folder / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+
+    def weights(tmp: Path) -> None:  # readable as the umask allows: safetensors writes 0600 (an audit)
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        as_umask_allows(tmp)
+
+    write_atomically(folder / "model.safetensors", weights)
     return folder
 
 

@@ -223,6 +223,39 @@ def test_a_cache_without_room_for_the_default_model_is_refused_before_converting
         default_model.ensure_default_model(tmp_path / "models" / "SmolLM2")
 
 
+def test_two_starts_on_a_fresh_cache_convert_the_default_model_once(tmp_path, monkeypatch):
+    """Two processes converting at once wrote one partial folder: one failed with a traceback and
+    538 MB stayed in the model's folder for good (an audit). One converts, the other waits and
+    takes its model."""
+    import threading
+    import time
+
+    from target_node.model import default_model
+
+    converted = []
+
+    def convert(folder, gguf_folder):  # as _convert does, slowly
+        converted.append(folder)
+        folder.mkdir()
+        time.sleep(0.3)
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(default_model, "_convert", convert)
+    target, found = tmp_path / "models" / "SmolLM2", []
+
+    def start() -> None:
+        found.append(default_model.ensure_default_model(target))
+
+    starts = [threading.Thread(target=start) for _ in range(2)]
+    for start in starts:
+        start.start()
+    for start in starts:
+        start.join(30)
+    assert found == [target, target] and len(converted) == 1
+    assert sorted(p.name for p in target.parent.iterdir()) == [".lock", "SmolLM2"]
+
+
 DAEMONS = ["launch.target_daemon", "launch.draft_daemon"]
 REFUSED_FLAGS = [
     *[(module, ["--device", "gpu"], "'gpu' is not a torch device") for module in DAEMONS],

