@@ -45,7 +45,7 @@ class ClientKeys:
 def create_keypair(folder: str | Path, name: str) -> tuple[Path, Path]:
     """Write `name.key` (public) and `name.key_secret` (readable by its owner only) into `folder`."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o755, parents=True, exist_ok=True)  # under umask 000 it was anyone's to add keys to
     # Written owner-only from the start: made with the usual umask and then narrowed, the secret
     # was readable by every local user for a moment (an audit).
     umask = os.umask(0o077)
@@ -85,6 +85,10 @@ def load_allowed(paths: Iterable[str | Path]) -> frozenset[bytes]:
     """Public keys from files and from folders of `*.key` files: a server's allow-list."""
     keys: set[bytes] = set()
     for path in map(Path, paths):
+        if path.is_dir() and os.name == "posix" and path.stat().st_mode & 0o022:
+            raise KeyFileError(
+                f"{path}: others may write this folder, and so put their keys on the allow-list: chmod go-w {path}"
+            )
         files = sorted(path.glob("*.key")) if path.is_dir() else [path]
         keys.update(load_public(f) for f in files)
     if not keys:

@@ -104,3 +104,19 @@ def test_a_disk_that_refuses_a_key_is_one_line_and_leaves_no_half_pair(tmp_path,
     assert ended.value.code == 1
     assert capsys.readouterr().err.strip() == "dflash-keys: error: [Errno 28] No space left on device"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_key_folder_others_may_write_is_made_so_by_no_one_and_allows_no_one(tmp_path):
+    """Under umask 000, `dflash-keys --out DIR` made DIR anyone's to write, and `--curve-allow DIR`
+    took every key a local user put there (an audit)."""
+    umask = os.umask(0)
+    try:
+        create_keypair(tmp_path / "keys", "client")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "keys").stat().st_mode & 0o777 == 0o755
+    (tmp_path / "keys").chmod(0o777)
+    with pytest.raises(KeyFileError, match="others may write this folder"):
+        keys.load_allowed([tmp_path / "keys"])
+    (tmp_path / "keys").chmod(0o755)
+    assert len(keys.load_allowed([tmp_path / "keys"])) == 1
