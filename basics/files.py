@@ -65,7 +65,15 @@ def locked(folder: Path) -> Iterator[None]:
 
 
 def umask() -> int:
-    mask = os.umask(0)
+    """This process's umask, read where Linux shows it: os.umask reads it only by setting it, and
+    another thread's files made meanwhile would get the mask set; here the strictest one."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
     os.umask(mask)
     return mask
 
