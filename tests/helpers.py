@@ -25,6 +25,28 @@ def hang_ups_by_default() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
+def signals_by_default() -> None:
+    """A child's preexec_fn where a test sends it SIGHUP or SIGINT, as from a terminal: a suite run
+    in the background (CI's) ignores SIGINT, a shell started so cannot trap it, and the test
+    failed there alone."""
+    for signum in (signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+@contextmanager
+def signals_as_in_a_terminal() -> Iterator[None]:
+    """This process takes Ctrl-C and a hang-up as Python does in a terminal for the block, though
+    the suite may run in the background (which ignores Ctrl-C) or under nohup."""
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGHUP)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
 @contextmanager
 def children_hear_hang_ups() -> Iterator[None]:
     """`hang_ups_by_default` for children started by code that takes no preexec_fn (this process's

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from helpers import hang_ups_by_default, running
+from helpers import hang_ups_by_default, running, signals_by_default
 
 DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
 SCRIPTS = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
@@ -619,7 +619,9 @@ def test_a_demo_stopped_while_it_indexes_stops_its_indexer(tmp_path, signum):
     """SIGTERM to the demo's script ended it and left its indexer running, orphaned (an audit)."""
     venv = _fake_venv(tmp_path / "venv", index='echo $$ > "$(dirname "$0")/../indexer"; exec sleep 60')
     env = dict(os.environ, DFLASH_VENV=str(venv))
-    demo = subprocess.Popen(["bash", str(DRAFTER.parent.parent / "launch/demo.sh")], env=env)
+    demo = subprocess.Popen(
+        ["bash", str(DRAFTER.parent.parent / "launch/demo.sh")], env=env, preexec_fn=signals_by_default
+    )
     deadline = time.monotonic() + 30
     while not (venv / "indexer").is_file() or not (venv / "indexer").read_text().strip():
         assert time.monotonic() < deadline and demo.poll() is None, "the indexer never started"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import greedy, tiny_target
+from helpers import greedy, signals_as_in_a_terminal, tiny_target
 
 import training.features as features_module
 from answers.store import Answer, AnswerStore, read_shard, shard_paths, write_shard
@@ -1432,10 +1432,10 @@ def test_a_signal_mid_run_stops_it_after_the_step_under_way_and_saves(setup, tmp
     assert signal.getsignal(signal.SIGTERM) is before
     # One heard during the last step stops the run too: it ended as a finished run, exit 0 (a review).
     monkeypatch.setattr(Trainer, "train_step", signalled_at(4, signal.SIGHUP))
-    with pytest.raises(Stopped, match="stopped by SIGHUP after step 4"):
+    with signals_as_in_a_terminal(), pytest.raises(Stopped, match="stopped by SIGHUP after step 4"):
         train(target, cfg, store.answers, features, opts(steps=4), tmp_path / "last.pt", log=said.append)
     monkeypatch.setattr(Trainer, "train_step", signalled_at(2, signal.SIGINT, signal.SIGINT))
-    with pytest.raises(KeyboardInterrupt):
+    with signals_as_in_a_terminal(), pytest.raises(KeyboardInterrupt):
         train(target, cfg, store.answers, features, opts(steps=50), tmp_path / "twice.pt", log=said.append)
     assert not (tmp_path / "twice.pt").exists()
 
