@@ -21,6 +21,7 @@ So the store is small enough to commit, and it grows across machines and session
 
 from __future__ import annotations
 
+import calendar
 import gzip
 import json
 import lzma
@@ -38,6 +39,7 @@ from basics.files import write_atomically
 STORE = Path(__file__).resolve().parent.parent / "data" / "answers"
 HELD_OUT_BUCKETS = 32  # one job in 32 is held out
 SUFFIX = ".jsonl.xz"  # what the store writes
+STAMP = "%Y%m%d-%H%M%S"  # a shard's start, UTC: names sort as shards were started
 OLD_SUFFIX = ".jsonl.gz"  # what it wrote before 2026-12-05: still read
 
 
@@ -90,7 +92,8 @@ class AnswerStore:
         self._last_name = ""
         self._recent: OrderedDict[str, None] = OrderedDict()
         for path in shard_paths(self.folder):
-            self._last_name = shard_stem(path)
+            if stamped(shard_stem(path)):  # a shard named otherwise sorts where it sorts
+                self._last_name = shard_stem(path)
             if self.remember:
                 for answer in read_shard(path):
                     self._keep(answer)
@@ -140,15 +143,18 @@ class AnswerStore:
         return self._shard
 
     def _next_name(self) -> str:
-        """Start time and tag. Within the start's second a random tag may sort first, so a name
-        that would not sort last extends the last one's stem with "_" and the tag (a longer stem
-        sorts right after the one it extends)."""
+        """Start time and tag, sorting after every shard before it. Within the last shard's second,
+        or with the clock stepped back behind it, the stamp is the second after the last one's: a
+        name of the same length (the last one's stem extended by a tag grew 9 characters a shard
+        until the clock caught up, and after a step back of an hour the 24th shard's name was too
+        long to write: an audit)."""
         tag = uuid.uuid4().hex[:8]
-        stem = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{tag}"
-        if stem <= self._last_name:
-            stem = f"{self._last_name}_{tag}"
-        self._last_name = stem
-        return stem + SUFFIX
+        stamp = time.strftime(STAMP, time.gmtime())
+        last = self._last_name[: len(stamp)]
+        if stamp <= last:
+            stamp = time.strftime(STAMP, time.gmtime(calendar.timegm(time.strptime(last, STAMP)) + 1))
+        self._last_name = f"{stamp}-{tag}"
+        return self._last_name + SUFFIX
 
     def flush(self) -> None:
         """Rewrite the current shard atomically."""
@@ -156,6 +162,15 @@ class AnswerStore:
         if self._shard is None or not self._shard_answers:
             return
         (self.write or write_shard)(self._shard, list(self._shard_answers))
+
+
+def stamped(stem: str) -> bool:
+    """Whether a shard's name starts with its start time, as the store names shards."""
+    try:
+        time.strptime(stem[:15], STAMP)
+    except ValueError:
+        return False
+    return stem[15:16] == "-"
 
 
 def shard_stem(path: Path) -> str:

@@ -32,7 +32,7 @@ def measure(target: TargetModel, prompts: list[list[int]], batch: int, seconds: 
     generator = RefillGenerator(target, batch, max_new=192, layer_ids=taps)
     queue = iter(enumerate(prompts))
     began = time.perf_counter()
-    answered = generator.run(lambda: next(queue, None), lambda *done: None, deadline=time.time() + seconds)
+    answered = generator.run(lambda: next(queue, None), lambda *done: None, deadline=time.monotonic() + seconds)
     elapsed = time.perf_counter() - began
     return {"batch": batch, "tok_s": round(generator.produced / elapsed, 1), "answered": answered, "s": round(elapsed)}
 

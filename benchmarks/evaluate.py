@@ -317,10 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("give --drafter DIR or --drafter-address ADDRESS")
     if args.threads:
         torch.set_num_threads(args.threads)
-    start = time.time()
+    start = time.monotonic()
     with one_line_errors("dflash-evaluate", CheckpointError, ValueError):
         result = evaluate(args)
-    result["wall_s"] = round(time.time() - start, 1)
+    result["wall_s"] = round(time.monotonic() - start, 1)
     print_table(result)
     out = Path(args.json) if args.json else default_results_path(args.drafter)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -74,15 +74,15 @@ class Run:
     """The results file, rewritten after every phase, and a clock for the budget."""
 
     def __init__(self, out: Path, minutes: float) -> None:
-        self.out, self.deadline = out, time.time() + minutes * 60
+        self.out, self.deadline = out, time.monotonic() + minutes * 60
         self.results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "phases": {}}
         out.mkdir(parents=True, exist_ok=True)
 
     def left(self) -> float:
-        return max(0.0, self.deadline - time.time())
+        return max(0.0, self.deadline - time.monotonic())
 
     def phase(self, name: str, fn, *args) -> None:  # fn(*args) returns the phase's results
-        began = time.time()
+        began = time.monotonic()
         print(f"== {name} ({self.left() / 60:.1f} min left)", flush=True)
         try:
             result = {"ok": True, **fn(*args)}
@@ -91,7 +91,7 @@ class Run:
         # results unwritten (an audit).
         except (Exception, SystemExit) as exc:
             result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        result["seconds"] = round(time.time() - began, 1)
+        result["seconds"] = round(time.monotonic() - began, 1)
         self.results["phases"][name] = result
         (self.out / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
         print(json.dumps({name: result})[:2000], flush=True)
@@ -670,7 +670,7 @@ def main(argv: list[str] | None = None) -> None:
         model = tiny_model(cache / "tiny-model", Path(args.gguf_folder) if args.gguf_folder else None)
         cfg = config_for_target(TargetModel.load(model).config, block_size=4, num_layers=1, mask_token_id=0)
         shipped = save_drafter(random_drafter(cfg), cache / "tiny-drafter")
-        sizes = {"prompts": 2, "max_new": 8, "batch": 8, "gen": 0.2, "train": 0.2, "steps": 20, "dtype": "float32"}
+        sizes = {"prompts": 2, "max_new": 8, "batch": 8, "gen": 0.1, "train": 0.2, "steps": 20, "dtype": "float32"}
         sizes.update(answer=24, exact_prompts=1, widest=3, eval_minutes=0.5, train_batch=4, train_anchors=4)
         sizes.update(estimate_minutes=0.1, train_start_minutes=0.05)
     else:

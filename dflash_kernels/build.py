@@ -152,7 +152,8 @@ def _compile(compiler: str, library: Path) -> None:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     failed = library.with_suffix(".failed")
-    if failed.is_file() and time.time() - failed.stat().st_mtime < FAILED_RETRY_S:
+    # A marker dated ahead (a clock stepped back, another host's on a shared disk) is as old as 0 s, not younger.
+    if failed.is_file() and 0 <= time.time() - failed.stat().st_mtime < FAILED_RETRY_S:
         raise KernelsUnavailable(f"{failed.read_text().strip()} (an earlier build; delete {failed} to try again)")
     libs = library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)

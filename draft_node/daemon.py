@@ -566,7 +566,7 @@ def serve(
         send_queue=SEND_QUEUE,
         receive_queue=RECEIVE_QUEUE,
     )
-    log.info("draft daemon serving on %s%s", address, " (CURVE)" if curve else "")
+    log.info("draft daemon serving on %s%s", server.address, " (CURVE)" if curve else "")
     # Kept prefixes belong to a CURVE key; without CURVE a peer is a connection, and a target's
     # slots are connections of their own, so there the target's unguessable names alone scope them.
     service.kept.by_peer = curve is not None

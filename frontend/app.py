@@ -167,13 +167,22 @@ def _info_routes(app: FastAPI, front: Front) -> None:
             raise front.unreachable()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    async def card() -> dict:
         name = await front.served_name()
         if name is None:
             raise front.unreachable(", so its model is unknown")
-        card = {"id": name, "object": "model", "created": front.started, "owned_by": "dflash-split"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return {"id": name, "object": "model", "created": front.started, "owned_by": "dflash-split"}
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [await card()]})
+
+    # The SDK's models.retrieve(name): a 404 for the very model served, before (an audit).
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        found = await card()
+        check_model(model, found["id"])
+        return JSONResponse(found)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -195,7 +204,7 @@ def check(reply: Message, body: GenerationRequest) -> None:
     """A daemon `error` reply as the HTTP error it means; an answer the daemon cut off unasked (the
     front end cancels only for a client that left, who reads nothing) as an error, not a `stop`."""
     if reply.type == "error":
-        raise from_daemon(reply["code"], reply["message"], body.prompt_param)
+        raise from_daemon(reply["code"], reply["message"], body.prompt_param, body.limit_param)
     if reply.type == "done" and reply["finish_reason"] == "cancelled":
         raise cancelled_by_daemon(HEARTBEAT_S)
 

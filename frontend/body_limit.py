@@ -65,7 +65,7 @@ class BodyLimit:
             while True:
                 try:
                     message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     await body_too_slow(self.deadline_s).response()(scope, receive, send)
                     return
                 if message["type"] != "http.request":  # the client left: the routes hear it

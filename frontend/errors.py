@@ -19,8 +19,7 @@ ECHO_CHARS = 200  # of a client's value quoted in an error: a 300k-key logit_bia
 
 def echoed(value: object) -> str:
     """A client's value as an error message quotes it: its repr, cut short."""
-    text = repr(value)
-    return text if len(text) <= ECHO_CHARS else f"{text[:ECHO_CHARS]}... ({len(text)} characters)"
+    return _cut(repr(value))
 
 
 # The daemon's error codes that mean the request itself was wrong (HTTP 400).
@@ -121,19 +120,22 @@ def body_too_slow(deadline_s: float) -> APIError:
     )
 
 
-def from_daemon(code: str, message: str, prompt_param: str) -> APIError:
-    """The target daemon's `error` reply, as the status an HTTP client expects."""
+def from_daemon(code: str, message: str, prompt_param: str, limit_param: str = "max_tokens") -> APIError:
+    """The target daemon's `error` reply, as the status an HTTP client expects, naming the
+    parameters the request used: `limit_param` is the one that set its answer's length."""
     if code == ErrorCode.BUSY.value:
         return APIError(429, message, type_="rate_limit_error", code="rate_limit_exceeded")
     if code == ErrorCode.CONTEXT_LENGTH.value:  # in the request's words: its max_tokens
-        message = message.replace("max_new_tokens", "max_tokens")
+        message = message.replace("max_new_tokens", limit_param)
         return APIError(400, message, param=prompt_param, code="context_length_exceeded")
     if code == ErrorCode.UNKNOWN_REQUEST.value:  # the daemon restarted under it: retrying may serve it
         return APIError(503, f"the target daemon lost the request: {message}", type_="service_unavailable_error",
                         code="target_request_lost")  # fmt: skip
     if code in {c.value for c in CLIENT_FAULTS}:
         if "max_new_tokens" in message:  # the daemon's limit, in the request's words
-            return invalid(message.replace("max_new_tokens", "max_tokens"), "max_tokens")
+            return invalid(message.replace("max_new_tokens", limit_param), limit_param)
+        if message.startswith("token ids "):  # a prompt of ids the vocabulary does not hold
+            return invalid(message, prompt_param)
         return invalid(message)
     return APIError(500, f"the target daemon failed: {message}", type_="server_error", code=code)
 
@@ -147,7 +149,10 @@ def from_protocol(message: str, prompt_param: str) -> APIError:
     """A request the wire's limits refuse, worded with the parameter that set the field: the
     protocol's own names (`generate.max_new_tokens`) read as an internal error (an audit)."""
     found = WIRE_FIELD.fullmatch(message)
-    if found is None:  # the header as a whole: too large is the prompt's doing (unpackable text may be a stop's)
+    if found is None and "header cannot be packed" in message and "surrogates" in message:  # a lone surrogate
+        why = message.partition("header cannot be packed: ")[2]
+        return invalid(f"the request holds text that is not valid Unicode: {why}")
+    if found is None:  # the header as a whole: too large is the prompt's doing
         too_large = message.startswith("generate: header is ")
         return invalid(message.removeprefix("generate: "), prompt_param if too_large else None)
     field, index, why = found.groups()
@@ -162,9 +167,11 @@ def from_validation(errors: Sequence[dict]) -> APIError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return invalid(f"the request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
-    param = _param(first.get("loc", ()))
-    if first.get("type") == "extra_forbidden":
+    loc = first.get("loc", ())
+    if first.get("type") == "extra_forbidden" and loc:  # the last part is the client's own key, whatever it reads
+        param = _cut(".".join([*_param_parts(loc[:-1]), str(loc[-1])]))
         return invalid(f"unrecognized request argument supplied: {param}", param, "unknown_parameter")
+    param = _param(loc)
     # A value that fits no member of a union gets one complaint per member: say them together.
     reasons = list(dict.fromkeys(e.get("msg", "invalid value") for e in errors if _param(e.get("loc", ())) == param))
     message = " or ".join(reasons)
@@ -174,9 +181,17 @@ def from_validation(errors: Sequence[dict]) -> APIError:
 
 
 def _param(loc: Sequence) -> str | None:
-    """`messages.0.content` from pydantic's location, without its "body" root and union member tags."""
-    parts = [str(p) for p in loc if p != "body" and not _is_union_tag(p)]
-    return ".".join(parts) or None
+    """`messages.0.content` from pydantic's location, without its "body" root and union member
+    tags, cut to ECHO_CHARS (a key is the client's: an 8 MiB one came back twice, an audit)."""
+    return _cut(".".join(_param_parts(loc))) or None
+
+
+def _param_parts(loc: Sequence) -> list[str]:
+    return [str(p) for p in loc if p != "body" and not _is_union_tag(p)]
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= ECHO_CHARS else f"{text[:ECHO_CHARS]}... ({len(text)} characters)"
 
 
 def _is_union_tag(part: object) -> bool:

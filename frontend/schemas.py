@@ -87,8 +87,9 @@ class GenerationRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
-    top_p: float | None = Field(None, gt=0, le=1)
+    # NaN was refused as "less than or equal to 2" (an audit): say it is no number.
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)  # not OpenAI's; as vLLM, for clients that want it (-1, 0: off)
     seed: int | None = Field(None, ge=-SEED_LIMIT, lt=SEED_LIMIT)  # OpenAI's: any int64
     stop: str | list[str] | None = None
@@ -138,6 +139,11 @@ class GenerationRequest(BaseModel):
         )
         return options.to_dict()
 
+    @property
+    def limit_param(self) -> str:
+        """The parameter that sets the answer's length, for errors to name it."""
+        return "max_tokens"
+
     def common_fields(self, max_tokens: int | None, default_max_tokens: int) -> dict:
         """The daemon's generate fields that do not depend on the endpoint. A request that names no
         limit gets the default, cut to the room its prompt leaves in the model's context (as
@@ -177,6 +183,11 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: Any = None
 
     prompt_param: ClassVar[str] = "messages"
+
+    @property
+    def limit_param(self) -> str:
+        """The parameter that set the answer's length (it wins over max_tokens, as in vLLM)."""
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -22,6 +22,34 @@ from protocol.transport import BindError
 FORCED_END_S = 1.0  # what a forced quit gives the answers still streaming to send their error event
 
 
+LOGGED_CHARS = 256  # of a request's path (or client address) an access-log line shows
+
+
+def printable(text: str, limit: int = LOGGED_CHARS) -> str:
+    """`text` as a log line may hold it: control and non-ASCII characters escaped (a raw ESC or
+    U+0085 from a header forged lines and drove the terminal reading the log), cut to `limit`
+    characters (a 15 KB path a line filled the disk at the client's upload rate: an audit)."""
+    shown = "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii") for c in text[:limit])
+    return shown if len(text) <= limit else f"{shown}...({len(text)} characters)"
+
+
+class AccessLogFilter(logging.Filter):
+    """uvicorn's access lines, with the client's address and the path each `printable`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and len(record.args) == 5:  # client, method, path, version, status
+            client, method, path, version, status = record.args
+            record.args = (printable(str(client)), method, printable(str(path)), version, status)
+        return True
+
+
+def quiet_access_log() -> None:
+    """The access log's filter, once (uvicorn's Config sets its loggers up: call this after)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, AccessLogFilter) for f in access.filters):
+        access.addFilter(AccessLogFilter())
+
+
 class HTTPServer(uvicorn.Server):
     """uvicorn's server, taking SIGHUP (a terminal closed, an ssh cut) as it takes SIGTERM: left
     to its default, a hang-up killed the server at once, streams cut and an all-in-one run's

@@ -10,6 +10,7 @@ drops unsent messages when it closes, so that `done` is the proof the daemon sto
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -30,8 +31,8 @@ class GenerateCall:
     """One generate request in flight: its replies in order, its heartbeats, its cancel.
 
     `beat_s` > 0 sends a heartbeat that often (what the request promised in its `heartbeat_s`
-    field, or more often); 0 sends none. Not thread-safe: one caller at a time, which may be a
-    different thread each time.
+    field, or more often); 0 sends none. One caller at a time, which may be a different thread
+    each time; `stop` alone may come from any thread while another reads.
     """
 
     def __init__(
@@ -46,6 +47,13 @@ class GenerateCall:
         self.beat_s = beat_s
         self.beat = time.monotonic() + beat_s  # when the next heartbeat is due
         self.finished = False  # a `done` or `error` reply arrived, or the request was cancelled
+        # Held by the thread using the socket: a ZeroMQ socket is not thread-safe, and a close from
+        # another thread while one read raised "Socket operation on non-socket" (an audit).
+        self.using = threading.Lock()
+        self.stop_asked = False  # another thread asked for a cancel: the reading thread sends it
+        self.cancel_sent = False
+        self.closed = False
+        self.last: Message | None = None  # the `done` or `error` a cancel read, for a reader to end with
         try:
             self.id = self.client.send("generate", fields)
         except Exception:
@@ -53,20 +61,28 @@ class GenerateCall:
             raise
 
     def next(self, timeout_s: float) -> Message | None:
-        """The next `chunk`, `done` or `error` reply within `timeout_s`; None when none came."""
-        end = time.monotonic() + timeout_s
-        while True:
-            now = time.monotonic()
-            if self.beat_s > 0 and now >= self.beat:
-                self.client.send("heartbeat", {}, request_id=self.id)
-                self.beat = now + self.beat_s
-            until = min(end, self.beat) if self.beat_s > 0 else end
-            reply = self.client.wait(self.id, "generate", max(until - now, 0.001))
-            if reply is not None:
-                self.finished = reply.type in ("done", "error")
-                return reply
-            if time.monotonic() >= end:
-                return None
+        """The next `chunk`, `done` or `error` reply within `timeout_s`; None when none came. Once
+        closed, the `done` or `error` its cancel read (once), then None."""
+        with self.using:
+            if self.closed:
+                last, self.last = self.last, None
+                return last
+            end = time.monotonic() + timeout_s
+            while True:
+                now = time.monotonic()
+                if self.stop_asked and not self.cancel_sent and not self.finished:
+                    self.cancel_sent = True  # the daemon's `done` (cancelled) ends the stream as ever
+                    self.client.send("cancel", {}, request_id=self.id)
+                if self.beat_s > 0 and now >= self.beat:
+                    self.client.send("heartbeat", {}, request_id=self.id)
+                    self.beat = now + self.beat_s
+                until = min(end, self.beat) if self.beat_s > 0 else end
+                reply = self.client.wait(self.id, "generate", max(min(until - now, SLICE_S), 0.001))
+                if reply is not None:
+                    self.finished = reply.type in ("done", "error")
+                    return reply
+                if time.monotonic() >= end:
+                    return None
 
     def cancel(self, wait_s: float = CANCEL_WAIT_S, given_up: Callable[[], bool] = lambda: False) -> None:
         """Cancel the request if it still runs and wait up to `wait_s` for the daemon to confirm,
@@ -74,24 +90,46 @@ class GenerateCall:
         if self.finished:
             return
         self.finished = True
-        self.client.send("cancel", {}, request_id=self.id)
+        if not self.cancel_sent:
+            self.cancel_sent = True
+            self.client.send("cancel", {}, request_id=self.id)
         deadline = time.monotonic() + wait_s
         try:
             while (left := deadline - time.monotonic()) > 0 and not given_up():
                 reply = self.client.wait(self.id, "generate", min(left, SLICE_S))
                 if reply is not None and reply.type in ("done", "error"):
+                    self.last = reply
                     return
         except ProtocolError:  # a reply the request does not allow: the daemon is done with it anyway
             pass
 
     def close(self) -> None:
         """Cancel what still runs, then drop the socket."""
+        with self.using:
+            self._close()
+
+    def stop(self) -> None:
+        """Cancel from any thread: at once where no thread reads the request now, else by the
+        reader within SLICE_S (its stream then ends with the daemon's `done`, cancelled)."""
+        self.stop_asked = True
+        if self.using.acquire(blocking=False):
+            try:
+                self._close()
+            finally:
+                self.using.release()
+
+    def _close(self) -> None:
+        if self.closed:
+            return
         self.cancel()
         self.client.close(linger_ms=500)
+        self.closed = True
 
 
 class TargetClient:
-    """A blocking client: one generate request at a time, with a deadline per reply.
+    """A blocking client, with a deadline per reply: each request on a socket of its own, so
+    threads may share one client, each reading its own streams; `close` (or leaving a `with`
+    block) cancels every request still open, from any thread.
 
     With `heartbeat_s` > 0 each request asks the daemon to drop it if the client falls silent for
     a few intervals, and heartbeats go out while the caller reads the stream (a caller that stops
@@ -106,13 +144,22 @@ class TargetClient:
         heartbeat_s: float = 1.0,
     ) -> None:
         self.address, self.timeout_s, self.curve, self.heartbeat_s = address, timeout_s, curve, heartbeat_s
-        self.call: GenerateCall | None = None  # the request in flight
+        self.calls: set[GenerateCall] = set()  # the requests in flight (one per stream, any thread)
+        self.calls_lock = threading.Lock()
+
+    def __enter__(self) -> TargetClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def stream(self, **fields: object) -> Iterator[Message]:
         """Yield `chunk` replies, then the final `done`; raise the daemon's error reply."""
         if self.heartbeat_s > 0:
             fields.setdefault("heartbeat_s", self.heartbeat_s)
-        call = self.call = GenerateCall(self.address, fields, self.heartbeat_s, self.curve)
+        call = GenerateCall(self.address, fields, self.heartbeat_s, self.curve)
+        with self.calls_lock:
+            self.calls.add(call)
         try:
             while True:
                 reply = self._next(call)
@@ -132,6 +179,8 @@ class TargetClient:
             reply = call.next(min(left, QUIET_S))
             if reply is not None:
                 return reply
+            if call.closed:  # by `close`, whose cancel the daemon did not confirm
+                raise ConnectionAbortedError("the request was cancelled: its client was closed")
             if time.monotonic() >= deadline:
                 break
             reply = self._ping(call)
@@ -162,11 +211,14 @@ class TargetClient:
         return list(self.stream(**fields))[-1]
 
     def close(self) -> None:
-        """Cancel the request in flight, if any (a stream abandoned by an exception)."""
-        if self.call is not None:
-            self._end(self.call)
+        """Cancel every request in flight (a stream abandoned by an exception, or read by another
+        thread: it ends with the daemon's `done`, cancelled)."""
+        with self.calls_lock:
+            calls = list(self.calls)
+        for call in calls:
+            call.stop()
 
     def _end(self, call: GenerateCall) -> None:
         call.close()
-        if self.call is call:
-            self.call = None
+        with self.calls_lock:
+            self.calls.discard(call)

@@ -5,7 +5,7 @@
 # `python -m launch.local`; with a --prompt or --prompts-file of its own, the demo's prompts
 # are left out.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(CDPATH= cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)"  # CDPATH set, cd printed the path too
 venv="${DFLASH_VENV:-$root/.venv}"
 bash "$root/launch/setup_env.sh"
 # Where the caller is, so that relative paths in the arguments are theirs (they were read and

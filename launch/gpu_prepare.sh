@@ -6,7 +6,7 @@
 # Usage: bash launch/gpu_prepare.sh [PART_MB]   (default: the largest part that fits beside the
 # working tree as it is now, tracked and untracked files and the wheels, with 1 MiB to spare)
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(CDPATH= cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 [ -x .venv/bin/python ] || bash launch/setup_env.sh
 rm -rf .whl .gpu

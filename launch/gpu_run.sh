@@ -4,10 +4,10 @@
 # Prepared here by launch/gpu_prepare.sh. Usage there:  bash launch/gpu_run.sh "$OUT" [benchmarks.gpu_run flags]
 set -euo pipefail
 py="${PYTHON:-python3}"  # the GPU machine's own python (torch is installed there)
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(CDPATH= cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:?usage: gpu_run.sh OUT_DIR [flags]}"; shift
 mkdir -p "$out"
-out="$(cd "$out" && pwd)"  # absolute: it is used after the cd below
+out="$(CDPATH= cd -- "$out" && pwd)"  # absolute: it is used after the cd below
 cd "$root"
 # The answer store is xz (data/answers/*.jsonl.xz): a python built without lzma would fail minutes in.
 "$py" -c "import lzma" || { echo "gpu_run.sh: $py has no lzma module, which the answer store needs" >&2; exit 1; }

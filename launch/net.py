@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from protocol import ProtocolError
 from protocol.keys import ClientKeys, KeyFileError, ServerKeys, client_keys, server_keys
-from protocol.transport import BindError, InsecureBind, check_bind
+from protocol.transport import BindError, InsecureBind, check_bind, is_loopback
 
 DRAFT_ADDRESS = "tcp://127.0.0.1:5555"
 TARGET_ADDRESS = "tcp://127.0.0.1:5556"
@@ -25,9 +25,15 @@ TARGET_ADDRESS = "tcp://127.0.0.1:5556"
 PORTS = range(1, 65536)
 
 
+def is_port_number(text: str) -> bool:
+    """ASCII digits only: `str.isdigit` and `int` take other scripts' digits, which ZeroMQ refuses
+    later (`tcp://127.0.0.1:٥٥٥` passed the parser and ended in a traceback: an audit)."""
+    return text.isascii() and text.isdigit() and int(text) in PORTS
+
+
 def tcp_port(text: str) -> int:
     """A port flag's value (before: dflash-serve --port 70000 ended in three tracebacks from uvicorn's bind)."""
-    if not text.isdigit() or int(text) not in PORTS:
+    if not is_port_number(text):
         raise argparse.ArgumentTypeError(f"a port of 1-65535, got {text}")
     return int(text)
 
@@ -41,10 +47,15 @@ def address(text: str) -> str:
     scheme, sep, rest = text.partition("://")
     if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
         raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {text!r}")
-    if scheme == "tcp":
-        host, colon, port = rest.rpartition(":")
-        if not colon or not host or not (port == "*" or (port.isdigit() and int(port) in PORTS)):
+    for endpoint in rest.split(";") if scheme == "tcp" else ():  # ZeroMQ's SOURCE;DESTINATION form too
+        host, colon, port = endpoint.rpartition(":")
+        if not colon or not host or not (port == "*" or is_port_number(port)):
             raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT with a port of 1-65535, got {text!r}")
+        # Each got "No such device" from a daemon and a 5 s wait for nothing from a client (an audit).
+        if ":" in host and not (host.startswith("[") and host.endswith("]")):
+            raise argparse.ArgumentTypeError(f"an IPv6 host goes in brackets, as tcp://[::1]:PORT, got {text!r}")
+        if any(char.isspace() for char in endpoint):
+            raise argparse.ArgumentTypeError(f"an address holds no spaces, got {text!r}")
     if scheme == "ipc" and len(os.fsencode(rest)) > IPC_PATH_BYTES:
         raise argparse.ArgumentTypeError(f"an ipc path holds at most {IPC_PATH_BYTES} bytes, got {text!r}")
     return text
@@ -59,6 +70,26 @@ def peer_address(text: str) -> str:
     if scheme == "inproc" or (scheme == "tcp" and "*" in (host, port)) or (scheme == "ipc" and rest == "*"):
         raise argparse.ArgumentTypeError(f"expected a tcp://HOST:PORT or ipc://PATH to reach, got {text!r}")
     return text
+
+
+def reaches_itself(bind: str, peer: str) -> bool:
+    """Whether connecting to `peer` would reach the socket bound at `bind` on this host: a target
+    daemon whose --drafter was its own --bind sent its hello to itself and retried for ever, its
+    log saying only that the drafter was unavailable (an audit)."""
+    if bind == peer:
+        return True
+    bind_scheme, _, bind_rest = bind.partition("://")
+    peer_scheme, _, peer_rest = peer.partition("://")
+    if bind_scheme != "tcp" or peer_scheme != "tcp":
+        return False
+    bind_host, _, bind_port = bind_rest.rpartition(":")
+    peer_host, _, peer_port = peer_rest.rpartition(":")
+    if bind_port != peer_port:
+        return False
+    if bind_host in ("*", "0.0.0.0", "[::]"):
+        return is_loopback(peer_host)
+    names = {"localhost": {"127.0.0.1", "[::1]"}, "lo": {"127.0.0.1", "[::1]"}}
+    return bool(names.get(bind_host, {bind_host}) & names.get(peer_host, {peer_host}))
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

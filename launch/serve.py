@@ -162,11 +162,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the connections get when the server stops; the answers still running a second before "
         f"it ends stop with a 503 server_shutting_down error (default %(default)s, at least {MIN_GRACE_S:g})",
     )
-    levels = ("critical", "error", "warning", "info", "debug", "trace")
-    parser.add_argument("--log-level", type=str.lower, default="info", choices=levels, help="default %(default)s")
+    add_log_args(parser)
     group = parser.add_argument_group("all in one (without --target)")
     add_daemon_args(group)
     return parser
+
+
+def add_log_args(parser: argparse.ArgumentParser) -> None:
+    levels = ("critical", "error", "warning", "info", "debug", "trace")
+    parser.add_argument("--log-level", type=str.lower, default="info", choices=levels, help="default %(default)s")
+    parser.add_argument(
+        "--forwarded-allow-ips",
+        metavar="IPS",
+        help="behind an HTTP proxy: the proxy's addresses (comma-separated, or *), whose X-Forwarded-For and "
+        "X-Forwarded-Proto headers name the client in the access log (default: trust none)",
+    )
 
 
 def check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -233,7 +243,7 @@ def http_server(args: argparse.Namespace, address: str) -> HTTPServer:
     from frontend.connections import REFUSALS_DRAINED, bounded_h11
     from frontend.drain import Drain
     from frontend.link import TargetLink, connection_limit, open_call_limit
-    from frontend.server import HTTPServer, url
+    from frontend.server import HTTPServer, quiet_access_log, url
 
     # local_daemons sets its own keys; the process may open files for as many requests as it is allowed
     open_calls = open_call_limit(raise_soft_limit=True)
@@ -256,7 +266,12 @@ def http_server(args: argparse.Namespace, address: str) -> HTTPServer:
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_grace,
         http=bounded_h11(max(1, connection_limit(open_calls) - REFUSALS_DRAINED)),
+        # uvicorn's default trusts X-Forwarded-For from 127.0.0.1, where every client of the default
+        # --host is: any of them named any address for its log lines (an audit).
+        proxy_headers=args.forwarded_allow_ips is not None,
+        forwarded_allow_ips=args.forwarded_allow_ips or "",
     )
+    quiet_access_log()
     server = HTTPServer(config, link)
     return server
 

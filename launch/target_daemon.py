@@ -35,6 +35,7 @@ from launch.net import (
     client_security,
     one_line_errors,
     peer_address,
+    reaches_itself,
     server_security,
 )
 from launch.processes import ctrl_c_exits_130, stop_on_signals
@@ -232,6 +233,8 @@ def checked_flags(
     refuse, a bf16 the device cannot serve exactly, a flag the chosen proposer would ignore."""
     if args.dtype == "bfloat16" and (why := declines(args.device)):  # see TargetModel.exact
         parser.error(f"--dtype bfloat16 on {args.device}: {why}, and off it only float32 is exact (float32 or auto)")
+    if args.proposer == "remote" and reaches_itself(args.bind, args.drafter):
+        parser.error(f"--drafter {args.drafter} is this daemon's own --bind: the draft daemon listens elsewhere")
     unused = ignored_flags(parser, args)
     if unused:
         why = "--no-lookup" if unused == ["--datastore"] and args.proposer != "none" else f"--proposer {args.proposer}"

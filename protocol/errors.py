@@ -10,7 +10,7 @@ import reprlib
 from enum import Enum
 
 
-class ErrorCode(str, Enum):
+class ErrorCode(str, Enum):  # noqa: UP042 (StrEnum would change how a code formats in messages)
     BAD_VERSION = "bad_version"
     MALFORMED = "malformed"
     UNKNOWN_TYPE = "unknown_type"

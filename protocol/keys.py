@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -29,7 +29,7 @@ class ServerKeys:
     """A CURVE server: its key pair, and the z85 public keys of the clients it lets in."""
 
     public: bytes
-    secret: bytes
+    secret: bytes = field(repr=False)  # an object printed, logged or in a traceback shows no secret
     allowed: frozenset[bytes]
 
 
@@ -38,7 +38,7 @@ class ClientKeys:
     """A CURVE client: its key pair, and the z85 public key of the server it talks to."""
 
     public: bytes
-    secret: bytes
+    secret: bytes = field(repr=False)
     server: bytes
 
 

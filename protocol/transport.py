@@ -15,6 +15,7 @@ what its protocol can legitimately carry; ZeroMQ drops a peer that sends more, u
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -86,8 +87,24 @@ class BindError(OSError):
 
 
 def is_loopback(host: str) -> bool:
-    """Whether only this host reaches `host` (a ZeroMQ interface name like `lo` included)."""
-    return host.startswith("127.") or host in LOOPBACK_HOSTS
+    """Whether only this host reaches `host` (a ZeroMQ interface name like `lo` included). An
+    address is read as the socket layer reads it (`127.1` and `2130706433` are 127.0.0.1); any
+    other name is not local: ZeroMQ resolves names, and `127.x.example.com` may be anywhere (a
+    name starting "127." passed as loopback, and was served in plaintext: an audit)."""
+    if host in LOOPBACK_HOSTS:
+        return True
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if not host or not all(part.isascii() and part.isdigit() for part in host.split(".")):
+        return False
+    try:
+        return socket.inet_aton(host)[0] == 127
+    except OSError:
+        return False
 
 
 def is_local(address: str) -> bool:
@@ -164,10 +181,20 @@ def router(
 
 def _ipc_free(address: str) -> None:
     """BindError where another process listens on an ipc path: ZeroMQ binds over it, the old
-    listener lives on unreachable and the new one takes its clients (an audit). A file nobody
-    listens on (a daemon that died) is fine to bind over."""
-    if not address.startswith("ipc://") or not os.path.exists(path := address[len("ipc://") :]):
+    listener lives on unreachable and the new one takes its clients (an audit). A socket file nobody
+    listens on (a daemon that died) is fine to bind over; any other file is not: ZeroMQ unlinks
+    whatever the path names, and `--bind ipc://notes.txt` deleted the user's notes (an audit)."""
+    if not address.startswith("ipc://"):
         return
+    try:
+        found = os.lstat(path := address[len("ipc://") :])
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise BindError(exc.strerror or str(exc)) from exc
+    if not stat.S_ISSOCK(found.st_mode):
+        kind = "a folder" if stat.S_ISDIR(found.st_mode) else "a link" if stat.S_ISLNK(found.st_mode) else "a file"
+        raise BindError(f"{path} is {kind}, not a socket: binding would replace it")
     for attempt in range(3):  # a listener closed a moment ago (ZeroMQ closes asynchronously) stops accepting
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             probe.settimeout(0.5)  # a frozen listener with a full backlog: busy, not a hang
@@ -396,7 +423,9 @@ class Server:
         else:
             self.context = context or zmq.Context()
         self.sock = router(self.context, address, max_message_bytes, curve, send_queue, receive_queue)
-        self.ipc_file = _ipc_file(address)
+        if address.endswith(":*") or address == "ipc://*":  # the port (or path) ZeroMQ chose, for the log to name
+            self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.ipc_file = _ipc_file(self.address)
         self.monitor = self.sock.get_monitor_socket(int(sum(_EVENTS)))
         self.logged: dict[int, tuple[float, int]] = {}  # event -> (last logged, suppressed since)
         if plaintext_abroad:

@@ -45,10 +45,10 @@ class PausedTerminal(io.StringIO):
         return super().write(text)
 
 
-def client_args(tmp_path, address: str, *prompts: str, **flags) -> argparse.Namespace:
+def client_args(tmp_path, address: str, *prompts: str, max_new: int = 100, **flags) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     client.add_client_args(parser)
-    argv = ["--raw", "--max-new-tokens", "100", "--heartbeat", "0.05", "--json", str(tmp_path / "out.json")]
+    argv = ["--raw", "--max-new-tokens", str(max_new), "--heartbeat", "0.05", "--json", str(tmp_path / "out.json")]
     args = parser.parse_args([*argv, *(f for p in prompts for f in ("--prompt", p))])
     vars(args).update(address=address, **flags)
     client.check_client_args(parser, args)
@@ -68,11 +68,11 @@ def test_a_paused_terminal_holds_the_answer_back_not_the_request(served, tmp_pat
     """The client printed on the thread that sent its heartbeats: a terminal paused for a second
     (Ctrl-S) stopped them, the daemon dropped the request after 3 missed beats, and the client
     printed a cut answer and exited 0 (an audit). The answer now arrives whole once it resumes."""
-    args = client_args(tmp_path, served, "Once upon a time")
+    args = client_args(tmp_path, served, "Once upon a time", max_new=40)  # 40 steps of 50 ms: 2 s
     out = PausedTerminal(paused_s=1.0)  # 20 heartbeats' worth, while the request runs on
     (result,) = client.run(args, out=out)
     assert result["finish_reason"] in ("length", "eos") and result["text"] in out.getvalue()
-    alone = TargetClient(served, timeout_s=60).generate(prompt="Once upon a time", max_new_tokens=100)
+    alone = TargetClient(served, timeout_s=60).generate(prompt="Once upon a time", max_new_tokens=40)
     assert result["text"] == alone["text"]
 
 
@@ -81,7 +81,7 @@ def test_the_answers_finished_are_written_when_a_later_prompt_fails(served, tmp_
     the first prompt's answer included (an audit)."""
     import json
 
-    args = client_args(tmp_path, served, "Hello", "word " * 5000)
+    args = client_args(tmp_path, served, "Hello", "word " * 5000, max_new=10)
     with pytest.raises(ProtocolError, match="context"):
         client.run(args, out=io.StringIO())
     (written,) = json.loads((tmp_path / "out.json").read_text())
@@ -141,7 +141,7 @@ def test_a_closed_pipe_ends_the_client_quietly(tmp_path):
 def test_prompts_come_from_standard_input_read_once(source):
     """Prompts were read twice, once to check them and once to send them: from standard input the
     second reading found none ("no prompts", after dflash-local had loaded both models: 100 s)."""
-    argv = ["--prompts-file", source, "--address", "tcp://127.0.0.1:9"]
+    argv = ["--prompts-file", source, "--address", "tcp://127.0.0.1:9", "--timeout", "0.5"]
     done = subprocess.run(
         [sys.executable, "-m", "launch.client", *argv], input="Say hi\n", capture_output=True, text=True, timeout=120
     )

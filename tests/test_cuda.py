@@ -30,7 +30,8 @@ def target():
 def test_the_target_runs_on_the_gpu_and_decodes_like_cpu(target):
     assert target.device.type == "cuda" and target.greedy_head is None
     cpu = tiny_target("qwen3", seed=4)
-    assert_lossless(cpu, PROMPT, greedy(target, PROMPT, MAX_NEW), greedy(cpu, PROMPT, MAX_NEW))
+    # Two devices' plain answers: no promise makes them equal bit for bit, so a near-tie may part them.
+    assert_lossless(cpu, PROMPT, greedy(target, PROMPT, MAX_NEW), greedy(cpu, PROMPT, MAX_NEW), tie=1e-4)
 
 
 @pytest.mark.parametrize("tree_nodes, dflash2", [(0, False), (12, False), (12, True)])

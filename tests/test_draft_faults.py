@@ -252,6 +252,9 @@ def test_a_stopped_daemon_costs_one_stall_and_drafts_again_once_continued(target
         ("tcp://*:5555", False),
         ("tcp://10.77.0.2:5555", False),
         ("tcp://eth0:5555", False),
+        ("tcp://127.1:5555", True),  # the socket layer's own short form of 127.0.0.1
+        ("tcp://127.0.0.1.example.com:5555", False),  # a name: ZeroMQ resolves it, to anywhere (an audit)
+        ("tcp://[::ffff:10.0.0.1]:5555", False),
     ],
 )
 def test_only_loopback_and_local_sockets_count_as_local(address, local):

@@ -5,14 +5,15 @@ import importlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 from helpers import hang_ups_by_default, running, signals_by_default
 
 DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
@@ -93,7 +94,11 @@ MISTAKES = [
         id="target-record-folder-a-file",
     ),
     pytest.param(
-        *("launch.client", ["--address", "tcp://127.0.0.1:9", "--prompt", "hi"], "no target daemon answered a ping"),
+        *(
+            "launch.client",
+            ["--address", "tcp://127.0.0.1:9", "--prompt", "hi", "--timeout", "0.5"],
+            "no target daemon answered a ping",
+        ),
         id="client-nobody-there",
     ),
     pytest.param(
@@ -209,6 +214,29 @@ def test_the_cache_is_one_absolute_folder_however_its_variable_is_written(tmp_pa
     assert cache == str(tmp_path / found) and kernels == str(tmp_path / found / "kernels"), done.stderr
 
 
+def test_a_user_without_a_home_gets_a_cache_of_their_own_not_a_traceback(tmp_path, monkeypatch):
+    """With no $HOME and no passwd entry (a container's arbitrary user) Path.home() raised at
+    import and every command ended in a traceback; an empty HOME made the cache /.cache (an audit)."""
+    import tempfile
+
+    from basics.cache import cache_root
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    own = tmp_path / f"dflash-split-{os.getuid()}"
+    for home in ("~", "relative/home"):
+        assert cache_root(None, home) == own and own.stat().st_mode & 0o777 == 0o700
+    assert cache_root(None, "/home/u") == Path("/home/u/.cache/dflash-split")
+    assert cache_root("rel", "") == Path("rel").absolute()
+    env = {**os.environ, "HOME": "", "TMPDIR": str(tmp_path), "PYTHONPATH": str(DRAFTER.parent.parent)}
+    env.pop("DFLASH_SPLIT_CACHE", None)
+    shown = subprocess.run([sys.executable, "-c", "import basics.cache as c; print(c.CACHE_ROOT)"], env=env,
+                           capture_output=True, text=True)  # fmt: skip
+    assert shown.stdout.strip() == str(own), shown.stderr
+    own.chmod(0o777)  # another's to write in (or another user's, or a link): refused, not used
+    with pytest.raises(PermissionError, match="not a folder of this user's alone"):
+        cache_root(None, "")
+
+
 def test_a_cache_without_room_for_the_default_model_is_refused_before_converting(tmp_path, monkeypatch):
     import shutil
 
@@ -319,6 +347,17 @@ REFUSED_FLAGS = [
     ("launch.target_daemon", ["--curve-key", "k"], "--curve-key needs --curve-allow"),
     ("launch.serve", ["--curve-key", "k", "--server-key", "s"], "--curve-key and --server-key go with --target"),
     ("launch.serve", ["--target", "tcp://127.0.0.1:1", "--curve", "--threads", "2"], "--threads, --curve: for all"),
+    # Each passed the parser: a traceback from ZeroMQ, or "No such device" and a 5 s wait for nothing (an audit).
+    ("launch.client", ["--prompt", "hi", "--address", "tcp://127.0.0.1:\u0665\u0665\u0665"], "a port of 1-65535"),
+    ("launch.serve", ["--port", "\u0665\u0665"], "a port of 1-65535"),
+    ("launch.target_daemon", ["--bind", "tcp://::1:5556"], "an IPv6 host goes in brackets"),
+    ("launch.draft_daemon", ["--bind", "tcp://127.0.0.1 :5555"], "an address holds no spaces"),
+    # A target daemon that would draft with itself: its hello to itself went unanswered for ever (an audit).
+    (
+        "launch.target_daemon",
+        ["--bind", "tcp://127.0.0.1:5600", "--drafter", "tcp://localhost:5600"],
+        "own --bind: the draft daemon",
+    ),
 ]
 
 
@@ -554,9 +593,10 @@ def test_the_flood_benchmark_refuses_a_long_prompt_the_model_cannot_hold(chat_mo
     assert ended.value.code == 2 and "holds" in capsys.readouterr().err
 
 
-def _fake_venv(folder: Path, pip_works: bool = True, index: str = "exit 0") -> Path:
+def _fake_venv(folder: Path, pip_works: bool = True, index: str = "exit 0", installed_from: str | None = None) -> Path:
     """A venv whose python logs its arguments (and has pip or not, and whose `-m answers.index`
-    runs `index`), stamped as set up: what launch/*.sh run, without installing anything."""
+    runs `index`), stamped as set up (from this checkout, or `installed_from`): what launch/*.sh
+    run, without installing anything."""
     root = DRAFTER.parent.parent
     bin_ = folder / "bin"
     bin_.mkdir(parents=True)
@@ -573,7 +613,8 @@ if [ "$1 $2" = "-m answers.index" ]; then {index}; fi
         (bin_ / name).chmod(0o755)
     import hashlib
 
-    stamp = hashlib.sha256((root / "pyproject.toml").read_bytes() + (root / "launch/setup_env.sh").read_bytes())
+    installed = (root / "pyproject.toml").read_bytes() + (root / "launch/setup_env.sh").read_bytes()
+    stamp = hashlib.sha256(installed + f"{installed_from or root}\n".encode())
     (folder / ".dflash-split-installed").write_text(stamp.hexdigest() + "\n")
     return folder
 
@@ -633,6 +674,53 @@ def test_a_demo_stopped_while_it_indexes_stops_its_indexer(tmp_path, signum):
         time.sleep(0.05)
     assert not running(indexer), "the indexer outlived the demo"
     assert "-m launch.local" not in (venv / "calls").read_text()
+
+
+def test_a_venv_another_checkout_installed_is_installed_again_from_this_one(tmp_path):
+    """The stamp named what was installed, not from where: a second checkout sharing $DFLASH_VENV
+    found it and ran the first checkout's code (an audit). A CPU machine asks PyTorch's index for
+    torch (PyPI's Linux wheel is the CUDA build)."""
+    root, other = DRAFTER.parent.parent, tmp_path / "other"
+    (other / "launch").mkdir(parents=True)  # a second checkout of the same files
+    shutil.copy(root / "pyproject.toml", other)
+    shutil.copy(root / "launch/setup_env.sh", other / "launch")
+    venv = _fake_venv(tmp_path / "venv", installed_from=str(other))
+    env = {k: v for k, v in os.environ.items() if k != "PIP_INDEX_URL"}
+    env.update(DFLASH_VENV=str(venv), PATH=f"{tmp_path / 'no-gpu'}:/usr/bin:/bin")
+    subprocess.run(["bash", str(other / "launch/setup_env.sh")], env=env, check=True)
+    assert not (venv / "calls").read_text().count(" install ")  # installed from there: its stamp says so
+    subprocess.run(["bash", str(root / "launch/setup_env.sh")], env=env, check=True)
+    calls = (venv / "calls").read_text().splitlines()
+    assert any(call.endswith(f"-e {root}[test,default-model]") for call in calls), calls
+    (torch,) = [call for call in calls if call.endswith("torch==2.13.0")]
+    gpu = shutil.which("nvidia-smi", path=env["PATH"]) or os.path.exists("/proc/driver/nvidia")
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in torch or gpu
+    calls_before = len(calls)
+    subprocess.run(["bash", str(root / "launch/setup_env.sh")], env=env, check=True)
+    assert not any("install" in call for call in (venv / "calls").read_text().splitlines()[calls_before:])
+
+
+def test_a_python_older_than_3_11_is_refused_in_words(tmp_path):
+    """3.10 ran without PYTHONSAFEPATH (a module in the caller's folder replaced the project's)
+    and without tomllib; a 3.9 failed in pip's resolver, in other words (an audit)."""
+    old = tmp_path / "python3.9"
+    old.write_text('#!/usr/bin/env bash\n[ "$1" = "-V" ] && echo "Python 3.9.18"; exit 1\n')
+    old.chmod(0o755)
+    env = dict(os.environ, DFLASH_VENV=str(tmp_path / "venv"), PYTHON=str(old))
+    done = subprocess.run(["bash", str(DRAFTER.parent.parent / "launch/setup_env.sh")], env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 1 and "Python 3.9.18; 3.11 or newer is needed" in done.stderr, done.stderr
+    assert not (tmp_path / "venv").exists()
+    # A folder whose python is too old and that is no venv ($DFLASH_VENV=/usr/local) is left alone:
+    # the first version of this check removed whatever the variable named (a review).
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    shutil.copy(old, tmp_path / "venv" / "bin" / "python")
+    (tmp_path / "venv" / "precious").write_text("mine")
+    env["PYTHON"] = sys.executable
+    done = subprocess.run(["bash", str(DRAFTER.parent.parent / "launch/setup_env.sh")], env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 1 and "is no venv: set DFLASH_VENV elsewhere" in done.stderr, done.stderr
+    assert (tmp_path / "venv" / "precious").read_text() == "mine"
 
 
 def test_a_venv_left_without_pip_by_an_interrupted_setup_gets_pip_back(tmp_path):
@@ -744,3 +832,16 @@ def test_a_daemon_started_from_a_folder_holding_a_module_of_the_projects_name_im
     address = f"ipc://{tmp_path}/draft.sock"
     with daemon("draft daemon", "launch.draft_daemon", address, ["--checkpoint", str(DRAFTER), "--threads", "1"], 120):
         pass
+
+
+def test_a_drafter_address_is_the_daemons_own_only_where_it_reaches_that_socket():
+    """The first check refused two distinct sockets (127.0.0.2 and 127.0.0.1, [::1] and 127.0.0.1)
+    and missed `[::]`, which listens everywhere; ZeroMQ's SOURCE;DESTINATION form was refused (a review)."""
+    from launch.net import address, reaches_itself
+
+    assert reaches_itself("tcp://[::]:5600", "tcp://localhost:5600")
+    assert reaches_itself("tcp://*:5600", "tcp://127.0.0.1:5600")
+    assert not reaches_itself("tcp://127.0.0.2:5600", "tcp://127.0.0.1:5600")
+    assert not reaches_itself("tcp://[::1]:5600", "tcp://127.0.0.1:5600")
+    assert not reaches_itself("tcp://*:5600", "tcp://10.0.0.1:5600")
+    assert address("tcp://127.0.0.1:5000;127.0.0.1:5555") == "tcp://127.0.0.1:5000;127.0.0.1:5555"

@@ -223,3 +223,15 @@ def test_a_dtype_that_would_not_be_exact_is_refused_for_serving(tmp_path):
     ):
         done = subprocess.run([*daemon, "--dtype", dtype], capture_output=True, text=True, timeout=120)
         assert done.returncode == code and says in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
+
+
+def test_a_dtype_that_names_none_is_refused_by_the_library_in_words(tmp_path):
+    """`TargetModel.load(folder, dtype="nonsense")` raised "module 'torch' has no attribute" (an audit)."""
+    from target_node.model.target import TargetModel
+
+    folder = tmp_path / "llama"
+    tiny_target("llama").model.save_pretrained(folder)
+    with pytest.raises(
+        ValueError, match="a target's dtype is auto or one of float32, float16, bfloat16, got 'nonsense'"
+    ):
+        TargetModel.load(folder, dtype="nonsense")

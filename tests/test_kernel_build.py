@@ -4,6 +4,7 @@ compiler stands in for g++ (a real build takes 20-60 s)."""
 
 import os
 import stat
+import time
 
 import pytest
 
@@ -94,10 +95,17 @@ def test_a_failed_build_says_why_and_is_not_tried_again_by_every_start(tmp_path,
     with pytest.raises(build.KernelsUnavailable, match="an earlier build"):
         build._compile(str(compiler), library)
     assert calls(compiler) == 1 and not list(library.parent.glob("*.partial"))
+    # Dated an hour ahead (a clock stepped back, another host's clock on a shared disk): not younger
+    # than now, so not an hour and ten minutes of no retries (an audit).
+    ahead = time.time() + 3600
+    os.utime(library.with_suffix(".failed"), (ahead, ahead))
+    with pytest.raises(build.KernelsUnavailable, match="internal compiler fault | killed"):
+        build._compile(str(compiler), library)
+    assert calls(compiler) == 2
     os.utime(library.with_suffix(".failed"), (0, 0))  # long ago: tried again
     (compiler.parent / "fail").unlink()
     build._compile(str(compiler), library)
-    assert calls(compiler) == 2 and build._whole(library) and not library.with_suffix(".failed").exists()
+    assert calls(compiler) == 3 and build._whole(library) and not library.with_suffix(".failed").exists()
 
 
 def test_a_measurement_runs_on_one_thread_and_a_folder_that_cannot_keep_it_costs_a_warning(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import socket
 import time
 
 import msgpack
@@ -920,8 +921,46 @@ def test_a_second_server_on_a_live_ipc_path_is_refused_and_a_stale_one_is_taken(
             Server(address)
     finally:
         first.close()
-    (tmp_path / "stale.sock").write_bytes(b"")  # left behind, nobody listening
+    with socket.socket(socket.AF_UNIX) as gone:  # a socket file left behind: nobody listens there
+        gone.bind(str(tmp_path / "stale.sock"))
     Server(f"ipc://{tmp_path}/stale.sock").close()
+
+
+@pytest.mark.parametrize("kind", ["file", "folder", "link"])
+def test_an_ipc_path_that_names_no_socket_is_refused_and_left_as_it_was(tmp_path, kind):
+    """ZeroMQ unlinks whatever an ipc path names before it binds: `--bind ipc://notes.txt`
+    deleted the notes, even when the daemon then failed to start (an audit)."""
+    from protocol.transport import BindError
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    path = {"file": notes, "folder": tmp_path / "sub", "link": tmp_path / "link"}[kind]
+    if kind == "folder":
+        path.mkdir()
+    if kind == "link":
+        path.symlink_to(notes)
+    with pytest.raises(BindError, match=f"is a {kind}, not a socket"):
+        Server(f"ipc://{path}")
+    assert notes.read_text() == "mine" and path.exists() and path.is_symlink() == (kind == "link")
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:*", "ipc://*"])
+def test_a_server_bound_where_zeromq_chooses_names_the_address_it_chose(address, tmp_path, monkeypatch):
+    """A daemon bound on a wildcard port logged "serving on tcp://127.0.0.1:*", and nothing
+    said where a client could reach it (an audit)."""
+    monkeypatch.chdir(tmp_path)  # ipc://* makes its socket under the working directory
+    server = Server(address)
+    try:
+        assert "*" not in server.address and server.address.split("://")[0] == address.split("://")[0]
+        client = Client(server.address)
+        try:
+            client.send("ping")
+            request = server.next(5000)
+            assert request is not None and request[1].type == "ping"
+        finally:
+            client.close()
+    finally:
+        server.close()
 
 
 def test_a_server_closed_and_bound_again_at_once_on_its_ipc_path_is_not_refused(tmp_path):

@@ -11,7 +11,10 @@ from frontend.target_client import TargetClient
 from launch.local import daemon
 from protocol import ErrorCode, ProtocolError, decode, encode
 from protocol.transport import dealer, receive
+from target_node.drafting.proposers import EMPTY, NGramProposer
 from target_node.model.target import TargetModel
+from target_node.serving.daemon import TargetService
+from target_node.serving.settings import ServiceSettings
 
 PROMPT = [5, 17, 42, 99, 3, 7]
 
@@ -106,6 +109,62 @@ def test_cancel_stops_a_running_request(address):
         assert reply["finish_reason"] == "cancelled" and len(reply["token_ids"]) < 2000
     finally:
         sock.close(0)
+
+
+class NeverDrafts(NGramProposer):
+    """Asked every step, drafts nothing, 20 ms a step: a plain decode that takes its time."""
+
+    def propose(self, tokens, max_tokens):
+        time.sleep(0.02)
+        return EMPTY
+
+
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory):
+    """A daemon (in this process, two slots) whose answers never end before their length: no token
+    is its model's end of text, and a step takes 20 ms, so 2,000 tokens take 40 s."""
+    target = TargetModel(tiny_target("llama", seed=5).model, slots=2)
+    target.eos_ids = frozenset()  # the tiny model's greedy answer ended after 48 tokens, 57 ms
+    service = TargetService(target, [NeverDrafts(), NeverDrafts()], ServiceSettings(always_draft=True))
+    address = f"ipc://{tmp_path_factory.mktemp('endless')}/target.sock"
+    with serving_in_thread(service.serve, address):
+        yield address
+
+
+def test_a_client_closed_from_another_thread_cancels_every_stream_it_has_open(endless):
+    """Two threads streamed on one TargetClient and a third closed it: one stream decoded on to its
+    length, and ZeroMQ raised "Socket operation on non-socket" in a reader or in the close (an
+    audit). Each stream now ends with the daemon's `done`, cancelled, and nothing raises."""
+    ends, errors = [], []
+    client = TargetClient(endless, timeout_s=60)
+    reading = threading.Barrier(3)
+
+    def read() -> None:
+        try:
+            stream = client.stream(token_ids=PROMPT, max_new_tokens=2000)
+            first = next(stream)
+            reading.wait(30)
+            ends.append([first, *stream][-1])
+        except Exception as exc:
+            errors.append(exc)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+    reading.wait(30)
+    client.close()
+    for reader in readers:
+        reader.join(30)
+    assert errors == [] and len(ends) == 2, errors
+    assert all(end.type == "done" and end["finish_reason"] == "cancelled" for end in ends), ends
+
+
+def test_leaving_a_clients_with_block_cancels_the_stream_it_left_unread(endless):
+    with TargetClient(endless, timeout_s=60) as client:
+        stream = client.stream(token_ids=PROMPT, max_new_tokens=2000)
+        assert next(stream).type == "chunk"
+    end = list(stream)[-1]  # read on after the close: the cancel's `done`
+    assert end.type == "done" and end["finish_reason"] == "cancelled"
 
 
 def test_sampling_options_pass_through_the_daemon(model_dir, address):

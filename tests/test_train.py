@@ -1,5 +1,6 @@
 """Drafter training: it learns, it round-trips, it resumes exactly, and it trains what inference runs."""
 
+import calendar
 import itertools
 import json
 import os
@@ -120,7 +121,7 @@ def test_shards_started_in_one_second_read_back_in_the_order_written(tmp_path, m
 
     tags = iter(["f" * 32, "0" * 32, "8" * 32])
     monkeypatch.setattr(answer_store.uuid, "uuid4", lambda: type("U", (), {"hex": next(tags)})())
-    monkeypatch.setattr(answer_store.time, "strftime", lambda fmt, t=None: "20261202-125618")
+    stopped_clock(monkeypatch, answer_store, calendar.timegm((2026, 12, 2, 12, 56, 18)))
 
     def answer(i: int) -> Answer:
         return Answer(f"k{i}", f"j{i}", "text", [["user", str(i)]], tokens=[1, 2, 3], prompt_len=1)
@@ -134,6 +135,36 @@ def test_shards_started_in_one_second_read_back_in_the_order_written(tmp_path, m
     names = sorted(p.name for p in tmp_path.glob("*.jsonl.xz"))
     assert len(names) == 3 and names[0] == "20261202-125618-ffffffff.jsonl.xz"
     assert [a.key for a in AnswerStore(tmp_path).answers] == written
+
+
+def stopped_clock(monkeypatch, module, seconds: float, real=time.gmtime) -> None:
+    """`module`'s UTC wall clock reads `seconds` from now on (other dates convert as ever)."""
+    monkeypatch.setattr(module.time, "gmtime", lambda secs=None: real(seconds if secs is None else secs))
+
+
+def test_shards_named_after_the_clock_stepped_back_keep_their_length_and_order(tmp_path, monkeypatch):
+    """A shard's name must sort after the last one's: with the clock stepped back an hour each name
+    extended the last by 9 characters, and the 24th was too long to write (an audit). Now each is
+    stamped a second after the last, as long as any other."""
+    import answers.store as answer_store
+
+    def answer(i: int) -> Answer:
+        return Answer(f"k{i}", f"j{i}", "text", [["user", str(i)]], tokens=[1, 2, 3], prompt_len=1)
+
+    now = calendar.timegm((2026, 12, 2, 12, 0, 0))
+    stopped_clock(monkeypatch, answer_store, now)
+    first = AnswerStore(tmp_path, shard_records=1)
+    first.add(answer(0))
+    first.flush()
+    stopped_clock(monkeypatch, answer_store, now - 3600)
+    store = AnswerStore(tmp_path, shard_records=1)
+    for i in range(1, 40):
+        assert store.add(answer(i))
+    store.flush()
+    names = [p.name for p in sorted(tmp_path.glob("*.jsonl.xz"))]
+    assert len(names) == 40 and {len(name) for name in names} == {len(names[0])}
+    assert names[0].startswith("20261202-120000-") and names[-1].startswith("20261202-120039-")
+    assert [a.key for a in AnswerStore(tmp_path).answers] == [f"k{i}" for i in range(40)]
 
 
 def test_a_store_of_gzip_shards_reads_on_and_grows_in_xz_and_xz_is_smaller(tmp_path):
@@ -197,11 +228,11 @@ def test_a_feature_fill_stops_at_its_deadline_and_counts_what_it_added(setup, tm
     target, cfg, store, _ = setup
     some = store.answers[:12]
     late = FeatureCache(tmp_path / "late", cfg.feature_width)
-    assert late.fill(some, target, cfg.target_layer_ids, deadline=time.time() - 1, log=None) == 0
+    assert late.fill(some, target, cfg.target_layer_ids, deadline=time.monotonic() - 1, log=None) == 0
     assert len(late) == 0
     monkeypatch.setattr(features_module, "WINDOW", 4)
     clock = iter([0.0, 0.0, 1e12])  # time for two checks of the deadline: one batch, then time is up
-    monkeypatch.setattr(features_module.time, "time", lambda: next(clock, 1e12))
+    monkeypatch.setattr(features_module.time, "monotonic", lambda: next(clock, 1e12))
     part = FeatureCache(tmp_path / "part", cfg.feature_width)
     added = part.fill(some, target, cfg.target_layer_ids, batch_tokens=10**6, deadline=0.5, log=None)
     assert added == len(part) == 4 and {a.key for a in some[:4]} == set(part.index)
@@ -486,7 +517,7 @@ def test_a_resumed_run_goes_on_with_its_time_budget_and_schedule(setup, tmp_path
 
     target, cfg, store, features = setup
     clock = [1000.0]
-    monkeypatch.setattr(trainer_module.time, "time", lambda: clock[0])
+    monkeypatch.setattr(trainer_module.time, "monotonic", lambda: clock[0])
     step = Trainer.train_step
 
     def timed_step(self, *args, **kwargs):

@@ -240,21 +240,21 @@ class FeatureCache:
         dtype the target runs in (the engine computes every row as if alone; off the engine, as on
         a GPU today, one right-padded forward). Answers go in
         windows of `WINDOW` in the store's order, each sorted by length (similar lengths share a
-        forward), so a run stopped at `deadline` (a `time.time()`) has filled a fair sample of the
+        forward), so a run stopped at `deadline` (a `time.monotonic()`) has filled a fair sample of the
         store, not only its shortest answers. It stops early too when the disk reaches its
         `DiskReserve`.
         """
         waiting = [a for a in answers if a.key not in self.index]
         windows = (waiting[w : w + WINDOW] for w in range(0, len(waiting), WINDOW))
         todo = [a for window in windows for a in sorted(window, key=lambda a: len(a.tokens))]
-        began, done_rows, added = time.time(), 0, 0
+        began, done_rows, added = time.monotonic(), 0, 0
         disk = DiskReserve(self.folder, keep_free)
 
         def rows(answer: Answer) -> int:  # positions whose features training reads: all but the last
             return min(len(answer.tokens) - 1, max_rows)
 
         i = 0
-        while i < len(todo) and (deadline is None or time.time() < deadline) and not disk.full():
+        while i < len(todo) and (deadline is None or time.monotonic() < deadline) and not disk.full():
             group = _next_group(todo, i, target.prefill_slots, batch_tokens, rows)
             i += len(group)
             for answer in [a for a in group if rows(a) == 0]:  # nothing after its first token
@@ -267,7 +267,7 @@ class FeatureCache:
                 done_rows += features.shape[0]
             added += len(group)
             if log and i % 200 < len(group):
-                log(f"features: {i}/{len(todo)} answers, {done_rows / max(time.time() - began, 1e-9):.0f} rows/s")
+                log(f"features: {i}/{len(todo)} answers, {done_rows / max(time.monotonic() - began, 1e-9):.0f} rows/s")
         if log and i < len(todo):
             why = "the disk is nearly full" if disk.full() else "time is up"
             log(f"features: {why} with {len(todo) - i} of {len(todo)} answers left")

@@ -70,7 +70,7 @@ class RefillGenerator:
         """
         running: dict[int, tuple[object, Sequence, FeatureRecorder]] = {}
         free, finished = list(range(self.batch))[::-1], 0
-        while deadline is None or time.time() <= deadline:
+        while deadline is None or time.monotonic() <= deadline:
             while free:  # asked again each step: an answer handed out may have queued its next turn
                 item = take()
                 if item is None:
@@ -157,7 +157,7 @@ class GenerateOptions:
     batch: int = 16  # rows decoded at once
     max_new: int = 192  # answer token cap
     max_prompt: int = 768  # longer prompts are skipped
-    deadline: float | None = None  # a time.time() to stop at; None: when the openings run out
+    deadline: float | None = None  # a time.monotonic() to stop at; None: when the openings run out
     held_out: HeldOut | None = None  # None: HeldOut.load(), the committed held-out prompts
     max_feature_rows: int = 1024  # feature rows kept per answer
 
@@ -181,7 +181,7 @@ def generate(
     held_out = opts.held_out if opts.held_out is not None else HeldOut.load()
     turns = Turns(target, store, openings, opts.seed, held_out, opts.max_prompt)
     log(f"generation: {len(store)} answers stored ({store.answer_tokens} answer tokens), {len(turns.follow)} pending")
-    started, made = time.time(), 0
+    started, made = time.monotonic(), 0
     disk = DiskReserve(features.folder) if features is not None else None
     disk_said = False
 
@@ -198,7 +198,7 @@ def generate(
                 log("generation: the disk is nearly full; answers go on without features (--stage features adds them)")
         made += answer.answer_tokens
         if len(store) % 100 == 0:
-            rate = made / max(time.time() - started, 1e-9)
+            rate = made / max(time.monotonic() - started, 1e-9)
             log(f"answers {len(store)} | answer tokens {store.answer_tokens} | {rate:.1f} tok/s")
 
     taps = layer_ids if features is not None else ()
@@ -211,7 +211,7 @@ def generate(
     finally:
         store.flush()
     log(
-        f"generation stopped: {done} answered, {made} answer tokens in {time.time() - started:.0f} s; "
+        f"generation stopped: {done} answered, {made} answer tokens in {time.monotonic() - started:.0f} s; "
         f"{len(store)} stored; {turns.too_long} prompts too long"
     )
     return done

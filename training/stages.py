@@ -103,7 +103,7 @@ def run_stages(options: RunOptions, ranks: Ranks) -> None:
         answers += [a for a in AnswerStore(extra).answers if a.key not in store.keys]
     live = run.stage in ("train", "all") and live_features(source.choice, run.device)
     if run.stage == "features" or (run.stage in ("train", "all") and not source.cached_only and not live):
-        deadline = time.time() + source.fill_minutes * 60 if source.fill_minutes else None
+        deadline = time.monotonic() + source.fill_minutes * 60 if source.fill_minutes else None
         mine = answers[ranks.rank :: ranks.world]
         rows = rows_per_forward(run.device)
         added = features.fill(mine, target, taps, batch_tokens=rows, deadline=deadline, log=log)
@@ -211,11 +211,11 @@ def generate_stage(
     same = gen.dtype == target.model.dtype and (target.slots >= gen.batch or engine is None)
     load = {"engine": engine, "slots": gen.batch}
     writer = target if same else TargetModel.load(run.model, run.device, gen.dtype, **load)
-    deadline = time.time() + gen.minutes * 60
+    deadline = time.monotonic() + gen.minutes * 60  # a clock that steps (NTP, a suspend) moves no deadline
     starter = read_prompts(gen.starter) if gen.starter and gen.starter.is_file() else []
     log(
         f"gen: {writer.model.dtype}, batch {gen.batch}, max_new {gen.max_new}, {run.threads} threads, "
-        f"taps {list(taps)}, until {time.strftime('%H:%M:%S', time.localtime(deadline))}"
+        f"taps {list(taps)}, until {time.strftime('%H:%M:%S', time.localtime(time.time() + gen.minutes * 60))}"
     )
     seed = gen.seed + ranks.rank
     opts = GenerateOptions(seed=seed, batch=gen.batch, max_new=gen.max_new, deadline=deadline)

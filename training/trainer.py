@@ -538,7 +538,7 @@ def _steps(trainer: Trainer, state_path: Path, log: Callable[[str], None]) -> in
     (the schedule then ends with the budget); batches built ahead by opts.loader_threads threads.
     Returns the signal that stopped it between two steps (training.stopping), if one did."""
     opts, ranks = trainer.opts, trainer.ranks
-    last = time.time()
+    last = time.monotonic()
     start = last - trainer.seconds  # a resumed run's clock goes on
     window: list[float] = []
     seen = trainer.positions
@@ -556,14 +556,14 @@ def _steps(trainer: Trainer, state_path: Path, log: Callable[[str], None]) -> in
                     log("time budget reached")
                     return None
             window.append(trainer.train_step(batches.take(trainer.step)))
-            trainer.seconds = time.time() - start
+            trainer.seconds = time.monotonic() - start
             if trainer.step % 20 == 0 or trainer.step == 1:
-                lr, spent = trainer.schedule.get_last_lr()[0], time.time() - last
+                lr, spent = trainer.schedule.get_last_lr()[0], time.monotonic() - last
                 log(
                     f"step {trainer.step} | loss {sum(window) / len(window):.4f} | lr {lr:.2e} | "
                     f"{spent / len(window):.2f} s/step | {(trainer.positions - seen) / spent:.0f} positions/s"
                 )
-                window, last, seen = [], time.time(), trainer.positions
+                window, last, seen = [], time.monotonic(), trainer.positions
                 release_freed_memory()
             _checkpoints(trainer, state_path, log)
 

@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from dflash_kernels import argmax, bf16_faster, bf16_matmul, computes_bf16, native_bf16, runs_on
 from dflash_kernels import load as load_kernels
 from dflash_kernels.build import cpu_flags, cpu_name
+from protocol import FLOAT_DTYPES
 from target_node.engine.engine import PREFER_DEVICE, Engine, engine_for
 from target_node.model.cache_policy import CachePolicy
 from target_node.model.default_model import model_folder
@@ -159,6 +160,8 @@ class TargetModel:
         if auto:
             dtype = torch.bfloat16 if prefer_bf16(device) else torch.float32
         elif isinstance(dtype, str):
+            if dtype not in FLOAT_DTYPES:  # getattr(torch, "nonsense") raised an AttributeError (an audit)
+                raise ValueError(f"a target's dtype is auto or one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
             dtype = getattr(torch, dtype)
         model = load_causal_lm(folder, dtype).to(device)
         # A folder without tokenizer files still serves token-id requests.

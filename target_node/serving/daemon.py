@@ -381,7 +381,7 @@ class TargetService:
         )
         log.info(
             "target daemon serving on %s%s, up to %d requests at once",
-            address,
+            self.server.address,
             " (CURVE)" if curve else "",
             self.max_batch,
         )

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 import requests
+from pydantic import ValidationError
 from serving import CHAT, MODEL, daemon_stats, stream_end, wait_for
 
 from launch.local import daemon, free_port
@@ -76,6 +77,22 @@ CASES = {  # name: (path, body, HTTP status, the parameter named, OpenAI error c
         400,
         "prompt",
         "context_length_exceeded",
+    ),
+    # Each named the wrong parameter or none, or said NaN was too large (an audit).
+    "token id past the vocabulary": (TEXT_PATH, {"model": MODEL, "prompt": [10**6]}, 400, "prompt", "invalid_value"),
+    "an unknown key named like a type": (
+        TEXT_PATH,
+        {"model": MODEL, "prompt": "a", "dict": 1},
+        400,
+        "dict",
+        "unknown_parameter",
+    ),
+    "an unknown key in a message": (
+        CHAT_PATH,
+        {**ASK, "messages": [{"role": "user", "content": "hi", "list": 1}]},
+        400,
+        "messages.0.list",
+        "unknown_parameter",
     ),
 }
 
@@ -153,6 +170,10 @@ def test_the_daemons_and_the_wires_refusals_name_the_parameter():
     assert (whole.param, whole.message) == ("prompt", "header is 1800264 bytes, limit 1048576")
     unpackable = from_protocol("generate: header cannot be packed: 'utf-8' codec can't encode", "messages")
     assert unpackable.param is None  # a stop string's as likely as the prompt's (a review)
+    ids = from_daemon("bad_field", "token ids [49152] are outside the vocabulary (49152)", "prompt")
+    assert ids.param == "prompt"
+    completion = from_daemon("bad_field", "max_new_tokens 5000 exceeds this daemon's limit 4096", "messages", "x")
+    assert completion.param == "x" and completion.message.startswith("x 5000")
 
 
 MAX_BODY = 8 << 20  # dflash-serve's default --max-body-size
@@ -320,6 +341,25 @@ def test_a_daemon_of_another_protocol_version_is_a_502_that_names_it(tmp_path):
 
     last, after = stream_end(DaemonMisspoke("bad_version: protocol version mismatch"))  # a second reply unread
     assert last["error"]["code"] == "upstream_protocol" and "[DONE]" in after
+
+
+def test_what_a_client_sends_comes_back_in_an_error_bounded_and_in_words():
+    """An unknown parameter's name came back whole, twice: an 8 MiB key, a 16 MiB reply; NaN was
+    "less than or equal to 2"; a lone surrogate "header cannot be packed" (an audit)."""
+    from frontend.errors import ECHO_CHARS, from_protocol, from_validation
+    from frontend.schemas import ChatCompletionRequest
+
+    key = "K" * (1 << 20)
+    for loc in (("body", key), ("body", "messages", 0, key)):
+        error = from_validation([{"type": "extra_forbidden", "loc": loc, "msg": "Extra inputs are not permitted"}])
+        assert len(error.param) < ECHO_CHARS + 40 and len(error.message) < 2 * ECHO_CHARS, len(error.message)
+    with pytest.raises(ValidationError, match="finite number"):
+        ChatCompletionRequest(model=MODEL, messages=CHAT, temperature=float("nan"))
+    why = "'utf-8' codec can't encode character '\\ud800' in position 0: surrogates not allowed"
+    unpackable = from_protocol(f"generate: header cannot be packed: {why}", "messages")
+    assert "not valid Unicode" in unpackable.message and "header" not in unpackable.message
+    too_large = from_protocol("generate: header cannot be packed: Integer value out of range", "messages")
+    assert "Unicode" not in too_large.message
 
 
 def test_a_lone_surrogate_echoed_in_an_error_is_escaped_not_a_500():
@@ -518,7 +558,15 @@ def test_an_api_key_a_header_cannot_carry_is_refused_at_start(key):
 
 @pytest.mark.parametrize(
     "host, loopback",
-    [("127.0.0.1", True), ("127.8.0.1", True), ("localhost", True), ("::1", True), ("0.0.0.0", False), ("::", False)],
+    [
+        ("127.0.0.1", True),
+        ("127.8.0.1", True),
+        ("localhost", True),
+        ("::1", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("127.example.com", False),  # a name that only starts as a loopback address does (an audit)
+    ],
 )
 def test_only_loopback_hosts_serve_without_a_key_quietly(host, loopback):
     from protocol.transport import is_loopback

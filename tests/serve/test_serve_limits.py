@@ -214,6 +214,11 @@ def test_the_open_routes_show_the_served_name_and_no_api_schema(target_address):
             listed = client.get("/v1/models", headers={"Authorization": "Bearer k3y"}).json()["data"][0]["id"]
             assert client.get("/stats").json()["model"] == listed == (served or listed)
             assert listed.startswith("otters" if served else "tiny-chat")
+            # The SDK's models.retrieve: the served model's card was a 404 (an audit); another's is.
+            key = {"Authorization": "Bearer k3y"}
+            assert client.get(f"/v1/models/{listed}", headers=key).json()["id"] == listed
+            assert_openai_error(client.get("/v1/models/gpt-4/turbo", headers=key), 404, "model", "model_not_found")
+            assert client.get(f"/v1/models/{listed}").status_code == 401
             for path in ("/docs", "/redoc", "/openapi.json"):
                 assert client.get(path).status_code == 404, path
             assert client.head("/").status_code == 200  # probes of the page
@@ -279,3 +284,43 @@ def test_a_stream_whose_ping_finds_no_socket_ends_with_an_error_event():
 
     last, after = stream_end(TooManyOpen("no socket for a ping (Too many open files); retry later"))
     assert last["error"]["code"] == "rate_limit_exceeded" and "[DONE]" in after
+
+
+FORGED = b'10.9.9.9:1 - "POST /v1/admin HTTP/1.1" 200 OK\x85INFO:     6.6.6.6 \x1b[31m'
+
+
+def access_log(extra: list[str], tmp_path) -> str:
+    """The log of a front end (no daemon behind it) that was sent one request with a forged
+    X-Forwarded-For and a 15,000-character path."""
+    import subprocess
+    import sys
+
+    from launch.processes import stop
+    from launch.serve import wait_http_ready
+
+    port, log = free_port(), tmp_path / f"serve{len(extra)}.log"
+    command = [sys.executable, "-m", "launch.serve", "--port", str(port), "--target", "ipc:///nowhere/t.sock", *extra]
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*command, "--served-model-name", MODEL], stdout=out, stderr=out)
+        try:
+            assert wait_http_ready(f"http://127.0.0.1:{port}/", 60, alive=lambda: proc.poll() is None)
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+                path = b"/" + b"A" * 15000
+                conn.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: " + FORGED + b"\r\n\r\n")
+                assert conn.recv(100).startswith(b"HTTP/1.1 404")
+        finally:
+            stop(proc, grace_s=10)
+    return log.read_bytes().decode("utf-8", "replace")
+
+
+def test_a_client_can_neither_forge_access_log_lines_nor_flood_the_log_with_a_path(tmp_path):
+    """uvicorn believed X-Forwarded-For from 127.0.0.1, where every client of the default --host
+    is: a header wrote a forged line (U+0085), raw escapes for the terminal reading the log, and
+    any address it liked; a 15,000-character path went into the log whole (an audit)."""
+    line = next(line for line in access_log([], tmp_path).splitlines() if "GET /AAA" in line)
+    assert "10.9.9.9" not in line and "6.6.6.6" not in line and line.split()[1].startswith("127.0.0.1:")
+    assert len(line) < 400 and "(15001 characters)" in line
+    behind = access_log(["--forwarded-allow-ips", "127.0.0.1"], tmp_path)  # an operator's own proxy
+    line = next(line for line in behind.splitlines() if "GET /AAA" in line)
+    assert "10.9.9.9" in line and "\x1b" not in line and "\x85" not in line and "\u0085" not in line
+    assert "\\x1b" in line and "6.6.6.6" in line and len(line) < 700
