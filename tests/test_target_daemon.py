@@ -171,7 +171,6 @@ def test_sampling_options_pass_through_the_daemon(model_dir, address):
     from protocol.sampling import SamplingParams
     from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sequence import generate
-    from target_node.drafting.proposers import NGramProposer
 
     options = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234}
     local = TargetModel.load(model_dir)
@@ -227,7 +226,6 @@ def test_a_new_token_limit_past_what_one_reply_carries_is_refused_at_start(capsy
     """Else a request would be accepted, run to its end, and its `done` be refused by the wire."""
     from launch import target_daemon
     from protocol.messages import MAX_REPLY_TOKENS
-    from target_node.serving.settings import ServiceSettings
 
     with pytest.raises(SystemExit):
         target_daemon.main(["--max-new-tokens-limit", str(MAX_REPLY_TOKENS + 1)])
@@ -277,8 +275,6 @@ def test_admission_takes_a_bounded_share_of_a_step_and_refuses_every_request_in_
     from protocol.codec import Message
     from target_node.drafting.proposers import NoProposer
     from target_node.serving import daemon as daemon_module
-    from target_node.serving.daemon import TargetService
-    from target_node.serving.settings import ServiceSettings
 
     service = TargetService(TargetModel(tiny_target("llama", seed=5).model, slots=1), [NoProposer()], ServiceSettings())
     sent = []
@@ -381,7 +377,6 @@ def test_concurrent_clients_are_batched_and_each_gets_its_output_alone(model_dir
     from protocol.sampling import SamplingParams
     from target_node.decoding.options import DecodeOptions
     from target_node.decoding.sequence import generate
-    from target_node.drafting.proposers import NGramProposer
 
     asks = []
     for i in range(6):
@@ -422,8 +417,6 @@ def test_the_daemon_keeps_its_drafter_sessions_alive_busy_or_idle(tmp_path):
     loop calls every slot's keepalive between steps and while idle (a remote backend pings when
     it has sent nothing for KEEPALIVE_S), so a slot free between requests keeps its session."""
     from target_node.drafting.proposers import NoProposer
-    from target_node.serving.daemon import TargetService
-    from target_node.serving.settings import ServiceSettings
 
     class Counting:  # a remote backend's keepalive, counted
         def __init__(self) -> None:
@@ -453,9 +446,7 @@ def test_the_looked_up_branch_follows_the_proposer_and_the_flag():
     where the daemon decodes plainly (`--proposer none`) or `--no-lookup` says so."""
     from protocol.sampling import SamplingParams
     from target_node.drafting.datastore import Datastore
-    from target_node.drafting.proposers import NGramProposer, NoProposer
-    from target_node.serving.daemon import TargetService
-    from target_node.serving.settings import ServiceSettings
+    from target_node.drafting.proposers import NoProposer
 
     target = TargetModel(tiny_target("llama", seed=5).model, slots=1)
     msg = {"max_new_tokens": 8, "stop": [], "hints": [], "sampling": SamplingParams().to_dict()}
@@ -479,9 +470,7 @@ def test_a_fitted_budget_is_cut_to_the_daemons_limit_and_an_explicit_one_is_not(
     end's default (512) a request that named no limit is cut to it, not refused; one that named
     its limit is still held to it."""
     from target_node.drafting.proposers import NoProposer
-    from target_node.serving.daemon import TargetService
     from target_node.serving.requests import answer_budget
-    from target_node.serving.settings import ServiceSettings
 
     target = TargetModel(tiny_target("llama", seed=5).model, slots=1)
     settings = ServiceSettings(max_new_tokens_limit=300)
@@ -503,8 +492,6 @@ def test_an_answer_over_what_a_done_reply_holds_is_refused_alone(tmp_path, monke
     from protocol.fields import Int, List
     from protocol.messages import SCHEMAS
     from target_node.drafting.proposers import NoProposer
-    from target_node.serving.daemon import TargetService
-    from target_node.serving.settings import ServiceSettings
 
     done = SCHEMAS["done"]
     small = replace(done.fields, required={**done.fields.required, "token_ids": List(Int(0), 0, 12)})
@@ -568,8 +555,6 @@ def test_a_request_that_arrives_during_the_last_step_is_told_the_daemon_stops(mo
     """A request taken in by the answering helper during the step the daemon stopped after was
     never read, so it got no reply at all: its client waited for its liveness ping to fail."""
     from target_node.drafting.proposers import NoProposer
-    from target_node.serving.daemon import TargetService
-    from target_node.serving.settings import ServiceSettings
 
     service = TargetService(TargetModel.load(model_dir), [NoProposer(), NoProposer()], ServiceSettings())
     stop, armed, stepping = threading.Event(), threading.Event(), threading.Event()
@@ -623,8 +608,6 @@ def test_clients_that_queue_cancel_and_leave_leave_no_entry_behind(model_dir, tm
     queue until the slot freed: 3,000 of them, 3,000 entries, each walked by every message (an
     audit). A queue that empties by a cancel goes."""
     from target_node.drafting.proposers import NoProposer
-    from target_node.serving.daemon import TargetService
-    from target_node.serving.settings import ServiceSettings
 
     service = TargetService(TargetModel.load(model_dir, slots=1), [NoProposer()], ServiceSettings())
     advance = service.advance
