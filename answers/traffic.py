@@ -10,11 +10,14 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from answers.store import Answer, AnswerStore, write_shard
 from protocol import Message
 from protocol.sampling import SamplingParams
-from target_node.decoding.sequence import Result
+
+if TYPE_CHECKING:  # the daemon checks --record before torch loads
+    from target_node.decoding.sequence import Result
 
 log = logging.getLogger("traffic")
 

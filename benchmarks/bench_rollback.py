@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from target_node.model.cache_policy import RECURRENT_POLICIES
+from target_node.model.policies import RECURRENT_POLICIES
 from target_node.model.target import TargetModel
 from target_node.model.tiny import FAMILIES, tiny_target
 

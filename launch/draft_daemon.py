@@ -6,11 +6,7 @@ import argparse
 import logging
 from dataclasses import dataclass
 
-import torch
-
-from draft_node.checkpoint import load_drafter
 from draft_node.config import CheckpointError
-from draft_node.daemon import DraftService, serve
 from draft_node.settings import DraftSettings
 from launch.common import add_model_args, add_settings, apply_runtime_args, named_dtype, settings_from
 from launch.net import DRAFT_ADDRESS, HelpFormatter, add_server_security_args, address, one_line_errors, server_security
@@ -18,6 +14,9 @@ from launch.processes import ctrl_c_exits_130, stop_on_signals
 from protocol.keys import ServerKeys
 from protocol.transport import try_bind
 from target_node.model.default_model import ensure_default_drafter
+
+# No torch or drafter code above: they load in `main` once every flag is checked, so --help and a
+# refusal take a tenth of a second, not two.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +45,6 @@ class DaemonCommand:
     parser: argparse.ArgumentParser
     args: argparse.Namespace
     settings: DraftSettings
-    dtype: torch.dtype
     curve: ServerKeys | None
 
 
@@ -56,23 +54,26 @@ def checked_command(argv: list[str] | None = None) -> DaemonCommand:
     parser = build_parser()
     args = parser.parse_args(argv)
     curve = server_security(parser, args)
-    dtype = named_dtype(args.dtype, args.device)
     if args.device.startswith("cpu") and args.dtype == "float16":  # the CPU kernels' linears take fp32 or bf16
         parser.error("--dtype float16 on a CPU: the drafter's CPU kernels take float32 or bfloat16")
     try:
         settings = settings_from(args, DraftSettings)
     except ValueError as exc:
         parser.error(str(exc))
-    return DaemonCommand(parser, args, settings, dtype, curve)
+    return DaemonCommand(parser, args, settings, curve)
 
 
 @ctrl_c_exits_130
 def main(argv: list[str] | None = None) -> None:
     command = checked_command(argv)
-    parser, args, dtype, curve = command.parser, command.args, command.dtype, command.curve
+    parser, args, curve = command.parser, command.args, command.curve
     apply_runtime_args(args)
     with one_line_errors(parser.prog, CheckpointError):
         try_bind(args.bind, curve, args.insecure_plaintext)  # before the drafter loads
+        from draft_node.checkpoint import load_drafter
+        from draft_node.daemon import DraftService, serve
+
+        dtype = named_dtype(args.dtype, args.device)
         drafter = load_drafter(args.checkpoint or ensure_default_drafter(), args.device, dtype)
         service = DraftService(drafter, command.settings)
         logging.getLogger("draft_daemon").info(

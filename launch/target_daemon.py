@@ -13,9 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from answers.index import datastore_coming
-from answers.traffic import TrafficError, TrafficRecorder, record_folder
-from draft_node.config import CheckpointError
+from answers.traffic import TrafficError, record_folder
 from launch.common import (
     TARGET_DTYPES,
     add_model_args,
@@ -43,15 +41,13 @@ from protocol import FLOAT_DTYPES
 from protocol.keys import ClientKeys, ServerKeys
 from protocol.messages import MAX_PREDRAFT_OUTCOMES
 from protocol.transport import try_bind
-from target_node.drafting.bridge import DrafterMismatch
-from target_node.drafting.factory import PROPOSER_KINDS, ProposerSettings, build_proposers
-from target_node.engine.engine import declines
-from target_node.model.cache_policy import DEFAULT_RECURRENT, RECURRENT_POLICIES, UnsupportedCache
+from target_node.drafting.settings import PROPOSER_KINDS, ProposerSettings
 from target_node.model.default_model import ensure_default_drafter
-from target_node.model.support import ModelLoadError, UnsupportedModel
-from target_node.model.target import TargetModel, inexact
-from target_node.serving.daemon import TargetService
+from target_node.model.policies import DEFAULT_RECURRENT, RECURRENT_POLICIES
 from target_node.serving.settings import ServiceSettings
+
+# No torch, transformers or model code above: they load in `load_and_serve`, once every flag is
+# checked, so --help and a refusal take a tenth of a second, not three.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,15 +196,34 @@ def checked_command(argv: list[str] | None = None) -> DaemonCommand:
 @ctrl_c_exits_130
 def main(argv: list[str] | None = None) -> None:
     command = checked_command(argv)
-    parser, args, settings, curve = command.parser, command.args, command.settings, command.curve
+    parser, args = command.parser, command.args
     apply_runtime_args(args)
-    refusals = (DrafterMismatch, CheckpointError, UnsupportedModel, UnsupportedCache, ModelLoadError, TrafficError)
-    with one_line_errors(parser.prog, *refusals):
-        # Before the model loads (minutes, on a GPU): an address this host cannot bind, a folder it cannot write.
-        try_bind(args.bind, curve, args.insecure_plaintext)
+    with one_line_errors(parser.prog, TrafficError):
+        # Before the model loads (minutes, on a GPU): an address this host cannot bind, a folder it
+        # cannot write, a folder that holds no model.
+        try_bind(args.bind, command.curve, args.insecure_plaintext)
         if args.record:
             record_folder(args.record)
         model = resolve_model(args.model)
+    load_and_serve(command, model)
+
+
+def load_and_serve(command: DaemonCommand, model: Path) -> None:
+    """Load the target and its proposers, then serve until a signal; a model, drafter or cache
+    this daemon cannot serve is one line and exit 1."""
+    from answers.index import datastore_coming
+    from answers.traffic import TrafficRecorder
+    from draft_node.config import CheckpointError
+    from target_node.drafting.bridge import DrafterMismatch
+    from target_node.drafting.factory import build_proposers
+    from target_node.model.cache_policy import UnsupportedCache
+    from target_node.model.support import ModelLoadError, UnsupportedModel
+    from target_node.model.target import TargetModel, inexact
+    from target_node.serving.daemon import TargetService
+
+    parser, args, settings = command.parser, command.args, command.settings
+    refusals = (DrafterMismatch, CheckpointError, UnsupportedModel, UnsupportedCache, ModelLoadError, TrafficError)
+    with one_line_errors(parser.prog, *refusals):
         with memory_for(parser, args.max_batch):  # the cache is laid out at load, filled at the first forward
             target = TargetModel.load(model, args.device, args.dtype, args.cache_policy, slots=args.max_batch)
             if not target.exact:
@@ -223,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
             service = TargetService(target, proposers, settings, recorder, datastore)
         # Only now: a SIGTERM while the model loads ends the process at once (it waited for the load).
         stop = stop_on_signals()
-        service.serve(args.bind, stop, curve, args.insecure_plaintext)
+        service.serve(args.bind, stop, command.curve, args.insecure_plaintext)
 
 
 def checked_flags(
@@ -231,8 +246,13 @@ def checked_flags(
 ) -> tuple[ServiceSettings, ProposerSettings]:
     """The flags as settings, each refusal one line before anything loads: a value the settings
     refuse, a bf16 the device cannot serve exactly, a flag the chosen proposer would ignore."""
-    if args.dtype == "bfloat16" and (why := declines(args.device)):  # see TargetModel.exact
-        parser.error(f"--dtype bfloat16 on {args.device}: {why}, and off it only float32 is exact (float32 or auto)")
+    if args.dtype == "bfloat16":
+        from target_node.engine.engine import declines  # torch: only where bf16 is asked for
+
+        if why := declines(args.device):  # see TargetModel.exact
+            parser.error(
+                f"--dtype bfloat16 on {args.device}: {why}, and off it only float32 is exact (float32 or auto)"
+            )
     if args.proposer == "remote" and reaches_itself(args.bind, args.drafter):
         parser.error(f"--drafter {args.drafter} is this daemon's own --bind: the draft daemon listens elsewhere")
     unused = ignored_flags(parser, args)

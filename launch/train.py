@@ -26,8 +26,6 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from answers.store import STORE
 from launch.common import at_least, device_name, layer_ids, named_dtype, number_in, resolve_model
 from launch.net import HelpFormatter, one_line_errors
@@ -37,7 +35,6 @@ from protocol.messages import MAX_BLOCK_SIZE
 from protocol.tensors import torch_dtype
 from target_node import CACHE_ROOT
 from target_node.model.default_model import SHIPPED_DRAFTER
-from training.distributed import start, stop
 from training.prompts import EVAL_PROMPTS
 
 if TYPE_CHECKING:
@@ -54,14 +51,18 @@ def main(argv: list[str] | None = None) -> None:
     While training steps run, a signal stops the run after the step under way, saved
     (training.stopping); elsewhere it ends the run at once through its clean-up: a generation
     stage writes out the answers it finished (it lost them all: an audit)."""
+    args = parse_args(argv)  # --help and a flag's refusal before torch loads: a tenth of a second, not three
+    import torch
+
     from answers.store import AnswerStoreError
     from draft_node.config import CheckpointError
+    from training.distributed import start, stop
     from training.features import FeatureCacheError
-    from training.stages import run_stages  # it imports transformers, which --help can do without
+    from training.stages import run_stages
     from training.stopping import Stopped
     from training.trainer import TrainingError
 
-    options = run_options(parse_args(argv))
+    options = run_options(args)
     with one_line_errors("dflash-train", CheckpointError, TrainingError, FeatureCacheError, AnswerStoreError):
         model = resolve_model(options.run.model)
         torch.set_num_threads(options.run.threads)

@@ -759,12 +759,18 @@ def test_the_all_in_one_launcher_refuses_bad_client_values_before_it_loads_a_mod
     assert ended.value.code == 2 and says in capsys.readouterr().err
 
 
-def test_the_front_ends_flags_parse_without_torch():
+def test_every_commands_flags_are_checked_without_torch():
     """A device flag's check imported torch for the default "cpu": `dflash-serve --target` (a
-    front end alone, which never loads a model) took 2.4 s and 220 MB to parse (a review)."""
+    front end alone, which never loads a model) took 2.4 s and 220 MB to parse (a review); each
+    daemon's --help, and every refusal of its flags, took 2-3.5 s of imports (an audit)."""
     script = (
         "import sys\nfrom launch.serve import build_parser\n"
-        "build_parser().parse_args(['--target', 'tcp://127.0.0.1:5555'])\nprint('torch' in sys.modules)\n"
+        "build_parser().parse_args(['--target', 'tcp://127.0.0.1:5555'])\n"
+        "from launch import draft_daemon, target_daemon, train\n"
+        "target_daemon.checked_command(['--proposer', 'local', '--predraft', '2'])\n"
+        "draft_daemon.checked_command(['--max-sessions', '4'])\n"
+        "train.parse_args(['--stage', 'train', '--layers', '2'])\n"
+        "print('torch' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=DRAFTER.parent.parent)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr

@@ -16,7 +16,7 @@ from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer, NGramProposer
-from target_node.model.cache_policy import RECURRENT_POLICIES
+from target_node.model.policies import RECURRENT_POLICIES
 from target_node.model.tiny import ENGINE_FAMILIES, FAMILIES, WINDOW, tiny_target
 
 PROMPT = [5, 17, 42, 99, 3, 7, 11, 200, 13, 14, 15, 16]

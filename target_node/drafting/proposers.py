@@ -16,6 +16,7 @@ import torch
 from target_node.drafting.bridge import DrafterBridge
 from target_node.drafting.outcomes import likeliest_outcomes
 from target_node.drafting.proposal import EMPTY, Continuation, Proposal
+from target_node.drafting.settings import NO_PROPOSER
 from target_node.drafting.tree import DraftTree
 from target_node.model.target import TargetModel
 
@@ -61,7 +62,7 @@ class Proposer(Protocol):
 class NoProposer:
     """Plain greedy decoding through the same loop: the reference the others must equal."""
 
-    name = "none"
+    name = NO_PROPOSER
     taps: tuple[int, ...] = ()
     backend: DraftBackend | None = None
     drafts = False

@@ -34,12 +34,8 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from target_node.model.recurrent import CAPTURE, REPLAY, RecurrentRollback
-
-# Replay is the default: faster in 11 of 12 family x acceptance cells of benchmarks.bench_rollback,
-# since capture gives up the mixers' chunked kernels on every verify, accepted or not.
-DEFAULT_RECURRENT = REPLAY
-RECURRENT_POLICIES = (REPLAY, CAPTURE)
+from target_node.model.policies import DEFAULT_RECURRENT, RECURRENT_POLICIES
+from target_node.model.recurrent import RecurrentRollback
 
 # Cache layer type -> (its attention part, whether it holds a recurrent state). Exact types only:
 # a subclass may keep more state than its parent rolls back.

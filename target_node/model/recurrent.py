@@ -29,9 +29,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from target_node.engine.check import agrees
+from target_node.model.policies import CAPTURE, REPLAY
 from target_node.model.support import UnsupportedModel
 
-CAPTURE, REPLAY = "capture", "replay"
 CAPTURE_LIMIT = 64
 
 

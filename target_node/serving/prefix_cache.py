@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import secrets
 from array import array
 from collections import OrderedDict
@@ -96,16 +95,6 @@ def block_hashes(tokens: list[int], limit: int, key: bytes = b"") -> list[int]:
         chained = hashlib.blake2b(chained + raw[start : start + step], digest_size=8, key=key).digest()
         hashes.append(int.from_bytes(chained, "little"))
     return hashes
-
-
-def default_budget_mb() -> int:
-    """A tenth of this machine's memory, at most 4 GiB: room for many conversations' rows
-    without crowding the model (SmolLM2-135M in fp32 needs 58 KB a position with its features)."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 512
-    return int(min(total / 10, 4 << 30) / (1 << 20))
 
 
 def _common(a: list[int], b: list[int]) -> int:

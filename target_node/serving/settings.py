@@ -7,17 +7,31 @@ so a limit is written once.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from basics.settings_fields import refuse_unfinite, setting
 from protocol.messages import MAX_REPLY_TOKENS
-from target_node.drafting.proposers import NoProposer, Proposer
-from target_node.serving.prefix_cache import default_budget_mb
+from target_node.drafting.settings import NO_PROPOSER
+
+if TYPE_CHECKING:  # the daemon's flags are parsed from these settings before torch loads
+    from target_node.drafting.proposers import Proposer
 
 # The widest tree a step verifies: more nodes than a drafter's best-first guesses ever pay for on
 # any machine measured (docs/trees.md), and the governor times each width at start.
 MAX_TREE_NODES = 256
+
+
+def default_budget_mb() -> int:
+    """A tenth of this machine's memory, at most 4 GiB: room for many conversations' rows
+    without crowding the model (SmolLM2-135M in fp32 needs 58 KB a position with its features)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 512
+    return int(min(total / 10, 4 << 30) / (1 << 20))
 
 
 @dataclass(frozen=True)
@@ -114,4 +128,4 @@ class ServiceSettings:
     def looks_up(self, proposer: Proposer) -> bool:
         """Whether greedy trees get looked-up branches (prompt lookup, the datastore): not with
         --no-lookup, nor beside --proposer none, which decodes plainly (and builds no index)."""
-        return not self.no_lookup and proposer.name != NoProposer.name
+        return not self.no_lookup and proposer.name != NO_PROPOSER
