@@ -30,7 +30,7 @@ import uuid
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO
 
@@ -207,13 +207,19 @@ class AnswerStoreError(ValueError):
     """A shard that cannot be read back."""
 
 
+ANSWER_FIELDS = frozenset(f.name for f in fields(Answer))
+
+
 def read_shard(path: Path) -> list[Answer]:
+    """A field a newer version added is left out, not the shard: an older checkout sharing the
+    store dropped every shard written after `made_by` came (an audit); a field missing still fails."""
     out = []
     try:
         with open_shard(path) as fh:
             for line in fh:
                 if line.strip():
-                    out.append(Answer(**json.loads(line)))
-    except (EOFError, OSError, lzma.LZMAError, json.JSONDecodeError, TypeError) as exc:
+                    record = json.loads(line)
+                    out.append(Answer(**{k: v for k, v in record.items() if k in ANSWER_FIELDS}))
+    except (EOFError, OSError, lzma.LZMAError, json.JSONDecodeError, TypeError, AttributeError) as exc:
         raise AnswerStoreError(f"{path}: not a readable answer shard ({type(exc).__name__}: {exc})") from exc
     return out

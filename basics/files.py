@@ -82,3 +82,14 @@ def as_umask_allows(path: Path, mode: int = 0o666) -> None:
     """`path` readable as the umask allows: safetensors and mkstemp make their files 0600 whatever
     it says, and the other users of a shared cache or checkpoint could not load them (an audit)."""
     os.chmod(path, mode & ~umask())
+
+
+def mended_mode(path: Path, mode: int = 0o666) -> None:
+    """A file of this user's that an older version wrote before `as_umask_allows` (a 0600 model,
+    a 0711 kernel library) gets the mode it would be written with now: an upgrade kept locking the
+    cache's other users out (an audit). Another user's file, or one on a read-only disk, is left."""
+    try:
+        if path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o777 != mode & ~umask():
+            as_umask_allows(path, mode)
+    except OSError:
+        pass

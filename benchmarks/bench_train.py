@@ -129,10 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     cfgs = {n: config_for_target(target.config, num_layers=n) for n in depths}
     base = cfgs[depths[0]]
     folder = feature_folder(args.cache, model, base.target_layer_ids, target.model.dtype)
-    features = FeatureCache(folder, base.feature_width)
+    features = FeatureCache(folder, base.feature_width, model=model)
     answers = [a for a in AnswerStore(Path(args.store)).answers if not a.held_out][: args.answers]
     added = features.fill(answers, target, base.target_layer_ids, log=None)
-    features = FeatureCache(features.folder, base.feature_width)
+    features = FeatureCache(features.folder, base.feature_width, model=model)
     print(f"{len(answers)} answers ({added} filled now); cpu native bf16: {native_bf16()}")
     if args.loader_threads:
         opts = TrainOptions(batch=args.batch, anchors=args.anchors, device=args.device, val_answers=0)

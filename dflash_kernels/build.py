@@ -26,13 +26,14 @@ from pathlib import Path
 import torch
 
 from basics.cache import CACHE_ROOT
-from basics.files import as_umask_allows, locked
+from basics.files import as_umask_allows, locked, mended_mode
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 KERNEL_CACHE = CACHE_ROOT / "kernels"  # beside the project's other rebuildable files
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c++20", "-fopenmp"]
 
 FAILED_RETRY_S = 600.0  # a failed build is not tried again for this long (each try takes a daemon's start 20-60 s)
+LIBRARY_MODE = 0o755  # read and run by every user of a shared cache, as the umask allows
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ def load() -> Path:
                     _compile(compiler, library)
         except OSError as err:
             raise KernelsUnavailable(f"cannot build the kernels in {folder}: {err}") from err
+    mended_mode(library, LIBRARY_MODE)
     try:
         torch.ops.load_library(str(library))
     except OSError as err:
@@ -184,7 +186,7 @@ def _compile(compiler: str, library: Path) -> None:
                 failed.write_text(message + "\n")
             raise KernelsUnavailable(message)
         _durable(Path(partial))
-        as_umask_allows(Path(partial), 0o755)  # other users of a shared cache fell back to torch's ops
+        as_umask_allows(Path(partial), LIBRARY_MODE)  # other users of a shared cache fell back to torch's ops
         os.replace(partial, library)
     finally:
         Path(partial).unlink(missing_ok=True)

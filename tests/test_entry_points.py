@@ -251,6 +251,22 @@ def test_a_cache_without_room_for_the_default_model_is_refused_before_converting
         default_model.ensure_default_model(tmp_path / "models" / "SmolLM2")
 
 
+def test_an_upgrade_mends_the_mode_of_the_model_an_older_version_converted_0600(tmp_path):
+    """A model converted (safetensors: 0600) before its files were made as the umask allows stayed
+    unreadable to the cache's other users after every upgrade (an audit): its next start mends it
+    (the kernel library likewise: tests/test_kernel_build.py)."""
+    from basics.files import umask
+    from target_node.model import default_model
+
+    model = tmp_path / "models" / "SmolLM2"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    (model / "model.safetensors").chmod(0o600)
+    assert default_model.ensure_default_model(model) == model
+    assert (model / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask()
+
+
 def test_two_starts_on_a_fresh_cache_convert_the_default_model_once(tmp_path, monkeypatch):
     """Two processes converting at once wrote one partial folder: one failed with a traceback and
     538 MB stayed in the model's folder for good (an audit). One converts, the other waits and

@@ -45,6 +45,20 @@ def test_a_build_leaves_a_whole_library_with_its_checksum_and_nothing_else(tmp_p
     assert library.stat().st_mode & 0o777 == 0o755 & ~umask
 
 
+def test_a_library_an_older_version_left_0711_is_mended_not_built_again(tmp_path, compiler, monkeypatch):
+    """Built before the library was made as the umask allows, it stayed unloadable by the cache's
+    other users after every upgrade (they fell back to torch's ops: an audit)."""
+    monkeypatch.setattr(build, "KERNEL_CACHE", tmp_path / "kernels")
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setattr(build.torch.ops, "load_library", lambda path: None)
+    library = build.load.__wrapped__() / "dflash_kernels.so"
+    library.chmod(0o711)
+    assert build.load.__wrapped__() == library.parent
+    umask = os.umask(0)
+    os.umask(umask)
+    assert calls(compiler) == 1 and library.stat().st_mode & 0o777 == 0o755 & ~umask
+
+
 def test_a_damaged_library_is_built_again_and_never_loaded(tmp_path, compiler, monkeypatch):
     """A truncated library (a full disk, a crash before write-back) was loaded as it was: every
     process died of a bus error, for good (an audit)."""

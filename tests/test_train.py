@@ -16,7 +16,7 @@ import torch
 from helpers import greedy, signals_as_in_a_terminal, tiny_target
 
 import training.features as features_module
-from answers.store import Answer, AnswerStore, read_shard, shard_paths, write_shard
+from answers.store import Answer, AnswerStore, AnswerStoreError, read_shard, shard_paths, write_shard
 from draft_node import kernel_path
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_draft_vocab, save_drafter
 from draft_node.config import FULL, SLIDING, CheckpointError
@@ -196,6 +196,27 @@ def test_a_store_of_gzip_shards_reads_on_and_grows_in_xz_and_xz_is_smaller(tmp_p
     assert (tmp_path / "again.jsonl.xz").stat().st_size < 0.8 * (
         tmp_path / "20261201-000000-abcd.jsonl.gz"
     ).stat().st_size
+
+
+def test_a_shard_a_newer_version_wrote_reads_without_its_new_fields_and_a_broken_one_still_fails(tmp_path):
+    """An older checkout sharing a store dropped every shard written after a field was added
+    (`made_by`: TypeError, the whole shard unreadable: an audit). A field it does not know is left
+    out; a field it needs, missing, or a line that is no record, still refuses the shard."""
+    import json
+    import lzma
+
+    known = {"key": "k1", "job": "j1", "stage": "text", "messages": [["user", "hi"]], "tokens": [1, 2, 3]}
+
+    def shard(name: str, *records) -> Path:
+        with lzma.open(tmp_path / name, "wt") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in records)
+        return tmp_path / name
+
+    newer = shard("newer.jsonl.xz", known | {"prompt_len": 1, "made_by": "bf16", "a_later_field": [1]})
+    assert read_shard(newer) == [Answer(**known, prompt_len=1, made_by="bf16")]
+    for broken in (known, ["a", "list"]):  # prompt_len missing; not a record
+        with pytest.raises(AnswerStoreError, match="not a readable answer shard"):
+            read_shard(shard("broken.jsonl.xz", broken))
 
 
 def test_a_crash_mid_conversation_resumes_with_its_next_turn(setup, tmp_path):
@@ -1623,6 +1644,34 @@ def test_a_models_identity_is_its_weights_not_its_save(tmp_path):
     assert model_identity(folder) == base
     weights.write_bytes(bytes(3 << 20)[:-1] + b"\x01")  # the same size, another last weight
     assert model_identity(folder) != base
+
+
+def test_a_cache_stamped_by_the_first_identity_scheme_is_taken_for_its_own_target_and_restamped(tmp_path):
+    """A feature cache stamped before the identity hashed the weights' ends (2026-12-06) was
+    refused after the upgrade as another target's: its rows had to be filled again (an audit). Its
+    own target's cache is taken and restamped; another target's is still refused."""
+    from training.features import IDENTITY_SCHEME, FeatureCacheError, first_identity, model_identity
+
+    models = []
+    for n in (8, 16):
+        folder = tmp_path / f"model{n}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"hidden_size": n}))
+        (folder / "model.safetensors").write_bytes(bytes(n))
+        models.append(folder)
+    mine, other = models
+    for owner in models:
+        cache = tmp_path / f"cache-{owner.name}"
+        cache.mkdir()
+        (cache / "meta.json").write_text(json.dumps({"width": 4, "model": first_identity(owner)}))
+        if owner == other:
+            with pytest.raises(FeatureCacheError, match="another target's features"):
+                FeatureCache(cache, 4, model=mine)
+            continue
+        FeatureCache(cache, 4, model=mine)
+        meta = json.loads((cache / "meta.json").read_text())
+        assert meta == {"width": 4, "model": model_identity(mine), "identity": IDENTITY_SCHEME}
+        FeatureCache(cache, 4, model=mine)  # and again, stamped by the scheme of now
 
 
 def test_a_resumed_run_learns_at_the_rate_its_options_now_ask_for(setup, tmp_path):

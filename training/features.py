@@ -76,6 +76,22 @@ def model_identity(folder: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
+IDENTITY_SCHEME = 2  # meta.json's "identity": how its "model" was computed (none recorded: scheme 1)
+
+
+def first_identity(folder: str | Path) -> str:
+    """`model_identity` as a cache recorded it before 2026-12-06 (scheme 1): the config's bytes and
+    the weight files' names and sizes. Such a cache of the same target is taken and restamped; it was
+    refused as another target's, its rows to be filled again (an audit)."""
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    config = folder / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        digest.update(f"{path.name}:{path.stat().st_size};".encode())
+    return digest.hexdigest()[:16]
+
+
 class DiskReserve:
     """The room a feature cache leaves on its disk: `keep_free` bytes (by default 4 GiB or a tenth
     of the disk, whichever is more), or half of what was free when it began where that is less.
@@ -116,7 +132,7 @@ class FeatureCache:
         self.rows = 0
         with nullcontext() if readonly else self.locked():
             identity = model_identity(model) if model is not None else None  # reads 2 MiB a weights file: once
-            meta = self._checked_meta(identity)
+            meta = self._checked_meta(model, identity)
             self._read_index()
             self._check_rows(bool(meta))
             if readonly:
@@ -127,12 +143,14 @@ class FeatureCache:
             write_atomically(
                 self.index_path, lambda tmp: tmp.write_text(lines)
             )  # a kill mid-write leaves the old index whole
-            wanted = {"width": width, **({"model": identity} if identity is not None else {}), **meta}
+            stamp = {"model": identity, "identity": IDENTITY_SCHEME} if identity is not None else {}
+            wanted = {"width": width, **meta, **stamp}  # a stamp of scheme 1 checked, then restamped
             if wanted != meta:  # recorded only once the rows are known to fit it
                 write_atomically(self.folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(wanted) + "\n"))
 
-    def _checked_meta(self, model: str | None) -> dict:
-        """The width and target the cache's rows are of (recorded by its first opener), checked."""
+    def _checked_meta(self, folder: str | Path | None, model: str | None) -> dict:
+        """The width and target the cache's rows are of (recorded by its first opener), checked:
+        `model` is the identity of the target in `folder`."""
         path = self.folder / "meta.json"
         try:
             meta = json.loads(path.read_text()) if path.is_file() else {}
@@ -143,7 +161,10 @@ class FeatureCache:
                 f"{self.folder} holds rows {meta['width']} wide, not {self.width}: another target's or taps' "
                 "features; use another --cache or --name"
             )
-        if model is not None and meta.get("model", model) != model:
+        recorded = meta.get("model", model)
+        if meta.get("identity", 1) == 1 and folder is not None and recorded == first_identity(folder):
+            recorded = model
+        if model is not None and recorded != model:
             raise FeatureCacheError(
                 f"{self.folder} holds another target's features (model {meta['model']}, not {model}): "
                 "a model folder of the same name; use another --cache"

@@ -310,8 +310,11 @@ def estimate_stage(options: RunOptions, target: TargetModel, store: AnswerStore,
         drafter = load_drafter(path)
         taps, width = "-".join(map(str, drafter.config.target_layer_ids)), drafter.config.feature_width
         groups = (
-            (answers.answers, FeatureCache(folder / f"features-taps{taps}", width)),
-            (held_out, FeatureCache(feature_folder(cache, model, drafter.config.target_layer_ids, dtype), width)),
+            (answers.answers, FeatureCache(folder / f"features-taps{taps}", width, model=model)),
+            (
+                held_out,
+                FeatureCache(feature_folder(cache, model, drafter.config.target_layer_ids, dtype), width, model=model),
+            ),
         )
         scores = []
         for group, features in groups:
@@ -350,7 +353,7 @@ def selector_stage(options: RunOptions, target: TargetModel, answers: list[Answe
     drafter = as_dflash2(backbone.float(), target.vocab_size, shape.selector_rank, shape.selector_top_k)
     cfg = drafter.config
     folder = feature_folder(options.run.cache, options.run.model, cfg.target_layer_ids, target.model.dtype)
-    features = FeatureCache(folder, cfg.feature_width)
+    features = FeatureCache(folder, cfg.feature_width, model=options.run.model)
     # The answers whose features are cached (--stage features fills the rest): the backbone's rows need them.
     log(f"selector: {sum(a.key in features for a in answers)} of {len(answers)} answers have cached features")
     opts = TrainOptions(

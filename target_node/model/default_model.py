@@ -18,7 +18,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from basics.files import as_umask_allows, locked
+from basics.files import as_umask_allows, locked, mended_mode
 from target_node import CACHE_ROOT
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,6 +72,7 @@ def ensure_default_model(target_dir: Path = DEFAULT_MODEL_DIR, gguf_folder: Path
     """
     target_dir = Path(target_dir)
     if _whole(target_dir):
+        mended_mode(target_dir / "model.safetensors")
         return target_dir
     _check_writable(target_dir.parent)  # before the half minute the conversion takes, not after
     with locked(target_dir.parent):
