@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -302,6 +303,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--prefix-cache-mb", type=int, help="the target daemon's prefix cache (default: 1 tiny, 64 real: it evicts)"
     )
+    ap.add_argument(
+        "--keep-logs", action="store_true", help="keep the daemons' logs and models when the soak passes too"
+    )
     ap.add_argument("--json", default="bench_results/soak.json")
     return ap.parse_args(argv)
 
@@ -481,6 +485,8 @@ def finish(report: dict, args: argparse.Namespace) -> dict:
     pings_ok = report["ping_max_ms"] <= args.ping_bar_ms
     ok = not (report["wrong"] or report["lost"] or report["duplicates"]) and pings_ok
     report["ok"] = ok
+    if ok and not args.keep_logs:
+        report["logs"] = None  # removed once the report is out
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -512,7 +518,10 @@ def main(argv: list[str] | None = None) -> dict:
         report.update(figures(load, args.ping_bar_ms))
     finally:
         daemons.stop()
-    return finish(report, args)
+    finish(report, args)  # a failed soak exits here, its logs kept for the reader
+    if not args.keep_logs:  # 0.9 MB of models and logs a run, left in /tmp by every test run (an audit)
+        shutil.rmtree(work, ignore_errors=True)
+    return report
 
 
 if __name__ == "__main__":
