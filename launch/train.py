@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     (training.stopping); elsewhere it ends the run at once through its clean-up: a generation
     stage writes out the answers it finished (it lost them all: an audit)."""
     args = parse_args(argv)  # --help and a flag's refusal before torch loads: a tenth of a second, not three
+    if args.model:  # a folder that holds no model, likewise (the default one is converted once the flags pass)
+        with one_line_errors("dflash-train"):
+            resolve_model(args.model)
     import torch
 
     from answers.store import AnswerStoreError
