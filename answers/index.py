@@ -242,12 +242,14 @@ def prune(folder: Path, model_name: str, keep: int, source: str) -> list[Path]:
     """Delete all but the `keep` newest whole indexes of `model_name` built from the store at
     `source` (170 MB each for the committed store: an index is built again whenever its store
     gains a shard); another store's are its own to prune (pruning per model deleted them, and their
-    daemons built them again). Indexes of an older format, which no daemon maps again, go too, and
-    the parts of builds whose process is gone. A daemon still serving a deleted index keeps its
+    daemons built them again), unless that store is gone: a clone's index (500 MB) stayed after the
+    clone was deleted, for good (an audit). Indexes of an older format, which no daemon maps again,
+    go too, and the parts of builds whose process is gone. A daemon still serving a deleted index keeps its
     memory map. Returns what it deleted."""
     whole = [d for d in folder.glob(f"{model_name}-*") if _is_index(d, model_name)]
     mine = sorted((d for d in whole if _source(d) == source), key=lambda d: (d / "bits").stat().st_mtime, reverse=True)
-    stale = mine[keep:] + [d for d in whole if _source(d) is None]
+    gone = [d for d in whole if (store := _source(d)) is not None and store != source and not Path(store).is_dir()]
+    stale = mine[keep:] + [d for d in whole if _source(d) is None] + gone
     stale += [d for d in folder.glob(f"{model_name}-*.tmp") if _is_index(d.with_suffix(""), model_name, False)]
     stale = [d for d in stale if d.suffix != ".tmp" or not _builder_alive(d)]
     for folder_gone in stale:

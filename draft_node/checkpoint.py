@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from basics.files import as_umask_allows, write_atomically
 from draft_node.config import CheckpointError, DFlashConfig, in_dflash2
@@ -115,9 +115,11 @@ def save_drafter(drafter: DFlashDrafter, folder: str | Path) -> Path:
         (folder / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
 
-    def weights(tmp: Path) -> None:  # readable as the umask allows: safetensors writes 0600 (an audit)
-        save_file(state, str(tmp), metadata={"format": "pt"})
-        as_umask_allows(tmp)
+    def weights(tmp: Path) -> None:
+        # Bytes written here, not safetensors' save_file: that writes a file of its own naming
+        # beside it first (.tmpXXXXXX, 0600), which a save killed midway left for good (an audit).
+        tmp.write_bytes(save(state, metadata={"format": "pt"}))
+        as_umask_allows(tmp)  # written 0600 by safetensors before: unreadable to a shared cache's other users
 
     write_atomically(folder / "model.safetensors", weights)
     return folder

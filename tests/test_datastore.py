@@ -290,7 +290,7 @@ def test_an_index_is_its_owners_alone_and_a_stopped_build_leaves_nothing(tmp_pat
     assert list((cache / "datastore").iterdir()) == []
 
 
-def test_pruning_keeps_each_stores_indexes_and_removes_what_dead_builders_left(tmp_path):
+def test_pruning_keeps_each_live_stores_indexes_and_removes_what_dead_builders_and_stores_left(tmp_path):
     """Pruning per model deleted another store's index of the same model as a growing store built
     new ones, and that store's daemon built it again at each start; a dead builder's part stayed."""
     cache = tmp_path / "cache"
@@ -314,6 +314,10 @@ def test_pruning_keeps_each_stores_indexes_and_removes_what_dead_builders_left(t
     assert traffic.name in left and old_format.name not in left and dead.name not in left and alive.name in left
     assert len(left) == 1 + KEEP + 1  # the traffic store's, the growing store's newest, the live part
     assert prune(cache / "datastore", "tiny", KEEP, str((tmp_path / "traffic").resolve())) == []
+    # A store deleted (a clone of the repository, and its 500 MB index stayed for good: an audit):
+    # its indexes go at the next build of another store's.
+    shutil.rmtree(tmp_path / "traffic")
+    assert prune(cache / "datastore", "tiny", KEEP, str(store.resolve())) == [traffic]
 
 
 def test_a_daemon_serves_while_its_datastore_is_built_by_a_process_of_its_own(tmp_path):

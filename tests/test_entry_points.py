@@ -267,6 +267,27 @@ def test_an_upgrade_mends_the_mode_of_the_model_an_older_version_converted_0600(
     assert (model / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask()
 
 
+def test_a_targets_random_drafter_is_one_per_shape_and_never_taken_half_written(tmp_path, monkeypatch, chat_model_dir):
+    """Named by the target's path, every test session and every copy of a model added one for good;
+    a save killed after its config left a drafter without weights, which every later start took
+    and failed on (an audit)."""
+    import shutil
+
+    from draft_node.checkpoint import load_drafter
+    from target_node.model import default_model
+
+    monkeypatch.setattr(default_model, "RANDOM_DRAFTERS", tmp_path / "random")
+    copy = tmp_path / "elsewhere" / chat_model_dir.name
+    shutil.copytree(chat_model_dir, copy)
+    first = default_model.ensure_default_drafter(chat_model_dir)
+    assert default_model.ensure_default_drafter(copy) == first  # the same shape: the same drafter
+    (first / "model.safetensors").unlink()  # as a save killed before its weights left it
+    dead = first.with_name(f"{first.name}.{2**22 + 1}-7.partial")  # above any pid_max: a killed start's
+    dead.mkdir()
+    assert default_model.ensure_default_drafter(copy) == first and load_drafter(first) is not None
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]
+
+
 def test_two_starts_on_a_fresh_cache_convert_the_default_model_once(tmp_path, monkeypatch):
     """Two processes converting at once wrote one partial folder: one failed with a traceback and
     538 MB stayed in the model's folder for good (an audit). One converts, the other waits and

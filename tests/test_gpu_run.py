@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_tiny(tmp_path: Path, *flags: str) -> tuple[Path, dict]:
     """`launch/gpu_run.sh OUT --tiny ...` as the device machine runs it, on CPU: OUT and its results."""
     env = dict(os.environ, DFLASH_GPU_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1", PYTHON=sys.executable)
+    env["TMPDIR"] = str(tmp_path)  # torchrun's folders (torchelastic_*) were left in /tmp, one a run
     out = tmp_path / "out"
     command = ["bash", str(ROOT / "launch" / "gpu_run.sh"), str(out), "--tiny", "--device", "cpu", "--threads", "1"]
     done = subprocess.run([*command, *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

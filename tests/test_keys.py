@@ -120,3 +120,17 @@ def test_a_key_folder_others_may_write_is_made_so_by_no_one_and_allows_no_one(tm
         keys.load_allowed([tmp_path / "keys"])
     (tmp_path / "keys").chmod(0o755)
     assert len(keys.load_allowed([tmp_path / "keys"])) == 1
+
+
+def test_a_secret_made_inside_the_checkout_is_never_staged():
+    """`dflash-keys --out keys draft target client`, as docs/deployment.md has it, run in the
+    checkout: `git add -A` staged the secrets (an audit)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("keys/draft.key_secret", "target.key_secret"):
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=root).returncode == 0, path

@@ -8,17 +8,19 @@ folder outside the repo. Later loads take ~2 s instead of ~15 s.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from safetensors import SafetensorError
 
-from basics.files import as_umask_allows, locked, mended_mode
+from basics.files import as_umask_allows, locked, mended_mode, process_alive
 from target_node import CACHE_ROOT
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -153,15 +155,32 @@ def ensure_default_drafter(model_dir: Path | None = None) -> Path:
     model_dir = Path(model_dir or ensure_default_model()).resolve()
     if model_dir == DEFAULT_MODEL_DIR.resolve() and (SHIPPED_DRAFTER / "config.json").is_file():
         return SHIPPED_DRAFTER
-    folder = RANDOM_DRAFTERS / f"{model_dir.name}-{hashlib.sha1(str(model_dir).encode()).hexdigest()[:10]}"
-    if (folder / "config.json").is_file():
+    # Named by the target's config, which alone shapes it (by its path, every test session and every
+    # copy of a model added one, for good: an audit).
+    shape = hashlib.sha1((model_dir / "config.json").read_bytes()).hexdigest()[:10]
+    folder = RANDOM_DRAFTERS / f"{model_dir.name}-{shape}"
+    if (folder / "model.safetensors").is_file():
         return folder
     from transformers import AutoConfig
 
     from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 
     cfg = config_for_target(AutoConfig.from_pretrained(model_dir), block_size=8, mask_token_id=0)
-    return save_drafter(random_drafter(cfg), folder)
+    # Written whole beside it, then renamed: a save killed midway left a config without weights, which
+    # every later start took and failed on (an audit); two first starts race to one folder.
+    for gone in folder.parent.glob(f"{glob.escape(folder.name)}.*.partial"):  # of starts killed midway
+        writer = gone.name[len(folder.name) + 1 :].split("-")[0]
+        if writer.isdigit() and not process_alive(int(writer)):
+            shutil.rmtree(gone, ignore_errors=True)
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}-{threading.get_ident()}.partial")
+    save_drafter(random_drafter(cfg), partial)
+    if folder.exists() and not (folder / "model.safetensors").is_file():  # a killed save's, from before
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        partial.rename(folder)
+    except OSError:  # another start's came first: the same drafter
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
 
 
 if __name__ == "__main__":
