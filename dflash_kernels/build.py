@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from basics.cache import CACHE_ROOT
-from basics.files import as_umask_allows, locked, mended_mode
+from basics.files import as_umask_allows, locked, mended_mode, process_alive
+from basics.processes import dies_with
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 KERNEL_CACHE = CACHE_ROOT / "kernels"  # beside the project's other rebuildable files
@@ -159,7 +160,11 @@ def _compile(compiler: str, library: Path) -> None:
         raise KernelsUnavailable(f"{failed.read_text().strip()} (an earlier build; delete {failed} to try again)")
     libs = library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    handle, partial = tempfile.mkstemp(dir=library.parent, suffix=".partial")
+    for gone in library.parent.glob("*.partial"):  # of builds killed midway: one each, for good (an audit)
+        writer = gone.name.split("-")[0]
+        if writer.isdigit() and not process_alive(int(writer)):
+            gone.unlink(missing_ok=True)
+    handle, partial = tempfile.mkstemp(dir=library.parent, prefix=f"{os.getpid()}-", suffix=".partial")
     os.close(handle)
     command = [
         compiler,
@@ -177,7 +182,8 @@ def _compile(compiler: str, library: Path) -> None:
     ]
     log.info("compiling the CPU kernels (once per machine): %s", library.parent)
     try:
-        done = subprocess.run(command, capture_output=True, text=True)
+        # The compiler ends with this process: killed, it went on and wrote a partial no one removed (an audit).
+        done = subprocess.run(command, capture_output=True, text=True, preexec_fn=dies_with(os.getpid()))
         if done.returncode != 0:
             lines = done.stderr.splitlines()
             why = [line for line in lines if "error" in line][:5] or lines[-3:] or [f"exit code {done.returncode}"]

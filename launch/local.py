@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,11 +19,12 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from basics.processes import dies_with
 from launch import client
 from launch.common import TARGET_DTYPES, at_least, device_name, number_in, resolve_model
 from launch.keys import LocalKeys
 from launch.net import HelpFormatter, one_line_errors, peer_address
-from launch.processes import dies_with, ends_on_sigterm, stop
+from launch.processes import ends_on_sigterm, stop
 from protocol.keys import ClientKeys
 from protocol.transport import request, wait_ready
 from target_node.model.default_model import ensure_default_drafter
@@ -181,7 +183,10 @@ def local_daemons(args: argparse.Namespace) -> Iterator[LocalDaemons]:
     target_address = args.target_address or free_address()
     threads = ["--threads", str(args.threads)]
     with ExitStack() as stack:
-        keys = LocalKeys(stack.enter_context(tempfile.TemporaryDirectory())) if args.curve else None
+        folder = tempfile.mkdtemp() if args.curve else None
+        if folder is not None:
+            stack.callback(shutil.rmtree, folder, ignore_errors=True)
+        keys = LocalKeys(folder) if folder is not None else None
         args.client_keys = keys.client_to_target if keys else None
         draft = stack.enter_context(
             daemon(
@@ -215,6 +220,8 @@ def local_daemons(args: argparse.Namespace) -> Iterator[LocalDaemons]:
                 args.client_keys,
             )
         )
+        if folder is not None:  # both daemons hold their keys: a launcher killed now leaves none on disk (an audit)
+            shutil.rmtree(folder, ignore_errors=True)
         yield LocalDaemons(target_address, draft, target)
 
 

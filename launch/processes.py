@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import os
 import signal
 import subprocess
 import threading
@@ -85,29 +83,6 @@ def ctrl_c_exits_130(main: Callable[P, R]) -> Callable[P, R]:
             raise SystemExit(130) from None
 
     return exiting
-
-
-PR_SET_PDEATHSIG = 1
-try:  # looked up here, not between fork and exec
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
-
-
-def dies_with(parent: int) -> Callable[[], None]:
-    """A `preexec_fn`: the child gets SIGTERM when `parent` (the process that starts it: pass
-    os.getpid()) ends, even by SIGKILL or a crash, whose daemons were left serving, 2.3 GB and their
-    ports held (an audit). Linux's prctl; elsewhere it does nothing. The thread that starts the
-    child must outlive it."""
-
-    def arm() -> None:
-        if _prctl is None:
-            return
-        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent ended before the prctl took
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return arm
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:

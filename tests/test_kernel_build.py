@@ -34,9 +34,14 @@ def calls(compiler) -> int:
 
 
 def test_a_build_leaves_a_whole_library_with_its_checksum_and_nothing_else(tmp_path, compiler):
+    """Nor what killed builds left: their compilers went on and wrote a partial library each, for good
+    (an audit)."""
     library = tmp_path / "key" / "dflash_kernels.so"
     library.parent.mkdir()
+    (library.parent / f"{2**22 + 1}-a1b2c3.partial").write_bytes(b"half")  # a killed build's (no such pid)
+    (library.parent / f"{os.getpid()}-d4e5f6.partial").write_bytes(b"half")  # a live build's: left to it
     build._compile(str(compiler), library)
+    (library.parent / f"{os.getpid()}-d4e5f6.partial").unlink()
     assert library.read_bytes() == b"a whole library" and build._whole(library)
     assert sorted(p.name for p in library.parent.iterdir()) == ["dflash_kernels.sha256", "dflash_kernels.so"]
     # Loadable by the other users of a shared cache, as the umask allows (it was mkstemp's 0600).

@@ -1618,6 +1618,55 @@ def test_launch_train_ends_a_users_mistake_in_one_line(setup, tmp_path, capsys):
         assert exit.value.code == 1 and says in err and "Traceback" not in err, err
 
 
+def test_a_rank_ends_with_the_torchrun_that_started_it_even_killed(tmp_path):
+    """A torchrun ended by SIGKILL (or a crash) left its ranks training, rewriting state.pt and
+    --out, for good (an audit). Here rank 0 of 2 waits at the rendezvous (its store listening)
+    when its launcher is killed: it ends too."""
+    import signal
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    rank = "import sys; sys.path.insert(0, sys.argv[1]); from training.distributed import start; start('cpu')"
+    launcher = (
+        "import os, subprocess, sys\n"
+        "env = dict(os.environ, WORLD_SIZE='2', RANK='0', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1')\n"
+        f"env['MASTER_PORT'] = '{port}'\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {rank!r}, sys.argv[1]], env=env)\n"
+        "print(child.pid, flush=True)\n"
+        "child.wait()\n"
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    parent = subprocess.Popen([sys.executable, "-c", launcher, root], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+
+    def running() -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # armed before it listens
+            with socket.socket() as client:
+                if client.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the rank never listened")
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(), "the rank outlived its torchrun"
+    finally:
+        if running():
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_batch_smaller_than_the_ranks_is_refused_before_any_work(tmp_path):
     """--batch 1 on two ranks left one of them an empty share, which crashed inside a reshape."""
     from launch.train import parse_args, run_options

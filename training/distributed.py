@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from basics.processes import dies_with
+
 
 @dataclass(frozen=True)
 class Ranks:
@@ -98,6 +100,9 @@ def start(device: str) -> tuple[Ranks, str]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return ONE, device
+    # A torchrun killed (SIGKILL, a crash) left its ranks training and rewriting state.pt and --out,
+    # for good (an audit): SIGTERM, which saves and stops a rank (training.stopping), ends them with it.
+    dies_with(os.getppid())()
     if device.startswith("cuda"):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)

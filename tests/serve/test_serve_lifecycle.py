@@ -131,16 +131,23 @@ def test_a_target_daemon_that_dies_ends_the_server_and_a_draft_daemon_that_dies_
         run.wait()
 
 
-def test_a_hang_up_stops_the_daemons_and_removes_the_throwaway_keys(chat_model_dir, tmp_path):
+def test_a_hang_up_stops_the_daemons_and_no_throwaway_key_outlives_their_start(chat_model_dir, tmp_path):
     """SIGHUP (a terminal closed, an ssh cut) killed the server at once: no graceful shutdown,
-    and the --curve keys stayed in the temporary folder (an audit). It now stops as on SIGTERM."""
+    and the --curve keys stayed in the temporary folder (an audit). It now stops as on SIGTERM. The
+    keys stayed after a SIGKILL too (an audit): they are gone once both daemons hold them."""
     temporary, port = tmp_path / "tmp", free_port()
     temporary.mkdir()
     run, lines = all_in_one(chat_model_dir, port, "--curve", env=dict(os.environ, TMPDIR=str(temporary)))
     try:
         daemons = started(lines)
         assert wait_http_ready(f"http://127.0.0.1:{port}/health", 60)  # uvicorn serves: its graceful path
-        assert [p.name for p in temporary.iterdir()], "the keys are in the temporary folder while it runs"
+        assert list(temporary.iterdir()) == [], "a key file outlived the daemons' start"
+        answer = requests.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 4, "temperature": 0},
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text  # over both links, CURVE, with the files gone
         run.send_signal(signal.SIGHUP)
         assert run.wait(60) == 0, lines.rest()
     finally:
