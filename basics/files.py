@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import fcntl
 import glob
+import logging
 import os
 import shutil
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+log = logging.getLogger("dflash")
 
 
 def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
@@ -57,11 +60,22 @@ def process_alive(pid: int) -> bool:
 
 
 @contextmanager
-def locked(folder: Path) -> Iterator[None]:
-    """One process at a time in `folder`: concurrent starts wait for one build or conversion."""
-    with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+def locked(folder: Path, work: str = "") -> Iterator[None]:
+    """One process at a time in `folder`: concurrent starts wait for one build or conversion, and
+    say so where `work` names it (behind a holder stopped with Ctrl-Z, every daemon's start waited
+    without a word: an audit). Opened for reading: flock needs no more, and a lock file another user made, in a
+    folder this one may write, raised PermissionError (an audit)."""
+    lock = os.open(folder / ".lock", os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if work:
+                log.warning("waiting for another process's %s in %s", work, folder)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(lock)
 
 
 def umask() -> int:

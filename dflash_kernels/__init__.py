@@ -261,7 +261,7 @@ def measured_once(
     if seconds is not None:
         return seconds
     try:
-        with locked(folder):
+        with locked(folder, "timing of the CPU kernels"):
             seconds = _read_record(record)
             if seconds is None:
                 seconds = take()

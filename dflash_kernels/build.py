@@ -123,7 +123,7 @@ def load() -> Path:
     if not _whole(library):
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            with locked(folder):
+            with locked(folder, "build of the CPU kernels"):
                 if not _whole(library):
                     _compile(compiler, library)
         except OSError as err:

@@ -10,6 +10,7 @@ reply naming the problem; the daemon and the other sessions carry on.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -460,7 +461,7 @@ class DraftService:
     def on_ping(self, msg: Message) -> list:
         # The asking peer's own sessions: how many others hold is theirs to know.
         mine = sum(owner == msg.peer for owner, _ in self.sessions)
-        return encode("pong", msg.id, {"time": time.time(), "sessions": mine})
+        return encode("pong", msg.id, {"time": time.time(), "sessions": mine, "pid": os.getpid()})
 
     def on_stats(self, msg: Message) -> list:
         """The asking peer's own figures only: what other tenants do (their sessions, their

@@ -46,10 +46,20 @@ class LocalDaemons:
     lost: bool = False
 
 
+_GIVEN: set[int] = set()  # the ports this process handed out
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, and never one this process handed out before: the kernel gave the same port
+    to two picks in a row about once in 6,700, and dflash-local's two daemons then shared one
+    address (an audit)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def free_address() -> str:
@@ -110,7 +120,7 @@ def start_daemon(
         if out is not None:
             out.close()  # the daemon holds its own
     try:
-        ready = wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None, curve=curve)
+        ready = wait_ready(address, ready_timeout_s, alive=lambda: proc.poll() is None, curve=curve, pid=proc.pid)
     except BaseException:  # a SIGTERM or Ctrl-C while it loads: one still loading must not outlive it
         stop(proc)
         raise

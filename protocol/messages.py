@@ -15,7 +15,7 @@ from .fields import Bool, Float, Int, Json, List, Maybe, Str, Struct
 from .sampling import SamplingParams
 from .tensors import FLOAT_DTYPES, TensorSpec
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 # Header keys owned by the envelope; no message may use them as field names.
 RESERVED_KEYS = ("v", "type", "id", "tensors")
@@ -306,7 +306,9 @@ SCHEMAS: dict[str, Schema] = {
         tensors=(TensorRule("predecessor", FLOAT_DTYPES, (1, 1)), TensorRule("successor", FLOAT_DTYPES, (1, 1)))
     ),
     "ping": Schema(replies=("pong",)),
-    "pong": Schema(Struct({"time": Float(), "sessions": Int(0)})),
+    # `pid` (version 8): the answering daemon's process, so that a launcher knows the daemon it
+    # started from another that answers at the same address (two runs crossed: an audit).
+    "pong": Schema(Struct({"time": Float(), "sessions": Int(0), "pid": Int(0)})),
     "stats": Schema(replies=("stats_ok",)),
     "stats_ok": Schema(Struct({"stats": Json()})),
     "ok": Schema(),

@@ -733,14 +733,22 @@ def request(
 
 
 def wait_ready(
-    address: str, timeout_s: float, alive: Callable[[], bool] = lambda: True, curve: ClientKeys | None = None
+    address: str,
+    timeout_s: float,
+    alive: Callable[[], bool] = lambda: True,
+    curve: ClientKeys | None = None,
+    pid: int | None = None,
 ) -> bool:
-    """Ping a daemon until it answers: a readiness check, not a sleep. `alive` aborts early."""
+    """Ping a daemon until it answers: a readiness check, not a sleep. `alive` aborts early. With
+    `pid`, only that process's answer counts: a launcher's daemon that could not bind, another run's
+    answering at the address, made the two runs cross (a client answered by the other's model)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not alive():
             return False
         reply = request(address, "ping", timeout_s=0.5, curve=curve)
-        if reply is not None and reply.type == "pong":
+        if reply is not None and reply.type == "pong" and (pid is None or reply.fields["pid"] == pid):
             return True
+        if reply is not None:  # another's: this one is still loading, or gone (`alive` says)
+            time.sleep(0.1)
     return False

@@ -91,7 +91,7 @@ def test_a_whole_library_in_a_folder_no_one_may_write_loads_and_a_folder_that_ca
     monkeypatch.setattr(build.torch.ops, "load_library", lambda path: None)
     build.load.__wrapped__()
 
-    def refused(folder):
+    def refused(folder, work=""):
         raise OSError(30, "Read-only file system", str(folder / ".lock"))
 
     monkeypatch.setattr(build, "locked", refused)
@@ -145,7 +145,7 @@ def test_a_measurement_runs_on_one_thread_and_a_folder_that_cannot_keep_it_costs
         assert dflash_kernels.measured_once(tmp_path, "choice", measure) == {"a": 1.0, "b": 2.0}  # kept
         assert seen == [1] and torch.get_num_threads() == 2
 
-        def refused(folder):
+        def refused(folder, work=""):
             raise OSError(30, "Read-only file system")
 
         monkeypatch.setattr(dflash_kernels, "locked", refused)
@@ -174,3 +174,29 @@ def test_a_cpu_proc_says_nothing_of_is_keyed_by_what_the_compiler_selects_for_it
     assert keys[0] != keys[1] and "znver3" in keys[0]
     flags = keys[0].split()  # the bf16 options under /proc's names, which native_bf16 reads
     assert "avx512_bf16" in flags and "amx_bf16" not in flags and "-mamx-bf16" not in flags
+
+
+def test_a_start_waiting_behind_another_build_says_so(tmp_path, caplog):
+    """Behind a build stopped with Ctrl-Z, every daemon's start waited without a word (an audit)."""
+    import threading
+
+    from basics.files import locked
+
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with locked(tmp_path, "build of the CPU kernels"):
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    held.wait(10)
+    threading.Timer(0.3, release.set).start()
+    with caplog.at_level("WARNING"), locked(tmp_path, "build of the CPU kernels"):
+        pass
+    thread.join(10)
+    assert f"waiting for another process's build of the CPU kernels in {tmp_path}" in caplog.text
+    with caplog.at_level("WARNING"), locked(tmp_path, "build of the CPU kernels"):  # nobody holds it: no word
+        pass
+    assert caplog.text.count("waiting") == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import time
@@ -97,7 +98,7 @@ SAMPLES = {
     "codebook": ({"start": 4096, "rows": 4096}, {}),
     "codebook_ok": ({}, {"predecessor": torch.randn(4, 16), "successor": torch.randn(4, 16)}),
     "ping": ({}, {}),
-    "pong": ({"time": 1700000000.5, "sessions": 2}, {}),
+    "pong": ({"time": 1700000000.5, "sessions": 2, "pid": 4242}, {}),
     "stats": ({}, {}),
     "stats_ok": ({"stats": {"steps": 10, "ms": [1.0, 2.5], "x": {"y": None}}}, {}),
     "ok": ({}, {}),
@@ -649,7 +650,7 @@ def test_a_server_answers_pings_while_its_caller_computes(tmp_path):
         asker_id, leaver_id = asker.routing_id, leaver.routing_id
         leaver.close()
         time.sleep(0.2)  # the connection's end reaches the server
-        pong = lambda identity, m: encode("pong", m.id, {"time": 0.0, "sessions": 7})  # noqa: E731
+        pong = lambda identity, m: encode("pong", m.id, {"time": 0.0, "sessions": 7, "pid": 1})  # noqa: E731
         with server.answering({"ping": pong}):
             answer = pinger.call("ping", timeout_s=2.0)  # answered mid-step: the step lasts the block
             assert answer is not None and answer["sessions"] == 7, answer
@@ -731,7 +732,7 @@ def test_thirty_thousand_lends_with_replies_leave_no_wake_behind(tmp_path):
                 for _ in range(3):
                     assert server.send(identity, reply)  # the client reads none: most are undelivered
         assert server.undelivered()  # reported, not raised
-        pong = lambda identity, m: encode("pong", m.id, {"time": 0.0, "sessions": 0})  # noqa: E731
+        pong = lambda identity, m: encode("pong", m.id, {"time": 0.0, "sessions": 0, "pid": 1})  # noqa: E731
         pinger = Client(address)
         with server.answering({"ping": pong}):
             assert pinger.call("ping", timeout_s=2.0) is not None
@@ -757,7 +758,7 @@ def test_a_peer_that_stops_reading_has_at_most_the_send_queue_held_for_it(tmp_pa
     try:
         peer.send_multipart(encode("ping", 1, {}))
         identity, _ = server.next(5000)
-        reply = encode("pong", 1, {"time": 0.0, "sessions": 0}) + [b"x" * (256 << 10)]
+        reply = encode("pong", 1, {"time": 0.0, "sessions": 0, "pid": 1}) + [b"x" * (256 << 10)]
         held = 0
         while held < 3000 and server.send(identity, reply):
             held += 1
@@ -805,7 +806,7 @@ def test_a_flood_during_a_step_is_held_within_bounds_and_every_peers_word_is_not
     server = Server(address)
     flooder, beater, pinger = Client(address), Client(address), Client(address)
     try:
-        pong = lambda identity, m: encode("pong", m.id, {"time": 0.0, "sessions": 0})  # noqa: E731
+        pong = lambda identity, m: encode("pong", m.id, {"time": 0.0, "sessions": 0, "pid": 1})  # noqa: E731
         # The flood waits in ZeroMQ's queues before the step begins, so the helper takes ~0.3 s to
         # read it however slowly this thread sent it (sent during the step, a slow sender's flood
         # was read as it came, before the ping: a review).
@@ -1024,7 +1025,7 @@ def test_only_the_refusal_of_an_enveloped_message_goes_out_in_an_envelope(tmp_pa
         peer.send_multipart(encode("ping", 2, {}))
         (who, refused), (_, ping) = server.next(2000), server.next(2000)
         assert isinstance(refused, ProtocolError) and ping.type == "ping"
-        assert server.send(who, encode("pong", 2, {"time": 0.0, "sessions": 0}))  # answered first
+        assert server.send(who, encode("pong", 2, {"time": 0.0, "sessions": 0, "pid": 1}))  # answered first
         assert server.send(who, encode_error(refused.request_id, ErrorCode.MALFORMED, REQ_REFUSED))
         assert peer.poll(2000)
         pong = peer.recv_multipart()
@@ -1051,7 +1052,7 @@ def test_a_wait_of_weeks_or_forever_waits_instead_of_overflowing(tmp_path, wait_
     def answer() -> None:
         got = server.next(5000)
         assert got is not None
-        server.send(got[0], encode("pong", got[1].id, {"time": 0.0, "sessions": 0}))
+        server.send(got[0], encode("pong", got[1].id, {"time": 0.0, "sessions": 0, "pid": 1}))
 
     thread = threading.Thread(target=answer)
     thread.start()
@@ -1061,3 +1062,21 @@ def test_a_wait_of_weeks_or_forever_waits_instead_of_overflowing(tmp_path, wait_
         thread.join()
         server.close()
     assert reply is not None and reply.type == "pong"
+
+
+def test_a_launcher_waits_for_its_own_daemons_answer_not_another_at_the_address(tmp_path):
+    """Two dflash-local runs given one address crossed: the second's daemon could not bind, and its
+    launcher took the first run's answer for its own, so its client was answered by the other's
+    model (an audit). A launcher names the process it started: another's answer does not count."""
+    from protocol.transport import wait_ready
+
+    address = f"ipc://{tmp_path}/crossed.sock"
+    server = Server(address)
+    pong = lambda identity, m: encode("pong", m.id, {"time": 0.0, "sessions": 0, "pid": 4242})  # noqa: E731
+    try:
+        with server.answering({"ping": pong}):
+            assert wait_ready(address, 2.0) and wait_ready(address, 2.0, pid=4242)
+            started = time.monotonic()
+            assert not wait_ready(address, 30.0, alive=lambda: time.monotonic() < started + 1.5, pid=os.getpid())
+    finally:
+        server.close()

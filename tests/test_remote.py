@@ -474,7 +474,7 @@ def test_a_draft_daemon_pushing_unasked_replies_makes_the_target_hold_only_its_q
         client.send("ping", {})
         assert daemon.poll(2000)
         identity = daemon.recv_multipart()[0]
-        junk = [identity, *encode("pong", 999, {"time": 0.0, "sessions": 0}), b"x" * (1 << 20)]
+        junk = [identity, *encode("pong", 999, {"time": 0.0, "sessions": 0, "pid": 1}), b"x" * (1 << 20)]
         sent = send_until_refused(daemon, junk, most=400)
         assert 1 <= sent <= REPLY_QUEUE + 6, sent  # the queue, the daemon's one, what socket buffers hold
         assert client.discard_waiting() > 0

@@ -77,7 +77,7 @@ def ensure_default_model(target_dir: Path = DEFAULT_MODEL_DIR, gguf_folder: Path
         mended_mode(target_dir / "model.safetensors")
         return target_dir
     _check_writable(target_dir.parent)  # before the half minute the conversion takes, not after
-    with locked(target_dir.parent):
+    with locked(target_dir.parent, "conversion of the default model"):
         if _whole(target_dir):  # converted by another process meanwhile
             return target_dir
         partial = target_dir.with_name(target_dir.name + ".partial")

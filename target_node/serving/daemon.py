@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -222,7 +223,7 @@ class TargetService:
     def pong(self, identity: bytes, msg: Message) -> list:
         """Also answered by the server's helper thread during a step: it reads only `waiting`,
         which changes between steps."""
-        return encode("pong", msg.id, {"time": time.time(), "sessions": self.waiting})
+        return encode("pong", msg.id, {"time": time.time(), "sessions": self.waiting, "pid": os.getpid()})
 
     def requests_held(self) -> set[tuple[bytes, int]]:
         """(client, request id) of every request running or waiting here."""

@@ -22,7 +22,7 @@ def pings_answered(server: Server, stop: threading.Event, otherwise) -> threadin
                 continue
             identity, msg = got
             if msg.type == "ping":
-                server.send(identity, encode("pong", msg.id, {"time": 0.0, "sessions": 0}))
+                server.send(identity, encode("pong", msg.id, {"time": 0.0, "sessions": 0, "pid": 1}))
             else:
                 otherwise(identity, msg)
 
@@ -129,7 +129,7 @@ def test_a_client_that_pings_a_quiet_daemon_keeps_its_heartbeats_going(tmp_path,
         while not stop.is_set():
             now = time.monotonic()
             for when, identity, id_ in [d for d in due if d[0] <= now]:
-                server.send(identity, encode("pong", id_, {"time": 0.0, "sessions": 0}))
+                server.send(identity, encode("pong", id_, {"time": 0.0, "sessions": 0, "pid": 1}))
                 due.remove((when, identity, id_))
             if request is not None and now - began > 2.0:
                 identity, msg = request
