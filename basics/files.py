@@ -98,6 +98,22 @@ def as_umask_allows(path: Path, mode: int = 0o666) -> None:
     os.chmod(path, mode & ~umask())
 
 
+@contextmanager
+def claimed(folder: Path) -> Iterator[bool]:
+    """`folder` held by this process alone while the block runs: True, or False where another
+    process holds it (the caller refuses). Released however the holder ends, a kill included."""
+    lock = os.open(folder / ".claim", os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(lock)
+
+
 def mended_mode(path: Path, mode: int = 0o666) -> None:
     """A file of this user's that an older version wrote before `as_umask_allows` (a 0600 model,
     a 0711 kernel library) gets the mode it would be written with now: an upgrade kept locking the

@@ -1667,6 +1667,24 @@ def test_a_rank_ends_with_the_torchrun_that_started_it_even_killed(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_second_run_of_one_name_is_refused_while_the_first_works(tmp_path):
+    """Two runs of one --name trained side by side, each rewriting the other's state.pt and drafter,
+    their lines mixed in one train.log (an audit)."""
+    from basics.files import claimed
+    from launch.train import parse_args, run_options
+    from training.distributed import ONE
+    from training.stages import run_stages
+
+    flags = ["--stage", "variety", "--cache", str(tmp_path), "--store", str(tmp_path), "--name", "busy"]
+    work = tmp_path / "train" / "busy"
+    work.mkdir(parents=True)
+    with claimed(work) as first:  # as the first run's process holds it
+        assert first
+        with pytest.raises(TrainingError, match="--name busy: another run works in"):
+            run_stages(run_options(parse_args(flags)), ONE)
+    run_stages(run_options(parse_args(flags)), ONE)  # the first is done: this one runs
+
+
 def test_a_batch_smaller_than_the_ranks_is_refused_before_any_work(tmp_path):
     """--batch 1 on two ranks left one of them an empty share, which crashed inside a reshape."""
     from launch.train import parse_args, run_options

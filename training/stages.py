@@ -14,10 +14,12 @@ import json
 import os
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 from answers.store import Answer, AnswerStore
+from basics.files import claimed
 from dflash_kernels import computes_bf16
 from draft_node.checkpoint import config_for_target, load_drafter, save_draft_vocab, save_drafter
 from draft_node.config import DFlashConfig
@@ -69,11 +71,23 @@ def _rank_log(ranks: Ranks) -> Log:
 
 
 def run_stages(options: RunOptions, ranks: Ranks) -> None:
-    """The stages --stage names, on this rank: generation and features sharded by rank, training
-    data-parallel, everything else (one-process work) on rank 0 alone."""
-    run, gen, source = options.run, options.generation, options.features
-    work = run.cache / "train" / run.name
+    """The stages --stage names, on this rank, the run's folder held by rank 0 alone: a second run
+    of one --name trained beside the first, each rewriting the other's state.pt and drafter (an
+    audit)."""
+    work = options.run.cache / "train" / options.run.name
     work.mkdir(parents=True, exist_ok=True)
+    with claimed(work) if ranks.main else nullcontext(True) as alone:
+        if not alone:
+            raise TrainingError(
+                f"--name {options.run.name}: another run works in {work} now; give this one another --name"
+            )
+        _run_stages(options, ranks, work)
+
+
+def _run_stages(options: RunOptions, ranks: Ranks, work: Path) -> None:
+    """Generation and features sharded by rank, training data-parallel, everything else
+    (one-process work) on rank 0 alone."""
+    run, gen, source = options.run, options.generation, options.features
     log = log_to(work / "train.log") if ranks.main else _rank_log(ranks)
     check_run(options, ranks)
     if run.stage in ("variety", "average", "grow"):
