@@ -130,6 +130,7 @@ class FeatureCache:
         self.rows_path = self.folder / "features.f16"
         self.index: dict[str, tuple[int, int]] = {}  # key -> (first row, rows)
         self.rows = 0
+        self.index_read = 0  # bytes of index.jsonl read: other writers' entries start there
         with nullcontext() if readonly else self.locked():
             identity = model_identity(model) if model is not None else None  # reads 2 MiB a weights file: once
             meta = self._checked_meta(model, identity)
@@ -143,6 +144,7 @@ class FeatureCache:
             write_atomically(
                 self.index_path, lambda tmp: tmp.write_text(lines)
             )  # a kill mid-write leaves the old index whole
+            self.index_read = len(lines.encode())
             stamp = {"model": identity, "identity": IDENTITY_SCHEME} if identity is not None else {}
             wanted = {"width": width, **meta, **stamp}  # a stamp of scheme 1 checked, then restamped
             if wanted != meta:  # recorded only once the rows are known to fit it
@@ -196,10 +198,18 @@ class FeatureCache:
         return locked(self.folder)
 
     def _read_index(self) -> None:
-        """What the index says now, other writers' entries included."""
-        if not self.index_path.exists():
+        """What the index says now past what was read, other writers' entries included: under the
+        lock, before an add, so that two processes filling one cache neither compute an answer's
+        rows twice nor leave the second copy in the rows file, dead, for good (an audit)."""
+        try:
+            with open(self.index_path, "rb") as fh:
+                fh.seek(self.index_read)
+                tail = fh.read()
+        except FileNotFoundError:
             return
-        for line in self.index_path.read_text().splitlines():
+        whole = tail[: tail.rfind(b"\n") + 1]  # a line being written is read next time
+        self.index_read += len(whole)
+        for line in whole.decode(errors="replace").splitlines():
             try:
                 entry = json.loads(line)
             except json.JSONDecodeError:
@@ -220,14 +230,19 @@ class FeatureCache:
             raise ValueError(f"feature rows must be [rows, {self.width}], got {list(features.shape)}")
         data = features.detach().to(torch.float16).cpu().numpy().tobytes()
         with self.locked(), open(self.rows_path, "ab") as fh:
+            self._read_index()
+            if key in self.index:  # another writer's, meanwhile
+                return
             offset = fh.seek(0, 2) // (self.width * 2)  # where the file ends now, whoever wrote last
             # A write that failed part-way (a full disk) left part of a row: cut, or every row
             # written after it sat that many bytes off its index's offset, for good (an audit).
             fh.truncate(offset * self.width * 2)
             fh.write(data)
             fh.flush()
-            with open(self.index_path, "a") as index:
-                index.write(json.dumps({"key": key, "offset": offset, "rows": features.shape[0]}) + "\n")
+            line = (json.dumps({"key": key, "offset": offset, "rows": features.shape[0]}) + "\n").encode()
+            with open(self.index_path, "ab") as index:
+                index.write(line)
+            self.index_read += len(line)
         self.index[key] = (offset, features.shape[0])
         self.rows = max(self.rows, offset + features.shape[0])
 
@@ -278,6 +293,9 @@ class FeatureCache:
         while i < len(todo) and (deadline is None or time.monotonic() < deadline) and not disk.full():
             group = _next_group(todo, i, target.prefill_slots, batch_tokens, rows)
             i += len(group)
+            with self.locked():
+                self._read_index()
+            group = [a for a in group if a.key not in self.index]  # not filled by another process meanwhile
             for answer in [a for a in group if rows(a) == 0]:  # nothing after its first token
                 self.add(answer.key, torch.empty(0, self.width))
             running = [a for a in group if rows(a) > 0]
