@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import errno
 import hashlib
 import json
 import logging
@@ -17,6 +18,7 @@ import lzma
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -242,13 +244,13 @@ def prune(folder: Path, model_name: str, keep: int, source: str) -> list[Path]:
     """Delete all but the `keep` newest whole indexes of `model_name` built from the store at
     `source` (170 MB each for the committed store: an index is built again whenever its store
     gains a shard); another store's are its own to prune (pruning per model deleted them, and their
-    daemons built them again), unless that store is gone: a clone's index (500 MB) stayed after the
-    clone was deleted, for good (an audit). Indexes of an older format, which no daemon maps again,
+    daemons built them again), unless that store is gone (`_gone`): a clone's index (500 MB) stayed
+    after the clone was deleted, for good (an audit). Indexes of an older format, which no daemon maps again,
     go too, and the parts of builds whose process is gone. A daemon still serving a deleted index keeps its
     memory map. Returns what it deleted."""
     whole = [d for d in folder.glob(f"{model_name}-*") if _is_index(d, model_name)]
     mine = sorted((d for d in whole if _source(d) == source), key=lambda d: (d / "bits").stat().st_mtime, reverse=True)
-    gone = [d for d in whole if (store := _source(d)) is not None and store != source and not Path(store).is_dir()]
+    gone = [d for d in whole if (store := _source(d)) is not None and store != source and _gone(store)]
     stale = mine[keep:] + [d for d in whole if _source(d) is None] + gone
     stale += [d for d in folder.glob(f"{model_name}-*.tmp") if _is_index(d.with_suffix(""), model_name, False)]
     stale = [d for d in stale if d.suffix != ".tmp" or not _builder_alive(d)]
@@ -256,6 +258,18 @@ def prune(folder: Path, model_name: str, keep: int, source: str) -> list[Path]:
         shutil.rmtree(folder_gone, ignore_errors=True)
         log.info("datastore: removed the stale index %s", folder_gone)
     return stale
+
+
+def _gone(store: str) -> bool:
+    """Whether the store an index was built from is no more: not there, or no folder. One this user
+    cannot see into is not gone (a PermissionError ended the prune: a review); one on a disk not
+    mounted now looks gone, and its index is built again once it is back."""
+    try:
+        return not stat.S_ISDIR(os.stat(store).st_mode)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        return exc.errno == errno.ENOTDIR
 
 
 def _source(index: Path) -> str | None:

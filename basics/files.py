@@ -117,9 +117,11 @@ def claimed(folder: Path) -> Iterator[bool]:
 def mended_mode(path: Path, mode: int = 0o666) -> None:
     """A file of this user's that an older version wrote before `as_umask_allows` (a 0600 model,
     a 0711 kernel library) gets the mode it would be written with now: an upgrade kept locking the
-    cache's other users out (an audit). Another user's file, or one on a read-only disk, is left."""
+    cache's other users out (an audit). Only such a file: one its owner opened to some (0640) keeps
+    its mode (a review), as does another user's, or one on a read-only disk."""
     try:
-        if path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o777 != mode & ~umask():
+        info = path.stat()
+        if info.st_uid == os.getuid() and info.st_mode & 0o044 == 0 and mode & ~umask() & 0o044:  # none may read
             as_umask_allows(path, mode)
     except OSError:
         pass

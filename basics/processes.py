@@ -14,6 +14,14 @@ except (OSError, AttributeError):  # not Linux
     _prctl = None
 
 
+def a_torchrun_rank_ends_with_its_launcher() -> None:
+    """Under torchrun (WORLD_SIZE > 1), this process gets SIGTERM when its launcher dies, killed or
+    not: a torchrun killed left its ranks training and rewriting state.pt and --out, for good (an
+    audit). Called first thing: a launcher gone before this call is not seen (a review)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        dies_with(os.getppid())()
+
+
 def dies_with(parent: int) -> Callable[[], None]:
     """A `preexec_fn`: the child gets SIGTERM when `parent` (the process that starts it: pass
     os.getpid()) ends, even by SIGKILL or a crash, whose daemons were left serving, 2.3 GB and their

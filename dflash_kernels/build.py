@@ -182,7 +182,8 @@ def _compile(compiler: str, library: Path) -> None:
     ]
     log.info("compiling the CPU kernels (once per machine): %s", library.parent)
     try:
-        # The compiler ends with this process: killed, it went on and wrote a partial no one removed (an audit).
+        # The compiler's driver ends with this process, so no library is linked after a kill (it went on and
+        # wrote a partial no one removed: an audit); the compile step it started may finish on its own.
         done = subprocess.run(command, capture_output=True, text=True, preexec_fn=dies_with(os.getpid()))
         if done.returncode != 0:
             lines = done.stderr.splitlines()

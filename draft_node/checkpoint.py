@@ -9,29 +9,14 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from basics.files import as_umask_allows, write_atomically
-from draft_node.config import CheckpointError, DFlashConfig, in_dflash2
+from draft_node.config import CheckpointError, DFlashConfig, in_dflash2, load_config, read_json
 from draft_node.model import DFlashDrafter
-
-
-def load_config(folder: str | Path) -> DFlashConfig:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{folder} is not a drafter checkpoint: no config.json")
-    return DFlashConfig.from_json(read_json(path))
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise CheckpointError(f"{path} is not JSON: {exc}") from None
 
 
 def load_drafter(

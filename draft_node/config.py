@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from protocol.messages import MAX_BLOCK_SIZE
@@ -328,3 +330,19 @@ def selector_info(cfg: DFlashConfig, checksum: str) -> dict[str, Any]:
             "checksum": checksum,
         },
     }
+
+
+def load_config(folder: str | Path) -> DFlashConfig:
+    """A checkpoint folder's config, read without torch: the draft daemon refuses a folder that is
+    none before the drafter's code loads."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} is not a drafter checkpoint: no config.json")
+    return DFlashConfig.from_json(read_json(path))
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{path} is not JSON: {exc}") from None

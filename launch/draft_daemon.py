@@ -6,7 +6,7 @@ import argparse
 import logging
 from dataclasses import dataclass
 
-from draft_node.config import CheckpointError
+from draft_node.config import CheckpointError, load_config
 from draft_node.settings import DraftSettings
 from launch.common import add_model_args, add_settings, apply_runtime_args, named_dtype, settings_from
 from launch.net import DRAFT_ADDRESS, HelpFormatter, add_server_security_args, address, one_line_errors, server_security
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     apply_runtime_args(args)
     with one_line_errors(parser.prog, CheckpointError):
         try_bind(args.bind, curve, args.insecure_plaintext)  # before the drafter loads
+        if args.checkpoint:  # a folder that is no checkpoint: refused before torch loads too
+            load_config(args.checkpoint)
         from draft_node.checkpoint import load_drafter
         from draft_node.daemon import DraftService, serve
 

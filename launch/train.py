@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from answers.store import STORE
+from basics.processes import a_torchrun_rank_ends_with_its_launcher
 from launch.common import at_least, device_name, layer_ids, named_dtype, number_in, resolve_model
 from launch.net import HelpFormatter, one_line_errors
 from launch.processes import ctrl_c_exits_130, ends_on_sigterm
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     While training steps run, a signal stops the run after the step under way, saved
     (training.stopping); elsewhere it ends the run at once through its clean-up: a generation
     stage writes out the answers it finished (it lost them all: an audit)."""
+    a_torchrun_rank_ends_with_its_launcher()  # before the imports: a launcher killed meanwhile went unseen
     args = parse_args(argv)  # --help and a flag's refusal before torch loads: a tenth of a second, not three
     if args.model:  # a folder that holds no model, likewise (the default one is converted once the flags pass)
         with one_line_errors("dflash-train"):

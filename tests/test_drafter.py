@@ -7,8 +7,8 @@ import torch
 from helpers import drafter_config
 from safetensors.torch import load_file, save_file
 
-from draft_node.checkpoint import load_config, load_drafter, random_drafter, save_drafter
-from draft_node.config import FULL, SLIDING, CheckpointError, DFlashConfig
+from draft_node.checkpoint import load_drafter, random_drafter, save_drafter
+from draft_node.config import FULL, SLIDING, CheckpointError, DFlashConfig, load_config
 from draft_node.kv_cache import DraftKVCache, OutOfOrderError
 
 

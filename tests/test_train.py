@@ -1763,6 +1763,14 @@ def test_a_cache_stamped_by_the_first_identity_scheme_is_taken_for_its_own_targe
         meta = json.loads((cache / "meta.json").read_text())
         assert meta == {"width": 4, "model": model_identity(mine), "identity": IDENTITY_SCHEME}
         FeatureCache(cache, 4, model=mine)  # and again, stamped by the scheme of now
+    # Weights written since the first scheme's stamp (a fine-tune of one shape saved in place, which that
+    # scheme cannot tell from its base) are another model's: refused, not restamped (a review).
+    (tmp_path / "cache-late").mkdir()
+    (tmp_path / "cache-late" / "meta.json").write_text(json.dumps({"width": 4, "model": first_identity(mine)}))
+    stamped = (tmp_path / "cache-late" / "meta.json").stat().st_mtime
+    os.utime(mine / "model.safetensors", (stamped + 60, stamped + 60))
+    with pytest.raises(FeatureCacheError, match="another target's features"):
+        FeatureCache(tmp_path / "cache-late", 4, model=mine)
 
 
 def test_a_resumed_run_learns_at_the_rate_its_options_now_ask_for(setup, tmp_path):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from basics.processes import dies_with
+from basics.processes import a_torchrun_rank_ends_with_its_launcher
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,7 @@ def start(device: str) -> tuple[Ranks, str]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return ONE, device
-    # A torchrun killed (SIGKILL, a crash) left its ranks training and rewriting state.pt and --out,
-    # for good (an audit): SIGTERM, which saves and stops a rank (training.stopping), ends them with it.
-    dies_with(os.getppid())()
+    a_torchrun_rank_ends_with_its_launcher()  # launch.train arms it first thing; a library caller here
     if device.startswith("cuda"):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)

@@ -92,6 +92,11 @@ def first_identity(folder: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def _weights_written_before(folder: str | Path, stamp: Path) -> bool:
+    weights = sorted(Path(folder).glob("*.safetensors")) + sorted(Path(folder).glob("*.bin"))
+    return all(w.stat().st_mtime <= stamp.stat().st_mtime for w in weights)
+
+
 class DiskReserve:
     """The room a feature cache leaves on its disk: `keep_free` bytes (by default 4 GiB or a tenth
     of the disk, whichever is more), or half of what was free when it began where that is less.
@@ -165,7 +170,10 @@ class FeatureCache:
             )
         recorded = meta.get("model", model)
         if meta.get("identity", 1) == 1 and folder is not None and recorded == first_identity(folder):
-            recorded = model
+            # The first scheme cannot tell a fine-tune from its base: weights written since the
+            # stamp are another model's, refused (taken, their identity was stamped for good: a review).
+            if _weights_written_before(folder, path):
+                recorded = model
         if model is not None and recorded != model:
             raise FeatureCacheError(
                 f"{self.folder} holds another target's features (model {meta['model']}, not {model}): "

@@ -14,9 +14,6 @@ NO_PROPOSER = "none"  # `NoProposer.name`: plain decoding
 PROPOSER_KINDS = ("remote", "local", "ngram", NO_PROPOSER)
 
 
-PROPOSER_KINDS = ("remote", "local", "ngram", "none")
-
-
 @dataclass(frozen=True)
 class ProposerSettings:
     """`kind`: a draft daemon at `drafter` (`remote`, with `fallback` drafting while it is away),
