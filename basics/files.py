@@ -9,7 +9,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,10 +41,20 @@ def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
 def _remove_partials_of_gone_writers(path: Path, mine: Path) -> None:
     path.with_name(path.name + ".tmp").unlink(missing_ok=True)  # of a version that named none
     mine.unlink(missing_ok=True)
-    for part in path.parent.glob(f"{glob.escape(path.name)}.*.tmp"):
-        writer = part.name[len(path.name) + 1 : -len(".tmp")].split("-")[0]
+    for part in left_by_gone_writers(path.parent.glob(f"{glob.escape(path.name)}.*.tmp"), path.name + "."):
+        part.unlink(missing_ok=True)
+
+
+def left_by_gone_writers(parts: Iterable[Path], prefix: str = "") -> list[Path]:
+    """Of `parts`, each named PREFIX + its writer's pid (then "-" or "." and more), those whose
+    writer is gone: a killed writer's partial file or folder, for its next writer to remove. A
+    name without a pid is not ours to judge: left alone."""
+    gone = []
+    for part in parts:
+        writer = part.name[len(prefix) :].split("-")[0].split(".")[0]
         if writer.isdigit() and not process_alive(int(writer)):
-            part.unlink(missing_ok=True)
+            gone.append(part)
+    return gone
 
 
 def process_alive(pid: int) -> bool:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from basics.cache import CACHE_ROOT
-from basics.files import as_umask_allows, locked, mended_mode, process_alive
+from basics.files import as_umask_allows, left_by_gone_writers, locked, mended_mode
 from basics.processes import dies_with
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
@@ -160,10 +160,8 @@ def _compile(compiler: str, library: Path) -> None:
         raise KernelsUnavailable(f"{failed.read_text().strip()} (an earlier build; delete {failed} to try again)")
     libs = library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    for gone in library.parent.glob("*.partial"):  # of builds killed midway: one each, for good (an audit)
-        writer = gone.name.split("-")[0]
-        if writer.isdigit() and not process_alive(int(writer)):
-            gone.unlink(missing_ok=True)
+    for gone in left_by_gone_writers(library.parent.glob("*.partial")):  # killed builds': one each, for good (an audit)
+        gone.unlink(missing_ok=True)
     handle, partial = tempfile.mkstemp(dir=library.parent, prefix=f"{os.getpid()}-", suffix=".partial")
     os.close(handle)
     command = [

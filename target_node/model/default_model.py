@@ -20,7 +20,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from basics.files import as_umask_allows, locked, mended_mode, process_alive
+from basics.files import as_umask_allows, left_by_gone_writers, locked, mended_mode
 from target_node import CACHE_ROOT
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -168,10 +168,8 @@ def ensure_default_drafter(model_dir: Path | None = None) -> Path:
     cfg = config_for_target(AutoConfig.from_pretrained(model_dir), block_size=8, mask_token_id=0)
     # Written whole beside it, then renamed: a save killed midway left a config without weights, which
     # every later start took and failed on (an audit); two first starts race to one folder.
-    for gone in folder.parent.glob(f"{glob.escape(folder.name)}.*.partial"):  # of starts killed midway
-        writer = gone.name[len(folder.name) + 1 :].split("-")[0]
-        if writer.isdigit() and not process_alive(int(writer)):
-            shutil.rmtree(gone, ignore_errors=True)
+    for gone in left_by_gone_writers(folder.parent.glob(f"{glob.escape(folder.name)}.*.partial"), folder.name + "."):
+        shutil.rmtree(gone, ignore_errors=True)  # a start killed midway left it
     partial = folder.with_name(f"{folder.name}.{os.getpid()}-{threading.get_ident()}.partial")
     save_drafter(random_drafter(cfg), partial)
     if folder.exists() and not (folder / "model.safetensors").is_file():  # a killed save's, from before
