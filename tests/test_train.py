@@ -2190,6 +2190,55 @@ def test_a_run_is_resumed_or_restarted_never_replaced_and_a_wrong_resume_is_refu
     assert "--store" in capsys.readouterr().err
 
 
+class _RunsOnLoad:
+    """A pickled object that runs code when loaded: what a state.pt from elsewhere may hold."""
+
+    def __reduce__(self):
+        return (Path.touch, (Path(os.environ["DFLASH_TEST_RAN"]),))
+
+
+def test_a_resume_runs_no_code_from_its_state_and_a_state_of_another_version_is_refused_with_why(
+    setup, tmp_path, capsys, monkeypatch
+):
+    """state.pt was read with weights_only=False: a state handed on ran whatever it held. And one an
+    older trainer saved, its optimizer grouped otherwise, ended the run with a traceback (an audit)."""
+    from launch.train import main
+
+    target, _, store, _ = setup
+    model_dir = tmp_path / "model"
+    target.model.save_pretrained(model_dir)
+    cache = tmp_path / "cache"
+    common = ["--model", str(model_dir), "--block-size", "4", "--threads", "1", "--cache", str(cache), "--name", "r"]
+    common += ["--stage", "train", "--batch", "2", "--anchors", "2", "--eval-every", "0", "--store", str(store.folder)]
+    state_path = cache / "train" / "r" / "state.pt"
+    main([*common, "--steps", "2"])
+    state = torch.load(state_path, weights_only=True)
+
+    ran = tmp_path / "ran"
+    monkeypatch.setenv("DFLASH_TEST_RAN", str(ran))
+    torch.save({**state, "history": [_RunsOnLoad()]}, state_path)
+    with pytest.raises(SystemExit) as exit:
+        main([*common, "--steps", "3", "--resume"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 1 and "holds objects other than tensors" in err and not ran.exists(), err
+    assert "trust the source" not in err, err  # torch's page of advice for code left out
+
+    older = dict(state["optimizer"], param_groups=state["optimizer"]["param_groups"][:1])  # one group of two
+    torch.save({**state, "optimizer": older}, state_path)
+    with pytest.raises(SystemExit) as exit:
+        main([*common, "--steps", "3", "--resume"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 1 and "another version of the trainer" in err and "Traceback" not in err, err
+
+    torch.save({"step": 2}, state_path)
+    with pytest.raises(SystemExit) as exit:
+        main([*common, "--steps", "3", "--resume"])
+    assert exit.value.code == 1 and "is no trainer state" in capsys.readouterr().err
+    torch.save(state, state_path)
+    main([*common, "--steps", "3", "--resume"])  # the state as saved resumes
+    assert torch.load(state_path, weights_only=True)["step"] == 3
+
+
 def test_two_processes_writing_one_file_at_once_each_write_it_whole(tmp_path):
     """One partial file for every writer: two processes filling one cache at once removed each
     other's and one failed with FileNotFoundError (1 round in 4, an audit). Each writer has its own,

@@ -14,6 +14,7 @@ public checkpoint format (and inference) stay unchanged and exactly equivalent.
 from __future__ import annotations
 
 import math
+import pickle
 import shutil
 import time
 from collections import Counter
@@ -588,7 +589,14 @@ def _start(trainer: Trainer, target, state_path: Path, log: Callable[[str], None
     """Where a run's weights start: its saved state (resuming), a checkpoint, target layers, or fresh."""
     init = trainer.opts.init
     if trainer.opts.resume:
-        trainer.load_state(saved_state(state_path, trainer.cfg, trainer.dev))
+        state = saved_state(state_path, trainer.cfg, trainer.dev)
+        try:
+            trainer.load_state(state)
+        except (ValueError, KeyError, RuntimeError) as exc:  # an optimizer's groups of another version
+            raise TrainingError(
+                f"--resume: {state_path} was saved by another version of the trainer and cannot continue here "
+                f"({_first_line(exc)}); start a new --name with --init from its drafter"
+            ) from exc
         log(f"resumed at step {trainer.step}")
     elif init and str(init).startswith(TARGET_INIT):
         layer_ids = [int(x) for x in str(init)[len(TARGET_INIT) :].split(",")]
@@ -605,9 +613,17 @@ def saved_state(state_path: Path, cfg: DFlashConfig, device: torch.device | str 
     if not state_path.exists():
         raise TrainingError(f"--resume: no saved state at {state_path} (is --name the run's?)")
     try:
-        state = torch.load(state_path, map_location=device, weights_only=False)
+        # Tensors and plain values only: a state.pt handed on by someone else runs no code here.
+        state = torch.load(state_path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise TrainingError(
+            f"--resume: {state_path} cannot be read: it holds objects other than tensors and plain values, "
+            "which would run code as they load (a trainer's state never does)"
+        ) from exc
     except (RuntimeError, EOFError, OSError) as exc:  # a copy cut short
         raise TrainingError(f"--resume: {state_path} cannot be read ({exc})") from exc
+    if not isinstance(state, dict) or not STATE_KEYS <= state.keys():
+        raise TrainingError(f"--resume: {state_path} is no trainer state (it lacks {', '.join(sorted(STATE_KEYS))})")
     saved, asked = state.get("config", cfg.to_json()), cfg.to_json()
     if saved != asked:
         differ = ", ".join(
@@ -617,6 +633,14 @@ def saved_state(state_path: Path, cfg: DFlashConfig, device: torch.device | str 
             f"--resume: {state_path} is a run of another drafter shape than these flags ask for: {differ}"
         )
     return state
+
+
+STATE_KEYS = {"step", "drafter", "optimizer", "schedule", "scale", "history"}  # what load_state reads
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's first line: the optimizer's can run to several."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _why(exc: BaseException, folder: Path) -> str:
