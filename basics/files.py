@@ -73,17 +73,36 @@ def process_alive(pid: int) -> bool:
 def locked(folder: Path, work: str = "") -> Iterator[None]:
     """One process at a time in `folder`: concurrent starts wait for one build or conversion, and
     say so where `work` names it (behind a holder stopped with Ctrl-Z, every daemon's start waited
-    without a word: an audit). Opened for reading: flock needs no more, and a lock file another user made, in a
-    folder this one may write, raised PermissionError (an audit)."""
-    lock = os.open(folder / ".lock", os.O_RDONLY | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    without a word: an audit)."""
+    with _flock(folder / ".lock") as (lock, mine):
+        if not mine:
             if work:
                 log.warning("waiting for another process's %s in %s", work, folder)
             fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+@contextmanager
+def claimed(folder: Path) -> Iterator[bool]:
+    """`folder` held by this process alone while the block runs: True, or False where another
+    process holds it (the caller refuses). Released however the holder ends, a kill included."""
+    with _flock(folder / ".claim") as (_, mine):
+        yield mine
+
+
+@contextmanager
+def _flock(path: Path) -> Iterator[tuple[int, bool]]:
+    """The lock file at `path` open, and whether this process took it without waiting. Opened for
+    reading: flock needs no more, and a lock file another user made, in a folder this one may
+    write, raised PermissionError (an audit)."""
+    lock = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            mine = True
+        except BlockingIOError:
+            mine = False
+        yield lock, mine
     finally:
         os.close(lock)
 
@@ -106,22 +125,6 @@ def as_umask_allows(path: Path, mode: int = 0o666) -> None:
     """`path` readable as the umask allows: safetensors and mkstemp make their files 0600 whatever
     it says, and the other users of a shared cache or checkpoint could not load them (an audit)."""
     os.chmod(path, mode & ~umask())
-
-
-@contextmanager
-def claimed(folder: Path) -> Iterator[bool]:
-    """`folder` held by this process alone while the block runs: True, or False where another
-    process holds it (the caller refuses). Released however the holder ends, a kill included."""
-    lock = os.open(folder / ".claim", os.O_RDONLY | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(lock)
 
 
 def mended_mode(path: Path, mode: int = 0o666) -> None:
