@@ -203,6 +203,9 @@ def fit_problems(drafter: Mapping[str, Any], target: Mapping[str, Any]) -> list[
 
 
 MAX_PROMPT_CHARS = 512 * 1024
+MAX_MESSAGES = 1024  # a chat's turns in one generate
+MAX_PROMPT_TOKENS = 1 << 16  # a prompt given as token ids
+MAX_STOP = 16  # stop strings in one generate (OpenAI's limit is 4)
 # A generate request with `heartbeat_s` > 0 is cancelled when its client has sent nothing
 # (heartbeats, or anything else) for this many intervals: the client is gone or stuck.
 HEARTBEAT_MISSES = 3
@@ -318,10 +321,10 @@ SCHEMAS: dict[str, Schema] = {
         Struct(
             {"max_new_tokens": COUNT},
             optional={
-                "messages": (List(CHAT_MESSAGE, 0, 1024), []),
+                "messages": (List(CHAT_MESSAGE, 0, MAX_MESSAGES), []),
                 "prompt": (Str(0, MAX_PROMPT_CHARS), ""),
-                "token_ids": (List(Int(0, 2**31 - 1), 0, 1 << 16), []),
-                "stop": (List(Str(1, 256), 0, 16), []),
+                "token_ids": (List(Int(0, 2**31 - 1), 0, MAX_PROMPT_TOKENS), []),
+                "stop": (List(Str(1, 256), 0, MAX_STOP), []),
                 "hints": (List(Int(0, 2**31 - 1), 0, 1 << 14), []),
                 "stream": (Bool(), True),
                 "sampling": (SAMPLING, SAMPLING.check("sampling", {})),

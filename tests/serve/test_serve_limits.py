@@ -9,7 +9,7 @@ import time
 
 import pytest
 from serving import CHAT, MODEL, stream_end, wait_for
-from test_serve_errors import ASK, CHAT_PATH, assert_openai_error
+from test_serve_errors import ASK, CHAT_PATH, TEXT_PATH, assert_openai_error
 
 from launch.local import free_port
 
@@ -264,6 +264,37 @@ def test_a_huge_value_is_quoted_short_in_its_error():
             assert "characters)" in reply.json()["error"]["message"]
         chat = {**ASK, "messages": [{**CHAT[0], "refusal": "r" * 100_000}]}
         assert len(client.post(CHAT_PATH, json=chat).content) < 1000
+
+
+def test_a_list_longer_than_the_daemon_takes_is_refused_before_its_items_are_read():
+    """500,000 empty messages (8 MB) were validated one by one before the daemon's limit of 1,024
+    refused them: the event loop, and every other request, waited 2.6 s, and the front end grew by
+    540 MB (an audit). The length is read first: too many items, none of them valid, are refused
+    for their number; at the limit the items are read."""
+    from starlette.testclient import TestClient
+
+    from frontend.app import create_app
+    from frontend.link import TargetLink
+    from frontend.settings import FrontendSettings
+    from protocol.messages import MAX_MESSAGES, MAX_PROMPT_TOKENS, MAX_STOP
+
+    app = create_app(
+        TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.5), FrontendSettings(model_name=MODEL)
+    )
+    robot = {"role": "robot"}  # no valid message
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for path, body, param in (
+            (CHAT_PATH, {"model": MODEL, "messages": [robot] * (MAX_MESSAGES + 1)}, "messages"),
+            (CHAT_PATH, {**ASK, "stop": [None] * (MAX_STOP + 1)}, "stop"),
+            (TEXT_PATH, {"model": MODEL, "prompt": [None] * (MAX_PROMPT_TOKENS + 1)}, "prompt"),
+            (TEXT_PATH, {"model": MODEL, "prompt": [[-1] * (MAX_PROMPT_TOKENS + 1)]}, "prompt"),
+        ):
+            reply = client.post(path, json=body)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["param"] == param and "at most" in error["message"], error
+        at_limit = client.post(CHAT_PATH, json={"model": MODEL, "messages": [robot] * MAX_MESSAGES})
+        assert at_limit.status_code == 400 and "messages.0.role" in at_limit.json()["error"]["message"], at_limit.text
 
 
 def test_the_connections_are_what_the_open_files_leave_beside_the_requests_sockets(monkeypatch):
