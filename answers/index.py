@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from answers.store import STORE, Answer, AnswerStoreError, open_shard, read_shard, shard_paths
+from answers.store import STORE, Answer, AnswerStoreError, open_shard, read_shard, shard_lines, shard_paths
 from basics.files import process_alive
 from target_node import CACHE_ROOT
 from target_node.drafting.datastore import Datastore
@@ -298,9 +298,9 @@ def first_model(shard: Path) -> str:
     shard that cannot be read (one broken file stopped every daemon's start: an audit)."""
     try:
         with open_shard(shard) as fh:
-            line = fh.readline()
+            line = next(shard_lines(fh), "")
         return json.loads(line).get("model", "") if line.strip() else ""
-    except (OSError, EOFError, lzma.LZMAError, json.JSONDecodeError, AttributeError) as exc:
+    except (OSError, EOFError, lzma.LZMAError, json.JSONDecodeError, AttributeError, AnswerStoreError) as exc:
         log.warning("datastore: skipping %s, which cannot be read (%s)", shard, exc)
         return ""
 

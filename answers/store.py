@@ -29,7 +29,7 @@ import time
 import uuid
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO
@@ -208,6 +208,18 @@ class AnswerStoreError(ValueError):
 
 
 ANSWER_FIELDS = frozenset(f.name for f in fields(Answer))
+# An answer's line: the longest prompt a daemon takes (512 Ki characters, six bytes each escaped)
+# and a long context's token ids fit in a fraction of it.
+MAX_LINE_CHARS = 16 << 20
+
+
+def shard_lines(fh: IO[str]) -> Iterator[str]:
+    """A shard's lines, each at most MAX_LINE_CHARS long: a 61 KB shard of one endless line
+    decompressed into 883 MB before it was refused, and 6 MB of it would ask for 88 GB (an audit)."""
+    while line := fh.readline(MAX_LINE_CHARS + 1):
+        if len(line) > MAX_LINE_CHARS:
+            raise AnswerStoreError(f"a line longer than {MAX_LINE_CHARS} characters")
+        yield line
 
 
 def read_shard(path: Path) -> list[Answer]:
@@ -216,10 +228,10 @@ def read_shard(path: Path) -> list[Answer]:
     out = []
     try:
         with open_shard(path) as fh:
-            for line in fh:
+            for line in shard_lines(fh):
                 if line.strip():
                     record = json.loads(line)
                     out.append(Answer(**{k: v for k, v in record.items() if k in ANSWER_FIELDS}))
-    except (EOFError, OSError, lzma.LZMAError, json.JSONDecodeError, TypeError, AttributeError) as exc:
+    except (EOFError, OSError, lzma.LZMAError, json.JSONDecodeError, TypeError, AttributeError, ValueError) as exc:
         raise AnswerStoreError(f"{path}: not a readable answer shard ({type(exc).__name__}: {exc})") from exc
     return out

@@ -219,6 +219,25 @@ def test_a_shard_a_newer_version_wrote_reads_without_its_new_fields_and_a_broken
             read_shard(shard("broken.jsonl.xz", broken))
 
 
+def test_a_shard_line_past_the_limit_is_refused_before_it_is_read_whole(tmp_path, monkeypatch):
+    """A shard is read line by line, and a line of any length was read whole: 61 KB of xz made 883
+    MB before the shard was refused, and 6 MB of it would ask for 88 GB (an audit). A line past the
+    limit refuses the shard, a valid answer on it too; the index's first look at a shard skips it."""
+    import answers.store
+    from answers.index import first_model
+
+    monkeypatch.setattr(answers.store, "MAX_LINE_CHARS", 1000, raising=False)
+    fine = Answer(key="k", job="j", stage="text", messages=[["user", "hi"]], tokens=[1, 2], prompt_len=1, model="m")
+    write_shard(tmp_path / "fine.jsonl.xz", [fine, fine])
+    assert read_shard(tmp_path / "fine.jsonl.xz") == [fine, fine] and first_model(tmp_path / "fine.jsonl.xz") == "m"
+    long = Answer(**{**fine.__dict__, "key": "k" * 2000})  # a valid answer on a line of 2,100 characters
+    write_shard(tmp_path / "long.jsonl.xz", [fine, long])
+    with pytest.raises(AnswerStoreError, match="a line longer than 1000 characters"):
+        read_shard(tmp_path / "long.jsonl.xz")
+    write_shard(tmp_path / "first.jsonl.xz", [long])
+    assert first_model(tmp_path / "first.jsonl.xz") == ""
+
+
 def test_a_crash_mid_conversation_resumes_with_its_next_turn(setup, tmp_path):
     target, cfg, store, features = setup
     tiny = _TokenTarget(target)
