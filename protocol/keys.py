@@ -10,6 +10,7 @@ and the server's public key.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -77,8 +78,28 @@ def load_keypair(path: str | Path) -> tuple[bytes, bytes]:
 
 
 def load_public(path: str | Path) -> bytes:
-    """The public key from a `.key` (or `.key_secret`) file."""
+    """The public key from a `.key` (or `.key_secret`) file that only its owner may rewrite: one
+    others could rewrite (0666, or in a folder they may write) let any local user put their key
+    on a server's allow-list, or in place of the server a client expects (an audit)."""
+    path = Path(path)
+    for shared in (path, path.parent):
+        if _others_may_write(shared):
+            raise KeyFileError(
+                f"{shared}: others may write it, and so put their own key in {path.name}: chmod go-w {shared}"
+            )
     return _load(path)[0]
+
+
+def _others_may_write(path: Path) -> bool:
+    """Group or others may write `path` (what a link points at), where they could replace what it
+    holds: a folder with the sticky bit (/tmp) lets no one replace another's file."""
+    if os.name != "posix":
+        return False
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False  # a file that is not there is refused by what reads it
+    return bool(mode & 0o022) and not (path.is_dir() and mode & stat.S_ISVTX)
 
 
 def load_allowed(paths: Iterable[str | Path]) -> frozenset[bytes]:

@@ -122,6 +122,33 @@ def test_a_key_folder_others_may_write_is_made_so_by_no_one_and_allows_no_one(tm
     assert len(keys.load_allowed([tmp_path / "keys"])) == 1
 
 
+def test_a_public_key_others_may_rewrite_is_refused_as_a_server_allows_or_a_client_expects_it(tmp_path):
+    """A 0666 `client.key` named by --curve-allow, or in a 0755 folder of keys, and a --server-key
+    in a folder anyone may write, were read as given: any local user could put their key on the
+    allow-list, or stand in for the server (an audit). A folder with the sticky bit (/tmp) is fine."""
+    folder = tmp_path / "keys"
+    public, secret = create_keypair(folder, "client")
+    create_keypair(folder, "server")
+    assert len(keys.load_allowed([public])) == 1 and len(keys.load_allowed([folder])) == 2
+    public.chmod(0o666)
+    for allow in ([public], [folder]):
+        with pytest.raises(KeyFileError, match=r"client.key: others may write it"):
+            keys.load_allowed(allow)
+    public.chmod(0o644)
+    server = folder / "server.key"
+    folder.chmod(0o777)
+    with pytest.raises(KeyFileError, match=r"keys: others may write it, and so put their own key in server.key"):
+        client_keys(secret, server)
+    folder.chmod(0o1777)  # sticky: no one replaces another's file
+    assert client_keys(secret, server).server == keys.load_public(server)
+    folder.chmod(0o755)
+    link = tmp_path / "link.key"
+    link.symlink_to(public)
+    public.chmod(0o646)  # what a link points at is what counts
+    with pytest.raises(KeyFileError, match="others may write it"):
+        keys.load_public(link)
+
+
 def test_a_secret_made_inside_the_checkout_is_never_staged():
     """`dflash-keys --out keys draft target client`, as docs/deployment.md has it, run in the
     checkout: `git add -A` staged the secrets (an audit)."""
