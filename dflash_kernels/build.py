@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sysconfig
 import tempfile
@@ -129,11 +130,28 @@ def load() -> Path:
         except OSError as err:
             raise KernelsUnavailable(f"cannot build the kernels in {folder}: {err}") from err
     mended_mode(library, LIBRARY_MODE)
+    _refuse_open_to_all(library)
     try:
         torch.ops.load_library(str(library))
     except OSError as err:
         raise KernelsUnavailable(f"cannot load {library}: {err}") from err
     return folder
+
+
+def _refuse_open_to_all(library: Path) -> None:
+    """No kernels from a place any user may write: one could put code there that this process
+    loads (a cache under a 1777 folder, DFLASH_SPLIT_CACHE=/srv/shared: an audit). A group's
+    shared cache is its members' choice; the sticky bit does not help, since anyone may make the
+    folders below first."""
+    for path in (library, library.parent, KERNEL_CACHE, KERNEL_CACHE.parent):
+        try:
+            open_to_all = path.stat().st_mode & stat.S_IWOTH
+        except OSError:
+            continue  # not made yet: made below as the umask says
+        if open_to_all:
+            raise KernelsUnavailable(
+                f"{path} may be written by any user, who could put code in the kernels loaded from it: chmod o-w {path}"
+            )
 
 
 def _checksum(path: Path) -> str:

@@ -103,6 +103,27 @@ def test_a_whole_library_in_a_folder_no_one_may_write_loads_and_a_folder_that_ca
         build.load.__wrapped__()
 
 
+@pytest.mark.parametrize("level", ["cache", "kernels", "key", "library"])
+def test_kernels_in_a_place_any_user_may_write_are_never_loaded(tmp_path, compiler, monkeypatch, level):
+    """A cache under a folder anyone may write (DFLASH_SPLIT_CACHE=/srv/shared, mode 1777): another
+    user put a library there, with its checksum, and its code ran in every process that loaded
+    the kernels (an audit). Group-writable is a group's shared cache, and loads."""
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(build, "KERNEL_CACHE", cache / "kernels")
+    monkeypatch.setenv("CXX", str(compiler))
+    loaded = []
+    monkeypatch.setattr(build.torch.ops, "load_library", loaded.append)
+    library = build.load.__wrapped__() / "dflash_kernels.so"
+    where = {"cache": cache, "kernels": cache / "kernels", "key": library.parent, "library": library}[level]
+    where.chmod(where.stat().st_mode | stat.S_IWGRP)
+    build.load.__wrapped__()
+    assert len(loaded) == 2
+    where.chmod(where.stat().st_mode | stat.S_IWOTH | (stat.S_ISVTX if where.is_dir() else 0))  # sticky: no help
+    with pytest.raises(build.KernelsUnavailable, match=f"{where} may be written by any user.*chmod o-w"):
+        build.load.__wrapped__()
+    assert len(loaded) == 2 and calls(compiler) == 1
+
+
 def test_a_failed_build_says_why_and_is_not_tried_again_by_every_start(tmp_path, compiler, monkeypatch):
     """A failure whose output had no line with "error" said nothing ("failed: "), and every daemon
     start compiled again for 20-60 s (an audit)."""
