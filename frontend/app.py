@@ -35,6 +35,7 @@ from frontend.errors import (
     too_many_open,
     unreachable,
 )
+from frontend.hosts import AllowedHosts
 from frontend.link import HEARTBEAT_S, ClientGone, DaemonMisspoke, DaemonUnreachable, LinkCall, TargetLink, TooManyOpen
 from frontend.metrics import registry_for
 from frontend.responses import DONE_EVENT, Answer, sse
@@ -57,6 +58,8 @@ def create_app(link: TargetLink, settings: FrontendSettings = DEFAULTS, drain: D
     app.add_middleware(BodyLimit, limit=settings.max_body_size, paths=GENERATE_PATHS)
     if settings.api_key is not None:  # added last, so it runs first: a stranger's body is never read
         app.add_middleware(ApiKey, key=settings.api_key)
+    if settings.allowed_hosts is not None:  # first of all: a request for another host is no one's
+        app.add_middleware(AllowedHosts, names=settings.allowed_hosts)
     front = Front(link, settings.model_name, settings.default_max_tokens, drain or NO_DRAIN)
     _error_handlers(app)
     _info_routes(app, front)

@@ -15,6 +15,9 @@ class FrontendSettings:
     default_max_tokens: int = 512  # a chat answer's limit when the request gives none
     max_body_size: int = MAX_BODY_BYTES  # larger request bodies get 413
     api_key: str | None = None  # /v1 requests without it get 401 (None: open)
+    # The Host names requests may give beside loopback ones (None: any name, as a server reached from
+    # other hosts by names it cannot know): a loopback server answers no web page's own name (hosts.py).
+    allowed_hosts: frozenset[str] | None = None
 
 
 DEFAULTS = FrontendSettings()  # dflash-serve's flags' defaults

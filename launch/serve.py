@@ -50,6 +50,28 @@ def api_key(text: str) -> str:
     return text
 
 
+def host_names(text: str) -> frozenset[str]:
+    """An --allowed-hosts value: names, comma-separated, or * for any."""
+    names = frozenset(name.strip().lower().rstrip(".") for name in text.split(","))
+
+    def bad(name: str) -> bool:  # an IPv6 address as a Host header gives it: [2001:db8::1]
+        bracketed = name.startswith("[") and name.endswith("]")
+        return not name or bool(set(name) & set(" /@")) or (":" in name and not bracketed)
+
+    if any(bad(name) for name in names) or ("*" in names and len(names) > 1):
+        raise argparse.ArgumentTypeError("host names, comma-separated (no ports; IPv6 in brackets), or * for any")
+    return names
+
+
+def allowed_hosts(args: argparse.Namespace) -> frozenset[str] | None:
+    """The Host names requests may give beside loopback ones (None: any): --allowed-hosts's, else
+    none on a loopback --host (frontend/hosts.py says why), else any (a server reached from other
+    hosts by names it cannot know)."""
+    if args.allowed_hosts is None:
+        return frozenset() if is_loopback(args.host) else None
+    return None if args.allowed_hosts == {"*"} else args.allowed_hosts
+
+
 def wait_http_ready(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
     """GET `url` until it answers 200: a readiness check, not a sleep. `alive` aborts early."""
     deadline = time.monotonic() + timeout_s
@@ -125,6 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default="127.0.0.1", help="HTTP interface to listen on (default %(default)s)")
     parser.add_argument("--port", type=tcp_port, default=8000, help="HTTP port, 1-65535 (default %(default)s)")
+    parser.add_argument(
+        "--allowed-hosts",
+        type=host_names,
+        metavar="NAMES",
+        help="host names requests may give in their Host header besides loopback ones, comma-separated, or * for "
+        "any: a name a proxy forwards to a loopback --host (default: on a loopback --host, loopback names only, so "
+        "no web page's own name pointed at 127.0.0.1 is answered; on another --host, any)",
+    )
     parser.add_argument(
         "--served-model-name",
         help="the model id clients name in requests (default: the name of the target daemon's model folder)",
@@ -249,7 +279,9 @@ def http_server(args: argparse.Namespace, address: str) -> HTTPServer:
     open_calls = open_call_limit(raise_soft_limit=True)
     link = TargetLink(address, args.daemon_timeout, curve=args.client_keys, max_open=open_calls)
     drain = Drain(lambda: server.stopping_since, args.shutdown_grace)
-    answering = FrontendSettings(args.served_model_name, args.default_max_tokens, args.max_body_size, args.api_key)
+    answering = FrontendSettings(
+        args.served_model_name, args.default_max_tokens, args.max_body_size, args.api_key, allowed_hosts(args)
+    )
     app = create_app(link, answering, drain)
     print(f"[serve] {url(args.host, args.port)} -> target daemon {address}", flush=True)
     if args.api_key is None and not is_loopback(args.host):

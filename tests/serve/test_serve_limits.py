@@ -60,7 +60,7 @@ def test_connections_past_the_bound_get_503_and_heads_not_finished_in_time_are_c
         await send({"type": "http.response.body", "body": b"ok"})
 
     def ask(sock: socket.socket, path: str) -> bytes:
-        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
         sock.settimeout(10)
         reply = b""
         while not reply.endswith(b"ok"):
@@ -85,7 +85,7 @@ def test_connections_past_the_bound_get_503_and_heads_not_finished_in_time_are_c
         wait_for(lambda: protocol.draining == 0, timeout_s=10)  # each gone with its client
         for body in (b"", b"x" * 1_000_000):  # a client that sent a body read a reset, not the 503 (a review)
             extra = socket.create_connection(("127.0.0.1", port))
-            head = f"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            head = f"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n\r\n".encode()
             extra.sendall(head + body)
             refused = closed_by_server(extra, within_s=5)
             assert refused.startswith(b"HTTP/1.1 503"), refused
@@ -94,7 +94,7 @@ def test_connections_past_the_bound_get_503_and_heads_not_finished_in_time_are_c
         for sock in idle:  # none sent a head in time
             assert closed_by_server(sock, within_s=5) == b""
         half = socket.create_connection(("127.0.0.1", port))
-        half.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # the head's end never comes
+        half.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head's end never comes
         kept = socket.create_connection(("127.0.0.1", port))
         assert ask(kept, "/slow").startswith(b"HTTP/1.1 200")
         assert ask(kept, "/").startswith(b"HTTP/1.1 200")  # kept alive, then a half head
@@ -224,6 +224,35 @@ def test_the_open_routes_show_the_served_name_and_no_api_schema(target_address):
             assert client.head("/").status_code == 200  # probes of the page
 
 
+def test_a_loopback_server_answers_no_request_for_another_host(server):
+    """DNS rebinding: a web page pointed its own name at 127.0.0.1, and the default server (loopback,
+    no key) generated text and showed /stats to it, the browser taking both for the page's own
+    origin (an audit). Such a request names the page's host: it gets 400. Loopback names in any
+    form pass, and a name given with --allowed-hosts (a proxy's)."""
+    import requests
+    from starlette.testclient import TestClient
+
+    from frontend.app import create_app
+    from frontend.link import TargetLink
+    from frontend.settings import FrontendSettings
+
+    port = server.rsplit(":", 1)[1]
+    rebound = {"Host": f"rebind.attacker.example:{port}"}
+    for path in ("/stats", "/v1/models", "/"):  # dflash-serve's default: --host 127.0.0.1
+        assert_openai_error(requests.get(server + path, headers=rebound, timeout=30), 400, None, "invalid_host")
+    chat = requests.post(f"{server}{CHAT_PATH}", json=ASK, headers=rebound, timeout=30)
+    assert "rebind.attacker.example" in assert_openai_error(chat, 400, None, "invalid_host")["message"]
+    assert requests.get(f"{server}/v1/models", timeout=30).status_code == 200
+
+    settings = FrontendSettings(model_name=MODEL, allowed_hosts=frozenset({"proxy.example"}))
+    app = create_app(TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.5), settings)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for host in ("127.0.0.1:8000", "localhost", "LOCALHOST.:1", "[::1]:8000", "127.1", "proxy.example:443"):
+            assert client.get("/v1/models", headers={"Host": host}).status_code == 200, host
+        for host in ("testserver", "127.0.0.1.nip.io", "proxy.example.attacker.example", "[2001:db8::1]"):
+            assert_openai_error(client.get("/v1/models", headers={"Host": host}), 400, None, "invalid_host")
+
+
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
 def test_the_bearer_scheme_is_read_in_any_case_and_only_the_key_is_compared(scheme):
     """RFC 9110: an authentication scheme's name is case-insensitive, and spaces follow it; `bearer
@@ -337,7 +366,7 @@ def access_log(extra: list[str], tmp_path) -> str:
             assert wait_http_ready(f"http://127.0.0.1:{port}/", 60, alive=lambda: proc.poll() is None)
             with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
                 path = b"/" + b"A" * 15000
-                conn.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: " + FORGED + b"\r\n\r\n")
+                conn.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Forwarded-For: " + FORGED + b"\r\n\r\n")
                 assert conn.recv(100).startswith(b"HTTP/1.1 404")
         finally:
             stop(proc, grace_s=10)
