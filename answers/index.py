@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from answers.store import STORE, Answer, AnswerStoreError, open_shard, read_shard, shard_lines, shard_paths
-from basics.files import process_alive
+from basics.files import left_by_gone_writers
 from target_node import CACHE_ROOT
 from target_node.drafting.datastore import Datastore
 
@@ -253,7 +253,7 @@ def prune(folder: Path, model_name: str, keep: int, source: str) -> list[Path]:
     gone = [d for d in whole if (store := _source(d)) is not None and store != source and _gone(store)]
     stale = mine[keep:] + [d for d in whole if _source(d) is None] + gone
     stale += [d for d in folder.glob(f"{model_name}-*.tmp") if _is_index(d.with_suffix(""), model_name, False)]
-    stale = [d for d in stale if d.suffix != ".tmp" or not _builder_alive(d)]
+    stale = [d for d in stale if d.suffix != ".tmp" or left_by_gone_writers([d], d.with_suffix("").stem + ".")]
     for folder_gone in stale:
         shutil.rmtree(folder_gone, ignore_errors=True)
         log.info("datastore: removed the stale index %s", folder_gone)
@@ -277,12 +277,6 @@ def _source(index: Path) -> str | None:
         return (index / "source").read_text()
     except OSError:
         return None
-
-
-def _builder_alive(part: Path) -> bool:
-    """Whether the process that writes the part-built index `part` (NAME.PID.tmp) still runs."""
-    pid = part.with_suffix("").suffix[1:]
-    return not pid.isdigit() or process_alive(int(pid))  # not a name of ours to judge: left alone
 
 
 def _is_index(folder: Path, model_name: str, whole: bool = True) -> bool:

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,16 +46,29 @@ def _remove_partials_of_gone_writers(path: Path, mine: Path) -> None:
         part.unlink(missing_ok=True)
 
 
+# A partial file or folder untouched this long is no write under way, whatever its name's pid says.
+QUIET_S = 600.0
+
+
 def left_by_gone_writers(parts: Iterable[Path], prefix: str = "") -> list[Path]:
     """Of `parts`, each named PREFIX + its writer's pid (then "-" or "." and more), those whose
     writer is gone: a killed writer's partial file or folder, for its next writer to remove. A
-    name without a pid is not ours to judge: left alone."""
+    name without a pid is not ours to judge: left alone. Gone means no such process here *and*
+    untouched for QUIET_S: a writer in another container sharing the folder has a pid this one
+    cannot see, and its part was removed as it wrote (an audit)."""
     gone = []
     for part in parts:
         writer = part.name[len(prefix) :].split("-")[0].split(".")[0]
-        if writer.isdigit() and not process_alive(int(writer)):
+        if writer.isdigit() and not process_alive(int(writer)) and _quiet(part):
             gone.append(part)
     return gone
+
+
+def _quiet(part: Path) -> bool:
+    try:
+        return time.time() - part.lstat().st_mtime > QUIET_S
+    except OSError:
+        return False  # removed meanwhile
 
 
 def process_alive(pid: int) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -230,3 +231,9 @@ def running(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def long_ago(path) -> None:
+    """`path` last touched an hour ago: a killed writer's part, past basics.files.QUIET_S."""
+    then = time.time() - 3600
+    os.utime(path, (then, then))

@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import assert_lossless, greedy, running, tiny_target
+from helpers import assert_lossless, greedy, long_ago, running, tiny_target
 
 from answers.index import KEEP, datastore_coming, datastore_for, index_for, prune
 from target_node.decoding.options import DecodeOptions
@@ -304,6 +304,7 @@ def test_pruning_keeps_each_live_stores_indexes_and_removes_what_dead_builders_a
     alive = cache / "datastore" / f"tiny-{'2' * 16}.{os.getpid()}.tmp"
     for part in (dead, alive):
         part.mkdir()
+    long_ago(dead)
     store = tmp_path / "store"
     store.mkdir()
     for i in range(KEEP + 2):

@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from helpers import hang_ups_by_default, running, signals_by_default
+from helpers import hang_ups_by_default, long_ago, running, signals_by_default
 
 DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
 SCRIPTS = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
@@ -287,6 +287,7 @@ def test_a_targets_random_drafter_is_one_per_shape_and_never_taken_half_written(
     (first / "model.safetensors").unlink()  # as a save killed before its weights left it
     dead = first.with_name(f"{first.name}.{2**22 + 1}-7.partial")  # above any pid_max: a killed start's
     dead.mkdir()
+    long_ago(dead)
     assert default_model.ensure_default_drafter(copy) == first and load_drafter(first) is not None
     assert sorted(p.name for p in first.parent.iterdir()) == [first.name]
 

@@ -7,6 +7,7 @@ import stat
 import time
 
 import pytest
+from helpers import long_ago
 
 from dflash_kernels import build
 
@@ -39,6 +40,7 @@ def test_a_build_leaves_a_whole_library_with_its_checksum_and_nothing_else(tmp_p
     library = tmp_path / "key" / "dflash_kernels.so"
     library.parent.mkdir()
     (library.parent / f"{2**22 + 1}-a1b2c3.partial").write_bytes(b"half")  # a killed build's (no such pid)
+    long_ago(library.parent / f"{2**22 + 1}-a1b2c3.partial")
     (library.parent / f"{os.getpid()}-d4e5f6.partial").write_bytes(b"half")  # a live build's: left to it
     build._compile(str(compiler), library)
     (library.parent / f"{os.getpid()}-d4e5f6.partial").unlink()

@@ -366,7 +366,9 @@ def access_log(extra: list[str], tmp_path) -> str:
             assert wait_http_ready(f"http://127.0.0.1:{port}/", 60, alive=lambda: proc.poll() is None)
             with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
                 path = b"/" + b"A" * 15000
-                conn.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Forwarded-For: " + FORGED + b"\r\n\r\n")
+                conn.sendall(
+                    b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Forwarded-For: " + FORGED + b"\r\n\r\n"
+                )
                 assert conn.recv(100).startswith(b"HTTP/1.1 404")
         finally:
             stop(proc, grace_s=10)
