@@ -146,6 +146,7 @@ class TargetClient:
         self.address, self.timeout_s, self.curve, self.heartbeat_s = address, timeout_s, curve, heartbeat_s
         self.calls: set[GenerateCall] = set()  # the requests in flight (one per stream, any thread)
         self.calls_lock = threading.Lock()
+        self.closes = 0  # close() calls begun: one that begins while a request is being sent misses it
 
     def __enter__(self) -> TargetClient:
         return self
@@ -157,9 +158,13 @@ class TargetClient:
         """Yield `chunk` replies, then the final `done`; raise the daemon's error reply."""
         if self.heartbeat_s > 0:
             fields.setdefault("heartbeat_s", self.heartbeat_s)
+        closes = self.closes
         call = GenerateCall(self.address, fields, self.heartbeat_s, self.curve)
         with self.calls_lock:
             self.calls.add(call)
+            missed = self.closes != closes
+        if missed:  # a close() took its list of calls while this one was being sent (an audit)
+            call.stop()
         try:
             while True:
                 reply = self._next(call)
@@ -214,6 +219,7 @@ class TargetClient:
         """Cancel every request in flight (a stream abandoned by an exception, or read by another
         thread: it ends with the daemon's `done`, cancelled)."""
         with self.calls_lock:
+            self.closes += 1
             calls = list(self.calls)
         for call in calls:
             call.stop()

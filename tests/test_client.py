@@ -224,3 +224,33 @@ def test_no_standard_input_is_a_one_line_error():
         preexec_fn=lambda: os.close(0),
     )
     assert done.returncode == 2 and "no standard input" in done.stderr.strip().splitlines()[-1], done.stderr
+
+
+def test_a_close_while_a_request_is_being_sent_cancels_it_too(served, monkeypatch):
+    """close() from another thread took its list of calls while a stream's request was on its way
+    out, before the stream registered it: that request ran to its end (an audit)."""
+    import frontend.target_client as target_client
+
+    sending, close_taken = threading.Event(), threading.Event()
+
+    class SlowToRegister(target_client.GenerateCall):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            sending.set()
+            close_taken.wait(10)  # the request is out; close() runs now, before it is registered
+
+    monkeypatch.setattr(target_client, "GenerateCall", SlowToRegister)
+    shared = TargetClient(served, timeout_s=60)
+    ended = []
+
+    def read() -> None:
+        ended.append(shared.generate(prompt="Once upon a time", max_new_tokens=200))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert sending.wait(30)
+    shared.close()
+    close_taken.set()
+    reader.join(60)
+    assert ended and ended[0]["finish_reason"] == "cancelled"
+    assert shared.generate(prompt="Once", max_new_tokens=2)["finish_reason"] == "length"  # the client serves on
