@@ -175,9 +175,12 @@ def _build_aside(index: Index, vocab_size: int | None, coming: Future[Datastore 
         store = built.load() if built is not None else None
         if store is None and not _stopping.is_set():
             log.error("datastore: the build of %s ended with code %s: serving without it", index.where, code)
+        store = _serving(store, index, vocab_size) if store is not None else None
     except Exception as exc:
         log.error("datastore: could not build %s (%s): serving without it", index.where, exc)
-    coming.set_result(_serving(store, index, vocab_size) if store is not None else None)
+        store = None
+    finally:  # whatever happened: the daemon asks for it once the build ends
+        coming.set_result(store)
 
 
 def _stop(builder: subprocess.Popen, grace_s: float = 5.0) -> None:

@@ -53,17 +53,22 @@ def request(address: str, ask: dict, out: dict) -> None:
     out.update(began=began, ttft_s=(first or time.monotonic()) - began, latency_s=time.monotonic() - began)
 
 
-def client_of(address: str, asks: list[dict], outs: list[dict]) -> None:
-    """One client sending its requests one after another, each as soon as the last one is done."""
-    for ask, out in zip(asks, outs, strict=True):
-        request(address, ask, out)
+def client_of(address: str, asks: list[dict], outs: list[dict], failed: list[BaseException]) -> None:
+    """One client sending its requests one after another, each as soon as the last one is done; what
+    ends it early goes to `failed`, for the round to raise (it ended in a KeyError: an audit)."""
+    try:
+        for ask, out in zip(asks, outs, strict=True):
+            request(address, ask, out)
+    except BaseException as exc:
+        failed.append(exc)
 
 
 def round_of(address: str, per_client: list[list[dict]]) -> dict:
     """Every client at once, each with its own requests in turn; the round's figures."""
     outs = [[{} for _ in asks] for asks in per_client]
+    failed: list[BaseException] = []
     threads = [
-        threading.Thread(target=client_of, args=(address, asks, o), daemon=True)  # a signal must not wait on them
+        threading.Thread(target=client_of, args=(address, asks, o, failed), daemon=True)  # a signal must not wait
         for asks, o in zip(per_client, outs, strict=True)
     ]
     began = time.monotonic()
@@ -72,6 +77,8 @@ def round_of(address: str, per_client: list[list[dict]]) -> dict:
     for t in threads:
         t.join()
     wall = time.monotonic() - began
+    if failed:
+        raise failed[0]
     flat = [o for client in outs for o in client]
     tokens = sum(len(o.get("tokens", [])) for o in flat)
     latency = [o["latency_s"] for o in flat]

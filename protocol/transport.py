@@ -434,6 +434,7 @@ class Server:
         self.helper: threading.Thread | None = None
         self.lending = False  # the helper holds the socket now
         self.lent, self.returned = threading.Event(), threading.Event()
+        self.helper_failed: BaseException | None = None
         self.answers: Mapping[str, Callable[[bytes, Message], Frames | None]] = {}
         self.held: deque[tuple[bytes, Message | ProtocolError]] = deque()  # taken in by the helper
         self.held_from: Counter[bytes] = Counter()  # of them, by peer
@@ -563,46 +564,61 @@ class Server:
             self.lending = False
             self._wake()
             self.returned.wait()
+            if self.helper_failed is not None:  # the next lend starts a helper of its own
+                failed, self.helper_failed, self.helper = self.helper_failed, None, None
+                self.wake_in.close(linger=0)
+                self.wake_out.close(linger=0)
+                raise RuntimeError(f"the thread answering during a step failed: {failed!r}") from failed
 
     def _help(self) -> None:
-        """The helper thread: holds the socket while lent, parked otherwise; ends with close()."""
+        """The helper thread: holds the socket while lent, parked otherwise; ends with close(), or
+        with an error, which the lend's end raises: the socket's owner waited for it for good."""
         poller = zmq.Poller()
         poller.register(self.wake_in, zmq.POLLIN)
         while True:
             self.lent.wait()
             if self.helper is None:  # closed
                 return
-            taken = 0
-            reading_from = time.monotonic() + ANSWER_AFTER_S
-            while True:
-                while self.wake_in.poll(0):  # every wake, this lend's and any a past lend left
-                    self.wake_in.recv()
-                self._flush()
-                if not self.lending:
-                    break
-                since = time.monotonic() - reading_from
-                allowed = HELD_MAX + READ_RATE * since - taken  # what the intake allows now
-                if since < 0:
-                    wait_ms = -since * 1000
-                elif allowed < 1:
-                    wait_ms = (1 - allowed) * 1000 / READ_RATE
-                else:
-                    wait_ms = 100
-                    poller.register(self.sock, zmq.POLLIN)
-                events = dict(poller.poll(max(1, int(wait_ms))))
-                if since >= 0 and allowed >= 1:
-                    poller.unregister(self.sock)
-                if self.sock in events:
-                    # Each message is read and checked here (tens of ms for a 64K-id prompt): the
-                    # lend is asked after each one, so the step's end waits for one message at most.
-                    for _ in range(int(allowed)):
-                        if not self.lending or not self.sock.poll(0):
-                            break
-                        taken += 1
-                        self._answer_or_hold(*self._take())
-            self._flush()  # a reply queued between the last flush and the lend's end
-            self.lent.clear()
-            self.returned.set()
+            try:
+                self._lend(poller)
+            except BaseException as exc:
+                self.helper_failed = exc
+                return
+            finally:
+                self.lent.clear()
+                self.returned.set()
+
+    def _lend(self, poller: zmq.Poller) -> None:
+        """One lend: answer and hold what arrives, at the intake's rate, until the owner wants the socket back."""
+        taken = 0
+        reading_from = time.monotonic() + ANSWER_AFTER_S
+        while True:
+            while self.wake_in.poll(0):  # every wake, this lend's and any a past lend left
+                self.wake_in.recv()
+            self._flush()
+            if not self.lending:
+                break
+            since = time.monotonic() - reading_from
+            allowed = HELD_MAX + READ_RATE * since - taken  # what the intake allows now
+            if since < 0:
+                wait_ms = -since * 1000
+            elif allowed < 1:
+                wait_ms = (1 - allowed) * 1000 / READ_RATE
+            else:
+                wait_ms = 100
+                poller.register(self.sock, zmq.POLLIN)
+            events = dict(poller.poll(max(1, int(wait_ms))))
+            if since >= 0 and allowed >= 1:
+                poller.unregister(self.sock)
+            if self.sock in events:
+                # Each message is read and checked here (tens of ms for a 64K-id prompt): the
+                # lend is asked after each one, so the step's end waits for one message at most.
+                for _ in range(int(allowed)):
+                    if not self.lending or not self.sock.poll(0):
+                        break
+                    taken += 1
+                    self._answer_or_hold(*self._take())
+        self._flush()  # a reply queued between the last flush and the lend's end
 
     def _answer_or_hold(self, identity: bytes, message: Message | ProtocolError) -> None:
         """On the helper thread: answer a message of `answers`, hold another for next(), or,

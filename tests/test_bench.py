@@ -114,6 +114,26 @@ def test_the_benchmarks_exit_1_when_a_drafted_output_is_not_plain_decodings(monk
             assert ended.value.code == code
 
 
+def test_a_client_that_fails_in_a_serving_round_ends_the_round_with_its_own_error(monkeypatch):
+    """A client thread whose request raised left its figures unset, and the round ended in a
+    KeyError ('latency_s') that named nothing of the cause (an audit)."""
+    from benchmarks import bench_serving
+
+    class Unreachable:
+        def __init__(self, address, timeout_s):
+            pass
+
+        def stream(self, **ask):
+            raise TimeoutError("the daemon did not answer")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench_serving, "TargetClient", Unreachable)
+    with pytest.raises(TimeoutError, match="did not answer"):
+        bench_serving.round_of("ipc:///nowhere", [[{}], [{}]])
+
+
 def test_the_start_benchmark_times_a_load_and_a_service_that_measured_its_costs(chat_model_dir, capsys):
     from benchmarks import bench_start
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import threading
 import time
 
 import msgpack
@@ -670,6 +671,42 @@ def test_a_server_answers_pings_while_its_caller_computes(tmp_path):
     finally:
         for client in (asker, pinger, leaver):
             client.close()
+        server.close()
+
+
+def test_a_helper_that_fails_mid_step_gives_the_socket_back_with_its_error_and_the_next_step_answers(tmp_path):
+    """The step's end waited for the helper to give the socket back: a helper that died (an answer
+    that raised) left the daemon waiting for good (an audit). Its error ends the step instead, and
+    the next step's helper answers pings again."""
+    address = f"ipc://{tmp_path}/failing.sock"
+    server = Server(address)
+    pinger = Client(address)
+
+    def broken(identity, message):
+        raise KeyError("a bug in an answer")
+
+    pong = lambda identity, m: encode("pong", m.id, {"time": 0.0, "sessions": 1, "pid": 1})  # noqa: E731
+    ended: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            with server.answering({"ping": broken}):
+                pinger.send("ping")
+                time.sleep(0.5)  # the helper takes the ping and fails on it
+        except RuntimeError as exc:
+            ended.append(exc)
+
+    try:
+        stepping = threading.Thread(target=step, daemon=True)
+        stepping.start()
+        stepping.join(30)
+        assert not stepping.is_alive(), "the step's end waits for a helper that died"
+        assert ended and "a bug in an answer" in str(ended[0])
+        with server.answering({"ping": pong}):
+            answer = pinger.call("ping", timeout_s=2.0)
+        assert answer is not None and answer["sessions"] == 1
+    finally:
+        pinger.close()
         server.close()
 
 
