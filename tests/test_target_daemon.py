@@ -534,7 +534,9 @@ def test_a_daemon_that_goes_away_mid_request_is_noticed_in_seconds(model_dir, tm
     monkeypatch.setattr(target_client, "QUIET_S", 1.0)
     monkeypatch.setattr(target_client, "PING_S", 2.0)  # a killed daemon's ping times out: 2 s, not 10
     address = f"ipc://{tmp_path}/going.sock"
-    with daemon("target daemon", "launch.target_daemon", address, ["--model", str(model_dir)], 120) as proc:
+    with daemon(
+        "target daemon", "launch.target_daemon", address, ["--model", str(model_dir), "--proposer", "ngram"], 120
+    ) as proc:
         client = TargetClient(address, timeout_s=60.0)
         stream = client.stream(token_ids=PROMPT, max_new_tokens=2000, stream=True)
         assert next(stream).type == "chunk"
