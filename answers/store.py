@@ -81,6 +81,9 @@ class AnswerStore:
     answers: list[Answer] = field(default_factory=list)
     keys: set[str] = field(default_factory=set)
     remember: bool = True
+    # Remembering, whether the answers themselves are held too, or only their keys and totals: what
+    # generation needs, which only adds (it held 5 GB for 300,000 answers it never read again).
+    hold: bool = True
     # What writes a shard (path, its answers): a recording daemon's writes on a thread of its own.
     write: Callable[[Path, list[Answer]], None] | None = None
 
@@ -91,6 +94,7 @@ class AnswerStore:
         self._flushed_at = time.monotonic()
         self._last_name = ""
         self._recent: OrderedDict[str, None] = OrderedDict()
+        self._count = self._tokens = 0  # what is remembered
         for path in shard_paths(self.folder):
             if stamped(shard_stem(path)):  # a shard named otherwise sorts where it sorts
                 self._last_name = shard_stem(path)
@@ -109,15 +113,30 @@ class AnswerStore:
         if answer.key in self.keys:
             return False
         self.keys.add(answer.key)
-        self.answers.append(answer)
+        self._count += 1
+        self._tokens += answer.answer_tokens
+        if self.hold:
+            self.answers.append(answer)
         return True
 
     def __len__(self) -> int:
-        return len(self.answers)
+        return self._count
 
     @property
     def answer_tokens(self) -> int:
-        return sum(a.answer_tokens for a in self.answers)
+        return self._tokens
+
+    def stored(self) -> Iterator[Answer]:
+        """Every stored answer, first copies only: those held, or read from the shards again."""
+        if self.hold:
+            yield from self.answers
+            return
+        seen: set[str] = set()
+        for path in shard_paths(self.folder):
+            for answer in read_shard(path):
+                if answer.key not in seen:
+                    seen.add(answer.key)
+                    yield answer
 
     def split(self) -> tuple[list[Answer], list[Answer]]:
         """(train, held out)."""

@@ -112,6 +112,9 @@ def test_store_round_trips_resumes_and_keeps_its_split(setup, tmp_path):
     assert len(grown) == 86
     assert held == {a.key for a in grown.answers[:56] if a.held_out}  # an answer never changes sides
     assert grown.answer_tokens == sum(len(a.tokens) - a.prompt_len for a in grown.answers)
+    keys_only = AnswerStore(store.folder, hold=False)  # generation's: keys and totals, not the answers
+    assert (len(keys_only), keys_only.answer_tokens, keys_only.keys) == (86, grown.answer_tokens, grown.keys)
+    assert keys_only.answers == [] and list(keys_only.stored()) == grown.answers == list(grown.stored())
 
 
 def test_shards_started_in_one_second_read_back_in_the_order_written(tmp_path, monkeypatch):
@@ -238,7 +241,10 @@ def test_a_shard_line_past_the_limit_is_refused_before_it_is_read_whole(tmp_path
     assert first_model(tmp_path / "first.jsonl.xz") == ""
 
 
-def test_a_crash_mid_conversation_resumes_with_its_next_turn(setup, tmp_path):
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_crash_mid_conversation_resumes_with_its_next_turn(setup, tmp_path, hold):
+    """Resumed from a store that holds its answers (training's) or only their keys and totals
+    (generation's, which held 5 GB for 300,000 answers it never read again: an audit)."""
     target, cfg, store, features = setup
     tiny = _TokenTarget(target)
     folder = tmp_path / "answers"
@@ -257,7 +263,8 @@ def test_a_crash_mid_conversation_resumes_with_its_next_turn(setup, tmp_path):
         if a.stage != "followup":
             cut.add(a)
     cut.flush()
-    resumed = AnswerStore(folder)
+    resumed = AnswerStore(folder, hold=hold)
+    assert len(resumed) == 12 and (resumed.answers == []) == (not hold)
     assert generate_answers(tiny, resumed, iter([]), **QUIET) == 4
     assert {a.key for a in AnswerStore(folder).answers} == {a.key for a in full.answers}
 

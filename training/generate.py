@@ -113,7 +113,7 @@ class Turns:
         self.seed, self.held_out, self.max_prompt = seed, held_out, max_prompt
         self.follow: deque[Ask] = deque()
         self.too_long = 0
-        for answer in store.answers:
+        for answer in store.stored():
             ask = Ask(answer.job, answer.stage, tuple((r, c) for r, c in answer.messages), answer.then)
             self.follow.extend(
                 t for t in self._next(ask, answer.tokens[answer.prompt_len :]) if t.key not in store.keys

@@ -106,12 +106,13 @@ def _run_stages(options: RunOptions, ranks: Ranks, work: Path) -> None:
     taps = tuple(cfg.target_layer_ids) + ((target.config.num_hidden_layers - 1,) if options.training.distill else ())
     width = len(taps) * target.config.hidden_size
     folder = feature_folder(run.cache, run.model, taps, target.model.dtype)
-    features, store = FeatureCache(folder, width, model=run.model), AnswerStore(gen.store)
+    hold = run.stage != "gen"  # generation alone reads no answer back: their keys and totals do
+    features, store = FeatureCache(folder, width, model=run.model), AnswerStore(gen.store, hold=hold)
     if run.stage in ("gen", "all"):
         generate_stage(options, target, taps, store, features, log, ranks)
         if ranks.many:  # every rank's answers and rows, not its own alone: rank 0 trained on half of them
             ranks.barrier()
-            store, features = AnswerStore(gen.store), FeatureCache(folder, width, model=run.model)
+            store, features = AnswerStore(gen.store, hold=hold), FeatureCache(folder, width, model=run.model)
     answers = list(store.answers)
     for extra in gen.extra_stores:
         answers += [a for a in AnswerStore(extra).answers if a.key not in store.keys]
