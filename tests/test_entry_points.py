@@ -292,6 +292,27 @@ def test_a_targets_random_drafter_is_one_per_shape_and_never_taken_half_written(
     assert sorted(p.name for p in first.parent.iterdir()) == [first.name]
 
 
+def test_a_random_drafter_is_said_and_a_copy_of_the_default_model_gets_the_shipped_one(
+    tmp_path, monkeypatch, chat_model_dir, caplog
+):
+    """Another model ran with a random drafter and said nothing: "proposer dflash", tau 1.00; and the
+    default model copied elsewhere got a random drafter, not the one trained for it (an audit)."""
+    from target_node.model import default_model
+
+    monkeypatch.setattr(default_model, "RANDOM_DRAFTERS", tmp_path / "random")
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", tmp_path / "default")
+    shutil.copytree(chat_model_dir, tmp_path / "default")
+    with caplog.at_level("WARNING", logger="dflash"):
+        assert default_model.ensure_default_drafter(tmp_path / "default") == default_model.SHIPPED_DRAFTER
+        copy = tmp_path / "elsewhere" / "my-model"
+        shutil.copytree(chat_model_dir, copy)
+        assert default_model.ensure_default_drafter(copy) == default_model.SHIPPED_DRAFTER  # its config, byte for byte
+        assert not caplog.records
+        (copy / "config.json").write_text((copy / "config.json").read_text().replace("{", '{"note": 1, ', 1))
+        assert default_model.ensure_default_drafter(copy).parent == tmp_path / "random"
+    assert "no trained drafter for my-model: drafting with random weights" in caplog.text
+
+
 def test_two_starts_on_a_fresh_cache_convert_the_default_model_once(tmp_path, monkeypatch):
     """Two processes converting at once wrote one partial folder: one failed with a traceback and
     538 MB stayed in the model's folder for good (an audit). One converts, the other waits and

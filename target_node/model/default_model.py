@@ -12,6 +12,7 @@ import glob
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -24,6 +25,8 @@ from basics.files import as_umask_allows, left_by_gone_writers, locked, mended_m
 from target_node import CACHE_ROOT
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+log = logging.getLogger("dflash")
+
 DEFAULT_MODEL_DIR = CACHE_ROOT / "models" / "SmolLM2-135M-Instruct"
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[2] / "drafters" / "smollm2"  # trained for it
 RANDOM_DRAFTERS = CACHE_ROOT / "drafters" / "random-b8"  # for any other target
@@ -145,6 +148,16 @@ def _unwritable(folder: Path, why: str) -> str:
     )
 
 
+def _is_default_model(model_dir: Path) -> bool:
+    """The default model, or a copy of it elsewhere (its config, byte for byte)."""
+    if model_dir == DEFAULT_MODEL_DIR.resolve():
+        return True
+    try:
+        return (model_dir / "config.json").read_bytes() == (DEFAULT_MODEL_DIR / "config.json").read_bytes()
+    except OSError:
+        return False
+
+
 def ensure_default_drafter(model_dir: Path | None = None) -> Path:
     """The drafter to use when none is named.
 
@@ -153,8 +166,15 @@ def ensure_default_drafter(model_dir: Path | None = None) -> Path:
     into the cache; it keeps output exact but accepts almost nothing.
     """
     model_dir = Path(model_dir or ensure_default_model()).resolve()
-    if model_dir == DEFAULT_MODEL_DIR.resolve() and (SHIPPED_DRAFTER / "config.json").is_file():
+    if _is_default_model(model_dir) and (SHIPPED_DRAFTER / "config.json").is_file():
         return SHIPPED_DRAFTER
+    # Said where it is chosen: a run of another model reported "proposer dflash" and tau 1.00, and
+    # nothing said why (an audit).
+    log.warning(
+        "no trained drafter for %s: drafting with random weights, which keep the output exact but accept "
+        "almost nothing (name one with --drafter-checkpoint, or train one: docs/training.md)",
+        model_dir.name,
+    )
     # Named by the target's config, which alone shapes it (by its path, every test session and every
     # copy of a model added one, for good: an audit).
     shape = hashlib.sha1((model_dir / "config.json").read_bytes()).hexdigest()[:10]
