@@ -313,6 +313,15 @@ def test_a_random_drafter_is_said_and_a_copy_of_the_default_model_gets_the_shipp
     assert "no trained drafter for my-model: drafting with random weights" in caplog.text
 
 
+def test_a_model_loaded_with_its_output_in_a_log_draws_no_progress_bar(chat_model_dir):
+    """transformers' bar of weights loaded was a line of carriage returns in every start's log (an audit)."""
+    script = "import sys, torch; from target_node.model.target import load_causal_lm; load_causal_lm("
+    script += f"__import__('pathlib').Path({str(chat_model_dir)!r}), torch.float32); print('loaded')"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr[-2000:]
+    assert "Loading weights" not in done.stderr and "\r" not in done.stderr, done.stderr[-2000:]
+
+
 def test_two_starts_on_a_fresh_cache_convert_the_default_model_once(tmp_path, monkeypatch):
     """Two processes converting at once wrote one partial folder: one failed with a traceback and
     538 MB stayed in the model's folder for good (an audit). One converts, the other waits and

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from functools import cache
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils import logging as hf_logging
 
 from dflash_kernels import argmax, bf16_faster, bf16_matmul, computes_bf16, native_bf16, runs_on
 from dflash_kernels import load as load_kernels
@@ -423,10 +425,18 @@ def load_causal_lm(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
             raise
         raise ModelLoadError(f"{folder}: its config.json does not load: {_first_line(exc)}") from exc
     check_config(config, folder.name)
+    # Into a log file or a pipe, transformers' bar of weights loaded was one long line of carriage
+    # returns in every start's log (an audit); a terminal still shows it.
+    quiet = not sys.stderr.isatty() and hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
     try:
         model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
     except unreadable as exc:
         raise ModelLoadError(f"{folder} does not load as a causal LM: {_first_line(exc)}") from exc
+    finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
