@@ -268,7 +268,8 @@ def measured_once(
                 partial = record.with_suffix(".partial")
                 partial.write_text(json.dumps({"seconds": seconds}))
                 os.replace(partial, record)
-                log.info("measured once for this machine (%s): %s", name, seconds)
+                log.info("measured once for this machine (%s), kept in %s", name, record)
+                log.debug("%s: %s", name, seconds)  # a dict of dozens of timings: no line for a user
     except OSError as err:
         log.warning("cannot keep the measurement %s in %s (%s): measured for this process alone", name, folder, err)
         seconds = take()

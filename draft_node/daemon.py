@@ -583,9 +583,15 @@ def serve(
         server.close()
         kept = service.kept
         log.info(
-            "draft daemon stopped; served %s; kept prefixes %s, %d of %d bytes held",
-            service.counters,
-            kept.counters,
-            kept.held,
-            kept.max_bytes,
+            "draft daemon stopped; served: %s; kept prefixes: %s, %.1f of %.0f MB held",
+            _counts(service.counters),
+            _counts(kept.counters),
+            kept.held / (1 << 20),
+            kept.max_bytes / (1 << 20),
         )
+
+
+def _counts(counters: dict[str, float]) -> str:
+    """`requests 38, draft ms 16.3`: a log line's counters, not a dict's repr with 15 digits."""
+    shown = (f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in counters.items())
+    return ", ".join(shown).replace("_", " ")
