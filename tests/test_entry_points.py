@@ -117,6 +117,10 @@ MISTAKES = [
         id="target-local-config-broken",
     ),
     pytest.param(*("launch.draft_daemon", ["--checkpoint", "DRAFT_NOT_JSON"], "is not JSON"), id="draft-config-broken"),
+    pytest.param(  # its random drafter's config was read outside the one-line errors (an audit)
+        *("launch.local", ["--model", "NOT_JSON", "--prompt", "hi"], "holds no model transformers can load"),
+        id="local-config-broken",
+    ),
     pytest.param("launch.serve", ["--model", "/nowhere/model"], "no config.json", id="serve-no-model"),
     pytest.param(
         *("launch.train", ["--stage", "train", "--model", "/nowhere/model"], "no config.json"), id="train-no-model"

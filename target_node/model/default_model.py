@@ -168,6 +168,7 @@ def ensure_default_drafter(model_dir: Path | None = None) -> Path:
     model_dir = Path(model_dir or ensure_default_model()).resolve()
     if _is_default_model(model_dir) and (SHIPPED_DRAFTER / "config.json").is_file():
         return SHIPPED_DRAFTER
+    folder = _random_drafter(model_dir)
     # Said where it is chosen: a run of another model reported "proposer dflash" and tau 1.00, and
     # nothing said why (an audit).
     log.warning(
@@ -175,8 +176,13 @@ def ensure_default_drafter(model_dir: Path | None = None) -> Path:
         "almost nothing (name one with --drafter-checkpoint, or train one: docs/training.md)",
         model_dir.name,
     )
-    # Named by the target's config, which alone shapes it (by its path, every test session and every
-    # copy of a model added one, for good: an audit).
+    return folder
+
+
+def _random_drafter(model_dir: Path) -> Path:
+    """A random-weight drafter shaped for the target in `model_dir`, written once into the cache,
+    named by the target's config, which alone shapes it (by its path, every test session and
+    every copy of a model added one, for good: an audit)."""
     shape = hashlib.sha1((model_dir / "config.json").read_bytes()).hexdigest()[:10]
     folder = RANDOM_DRAFTERS / f"{model_dir.name}-{shape}"
     if (folder / "model.safetensors").is_file():
@@ -185,7 +191,14 @@ def ensure_default_drafter(model_dir: Path | None = None) -> Path:
 
     from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 
-    cfg = config_for_target(AutoConfig.from_pretrained(model_dir), block_size=8, mask_token_id=0)
+    try:
+        target_config = AutoConfig.from_pretrained(model_dir)
+    except Exception as exc:  # whatever transformers raises for a config it refuses: a launcher's traceback
+        if isinstance(exc, MemoryError):
+            raise
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise FileNotFoundError(f"{model_dir} holds no model transformers can load: {why}") from exc
+    cfg = config_for_target(target_config, block_size=8, mask_token_id=0)
     # Written whole beside it, then renamed: a save killed midway left a config without weights, which
     # every later start took and failed on (an audit); two first starts race to one folder.
     for gone in left_by_gone_writers(folder.parent.glob(f"{glob.escape(folder.name)}.*.partial"), folder.name + "."):
