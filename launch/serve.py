@@ -32,7 +32,7 @@ from frontend.drain import MIN_GRACE_S
 from frontend.settings import DEFAULTS, FrontendSettings
 from launch.net import HelpFormatter, client_security, one_line_errors, peer_address, tcp_port
 from launch.processes import leave, stop
-from protocol.transport import BindError, is_loopback
+from protocol.transport import BindError, is_loopback, request
 
 if TYPE_CHECKING:
     import socket
@@ -256,6 +256,12 @@ def run(args: argparse.Namespace) -> None:
     sockets = listening_sockets(args.host, args.port)
     try:
         if args.target:
+            if request(args.target, "ping", timeout_s=2.0, curve=args.client_keys) is None:  # it started in silence
+                print(
+                    f"[serve] warning: no target daemon answers at {args.target} yet: requests get 503 until one does",
+                    file=sys.stderr,
+                    flush=True,
+                )
             serve(args, sockets, args.target)
             return
         with local_daemons(args) as daemons:

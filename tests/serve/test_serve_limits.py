@@ -375,6 +375,11 @@ def access_log(extra: list[str], tmp_path) -> str:
     return log.read_bytes().decode("utf-8", "replace")
 
 
+def test_a_front_end_started_before_its_daemon_says_so(tmp_path):
+    """Started in front of no daemon, it said nothing, and each request waited 5 s for its 503 (an audit)."""
+    assert "no target daemon answers at ipc:///nowhere/t.sock yet" in access_log([], tmp_path)
+
+
 def test_a_client_can_neither_forge_access_log_lines_nor_flood_the_log_with_a_path(tmp_path):
     """uvicorn believed X-Forwarded-For from 127.0.0.1, where every client of the default --host
     is: a header wrote a forged line (U+0085), raw escapes for the terminal reading the log, and
