@@ -78,10 +78,15 @@ def load_keypair(path: str | Path) -> tuple[bytes, bytes]:
 
 
 def load_public(path: str | Path) -> bytes:
-    """The public key from a `.key` (or `.key_secret`) file that only its owner may rewrite: one
-    others could rewrite (0666, or in a folder they may write) let any local user put their key
-    on a server's allow-list, or in place of the server a client expects (an audit)."""
+    """The public key from a `.key` file that only its owner may rewrite: one others could rewrite
+    (0666, or in a folder they may write) let any local user put their key on a server's
+    allow-list, or in place of the server a client expects (an audit). A `.key_secret` is refused:
+    it never leaves its host, and one named here was a key pair copied where its public half belongs."""
     path = Path(path)
+    if path.name.endswith(".key_secret"):
+        raise KeyFileError(
+            f"{path} is a secret key, which never leaves its host: give its public half, {path.name[:-7]}"
+        )
     for shared in (path, path.parent):
         if _others_may_write(shared):
             raise KeyFileError(
@@ -128,6 +133,8 @@ def client_keys(keypair: str | Path, server_public: str | Path) -> ClientKeys:
 
 
 def _load(path: str | Path) -> tuple[bytes, bytes | None]:
+    if not Path(path).is_file():  # zmq says "Invalid certificate file" of a file that is not there
+        raise KeyFileError(f"no CURVE key file at {path}")
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:

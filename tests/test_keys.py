@@ -149,6 +149,19 @@ def test_a_public_key_others_may_rewrite_is_refused_as_a_server_allows_or_a_clie
         keys.load_public(link)
 
 
+def test_a_secret_key_given_as_a_public_one_or_a_key_file_not_there_is_refused_saying_so(tmp_path):
+    """`--curve-allow keys/target.key_secret` was taken (a key pair copied where its public half
+    belongs), and a file not there was "Invalid certificate file" (an audit)."""
+    public, secret = create_keypair(tmp_path, "target")
+    with pytest.raises(KeyFileError, match=r"target.key_secret is a secret key.*give its public half, target.key"):
+        keys.load_allowed([secret])
+    with pytest.raises(KeyFileError, match="no CURVE key file at .*/nowhere.key"):
+        keys.load_allowed([tmp_path / "nowhere.key"])
+    with pytest.raises(KeyFileError, match="no CURVE key file at .*/gone.key_secret"):
+        load_keypair(tmp_path / "gone.key_secret")
+    assert keys.load_allowed([public]) == {keys.load_public(public)}
+
+
 def test_a_secret_made_inside_the_checkout_is_never_staged():
     """`dflash-keys --out keys draft target client`, as docs/deployment.md has it, run in the
     checkout: `git add -A` staged the secrets (an audit)."""
