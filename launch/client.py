@@ -130,6 +130,7 @@ class Printer:
 
     def __init__(self, out: TextIO) -> None:
         self.out, self.lines, self.abandoned = out, queue.Queue(), False
+        self.mid_line = False  # the last text given ends inside a line (an answer cut short)
         self.failed: BaseException | None = None  # a closed pipe, text the terminal cannot show
         try:
             out.flush()
@@ -141,6 +142,8 @@ class Printer:
 
     def __call__(self, text: str) -> None:
         self._raise_failure()
+        if text:
+            self.mid_line = not text.endswith("\n")
         self.lines.put(text)
 
     def _write_all(self) -> None:
@@ -220,6 +223,8 @@ def run(args: argparse.Namespace, keys: ClientKeys | None = None, out: TextIO = 
                 printer.drain()
         except BaseException:
             printer.abandon()
+            if printer.mid_line:  # the error's line starts on a line of its own, not after the cut answer
+                print(file=sys.stderr, flush=True)
             raise
         printer.close()
     finally:

@@ -107,9 +107,10 @@ def test_a_sigterm_writes_the_answers_finished_before_it(served, tmp_path):
     assert written["prompt"] == "Hello" and written["finish_reason"] in ("length", "eos")
 
 
-def test_a_request_the_daemon_dropped_is_an_error_not_an_answer(tmp_path, monkeypatch):
+def test_a_request_the_daemon_dropped_is_an_error_not_an_answer(tmp_path, monkeypatch, capsys):
     """`done` with finish_reason "cancelled" reaches the client only when the daemon dropped the
-    request (its own cancel, on Ctrl-C, is never yielded): it exited 0 with a cut answer."""
+    request (its own cancel, on Ctrl-C, is never yielded): it exited 0 with a cut answer. The
+    error's line starts a line of its own, not glued to the cut answer's text (an audit)."""
 
     def dropped(self, **fields):
         yield Message("chunk", 1, {"text": "Once", "token_ids": [5]})
@@ -119,6 +120,7 @@ def test_a_request_the_daemon_dropped_is_an_error_not_an_answer(tmp_path, monkey
     monkeypatch.setattr(TargetClient, "stream", dropped)
     with pytest.raises(client.DroppedRequest, match="dropped the request"):
         client.run(client_args(tmp_path, "ipc:///nowhere", "hi"), out=io.StringIO())
+    assert capsys.readouterr().err == "\n"
 
 
 def test_a_closed_pipe_ends_the_client_quietly(tmp_path):
