@@ -229,7 +229,7 @@ def generate_stage(
     deadline = time.monotonic() + gen.minutes * 60  # a clock that steps (NTP, a suspend) moves no deadline
     starter = read_prompts(gen.starter) if gen.starter and gen.starter.is_file() else []
     log(
-        f"gen: {writer.model.dtype}, batch {gen.batch}, max_new {gen.max_new}, {run.threads} threads, "
+        f"gen: {writer.model.dtype}, batch {gen.batch}, max_new {gen.max_new}, threads {run.threads}, "
         f"taps {list(taps)}, until {time.strftime('%H:%M:%S', time.localtime(time.time() + gen.minutes * 60))}"
     )
     seed = gen.seed + ranks.rank

@@ -381,10 +381,10 @@ class TargetService:
             receive_queue=RECEIVE_QUEUE,
         )
         log.info(
-            "target daemon serving on %s%s, up to %d requests at once",
+            "target daemon serving on %s%s, %s",
             self.server.address,
             " (CURVE)" if curve else "",
-            self.max_batch,
+            "one request at a time" if self.max_batch == 1 else f"up to {self.max_batch} requests at once",
         )
         try:
             while not stop.is_set():
