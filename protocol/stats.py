@@ -76,7 +76,17 @@ class RequestStats(_Figures):
         return (
             f"{self.new_tokens} tokens | tau {self.tau:.2f} | accepted {self.accepted}/{self.proposed} | "
             f"{self.decode_tok_s:.1f} tok/s | ttft {first:.0f} ms{queued} | proposer {self.proposer or '?'}"
+            f"{self._idle_proposer()}"
         )
+
+    def _idle_proposer(self) -> str:
+        """What drafted instead, where the proposer itself drafted no step: a drafter away or refused
+        was still reported as "proposer dflash", the steps' lookups hiding that it gave nothing (an audit)."""
+        own = {self.proposer, "predraft"}
+        if self.proposer in ("", "none") or self.steps == 0 or own & self.sources.keys():
+            return ""
+        others = ", ".join(f"{source} {steps}" for source, steps in sorted(self.sources.items()))
+        return f" (it drafted no step{'; steps drafted by ' + others if others else ''})"
 
 
 @dataclass

@@ -453,6 +453,20 @@ def test_free_form_maps_carry_finite_floats_only_and_figures_send_nan_as_nil():
     assert RequestStats.from_dict(sent).tau == 0.0  # nil reads as not measured
 
 
+def test_a_request_line_says_when_its_proposer_drafted_no_step_and_what_did():
+    """A drafter away, or refusing the target's key, was reported "proposer dflash": the steps the
+    context's lookup drafted hid that it gave nothing (an audit)."""
+    from protocol.stats import RequestStats
+
+    line = RequestStats(steps=9, proposer="dflash", sources={"lookup": 7}).line()
+    assert line.endswith("proposer dflash (it drafted no step; steps drafted by lookup 7)"), line
+    assert RequestStats(steps=9, proposer="dflash").line().endswith("proposer dflash (it drafted no step)")
+    for drafted in ({"dflash": 3, "lookup": 2}, {"predraft": 1}):
+        assert RequestStats(steps=9, proposer="dflash", sources=drafted).line().endswith("proposer dflash")
+    assert RequestStats(steps=9, proposer="none").line().endswith("proposer none")
+    assert RequestStats(steps=0, proposer="dflash").line().endswith("proposer dflash")  # nothing decoded yet
+
+
 def test_done_names_one_of_the_finish_reasons():
     done = {"text": "", "token_ids": [], "stats": {}}
     for reason in ("eos", "length", "stop", "cancelled"):
