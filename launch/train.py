@@ -100,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--store {args.store}: no such folder")
     if args.resume and args.restart:
         ap.error("--resume continues the run, --restart starts it over: one of them")
+    if args.stage == "average" and not (args.init and args.average_with):
+        ap.error("--stage average needs --init A and --average-with B")
+    if args.stage == "grow" and not args.init:
+        ap.error("--stage grow needs --init A (and --layers N)")
     if args.stage == "selector" and not args.init:
         args.init = SHIPPED_DRAFTER
     if args.out is None:  # a run's drafter stays beside its state until someone ships it

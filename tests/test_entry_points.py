@@ -412,6 +412,9 @@ REFUSED_FLAGS = [
     ("launch.train", ["--stage", "train", "--taps", "x,y"], "expected layer ids such as 3,10,17"),
     ("launch.train", ["--stage", "train", "--block-size", "500"], "must be at most 128, got 500"),
     ("launch.train", ["--device", "garbage"], "'garbage' is not a torch device"),
+    # Said without the command's name, after torch had loaded (an audit).
+    ("launch.train", ["--stage", "average", "--init", "A"], "--stage average needs --init A and --average-with B"),
+    ("launch.train", ["--stage", "grow", "--layers", "2"], "--stage grow needs --init A"),
     ("launch.keys", ["--out", "/nowhere", "../escape"], "a key name is a plain file name"),
     # Was: a server whose every chat naming no max_tokens got a 400 blaming the client (an audit).
     ("launch.serve", ["--default-max-tokens", "0"], "must be at least 1, got 0"),

@@ -283,9 +283,9 @@ def autocast(choice: str, device: str) -> bool:
 
 
 def average_stage(training: TrainOptions, inputs: StageInputs, log: Log) -> None:
-    """(1 - --weight) x --init + --weight x --average-with, saved at --out (training.average)."""
-    if not (training.init and inputs.average_with):
-        raise SystemExit("--stage average needs --init A and --average-with B")
+    """(1 - --weight) x --init + --weight x --average-with, saved at --out (training.average); both
+    named (dflash-train refuses them missing)."""
+    assert training.init and inputs.average_with
     drafter = average_drafters(load_drafter(training.init), load_drafter(inputs.average_with), inputs.weight)
     save_drafter(drafter.to(training.save_dtype), training.out)
     log(
@@ -296,8 +296,7 @@ def average_stage(training: TrainOptions, inputs: StageInputs, log: Log) -> None
 
 def grow_stage(training: TrainOptions, shape: DrafterShape, log: Log) -> None:
     """--init grown to --layers layers (training.drafter_starts.grown_drafter), saved at --out."""
-    if not training.init:
-        raise SystemExit("--stage grow needs --init A and --layers N")
+    assert training.init  # dflash-train refuses it missing
     drafter = load_drafter(training.init)
     try:
         grown = grown_drafter(drafter, shape.layers)
