@@ -318,7 +318,9 @@ def main() -> None:
     per machine and store), or, with --build, the builder process datastore_coming starts."""
     from target_node.model.default_model import DEFAULT_MODEL_DIR
 
-    parser = argparse.ArgumentParser(description="index an answer store for the target daemon's datastore branch")
+    parser = argparse.ArgumentParser(
+        prog="python -m answers.index", description="index an answer store for the target daemon's datastore branch"
+    )
     parser.add_argument("--datastore", default="auto", help="auto (the committed data/answers) or a store's folder")
     parser.add_argument("--model", default=DEFAULT_MODEL_DIR.name, help="the served model's folder name")
     parser.add_argument("--build", nargs=3, metavar=("STORE", "MODEL", "CACHE"), help="a daemon's builder")

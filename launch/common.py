@@ -42,7 +42,9 @@ def add_model_args(parser: argparse.ArgumentParser, what: str, dtypes: tuple[str
         help=f"{what} weights dtype (auto: bfloat16 where the device has native bf16 and, for a target, the "
         "engine serves it exactly; float32 elsewhere)",
     )
-    parser.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument(
+        "--threads", type=at_least(0), default=0, help="torch CPU threads (default %(default)s: torch's own choice)"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 

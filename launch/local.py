@@ -177,7 +177,10 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
         "--ready-timeout", type=number_in(0, above=True), default=180.0, help="seconds to wait for each daemon"
     )
     parser.add_argument(
-        "--threads", type=at_least(0), default=0, help="torch CPU threads per daemon (0: torch's default)"
+        "--threads",
+        type=at_least(0),
+        default=0,
+        help="torch CPU threads per daemon (default %(default)s: torch's own choice)",
     )
     parser.add_argument(
         "--curve", action="store_true", help="CURVE on both links, with throwaway keys made for this run"

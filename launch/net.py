@@ -64,6 +64,9 @@ def address(text: str) -> str:
 def peer_address(text: str) -> str:
     """An address another process connects to: no wildcard port, no inproc (one process's own),
     which got a ZeroMQ traceback or a 5 s wait for nothing (an audit)."""
+    scheme, sep, _ = text.partition("://")
+    if not sep or scheme not in ("tcp", "ipc"):  # address() would offer inproc://, refused below (an audit)
+        raise argparse.ArgumentTypeError(f"expected a tcp://HOST:PORT or ipc://PATH to reach, got {text!r}")
     text = address(text)
     scheme, _, rest = text.partition("://")
     host, _, port = rest.rpartition(":")

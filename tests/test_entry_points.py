@@ -373,7 +373,8 @@ REFUSED_FLAGS = [
         "expected tcp://HOST:PORT",
     ),  # was: "reachable from other hosts"
     ("launch.draft_daemon", ["--bind", "tcp://127.0.0.1:99999"], "a port of 1-65535"),  # was: bound 34463, silently
-    ("launch.client", ["--address", "localhost:5556", "--prompt", "hi"], "expected tcp://HOST:PORT"),  # a traceback
+    # A traceback; then a list of schemes that offered inproc://, which a peer's address is refused (an audit).
+    ("launch.client", ["--address", "localhost:5556", "--prompt", "hi"], "expected a tcp://HOST:PORT or ipc://PATH"),
     # Each of these was refused only by the daemon, or ended in a ZeroMQ traceback (an audit).
     ("launch.client", ["--prompt", "hi", "--address", "tcp://localhost:*"], "a tcp://HOST:PORT or ipc://PATH to reach"),
     ("launch.client", ["--prompt", "hi", "--address", "tcp://*:5599"], "a tcp://HOST:PORT or ipc://PATH to reach"),
@@ -383,7 +384,7 @@ REFUSED_FLAGS = [
     ("launch.client", ["--prompt", "hi", "--heartbeat", "0.001"], "heartbeat_s is 0 (none) or in [0.05, 3600] s"),
     ("launch.client", ["--prompt", "hi", "--stop", ""], "generate.stop[0]: expected str of 1..256 chars"),
     ("launch.client", ["--raw", "--prompt", ""], "prompt 1 is empty"),
-    ("launch.serve", ["--target", "localhost:5556"], "expected tcp://HOST:PORT"),  # was: a 500 for every request
+    ("launch.serve", ["--target", "localhost:5556"], "expected a tcp://HOST:PORT or ipc://PATH"),  # was: 500s
     # Each of these was taken: a daemon that read nothing (not even pings), refused every request,
     # failed every prompt, or ended in a traceback once the model had loaded (an audit).
     ("launch.target_daemon", ["--max-messages-per-step", "0"], "--max-messages-per-step must be at least 1"),
