@@ -380,10 +380,8 @@ _EVENTS = {
         "a peer failed the handshake (plaintext against CURVE, a wrong server key, or not ZeroMQ)",
     ),
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: (logging.WARNING, "a peer failed the handshake"),
-    # Every client's leaving, each readiness ping's too: at INFO, the main job printed three such lines
-    # among its answers. Our own clients refuse a frame over the limit before they send it.
     zmq.EVENT_DISCONNECTED: (
-        logging.DEBUG,
+        logging.INFO,
         "a connection closed: the peer left, or sent a frame over this socket's limit (dropped unread)",
     ),
 }
