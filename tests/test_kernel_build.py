@@ -223,3 +223,21 @@ def test_a_start_waiting_behind_another_build_says_so(tmp_path, caplog):
     with caplog.at_level("WARNING"), locked(tmp_path, "build of the CPU kernels"):  # nobody holds it: no word
         pass
     assert caplog.text.count("waiting for another") == 1
+
+
+def test_kernels_unavailable_are_said_as_the_machines_lack_not_the_models(monkeypatch, caplog):
+    """Without a compiler the log said "the target engine does not serve LlamaForCausalLM", which
+    read as a model this project cannot run (an audit): it names the kernels, as a warning."""
+    import torch
+
+    from target_node.engine import engine
+
+    def no_kernels(*args, **kwargs):
+        raise build.KernelsUnavailable("no C++ compiler (g++) on PATH")
+
+    monkeypatch.setattr(engine, "Engine", no_kernels)
+    with caplog.at_level("INFO"):
+        assert engine.engine_for(torch.nn.Linear(2, 2)) is None
+    (record,) = [r for r in caplog.records if "transformers path" in r.getMessage()]
+    assert record.levelname == "WARNING" and "CPU kernels are unavailable (no C++ compiler" in record.getMessage()
+    assert "does not serve" not in record.getMessage()

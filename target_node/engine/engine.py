@@ -343,6 +343,11 @@ def engine_for(model: nn.Module, slots: int = 1, max_positions: int | None = Non
     where it cannot serve it."""
     try:
         return Engine(model, slots, max_positions, ops)
-    except (EngineUnsupported, dflash_kernels.KernelsUnavailable) as err:
+    except dflash_kernels.KernelsUnavailable as err:  # the machine's lack, not the model's (it read as one: an audit)
+        log.warning(
+            "the target engine's CPU kernels are unavailable (%s): the slower transformers path runs the model", err
+        )
+        return None
+    except EngineUnsupported as err:
         log.info("the target engine does not serve %s (%s); the transformers path runs it", type(model).__name__, err)
         return None
