@@ -549,9 +549,12 @@ class Server:
         caller does not change meanwhile; it returns the reply, or None for a notice (heartbeat)."""
         if self.helper is None:
             self.wake_in = self.context.socket(zmq.PAIR)
-            self.wake_in.bind(f"inproc://server-wake-{id(self):x}")
+            # A name of its own for each helper: ZeroMQ frees an inproc name some time after its
+            # close, and a helper started again at once after one failed could not bind it (a review).
+            wake = f"inproc://server-wake-{id(self):x}-{uuid.uuid4().hex}"
+            self.wake_in.bind(wake)
             self.wake_out = self.context.socket(zmq.PAIR)
-            self.wake_out.connect(f"inproc://server-wake-{id(self):x}")
+            self.wake_out.connect(wake)
             self.helper = threading.Thread(target=self._help, name="answering", daemon=True)
             self.helper.start()
         self.answers = answers
