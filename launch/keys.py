@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 
 from launch.net import HelpFormatter, one_line_errors
-from protocol.keys import client_keys, create_keypair, load_public
+from protocol.keys import client_keys, create_keypair, load_keypair
 
 
 class LocalKeys:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.names:
         with one_line_errors(parser.prog, OSError):  # a file in the way, a read-only or full disk
             public, secret = create_keypair(out, name)
-        print(f"{name}: public {public} ({load_public(public).decode()}), secret {secret}")
+        print(f"{name}: public {public} ({load_keypair(secret)[0].decode()}), secret {secret}")
 
 
 if __name__ == "__main__":

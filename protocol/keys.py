@@ -79,7 +79,7 @@ def load_keypair(path: str | Path) -> tuple[bytes, bytes]:
 
 def load_public(path: str | Path) -> bytes:
     """The public key from a `.key` file that only its owner may rewrite: one others could rewrite
-    (0666, or in a folder they may write) let any local user put their key on a server's
+    (0666, or in a folder anyone may write) let any local user put their key on a server's
     allow-list, or in place of the server a client expects (an audit). A `.key_secret` is refused:
     it never leaves its host, and one named here was a key pair copied where its public half belongs."""
     path = Path(path)
@@ -87,24 +87,26 @@ def load_public(path: str | Path) -> bytes:
         raise KeyFileError(
             f"{path} is a secret key, which never leaves its host: give its public half, {path.name[:-7]}"
         )
-    for shared in (path, path.parent):
-        if _others_may_write(shared):
+    held = path.resolve()  # what a link points at, in the folder that holds it (a review)
+    for shared, others in ((held, 0o022), (held.parent, 0o002)):
+        if _may_write(shared, others):
             raise KeyFileError(
                 f"{shared}: others may write it, and so put their own key in {path.name}: chmod go-w {shared}"
             )
     return _load(path)[0]
 
 
-def _others_may_write(path: Path) -> bool:
-    """Group or others may write `path` (what a link points at), where they could replace what it
-    holds: a folder with the sticky bit (/tmp) lets no one replace another's file."""
+def _may_write(path: Path, others: int) -> bool:
+    """Whether the `others` bits (group 0o020, anyone 0o002) let someone else replace what `path`
+    holds. A folder's group is its members' (umask 002 makes a user's folders so); a folder with
+    the sticky bit (/tmp) lets no one replace another's file."""
     if os.name != "posix":
         return False
     try:
         mode = path.stat().st_mode
     except OSError:
         return False  # a file that is not there is refused by what reads it
-    return bool(mode & 0o022) and not (path.is_dir() and mode & stat.S_ISVTX)
+    return bool(mode & others) and not (path.is_dir() and mode & stat.S_ISVTX)
 
 
 def load_allowed(paths: Iterable[str | Path]) -> frozenset[bytes]:

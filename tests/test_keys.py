@@ -141,12 +141,33 @@ def test_a_public_key_others_may_rewrite_is_refused_as_a_server_allows_or_a_clie
         client_keys(secret, server)
     folder.chmod(0o1777)  # sticky: no one replaces another's file
     assert client_keys(secret, server).server == keys.load_public(server)
-    folder.chmod(0o755)
+    folder.chmod(0o775)  # a group's folder, as umask 002 makes a user's: its members' choice
+    assert client_keys(secret, server).server == keys.load_public(server)
     link = tmp_path / "link.key"
     link.symlink_to(public)
-    public.chmod(0o646)  # what a link points at is what counts
-    with pytest.raises(KeyFileError, match="others may write it"):
+    folder.chmod(0o777)  # what a link points at, in the folder that holds it, is what counts (a review)
+    with pytest.raises(KeyFileError, match=r"keys: others may write it"):
         keys.load_public(link)
+    folder.chmod(0o755)
+    public.chmod(0o646)
+    with pytest.raises(KeyFileError, match="client.key: others may write it"):
+        keys.load_public(link)
+
+
+def test_keys_made_into_a_groups_folder_are_listed_not_a_traceback(tmp_path):
+    """Under umask 002 (a user's own group), `dflash-keys --out DIR` into an existing 0775 folder
+    wrote the keys, then ended in a traceback reading the public key back (a review)."""
+    from launch.keys import main
+
+    folder = tmp_path / "keys"
+    folder.mkdir(mode=0o775)
+    folder.chmod(0o775)
+    umask = os.umask(0o002)
+    try:
+        main(["--out", str(folder), "draft"])
+    finally:
+        os.umask(umask)
+    assert keys.load_allowed([folder / "draft.key"]) == {load_keypair(folder / "draft.key_secret")[0]}
 
 
 def test_a_secret_key_given_as_a_public_one_or_a_key_file_not_there_is_refused_saying_so(tmp_path):
