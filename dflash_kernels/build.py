@@ -139,19 +139,29 @@ def load() -> Path:
 
 
 def _refuse_open_to_all(library: Path) -> None:
-    """No kernels from a place any user may write: one could put code there that this process
-    loads (a cache under a 1777 folder, DFLASH_SPLIT_CACHE=/srv/shared: an audit). A group's
-    shared cache is its members' choice; the sticky bit does not help, since anyone may make the
-    folders below first."""
-    for path in (library, library.parent, KERNEL_CACHE, KERNEL_CACHE.parent):
+    """No kernels from a place another user could have written: one could put code there that this
+    process loads (a cache under a 1777 folder, DFLASH_SPLIT_CACHE=/srv/shared: an audit). Every
+    folder from the library up to / is owned by this user, root, or whoever owns this code (whose
+    code runs here anyway), and none of them may be written by anyone; only above the cache
+    folder does the sticky bit (/tmp) make that safe: below it, anyone could make the folders
+    first (a review). A group's shared cache is its members' choice. Every such path is named."""
+    trusted = {os.getuid(), 0, SOURCE.stat().st_uid}
+    cache = KERNEL_CACHE.parent
+    problems = []
+    for path in (library, *library.parents):
         try:
-            open_to_all = path.stat().st_mode & stat.S_IWOTH
+            info = path.stat()
         except OSError:
             continue  # not made yet: made below as the umask says
-        if open_to_all:
-            raise KernelsUnavailable(
-                f"{path} may be written by any user, who could put code in the kernels loaded from it: chmod o-w {path}"
-            )
+        above_cache = path != cache and path in cache.parents
+        if info.st_uid not in trusted:
+            problems.append(f"{path} belongs to another user (uid {info.st_uid})")
+        elif info.st_mode & stat.S_IWOTH and not (above_cache and info.st_mode & stat.S_ISVTX):
+            problems.append(f"any user may write {path} (chmod o-w {path})")
+    if problems:
+        raise KernelsUnavailable(
+            "no kernels from where another user could have put code in them: " + "; ".join(problems)
+        )
 
 
 def _checksum(path: Path) -> str:

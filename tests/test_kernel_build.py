@@ -121,9 +121,30 @@ def test_kernels_in_a_place_any_user_may_write_are_never_loaded(tmp_path, compil
     build.load.__wrapped__()
     assert len(loaded) == 2
     where.chmod(where.stat().st_mode | stat.S_IWOTH | (stat.S_ISVTX if where.is_dir() else 0))  # sticky: no help
-    with pytest.raises(build.KernelsUnavailable, match=f"{where} may be written by any user.*chmod o-w"):
+    with pytest.raises(build.KernelsUnavailable, match=f"any user may write {where} \\(chmod o-w"):
         build.load.__wrapped__()
     assert len(loaded) == 2 and calls(compiler) == 1
+
+
+def test_kernels_under_a_folder_another_user_made_are_never_loaded(tmp_path, compiler, monkeypatch):
+    """DFLASH_SPLIT_CACHE=/srv/shared/me, where another user made `me` first in the 1777 shared/:
+    mode bits alone passed it, and that user's library loaded (a review). Its owner is checked."""
+    if os.getuid() != 0:
+        pytest.skip("making a folder another user's takes root")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # above the cache: the sticky bit keeps others' files theirs
+    cache = shared / "me"
+    monkeypatch.setattr(build, "KERNEL_CACHE", cache / "kernels")
+    monkeypatch.setenv("CXX", str(compiler))
+    loaded = []
+    monkeypatch.setattr(build.torch.ops, "load_library", loaded.append)
+    build.load.__wrapped__()
+    assert len(loaded) == 1
+    os.chown(cache, 65534, 65534)  # nobody's, as if it had made it first
+    with pytest.raises(build.KernelsUnavailable, match=f"{cache} belongs to another user \\(uid 65534\\)"):
+        build.load.__wrapped__()
+    assert len(loaded) == 1
 
 
 def test_a_failed_build_says_why_and_is_not_tried_again_by_every_start(tmp_path, compiler, monkeypatch):
