@@ -65,8 +65,14 @@ def left_by_gone_writers(parts: Iterable[Path], prefix: str = "") -> list[Path]:
 
 
 def _quiet(part: Path) -> bool:
+    """Untouched for QUIET_S: a folder by what is in it too (a file written inside, a model's
+    weights, leaves the folder's own time as it was: a review)."""
     try:
-        return time.time() - part.lstat().st_mtime > QUIET_S
+        touched = part.lstat().st_mtime
+        if part.is_dir():
+            with os.scandir(part) as entries:
+                touched = max([touched, *(entry.stat(follow_symlinks=False).st_mtime for entry in entries)])
+        return time.time() - touched > QUIET_S
     except OSError:
         return False  # removed meanwhile
 

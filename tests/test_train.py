@@ -2306,6 +2306,16 @@ def test_a_part_whose_writer_is_not_seen_here_but_that_was_touched_lately_is_lef
     long_ago(other)
     write_atomically(path, lambda tmp: tmp.write_text("mine again"))
     assert not other.exists()
+    # A folder being written: the files inside are what is touched (a conversion's weights).
+    from basics.files import left_by_gone_writers
+
+    folder = tmp_path / f"model.{2**22 + 1}-7.partial"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights coming")
+    long_ago(folder)  # its own time old, the file in it written now
+    assert left_by_gone_writers([folder], "model.") == []
+    long_ago(folder / "model.safetensors")
+    assert left_by_gone_writers([folder], "model.") == [folder]
 
 
 def _writes_many(path: Path, i: int, ready) -> None:
