@@ -56,10 +56,12 @@ def host_names(text: str) -> frozenset[str]:
 
     def bad(name: str) -> bool:  # an IPv6 address as a Host header gives it: [2001:db8::1]
         bracketed = name.startswith("[") and name.endswith("]")
-        return not name or bool(set(name) & set(" /@")) or (":" in name and not bracketed)
+        return not name or bool(set(name) & set(" /@*")) or (":" in name and not bracketed)  # no *.example.com
 
-    if any(bad(name) for name in names) or ("*" in names and len(names) > 1):
-        raise argparse.ArgumentTypeError("host names, comma-separated (no ports; IPv6 in brackets), or * for any")
+    if names != {"*"} and any(bad(name) for name in names):
+        raise argparse.ArgumentTypeError(
+            "host names, comma-separated (no ports, no wildcards; IPv6 in brackets), or * alone for any"
+        )
     return names
 
 

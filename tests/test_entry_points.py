@@ -385,6 +385,7 @@ REFUSED_FLAGS = [
     ("launch.client", ["--prompt", "hi", "--stop", ""], "generate.stop[0]: expected str of 1..256 chars"),
     ("launch.client", ["--raw", "--prompt", ""], "prompt 1 is empty"),
     ("launch.serve", ["--target", "localhost:5556"], "expected a tcp://HOST:PORT or ipc://PATH"),  # was: 500s
+    ("launch.serve", ["--allowed-hosts", "*.example.com"], "no wildcards"),  # taken, and matched nothing (a review)
     # Each of these was taken: a daemon that read nothing (not even pings), refused every request,
     # failed every prompt, or ended in a traceback once the model had loaded (an audit).
     ("launch.target_daemon", ["--max-messages-per-step", "0"], "--max-messages-per-step must be at least 1"),

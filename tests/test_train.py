@@ -233,6 +233,13 @@ def test_a_shard_line_past_the_limit_is_refused_before_it_is_read_whole(tmp_path
     fine = Answer(key="k", job="j", stage="text", messages=[["user", "hi"]], tokens=[1, 2], prompt_len=1, model="m")
     write_shard(tmp_path / "fine.jsonl.xz", [fine, fine])
     assert read_shard(tmp_path / "fine.jsonl.xz") == [fine, fine] and first_model(tmp_path / "fine.jsonl.xz") == "m"
+    import json
+    from dataclasses import asdict
+
+    exactly = len(json.dumps(asdict(fine), separators=(",", ":")))  # a line of the limit's length, its newline past it
+    monkeypatch.setattr(answers.store, "MAX_LINE_CHARS", exactly, raising=False)
+    assert read_shard(tmp_path / "fine.jsonl.xz") == [fine, fine]
+    monkeypatch.setattr(answers.store, "MAX_LINE_CHARS", 1000, raising=False)
     long = Answer(**{**fine.__dict__, "key": "k" * 2000})  # a valid answer on a line of 2,100 characters
     write_shard(tmp_path / "long.jsonl.xz", [fine, long])
     with pytest.raises(AnswerStoreError, match="a line longer than 1000 characters"):

@@ -285,7 +285,8 @@ def autocast(choice: str, device: str) -> bool:
 def average_stage(training: TrainOptions, inputs: StageInputs, log: Log) -> None:
     """(1 - --weight) x --init + --weight x --average-with, saved at --out (training.average); both
     named (dflash-train refuses them missing)."""
-    assert training.init and inputs.average_with
+    if not (training.init and inputs.average_with):
+        raise TrainingError("--stage average needs --init A and --average-with B")
     drafter = average_drafters(load_drafter(training.init), load_drafter(inputs.average_with), inputs.weight)
     save_drafter(drafter.to(training.save_dtype), training.out)
     log(
@@ -296,7 +297,8 @@ def average_stage(training: TrainOptions, inputs: StageInputs, log: Log) -> None
 
 def grow_stage(training: TrainOptions, shape: DrafterShape, log: Log) -> None:
     """--init grown to --layers layers (training.drafter_starts.grown_drafter), saved at --out."""
-    assert training.init  # dflash-train refuses it missing
+    if not training.init:  # dflash-train refuses it missing
+        raise TrainingError("--stage grow needs --init A (and --layers N)")
     drafter = load_drafter(training.init)
     try:
         grown = grown_drafter(drafter, shape.layers)

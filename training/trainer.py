@@ -592,7 +592,7 @@ def _start(trainer: Trainer, target, state_path: Path, log: Callable[[str], None
         state = saved_state(state_path, trainer.cfg, trainer.dev)
         try:
             trainer.load_state(state)
-        except (ValueError, KeyError, RuntimeError) as exc:  # an optimizer's groups of another version
+        except (ValueError, KeyError) as exc:  # an optimizer's groups of another version (out of memory is not one)
             raise TrainingError(
                 f"--resume: {state_path} was saved by another version of the trainer and cannot continue here "
                 f"({_first_line(exc)}); start a new --name with --init from its drafter"
