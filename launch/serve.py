@@ -147,16 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--server-key", help="with --target: the target daemon's public key (NAME.key): CURVE, needs --curve-key"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP interface to listen on (default %(default)s)")
-    parser.add_argument("--port", type=tcp_port, default=8000, help="HTTP port, 1-65535 (default %(default)s)")
-    parser.add_argument(
-        "--allowed-hosts",
-        type=host_names,
-        metavar="NAMES",
-        help="host names requests may give in their Host header besides loopback ones, comma-separated, or * for "
-        "any: a name a proxy forwards to a loopback --host (default: on a loopback --host, loopback names only, so "
-        "no web page's own name pointed at 127.0.0.1 is answered; on another --host, any)",
-    )
+    add_listening_args(parser)
     parser.add_argument(
         "--served-model-name",
         help="the model id clients name in requests (default: the name of the target daemon's model folder)",
@@ -198,6 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("all in one (without --target)")
     add_daemon_args(group)
     return parser
+
+
+def add_listening_args(parser: argparse.ArgumentParser) -> None:
+    """Where the HTTP server listens, and the host names it answers for."""
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP interface to listen on (default %(default)s)")
+    parser.add_argument("--port", type=tcp_port, default=8000, help="HTTP port, 1-65535 (default %(default)s)")
+    parser.add_argument(
+        "--allowed-hosts",
+        type=host_names,
+        metavar="NAMES",
+        help="host names requests may give in their Host header besides loopback ones, comma-separated, or * for "
+        "any: a name a proxy forwards to a loopback --host (default: on a loopback --host, loopback names only, so "
+        "no web page's own name pointed at 127.0.0.1 is answered; on another --host, any)",
+    )
 
 
 def add_log_args(parser: argparse.ArgumentParser) -> None:
