@@ -2197,6 +2197,17 @@ def test_a_partial_file_a_killed_write_left_does_not_stop_the_next(tmp_path):
     assert not (tmp_path / "config.json.tmp").exists()
 
 
+def _run_r(setup, tmp_path) -> tuple[list[str], Path]:
+    """dflash-train's flags for a tiny run named r in tmp_path's cache, and where its state goes."""
+    target, _, store, _ = setup
+    model_dir = tmp_path / "model"
+    target.model.save_pretrained(model_dir)
+    cache = tmp_path / "cache"
+    common = ["--model", str(model_dir), "--block-size", "4", "--threads", "1", "--cache", str(cache), "--name", "r"]
+    common += ["--stage", "train", "--batch", "2", "--anchors", "2", "--eval-every", "0", "--store", str(store.folder)]
+    return common, cache / "train" / "r" / "state.pt"
+
+
 def test_a_run_is_resumed_or_restarted_never_replaced_and_a_wrong_resume_is_refused_before_any_fill(
     setup, tmp_path, capsys
 ):
@@ -2204,13 +2215,8 @@ def test_a_run_is_resumed_or_restarted_never_replaced_and_a_wrong_resume_is_refu
     a --resume of another shape was refused only after the whole feature fill (an audit)."""
     from launch.train import main
 
-    target, _, store, _ = setup
-    model_dir = tmp_path / "model"
-    target.model.save_pretrained(model_dir)
+    common, state = _run_r(setup, tmp_path)
     cache = tmp_path / "cache"
-    common = ["--model", str(model_dir), "--block-size", "4", "--threads", "1", "--cache", str(cache), "--name", "r"]
-    common += ["--stage", "train", "--batch", "2", "--anchors", "2", "--eval-every", "0", "--store", str(store.folder)]
-    state = cache / "train" / "r" / "state.pt"
     main([*common, "--steps", "2"])
     with pytest.raises(SystemExit) as exit:
         main([*common, "--steps", "3"])
@@ -2243,13 +2249,7 @@ def test_a_resume_runs_no_code_from_its_state_and_a_state_of_another_version_is_
     older trainer saved, its optimizer grouped otherwise, ended the run with a traceback (an audit)."""
     from launch.train import main
 
-    target, _, store, _ = setup
-    model_dir = tmp_path / "model"
-    target.model.save_pretrained(model_dir)
-    cache = tmp_path / "cache"
-    common = ["--model", str(model_dir), "--block-size", "4", "--threads", "1", "--cache", str(cache), "--name", "r"]
-    common += ["--stage", "train", "--batch", "2", "--anchors", "2", "--eval-every", "0", "--store", str(store.folder)]
-    state_path = cache / "train" / "r" / "state.pt"
+    common, state_path = _run_r(setup, tmp_path)
     main([*common, "--steps", "2"])
     state = torch.load(state_path, weights_only=True)
 
