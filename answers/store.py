@@ -252,6 +252,6 @@ def read_shard(path: Path) -> list[Answer]:
                 if line.strip():
                     record = json.loads(line)
                     out.append(Answer(**{k: v for k, v in record.items() if k in ANSWER_FIELDS}))
-    except (EOFError, OSError, lzma.LZMAError, json.JSONDecodeError, TypeError, AttributeError, ValueError) as exc:
+    except (EOFError, OSError, lzma.LZMAError, TypeError, AttributeError, ValueError) as exc:  # ValueError: JSON too
         raise AnswerStoreError(f"{path}: not a readable answer shard ({type(exc).__name__}: {exc})") from exc
     return out

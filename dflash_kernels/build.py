@@ -130,7 +130,7 @@ def load() -> Path:
         except OSError as err:
             raise KernelsUnavailable(f"cannot build the kernels in {folder}: {err}") from err
     mended_mode(library, LIBRARY_MODE)
-    _refuse_open_to_all(library)
+    _refuse_untrusted_place(library)
     try:
         torch.ops.load_library(str(library))
     except OSError as err:
@@ -138,7 +138,7 @@ def load() -> Path:
     return folder
 
 
-def _refuse_open_to_all(library: Path) -> None:
+def _refuse_untrusted_place(library: Path) -> None:
     """No kernels from a place another user could have written: one could put code there that this
     process loads (a cache under a 1777 folder, DFLASH_SPLIT_CACHE=/srv/shared: an audit). Every
     folder from the library up to / is owned by this user, root, or whoever owns this code (whose
