@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel
 
 from answers.store import Answer
+from basics.errors import first_line
 from basics.files import write_atomically
 from draft_node.checkpoint import load_drafter, save_drafter
 from draft_node.config import DFlashConfig
@@ -595,7 +596,7 @@ def _start(trainer: Trainer, target, state_path: Path, log: Callable[[str], None
         except (ValueError, KeyError) as exc:  # an optimizer's groups of another version (out of memory is not one)
             raise TrainingError(
                 f"--resume: {state_path} was saved by another version of the trainer and cannot continue here "
-                f"({_first_line(exc)}); start a new --name with --init from its drafter"
+                f"({first_line(exc)}); start a new --name with --init from its drafter"
             ) from exc
         log(f"resumed at step {trainer.step}")
     elif init and str(init).startswith(TARGET_INIT):
@@ -636,11 +637,6 @@ def saved_state(state_path: Path, cfg: DFlashConfig, device: torch.device | str 
 
 
 STATE_KEYS = {"step", "drafter", "optimizer", "schedule", "scale", "history"}  # what load_state reads
-
-
-def _first_line(exc: BaseException) -> str:
-    """An error's first line: the optimizer's can run to several."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _why(exc: BaseException, folder: Path) -> str:

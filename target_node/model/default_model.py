@@ -21,6 +21,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
+from basics.errors import first_line
 from basics.files import as_umask_allows, left_by_gone_writers, locked, mended_mode
 from target_node import CACHE_ROOT
 
@@ -196,8 +197,7 @@ def _random_drafter(model_dir: Path) -> Path:
     except Exception as exc:  # whatever transformers raises for a config it refuses: a launcher's traceback
         if isinstance(exc, MemoryError):
             raise
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise FileNotFoundError(f"{model_dir} holds no model transformers can load: {why}") from exc
+        raise FileNotFoundError(f"{model_dir} holds no model transformers can load: {first_line(exc)}") from exc
     cfg = config_for_target(target_config, block_size=8, mask_token_id=0)
     # Written whole beside it, then renamed: a save killed midway left a config without weights, which
     # every later start took and failed on (an audit); two first starts race to one folder.

@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
+from basics.errors import first_line
 from dflash_kernels import argmax, bf16_faster, bf16_matmul, computes_bf16, native_bf16, runs_on
 from dflash_kernels import load as load_kernels
 from dflash_kernels.build import cpu_flags, cpu_name
@@ -423,7 +424,7 @@ def load_causal_lm(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
     except Exception as exc:  # whatever transformers and its validators raise for a config they refuse
         if isinstance(exc, MemoryError):
             raise
-        raise ModelLoadError(f"{folder}: its config.json does not load: {_first_line(exc)}") from exc
+        raise ModelLoadError(f"{folder}: its config.json does not load: {first_line(exc)}") from exc
     check_config(config, folder.name)
     # Into a log file or a pipe, transformers' bar of weights loaded was one long line of carriage
     # returns in every start's log (an audit); a terminal still shows it.
@@ -433,7 +434,7 @@ def load_causal_lm(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
     try:
         model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
     except unreadable as exc:
-        raise ModelLoadError(f"{folder} does not load as a causal LM: {_first_line(exc)}") from exc
+        raise ModelLoadError(f"{folder} does not load as a causal LM: {first_line(exc)}") from exc
     finally:
         if quiet:
             hf_logging.enable_progress_bar()
@@ -442,9 +443,3 @@ def load_causal_lm(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         raise ModelLoadError(f"{folder}: its weights lack {len(missing)} tensors the model needs ({shown})")
     return model
-
-
-def _first_line(exc: BaseException) -> str:
-    """The start of an error's message on one line (transformers' can run to a page)."""
-    text = " ".join(line.strip() for line in str(exc).strip().splitlines()[:2])
-    return (text or type(exc).__name__)[:300]
