@@ -380,11 +380,16 @@ _EVENTS = {
         "a peer failed the handshake (plaintext against CURVE, a wrong server key, or not ZeroMQ)",
     ),
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: (logging.WARNING, "a peer failed the handshake"),
-    zmq.EVENT_DISCONNECTED: (
-        logging.INFO,
-        "a connection closed: the peer left, or sent a frame over this socket's limit (dropped unread)",
-    ),
 }
+# A closed connection is the normal end of every ping and every client run, so it is logged at INFO
+# only where it may be the one word of an oversize frame: its peer's last message unanswered, or
+# none read at all (three such lines on every demo run read as faults, a session's review).
+_LEFT = (logging.DEBUG, "a peer left")
+_CUT = (
+    logging.INFO,
+    "a connection closed with its peer's last message unanswered or unread: the peer left, or sent a frame "
+    "over this socket's limit (dropped unread)",
+)
 _LOG_EVERY_S = 10.0  # a peer retrying a failed handshake every 100 ms must not flood the log
 
 
@@ -426,8 +431,12 @@ class Server:
         if address.endswith(":*") or address == "ipc://*":  # the port (or path) ZeroMQ chose, for the log to name
             self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ipc_file = _ipc_file(self.address)
-        self.monitor = self.sock.get_monitor_socket(int(sum(_EVENTS)))
-        self.logged: dict[int, tuple[float, int]] = {}  # event -> (last logged, suppressed since)
+        self.monitor = self.sock.get_monitor_socket(int(sum(_EVENTS)) | zmq.EVENT_DISCONNECTED)
+        self.logged: dict[str, tuple[float, int]] = {}  # a line -> (last logged, suppressed since)
+        # Each connection (its file descriptor) -> its peer and whether that peer waits for a reply:
+        # a closed connection's log line (see _CUT). Entries end with their connections.
+        self.connections: dict[int, tuple[bytes, bool]] = {}
+        self.connection_of: dict[bytes, int] = {}
         if plaintext_abroad:
             log.warning("serving %s in plaintext: anyone who can reach it can use it and read its traffic", address)
         # The answering helper (see answering): it holds the socket only while the caller computes.
@@ -484,6 +493,9 @@ class Server:
 
     def _take(self) -> tuple[bytes, Message | ProtocolError]:
         identity, *frames = self.sock.recv_multipart(copy=False)
+        # A closed connection's descriptor may be this message's: its close, told first, is read first.
+        self._log_events()
+        self._waits(identity.bytes, True, identity.get(zmq.SRCFD))
         if len(frames) > 1 and len(frames[0]) == 0 and self._readable(frames[1:]):  # a REQ socket's envelope
             self.enveloped[identity.bytes] = None
             while len(self.enveloped) > MAX_ENVELOPED:
@@ -664,20 +676,42 @@ class Server:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False
             raise
+        self._waits(identity, False)
         return True
+
+    def _waits(self, identity: bytes, waiting: bool, connection: int | None = None) -> None:
+        """Whether the peer `identity` waits for a reply now (a message in: yes; a reply out: no)."""
+        connection = self.connection_of.get(identity, -1) if connection is None else connection
+        if connection < 0:
+            return
+        before, _ = self.connections.get(connection, (identity, False))
+        if before != identity:  # a descriptor reused before its close was read: at most one entry each
+            self.connection_of.pop(before, None)
+        self.connection_of[identity] = connection
+        self.connections[connection] = (identity, waiting)
+
+    def _closed(self, connection: int) -> tuple[int, str]:
+        """A closed connection's log line; its entries end (see _CUT)."""
+        identity, waiting = self.connections.pop(connection, (b"", True))
+        if self.connection_of.get(identity) == connection:
+            del self.connection_of[identity]
+        return _CUT if waiting else _LEFT
 
     def _log_events(self) -> None:
         while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)["event"]
-            level, text = _EVENTS.get(event, (logging.DEBUG, f"socket event {event}"))
-            last, suppressed = self.logged.get(event, (0.0, 0))
+            event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                level, text = self._closed(event["value"])
+            else:
+                level, text = _EVENTS.get(event["event"], (logging.DEBUG, f"socket event {event['event']}"))
+            last, suppressed = self.logged.get(text, (0.0, 0))
             now = time.monotonic()
             if now - last < _LOG_EVERY_S:
-                self.logged[event] = (last, suppressed + 1)
+                self.logged[text] = (last, suppressed + 1)
                 continue
             more = f" (and {suppressed} more like it in the last {now - last:.0f} s)" if suppressed else ""
             log.log(level, "%s: %s%s", self.address, text, more)
-            self.logged[event] = (now, 0)
+            self.logged[text] = (now, 0)
 
     def close(self, linger_ms: int = 0) -> None:
         """`linger_ms`: how long replies still queued get to leave (a stopping daemon's last words)."""

@@ -237,3 +237,13 @@ def long_ago(path) -> None:
     """`path` last touched an hour ago: a killed writer's part, past basics.files.QUIET_S."""
     then = time.time() - 3600
     os.utime(path, (then, then))
+
+
+def wait_until(condition, timeout_s: float, every_s: float = 0.05) -> float | None:
+    """Seconds until `condition()` held, or None if it did not within `timeout_s`."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout_s:
+        if condition():
+            return time.monotonic() - began
+        time.sleep(every_s)
+    return None

@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 from fuzz import Fuzzer, Template, run
-from helpers import assert_lossless, drafter_config, free_tcp_address, greedy, tiny_target
+from helpers import assert_lossless, drafter_config, free_tcp_address, greedy, tiny_target, wait_until
 
 from draft_node.checkpoint import config_for_target, random_drafter, save_drafter
 from draft_node.daemon import DraftService
@@ -64,10 +64,7 @@ def drafter(target, keys, tmp_path_factory):
 
 
 def wait_for_log(log, text, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while text not in log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return text in log.read_text()
+    return wait_until(lambda: text in log.read_text(), timeout_s) is not None
 
 
 def test_an_allowed_target_drafts_and_other_keys_get_nothing(target, keys, drafter):

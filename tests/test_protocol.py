@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
@@ -12,7 +13,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from helpers import send_until_refused
+from helpers import send_until_refused, wait_until
 
 from protocol import (
     MAX_HEADER_BYTES,
@@ -1130,5 +1131,38 @@ def test_a_launcher_waits_for_its_own_daemons_answer_not_another_at_the_address(
             assert wait_ready(address, 2.0) and wait_ready(address, 2.0, pid=4242)
             started = time.monotonic()
             assert not wait_ready(address, 30.0, alive=lambda: time.monotonic() < started + 1.5, pid=os.getpid())
+    finally:
+        server.close()
+
+
+def test_a_closed_connection_is_logged_at_info_only_where_it_may_have_cut_a_message(tmp_path, caplog):
+    """Every ping and client run ends by closing its connection: each was an INFO line that a frame
+    over the limit may have been dropped (three on every demo run). A peer that leaves answered is a
+    DEBUG line now; one that sent a frame over the limit is still an INFO line. A flood of peers
+    coming and going leaves no entry behind."""
+    caplog.set_level(logging.DEBUG, logger="transport")
+    address = f"ipc://{tmp_path}/closing.sock"
+    server = Server(address, max_message_bytes=1 << 16)
+    try:
+        for _ in range(200):
+            client = Client(address)
+            sent = client.send("stats")
+            identity, message = server.next(2000)
+            assert message.id == sent
+            assert server.send(identity, encode("stats_ok", sent, {"stats": {}}))
+            assert client.wait(sent, "stats", 2.0) is not None
+            client.close()
+        assert wait_until(lambda: server.next(0) is None and not server.connections, 5)
+        assert not server.connection_of
+        lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "transport"]
+        assert (logging.DEBUG, f"{server.address}: a peer left") in lines
+        assert not [text for level, text in lines if level >= logging.INFO], lines
+        big = zmq.Context.instance().socket(zmq.DEALER)
+        big.connect(address)
+        big.send(b"\x80" * (1 << 17))
+        cut = lambda: any("over this socket's limit" in r.getMessage() for r in caplog.records)  # noqa: E731
+        assert wait_until(lambda: server.next(0) is None and cut(), 5)
+        assert [r.levelno for r in caplog.records if "over this socket's limit" in r.getMessage()] == [logging.INFO]
+        big.close(0)
     finally:
         server.close()

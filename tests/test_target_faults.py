@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 from fuzz import Fuzzer, Template, run
-from helpers import assert_lossless, greedy
+from helpers import assert_lossless, greedy, wait_until
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from frontend.target_client import TargetClient
@@ -91,16 +91,6 @@ def assert_serves_plain(served, keys) -> None:
         assert client.generate(token_ids=PROMPT, max_new_tokens=20)["token_ids"] == greedy(served.model, PROMPT, 20)
     finally:
         client.close()
-
-
-def wait_until(condition, timeout_s: float, every_s: float = 0.05) -> float | None:
-    """Seconds until `condition()` held, or None if it did not within `timeout_s`."""
-    began = time.monotonic()
-    while time.monotonic() - began < timeout_s:
-        if condition():
-            return time.monotonic() - began
-        time.sleep(every_s)
-    return None
 
 
 def test_an_allowed_client_is_served_and_other_keys_get_nothing(served, keys):
