@@ -2362,3 +2362,18 @@ def test_rows_added_after_a_part_written_row_sit_at_their_offsets(tmp_path):
     reopened = features_module.FeatureCache(tmp_path / "features", 4)
     assert torch.equal(reopened.get("first"), torch.ones(2, 4))
     assert torch.equal(reopened.get("second"), torch.full((3, 4), 7.0))
+
+
+def test_training_embeds_the_noise_block_as_serving_does_where_the_embedding_scales(tmp_path):
+    """Gemma-family targets scale their embeddings inside the embedding module (by sqrt(hidden)),
+    and serving sends `TargetModel.embed`'s rows (`DrafterBridge.noise`): training read the bare
+    weight rows, so its drafter learned on blocks 1/sqrt(hidden) the size of those it is served."""
+    from target_node.drafting.bridge import DrafterBridge
+
+    for arch in ("llama", "gemma2"):
+        target = tiny_target(arch)
+        cfg = config_for_target(target.config, num_layers=1, block_size=4, mask_token_id=0)
+        trainer = Trainer(target, cfg, [], FeatureCache(tmp_path / arch, cfg.feature_width), opts())
+        served = DrafterBridge(target, random_drafter(cfg).describe(64)).noise(5)
+        trained = trainer.noise(torch.tensor([[[5, 0, 0, 0]]]))[0, 0]
+        torch.testing.assert_close(trained, served.float(), msg=arch)

@@ -127,6 +127,21 @@ def mix_weights(kinds: list[str], shares: dict[str, float]) -> torch.Tensor:
     return torch.tensor([present[k] * scale / counts[k] if k in present else 1.0 / n for k in kinds])
 
 
+EMBED_CHUNK = 8192  # token rows embedded per call while building the training table
+
+
+@torch.no_grad()
+def embedding_table(model: torch.nn.Module) -> torch.Tensor:
+    """Every token's input embedding [vocab, hidden] as the target's embedding module gives it:
+    what serving sends as the noise block (`TargetModel.embed`). Gemma-family modules scale their
+    weight rows by sqrt(hidden) in their forward; the bare `.weight` rows missed that, so a drafter
+    trained for such a target saw blocks 1/sqrt(hidden) the size of those it is served."""
+    module = model.get_input_embeddings()
+    rows, device = module.weight.shape[0], module.weight.device
+    parts = [module(torch.arange(s, min(s + EMBED_CHUNK, rows), device=device)) for s in range(0, rows, EMBED_CHUNK)]
+    return torch.cat(parts).detach()
+
+
 class TrainingError(ValueError):
     """A run that cannot go on as asked: nothing to train on, a loss that is no number."""
 
@@ -170,7 +185,7 @@ class Trainer:
         self.val_records = samples([a for a in answers if a.held_out], features, opts.max_len)[: opts.val_answers]
         self.draw = self._draw_weights(answers)
         model = target.model
-        self.embed = model.get_input_embeddings().weight.detach().to(self.dev, torch.float32)
+        self.embed = embedding_table(model).to(self.dev, torch.float32)
         self.full_head = model.get_output_embeddings().weight.detach()
         if opts.distill and features.width == cfg.feature_width:
             raise ValueError(
@@ -291,11 +306,15 @@ class Trainer:
         are computed here, on the target's device, into the batch (its teacher too, to distill)."""
         if batch.features is None:
             self._live_rows(batch)
-        noise = F.embedding(batch.block_tokens.to(self.dev), self.embed)
+        noise = self.noise(batch.block_tokens)
         features = batch.features.to(self.dev, non_blocking=True).float()
         anchors = batch.anchors.to(self.dev)
         hidden = (forward or self.drafter.forward_anchors)(features, anchors, noise, self.scale)
         return hidden, batch.labels.to(self.dev)
+
+    def noise(self, block_tokens: torch.Tensor) -> torch.Tensor:
+        """The blocks' embeddings [..., hidden] on the device, as serving embeds them."""
+        return F.embedding(block_tokens.to(self.dev), self.embed)
 
     def _live_rows(self, batch: Batch) -> None:
         """The batch's context rows [S, T, W] and, to distill, its teacher rows, from the target now:
