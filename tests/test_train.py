@@ -1311,6 +1311,19 @@ def test_distillation_alone_teaches_the_drafter_the_targets_tokens(setup, wide_f
     assert trained["tau"] > baseline["tau"] + 0.04, (trained["tau"], baseline["tau"])
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "mamba2"])
+def test_the_last_layers_tap_is_the_final_norms_output_the_head_reads(one_thread, arch):
+    """Distillation's teacher is the last layer's tap through the head, so that tap must be the final
+    norm's output in every family. Mamba 2 leaves the embeddings out of its hidden states (its taps sit
+    one index lower), and its last layer's tap was the un-normed row: the teacher's logits were
+    another model's (an audit)."""
+    target = tiny_target(arch)
+    last, tokens = target.config.num_hidden_layers - 1, list(range(3, 20))
+    final, served = target.forward(tokens, (last,))
+    torch.testing.assert_close(served, final)
+    torch.testing.assert_close(target.prefill_features([tokens], (last,))[0], final)
+
+
 def test_distillation_refuses_a_cache_without_the_targets_last_layer(setup):
     target, cfg, store, features = setup
     with pytest.raises(ValueError, match="last layer"):
