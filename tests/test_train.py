@@ -26,7 +26,7 @@ from target_node.decoding.sequence import generate
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.drafting.proposers import DFlashProposer
 from training.average import average_drafters
-from training.batches import Sample, draft_vocabulary, make_batch
+from training.batches import Batch, Sample, draft_vocabulary, make_batch
 from training.drafter_starts import export_drafter
 from training.estimate import by_kind, estimate, kind_table
 from training.features import DiskReserve, FeatureCache, LiveFeatures, feature_folder
@@ -2390,3 +2390,24 @@ def test_training_embeds_the_noise_block_as_serving_does_where_the_embedding_sca
         served = DrafterBridge(target, random_drafter(cfg).describe(64)).noise(5)
         trained = trainer.noise(torch.tensor([[[5, 0, 0, 0]]]))[0, 0]
         torch.testing.assert_close(trained, served.float(), msg=arch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "falcon_h1"])
+def test_training_projects_through_the_head_as_the_target_computes_its_logits(one_thread, tmp_path, arch):
+    """The loss head and distillation's teacher are the target's logits as serving computes them
+    (`TargetModel.logits`, which draft logits use too): with Gemma 2's final softcap and Falcon-H1's
+    LM head multiplier. Training left both out, so its drafter learned logits at another temperature
+    than serving samples drafts from, and distilled from a distribution that was not the target's
+    (an audit)."""
+    target = tiny_target(arch)
+    cfg = config_for_target(target.config, num_layers=1, block_size=4, mask_token_id=0)
+    trainer = Trainer(target, cfg, [], FeatureCache(tmp_path / arch, cfg.feature_width), opts(draft_vocab=0))
+    hidden = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(trainer.project(hidden), target.logits(hidden))
+    tokens = list(range(3, 20))
+    final, _ = target.forward(tokens)
+    rows = Batch(None, None, None, None, teacher=final[None])
+    teacher = trainer.teacher_logprobs(rows, torch.ones(1, len(tokens), dtype=torch.bool))
+    with torch.no_grad():
+        own = target.model(torch.tensor([tokens])).logits[0].float().log_softmax(-1)
+    torch.testing.assert_close(teacher, own)

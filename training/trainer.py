@@ -187,6 +187,9 @@ class Trainer:
         model = target.model
         self.embed = embedding_table(model).to(self.dev, torch.float32)
         self.full_head = model.get_output_embeddings().weight.detach()
+        # What the target applies after its head (Gemma 2's softcap, Falcon-H1's multiplier, ...), as
+        # serving's draft logits and the target's own logits do: the loss and the teacher apply it too.
+        self.scale_logits = target.scale_logits
         if opts.distill and features.width == cfg.feature_width:
             raise ValueError(
                 "distillation needs the target's last layer beside the drafter's taps in the feature cache "
@@ -336,8 +339,9 @@ class Trainer:
             batch.teacher = torch.gather(extra, 1, flat).view(pos.shape + (extra.shape[2],))
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits [rows, draft vocab] of hidden rows, through the target's frozen head."""
-        return (hidden.to(self.head.dtype) @ self.head.T).float()
+        """Draft logits [rows, draft vocab] of hidden rows, through the target's frozen head and the
+        scaling it applies after it (`TargetModel.scale_logits`): the logits serving drafts from."""
+        return self.scale_logits((hidden.to(self.head.dtype) @ self.head.T).float())
 
     @torch.no_grad()
     def teacher_logprobs(self, batch: Batch, labelled: torch.Tensor) -> torch.Tensor:
@@ -345,7 +349,7 @@ class Trainer:
         tap (the final norm's output, as the last of transformers' hidden states is) through its LM
         head, renormalised over the draft vocabulary."""
         last = batch.teacher[labelled.to(batch.teacher.device)].to(self.dev)
-        return (last.to(self.head.dtype) @ self.head.T).float().log_softmax(-1)
+        return self.project(last).log_softmax(-1)
 
     def _weighted_ce(self, logits: torch.Tensor, slots: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
         return torch.div(*self._weighted_loss_parts(logits, slots, labelled))
