@@ -35,6 +35,21 @@ from target_node.model.support import UnsupportedModel
 CAPTURE_LIMIT = 64
 
 
+def align_time_step_limits(model: nn.Module) -> None:
+    """Give each state-space mixer the step-size limit its config states. transformers 5's Nemotron-H
+    mixer clamps its step sizes at `time_step_min` in the chunked scan but not in its one-token step
+    (its config's `time_step_limit`, (0, inf), clamps nothing): a row run alone differed from the same
+    row run in a prefill or a verify by up to 0.2%, so training's prefilled features were not the rows
+    served, nor a verify's logits a plain step's (an audit). Where a mixer already has its config's
+    limit (Mamba 2, Falcon-H1), nothing changes."""
+    stated = getattr(model.config.get_text_config(decoder=True), "time_step_limit", None)
+    if stated is None:
+        return
+    for module in model.modules():
+        if isinstance(getattr(module, "time_step_limit", None), tuple | list):
+            module.time_step_limit = tuple(stated)
+
+
 @dataclass
 class LayerState:
     """One recurrent cache layer's state, copied out."""

@@ -32,6 +32,7 @@ from target_node.engine.engine import PREFER_DEVICE, Engine, engine_for
 from target_node.model.cache_policy import CachePolicy
 from target_node.model.default_model import model_folder
 from target_node.model.greedy_head import ScreenedArgmaxHead
+from target_node.model.recurrent import align_time_step_limits
 from target_node.model.support import ModelLoadError, check_config, check_structure, probe
 from target_node.model.transformers_path import TransformersPath
 
@@ -84,6 +85,7 @@ class TargetModel:
         # What cannot be served is refused here, not mid-request; the rollback policy is chosen
         # from the layers of the model's own cache.
         decoder = check_structure(model)
+        align_time_step_limits(model)
         fallback = TransformersPath(model, cache_policy)
         self.eos_ids = self._eos_ids()
         self.head = model.get_output_embeddings()
