@@ -17,6 +17,7 @@ Verification keeps the output the target's own whatever the continuation says.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -127,17 +128,24 @@ class Datastore:
             return Continuation([])
         found = self._matches(tokens[-self.context :])[:sample]
         follow = np.asarray(self.tokens[np.minimum(found[:, None] + np.arange(limit), len(self.tokens) - 1)])
-        out, chances = [], []
-        for d in range(limit if len(found) else 0):
-            column = follow[:, d]
-            column = column[column != self.none]
-            if not len(column):
-                break
-            values, counts = np.unique(column, return_counts=True)
-            best = values[counts.argmax()]
-            if self.vocab_size is not None and best >= self.vocab_size:
-                break
-            out.append(int(best))
-            chances.append(float(counts.max()) / (len(column) + 1))
-            follow = follow[follow[:, d] == best]
-        return Continuation(out, chances)
+        return vote(follow.tolist(), limit if len(found) else 0, self.none, self.vocab_size)
+
+
+def vote(follow: list[list[int]], limit: int, none: int, vocab_size: int | None) -> Continuation:
+    """The continuation the rows `follow` (each occurrence's next `limit` tokens) vote, token by
+    token among the rows that agreed so far: the commonest (ties to the lowest id), with its share
+    c / (n + 1). In Python lists: a step voted with np.unique over at most 256 rows a depth, 0.15-0.3
+    ms a step, half of that numpy's per-call overhead on arrays this small (the same tokens and shares)."""
+    out, chances = [], []
+    for d in range(limit):
+        votes = Counter(row[d] for row in follow if row[d] != none)
+        if not votes:
+            break
+        most = max(votes.values())
+        best = min(token for token, count in votes.items() if count == most)
+        if vocab_size is not None and best >= vocab_size:
+            break
+        out.append(best)
+        chances.append(float(most) / (sum(votes.values()) + 1))
+        follow = [row for row in follow if row[d] == best]
+    return Continuation(out, chances)
