@@ -2425,3 +2425,30 @@ def test_a_recurrent_targets_one_token_steps_tap_the_rows_its_prefill_computes(o
     _, first = target.forward(tokens[:12], taps)
     stepped = torch.cat([first] + [target.forward([t], taps)[1] for t in tokens[12:]])
     torch.testing.assert_close(stepped, prefilled, rtol=1e-4, atol=1e-4)
+
+
+def test_a_zamba2_targets_one_token_steps_tap_the_rows_its_prefill_computes(one_thread):
+    """Zamba2 loads as a target, and its mixers clamp at time_step_min in the chunked scan alone, as
+    Nemotron-H's did; its config states no time_step_limit, so the alignment passed it by and a
+    row run alone differed from the same row prefilled (or verified) by 0.4% (a review)."""
+    import transformers
+
+    from target_node.model.target import TargetModel
+
+    config = transformers.Zamba2Config(
+        vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        mamba_d_state=16, mamba_headdim=16, n_mamba_heads=8, intermediate_size=128, tie_word_embeddings=False,
+        layers_block_type=["mamba", "hybrid", "mamba", "mamba"], hybrid_layer_ids=[1], chunk_size=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Zamba2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 or name.endswith(".bias"):
+                p.normal_(0, 0.2)
+    target = TargetModel(model, tokenizer=None)
+    taps, tokens = (0, 1, 2), [5, 17, 33, 2, 90, 41, 7, 12, 64, 3, 150, 8] + list(range(100, 123))
+    prefilled = target.prefill_features([tokens], taps)[0]
+    _, first = target.forward(tokens[:12], taps)
+    stepped = torch.cat([first] + [target.forward([t], taps)[1] for t in tokens[12:]])
+    torch.testing.assert_close(stepped, prefilled, rtol=1e-4, atol=1e-4)

@@ -41,10 +41,9 @@ def align_time_step_limits(model: nn.Module) -> None:
     (its config's `time_step_limit`, (0, inf), clamps nothing): a row run alone differed from the same
     row run in a prefill or a verify by up to 0.2%, so training's prefilled features were not the rows
     served, nor a verify's logits a plain step's (an audit). Where a mixer already has its config's
-    limit (Mamba 2, Falcon-H1), nothing changes."""
-    stated = getattr(model.config.get_text_config(decoder=True), "time_step_limit", None)
-    if stated is None:
-        return
+    limit (Mamba 2, Falcon-H1), nothing changes. A config that states none (Zamba2, whose mixers clamp
+    as Nemotron-H's did) gets the one limit the one-token step honours too: none, (0, inf) (a review)."""
+    stated = getattr(model.config.get_text_config(decoder=True), "time_step_limit", None) or (0.0, float("inf"))
     for module in model.modules():
         if isinstance(getattr(module, "time_step_limit", None), tuple | list):
             module.time_step_limit = tuple(stated)
