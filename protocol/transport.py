@@ -495,7 +495,7 @@ class Server:
         identity, *frames = self.sock.recv_multipart(copy=False)
         # A closed connection's descriptor may be this message's: its close, told first, is read first.
         self._log_events()
-        self._waits(identity.bytes, True, identity.get(zmq.SRCFD))
+        self._waits(identity.bytes, True, _source_fd(identity))
         if len(frames) > 1 and len(frames[0]) == 0 and self._readable(frames[1:]):  # a REQ socket's envelope
             self.enveloped[identity.bytes] = None
             while len(self.enveloped) > MAX_ENVELOPED:
@@ -729,6 +729,15 @@ class Server:
         if self.own_context:
             self.context.term()
         _remove_ipc_file(self.ipc_file)
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection `frame` came in on, or -1: an inproc message has none, and
+    ZeroMQ refuses the question (EINVAL), which failed every message an inproc server read (a review)."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return -1
 
 
 def _ipc_file(address: str) -> tuple[str, int, int] | None:

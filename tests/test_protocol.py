@@ -1166,3 +1166,20 @@ def test_a_closed_connection_is_logged_at_info_only_where_it_may_have_cut_a_mess
         big.close(0)
     finally:
         server.close()
+
+
+def test_an_inproc_server_reads_its_messages():
+    """ZeroMQ gives an inproc message no source descriptor: reading it for the closed-connection log
+    raised EINVAL, and an inproc server failed every message it received (a review)."""
+    context = zmq.Context()
+    server = Server("inproc://reads", context=context)
+    client = Client("inproc://reads", context)
+    try:
+        sent = client.send("stats")
+        identity, message = server.next(2000)
+        assert message.id == sent and not server.connections
+        assert server.send(identity, encode("stats_ok", sent, {"stats": {}}))
+        assert client.wait(sent, "stats", 2.0).type == "stats_ok"
+    finally:
+        client.close()
+        server.close()
