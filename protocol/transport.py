@@ -383,8 +383,10 @@ _EVENTS = {
 }
 # A closed connection is the normal end of every ping and every client run, so it is logged at INFO
 # only where it may be the one word of an oversize frame: its peer's last message unanswered, or
-# none read at all (three such lines on every demo run read as faults, a session's review).
-_LEFT = (logging.DEBUG, "a peer left")
+# none read at all (three such lines on every demo run read as faults, a session's review). ZeroMQ
+# tells a frame over the limit from a peer leaving in no way, so one sent after an answered message
+# is a DEBUG line too, which says so (a review).
+_LEFT = (logging.DEBUG, "a peer left (or, after its last answer, sent a frame too big for this socket)")
 _CUT = (
     logging.INFO,
     "a connection closed with its peer's last message unanswered or unread: the peer left, or sent a frame "

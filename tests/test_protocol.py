@@ -1138,8 +1138,8 @@ def test_a_launcher_waits_for_its_own_daemons_answer_not_another_at_the_address(
 def test_a_closed_connection_is_logged_at_info_only_where_it_may_have_cut_a_message(tmp_path, caplog):
     """Every ping and client run ends by closing its connection: each was an INFO line that a frame
     over the limit may have been dropped (three on every demo run). A peer that leaves answered is a
-    DEBUG line now; one that sent a frame over the limit is still an INFO line. A flood of peers
-    coming and going leaves no entry behind."""
+    DEBUG line now; one whose first frame is over the limit is still an INFO line (after an answered
+    message, ZeroMQ cannot tell it from a leave). A flood of peers coming and going leaves no entry."""
     caplog.set_level(logging.DEBUG, logger="transport")
     address = f"ipc://{tmp_path}/closing.sock"
     server = Server(address, max_message_bytes=1 << 16)
@@ -1155,7 +1155,7 @@ def test_a_closed_connection_is_logged_at_info_only_where_it_may_have_cut_a_mess
         assert wait_until(lambda: server.next(0) is None and not server.connections, 5)
         assert not server.connection_of
         lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "transport"]
-        assert (logging.DEBUG, f"{server.address}: a peer left") in lines
+        assert any(level == logging.DEBUG and "a peer left" in text for level, text in lines)
         assert not [text for level, text in lines if level >= logging.INFO], lines
         big = zmq.Context.instance().socket(zmq.DEALER)
         big.connect(address)

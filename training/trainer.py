@@ -131,15 +131,19 @@ EMBED_CHUNK = 8192  # token rows embedded per call while building the training t
 
 
 @torch.no_grad()
-def embedding_table(model: torch.nn.Module) -> torch.Tensor:
-    """Every token's input embedding [vocab, hidden] as the target's embedding module gives it:
-    what serving sends as the noise block (`TargetModel.embed`). Gemma-family modules scale their
-    weight rows by sqrt(hidden) in their forward; the bare `.weight` rows missed that, so a drafter
-    trained for such a target saw blocks 1/sqrt(hidden) the size of those it is served."""
+def embedding_table(model: torch.nn.Module, device: torch.device | str) -> torch.Tensor:
+    """Every token's input embedding [vocab, hidden] fp32 on `device`, as the target's embedding
+    module gives it: what serving sends as the noise block (`TargetModel.embed`). Gemma-family
+    modules scale their weight rows by sqrt(hidden) in their forward; the bare `.weight` rows missed
+    that, so a drafter trained for such a target saw blocks 1/sqrt(hidden) the size of those it is
+    served. Filled chunk by chunk: the table is the one copy held (a review)."""
     module = model.get_input_embeddings()
-    rows, device = module.weight.shape[0], module.weight.device
-    parts = [module(torch.arange(s, min(s + EMBED_CHUNK, rows), device=device)) for s in range(0, rows, EMBED_CHUNK)]
-    return torch.cat(parts).detach()
+    rows, width = module.weight.shape
+    table = torch.empty(rows, width, device=device, dtype=torch.float32)
+    for start in range(0, rows, EMBED_CHUNK):
+        ids = torch.arange(start, min(start + EMBED_CHUNK, rows), device=module.weight.device)
+        table[start : start + len(ids)] = module(ids)
+    return table
 
 
 class TrainingError(ValueError):
@@ -185,7 +189,7 @@ class Trainer:
         self.val_records = samples([a for a in answers if a.held_out], features, opts.max_len)[: opts.val_answers]
         self.draw = self._draw_weights(answers)
         model = target.model
-        self.embed = embedding_table(model).to(self.dev, torch.float32)
+        self.embed = embedding_table(model, self.dev)
         self.full_head = model.get_output_embeddings().weight.detach()
         # What the target applies after its head (Gemma 2's softcap, Falcon-H1's multiplier, ...), as
         # serving's draft logits and the target's own logits do: the loss and the teacher apply it too.
