@@ -96,7 +96,7 @@ SETTINGS = {"head": Head, "screen-path": ScreenPath, "chances": Chances, "lookup
 
 
 def bench(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="bench_ab", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_ab", description=__doc__)
     ap.add_argument("--compare", choices=sorted(SETTINGS), required=True)
     ap.add_argument("--out", default="", help="where to write the JSON (default: print only)")
     own, rest = ap.parse_known_args(argv)

@@ -212,7 +212,7 @@ def resend_burst(args: argparse.Namespace, argv: list[str]) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="dflash-bench-draft-batch", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_draft_batch", description=__doc__)
     ap.add_argument("--drafter", help="drafter checkpoint folder (default: the default model's drafter)")
     ap.add_argument("--sessions", default="1,2,4,8,16", help="burst sizes: proposes arriving together")
     ap.add_argument("--dtypes", default="float32,auto", help=f"drafter dtypes, in turns ({', '.join(DTYPE_CHOICES)})")

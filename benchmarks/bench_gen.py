@@ -39,7 +39,7 @@ def measure(target: TargetModel, prompts: list[list[int]], batch: int, seconds: 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="bench_gen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_gen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
         "--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct, converted once into the cache)"

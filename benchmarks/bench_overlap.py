@@ -77,7 +77,11 @@ def decode(target: TargetModel, sequences: list[Sequence], schedule: str) -> flo
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_overlap",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--drafter-address", required=True, help="a running draft daemon")
     ap.add_argument("--model", default=None, help="local HF folder of the target (default: SmolLM2)")
     ap.add_argument("--device", default="cpu")

@@ -38,7 +38,9 @@ def step_seconds(target: TargetModel, widths: list[int], rounds: int, paths: lis
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="bench_paths", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_paths",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     ap.add_argument("--widths", default="1,2,3,5,9,13,17")

@@ -30,7 +30,7 @@ def per_call_ms(fn, calls: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="dflash-bench-selector", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_selector", description=__doc__)
     ap.add_argument("--drafter", required=True, help="a DFlash2 drafter checkpoint folder")
     ap.add_argument(
         "--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct, converted once into the cache)"

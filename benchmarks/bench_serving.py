@@ -127,7 +127,9 @@ def long_prefill(address: str, prompt_tokens: int, short: dict, count: int, voca
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="dflash-bench-serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_serving",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--drafter", help="drafter checkpoint (default: the model's default drafter)")

@@ -23,7 +23,9 @@ from target_node.serving.settings import ServiceSettings
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="bench_start", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_start", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("--model", help="local HF folder (default: SmolLM2-135M-Instruct, converted once)")
     ap.add_argument("--dtype", default="auto", help="as the target daemon's --dtype (default %(default)s)")
     ap.add_argument("--slots", type=int, default=8, help="as the target daemon's --max-batch (default %(default)s)")

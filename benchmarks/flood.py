@@ -222,7 +222,7 @@ def long_prompt(args: argparse.Namespace, prompt: list[int]) -> dict:
 @ends_on_sigterm
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(
-        prog="dflash-flood", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        prog="python -m benchmarks.flood", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     ap.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads of the target daemon")

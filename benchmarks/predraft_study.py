@@ -155,7 +155,11 @@ def predraft(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.predraft_study",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", help="target folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", help="drafter folder (default: the shipped drafter)")
     parser.add_argument("--prompts", default=str(ROOT / "data" / "eval_prompts.jsonl"))
