@@ -96,8 +96,14 @@ SETTINGS = {"head": Head, "screen-path": ScreenPath, "chances": Chances, "lookup
 
 
 def bench(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_ab", description=__doc__)
-    ap.add_argument("--compare", choices=sorted(SETTINGS), required=True)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_ab",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every other flag is `python -m benchmarks.evaluate`'s (--threads, --dtype, --limit, --prompts, ...),\n"
+        "with --drafter the shipped drafter, --modes adaptive and --max-new-tokens 96 unless given.",
+    )
+    ap.add_argument("--compare", choices=sorted(SETTINGS), required=True, help="the setting compared (above)")
     ap.add_argument("--out", default="", help="where to write the JSON (default: print only)")
     own, rest = ap.parse_known_args(argv)
     args = parse_args(["--drafter", str(SHIPPED_DRAFTER), "--modes", "adaptive", "--max-new-tokens", "96", *rest])
