@@ -6,7 +6,7 @@ deployment, the draft daemon on host B and the target daemon on host A:
 
   dflash-keys --out keys draft target client
   B: dflash-draft-daemon --bind tcp://0.0.0.0:5555 --curve-key keys/draft.key_secret --curve-allow keys/target.key
-  A: dflash-target-daemon --drafter tcp://B:5555 --drafter-key keys/draft.key --curve-key keys/target.key_secret \
+  A: dflash-target-daemon --drafter tcp://B:5555 --drafter-key keys/draft.key --curve-key keys/target.key_secret \\
        --bind tcp://0.0.0.0:5556 --curve-allow keys/client.key
   C: dflash-client --address tcp://A:5556 --curve-key keys/client.key_secret --server-key keys/target.key ...
 (Without --curve-allow the target daemon's own socket stays plaintext, for clients on its host alone.)
