@@ -30,6 +30,7 @@ import torch
 
 from benchmarks.evaluate import Runs, mode_table, parse_args, prepare_runs, run_prompt
 from launch.common import resolve_model
+from launch.net import HelpFormatter
 from target_node.model.default_model import SHIPPED_DRAFTER
 
 
@@ -99,7 +100,7 @@ def bench(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_ab",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
         epilog="Every other flag is `python -m benchmarks.evaluate`'s (--threads, --dtype, --limit, --prompts, ...),\n"
         "with --drafter the shipped drafter, --modes adaptive and --max-new-tokens 96 unless given.",
     )

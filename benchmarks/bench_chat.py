@@ -26,6 +26,7 @@ from benchmarks.bench_serving import percentile
 from frontend.target_client import TargetClient
 from launch.common import resolve_model
 from launch.local import daemon, free_address, free_port
+from launch.net import HelpFormatter
 from launch.processes import ends_on_sigterm
 from launch.serve import front_end
 from protocol.transport import request
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_chat",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument(

@@ -22,6 +22,7 @@ import torch
 from answers.store import STORE, AnswerStore
 from draft_node.checkpoint import config_for_target
 from launch.common import resolve_model
+from launch.net import HelpFormatter
 from protocol import FLOAT_DTYPES
 from protocol.tensors import torch_dtype
 from target_node.model.target import TargetModel
@@ -39,7 +40,7 @@ def measure(target: TargetModel, prompts: list[list[int]], batch: int, seconds: 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_gen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_gen", description=__doc__, formatter_class=HelpFormatter
     )
     ap.add_argument(
         "--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct, converted once into the cache)"

@@ -20,6 +20,7 @@ from pathlib import Path
 from frontend.target_client import TargetClient
 from launch.common import resolve_model
 from launch.local import daemon, free_address, free_port
+from launch.net import HelpFormatter
 from launch.processes import ends_on_sigterm
 from launch.serve import front_end
 
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_http",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--proposer", default="none", choices=["none", "ngram"], help="the daemon's proposer")

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from launch.common import TARGET_DTYPES, resolve_model
+from launch.net import HelpFormatter
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import Sequence, generate, step
 from target_node.drafting.proposers import DFlashProposer, NoProposer
@@ -80,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_overlap",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("--drafter-address", required=True, help="a running draft daemon")
     ap.add_argument("--model", default=None, help="local HF folder of the target (default: SmolLM2)")

@@ -17,6 +17,7 @@ import json
 import torch
 
 import dflash_kernels
+from launch.net import HelpFormatter
 from target_node.decoding.governor import VerifyCosts
 from target_node.model.default_model import DEFAULT_MODEL_DIR
 from target_node.model.target import TargetModel
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_paths",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     ap.add_argument("--widths", default="1,2,3,5,9,13,17")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from launch.net import HelpFormatter
 from target_node.model.policies import RECURRENT_POLICIES
 from target_node.model.target import TargetModel
 from target_node.model.tiny import FAMILIES, tiny_target
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_rollback",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--context", type=int, default=64, help="tokens before the measured steps")

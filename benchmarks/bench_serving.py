@@ -27,6 +27,7 @@ from pathlib import Path
 from frontend.target_client import TargetClient
 from launch.common import resolve_model
 from launch.local import daemon, free_address
+from launch.net import HelpFormatter
 from launch.processes import ends_on_sigterm
 from target_node.model.default_model import ensure_default_drafter
 from training.prompts import EVAL_PROMPTS, read_prompts
@@ -129,7 +130,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_serving",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--drafter", help="drafter checkpoint (default: the model's default drafter)")

@@ -35,6 +35,7 @@ from answers.store import STORE, AnswerStore
 from dflash_kernels import native_bf16
 from draft_node.checkpoint import config_for_target
 from launch.common import resolve_model
+from launch.net import HelpFormatter
 from target_node import CACHE_ROOT
 from target_node.model.target import TargetModel
 from training.features import FeatureCache, LiveFeatures, feature_folder
@@ -101,7 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_train",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("--model", default=None, help="local HF folder of the target (default: SmolLM2)")
     ap.add_argument("--device", default="cpu")

@@ -65,6 +65,7 @@ from pathlib import Path
 
 import torch
 
+from launch.net import HelpFormatter
 from launch.processes import ends_on_sigterm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -608,7 +609,7 @@ def _folder_bytes(folder: Path) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu_run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.gpu_run", description=__doc__, formatter_class=HelpFormatter
     )
     ap.add_argument("--out", required=True, help="folder for results.json, the new drafter and the new answers")
     ap.add_argument("--minutes", type=float, default=9.0, help="the whole run's budget")

@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+from launch.net import HelpFormatter
+
 DEFAULT_POINTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "learning_curve.json"
 
 
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.learning_curve",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("--points", type=Path, default=DEFAULT_POINTS, help="JSON list of measured drafters")
     ap.add_argument("--png", type=Path, help="also draw the curve here")

@@ -33,6 +33,7 @@ from draft_node.checkpoint import load_drafter
 from draft_node.kv_cache import DraftKVCache
 from draft_node.predraft import predraft as draft_predrafts
 from launch.common import TARGET_DTYPES, resolve_model
+from launch.net import HelpFormatter
 from target_node.decoding.options import DecodeOptions
 from target_node.decoding.sequence import generate
 from target_node.drafting.bridge import DrafterBridge
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.predraft_study",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--model", help="target folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", help="drafter folder (default: the shipped drafter)")

@@ -54,6 +54,7 @@ import zmq
 
 from benchmarks.bench_serving import percentile
 from launch.local import free_address, start_daemon
+from launch.net import HelpFormatter
 from launch.processes import ends_on_sigterm, rss_mb, stop
 from protocol import Message, decode, encode
 from protocol.transport import dealer, receive, request
@@ -286,9 +287,7 @@ def tiny_pair(folder: Path) -> tuple[Path, Path]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--seconds", type=float, help="the run's length in seconds (instead of --minutes)")
     ap.add_argument("--clients", type=int, default=16)
