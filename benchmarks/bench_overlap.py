@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="local HF folder of the target (default: SmolLM2)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto", choices=TARGET_DTYPES)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's own choice) (default 1)")
     ap.add_argument("--batches", default="1,2,4,8", help="comma-separated numbers of requests decoded at once")
     ap.add_argument("--prompts", default=str(EVAL_PROMPTS), help="jsonl of {'prompt': ...}")
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated: chain, tree:N (the drafter alone), tree:N+lookup, tree:N+store, tree:N+lookup+store "
         "(with the branches looked up in the context, in the datastore), adaptive (the daemon's default: governed "
         "trees with both branches), adaptive-lookup (without the datastore's), adaptive-drafter (with neither), "
-        "adaptive-chain",
+        "adaptive-chain (default chain)",
     )
     ap.add_argument(
         "--datastore",
