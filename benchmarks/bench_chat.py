@@ -2,7 +2,7 @@
 
 Two target daemons on one model (the prefix cache on, and `--prefix-cache-mb 0`), each behind its
 own dflash-serve, all real processes. N conversations of T turns share a system prompt of about
-200 tokens; each turn's prompt is the whole history (the answers included) plus a new question,
+170 tokens; each turn's prompt is the whole history (the answers included) plus a new question,
 sent streaming and greedy, all N at once, to one way and then the other (which goes first
 alternates by turn, so drift in the machine's load favours neither). The answers of the two ways
 must be identical (checked); the second way's history is the first's. Printed: TTFT p50 / p95 by

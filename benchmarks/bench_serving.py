@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
     # An answer under load that is not the one alone is a failure: it showed as a column and exited 0 (an audit).
     short = [r for r in report["rounds"] if r["identical_to_alone"] != r["requests"]]
     if short:
-        print(f"dflash-bench-serving: {len(short)} rounds answered differently than alone", file=sys.stderr)
+        print(f"benchmarks.bench_serving: {len(short)} rounds answered differently than alone", file=sys.stderr)
         raise SystemExit(1)
     return report
 

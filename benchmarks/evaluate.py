@@ -94,8 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--json",
         default="",
-        help="where to save the results (default: ~/.cache/dflash-split/eval/NAME.json, NAME the drafter folder's "
-        "name or 'remote'; never inside a checkpoint folder, which may be the repository's)",
+        help="where to save the results (default: eval/NAME.json in the cache folder, ~/.cache/dflash-split or "
+        "$DFLASH_SPLIT_CACHE; NAME the drafter folder's name or 'remote'; never inside a checkpoint folder, which "
+        "may be the repository's)",
     )
     return ap.parse_args(argv)
 
