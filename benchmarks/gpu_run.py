@@ -378,6 +378,9 @@ class TrainPhase:
     steps: int = 100000
     batch: int = 32
     anchors: int = 32
+    # The store's sequences run to 496 tokens (p99; p90 424): launch.train's 320, sized for CPU runs,
+    # left 12% of its answer tokens and the late turns of its chats untrained (an audit, 2026-12-07).
+    max_len: int = 512
     selector_steps: int = 0  # DFlash2's selector; 0: launch.train's default
     # The field's 6e-4 from random weights, half that from a trained drafter (the 300-step fine-tunes
     # of docs/deployment.md used 3e-4; launch.train's 1e-3 took the shipped drafter from an offline
@@ -400,7 +403,8 @@ def train_drafter(common: list[str], phase: TrainPhase, stores: list[Path]) -> d
     if phase.features != "live":
         flags += ["--feature-minutes", str(phase.feature_minutes)] if phase.feature_minutes > 0 else ["--cached-only"]
     flags += ["--name", phase.name, "--out", str(phase.out), "--restart"]  # a rerun trains the phase anew
-    flags += ["--batch", str(phase.batch), "--anchors", str(phase.anchors), "--format", phase.fmt]
+    flags += ["--batch", str(phase.batch), "--anchors", str(phase.anchors), "--max-len", str(phase.max_len)]
+    flags += ["--format", phase.fmt]
     flags += ["--lr", str(phase.lr if phase.init is None else phase.lr / 2)]
     flags += ["--layers", str(phase.layers)] if phase.layers else []
     flags += ["--selector-steps", str(phase.selector_steps)] if phase.selector_steps else []
