@@ -2452,3 +2452,17 @@ def test_a_zamba2_targets_one_token_steps_tap_the_rows_its_prefill_computes(one_
     _, first = target.forward(tokens[:12], taps)
     stepped = torch.cat([first] + [target.forward([t], taps)[1] for t in tokens[12:]])
     torch.testing.assert_close(stepped, prefilled, rtol=1e-4, atol=1e-4)
+
+
+def test_feature_rows_past_float16s_range_are_refused_with_their_peak_not_cached_as_inf(tmp_path):
+    """The cache stores fp16 rows: a row past 65,504 (a large model's outlier channel) was stored as
+    inf, and the run it fed stopped at a NaN loss that said nothing of why. It is refused, naming its
+    peak, and nothing of it is written; rows in range are kept as before."""
+    cache = features_module.FeatureCache(tmp_path / "features", 4)
+    wild = torch.ones(2, 4)
+    wild[1, 2] = 1e5
+    with pytest.raises(features_module.FeatureCacheError, match=r"reach 1e\+05, past float16's range"):
+        cache.add("wild", wild)
+    cache.add("tame", torch.full((3, 4), 60000.0))
+    reopened = features_module.FeatureCache(tmp_path / "features", 4)
+    assert "wild" not in reopened and torch.equal(reopened.get("tame"), torch.full((3, 4), 60000.0))

@@ -47,6 +47,20 @@ class FeatureCacheError(ValueError):
     """A feature cache that does not hold what its opener asks for, or lost rows."""
 
 
+def half_rows(features: torch.Tensor, whose: str) -> torch.Tensor:
+    """`features` as the float16 rows the cache stores and training reads. Rows past float16's range
+    (65,504: a large model's outlier channels can reach it) would be inf, and the drafter's loss a
+    NaN that says nothing of why: refused here with the peak instead."""
+    half = features.to(torch.float16)
+    if not torch.isfinite(half).all() and torch.isfinite(features).all():
+        peak = features.abs().max().item()
+        raise FeatureCacheError(
+            f"{whose}: its feature rows reach {peak:.4g}, past float16's range (65504), in which features "
+            "are cached and trained on: this target's taps cannot be trained on yet"
+        )
+    return half
+
+
 LOST_ENTRIES = 4  # entries whose rows a cache drops at open, where its file ends before them (more: refused)
 
 
@@ -236,7 +250,7 @@ class FeatureCache:
             return
         if features.ndim != 2 or features.shape[1] != self.width:
             raise ValueError(f"feature rows must be [rows, {self.width}], got {list(features.shape)}")
-        data = features.detach().to(torch.float16).cpu().numpy().tobytes()
+        data = half_rows(features.detach(), f"answer {key}").cpu().numpy().tobytes()
         with self.locked(), open(self.rows_path, "ab") as fh:
             self._read_index()
             if key in self.index:  # another writer's, meanwhile
@@ -349,7 +363,7 @@ class LiveFeatures:
             running = [j for j in group if sequences[j]]
             results = self.target.prefill_features([sequences[j] for j in running], self.taps) if running else []
             for j, features in zip(running, results, strict=True):
-                out[j] = features.to(torch.float16)
+                out[j] = half_rows(features, f"sequence {j} of the batch")
             for j in group:
                 if out[j] is None:
                     out[j] = torch.empty(0, self.width, dtype=torch.float16)
