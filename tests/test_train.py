@@ -2413,6 +2413,16 @@ def test_training_projects_through_the_head_as_the_target_computes_its_logits(on
     torch.testing.assert_close(teacher, own)
 
 
+def assert_steps_tap_as_prefill(target) -> None:
+    """The rows a recurrent target taps one token at a time (after a 12-token prefill) equal, beyond
+    rounding, those one prefill of the same 35 tokens taps."""
+    taps, tokens = (0, 1, 2), [5, 17, 33, 2, 90, 41, 7, 12, 64, 3, 150, 8] + list(range(100, 123))
+    prefilled = target.prefill_features([tokens], taps)[0]
+    _, first = target.forward(tokens[:12], taps)
+    stepped = torch.cat([first] + [target.forward([t], taps)[1] for t in tokens[12:]])
+    torch.testing.assert_close(stepped, prefilled, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("arch", ["mamba2", "falcon_h1", "nemotron_h", "qwen3_next"])
 def test_a_recurrent_targets_one_token_steps_tap_the_rows_its_prefill_computes(one_thread, arch):
     """Serving taps rows one token at a time (plain steps, single accepted tokens), training's fill
@@ -2420,11 +2430,7 @@ def test_a_recurrent_targets_one_token_steps_tap_the_rows_its_prefill_computes(o
     its step sizes at time_step_min in the chunked scan alone, not in its one-token step, and the
     rows differed by up to 0.05 on a scale of 30 (an audit)."""
     target = tiny_target(arch)
-    taps, tokens = (0, 1, 2), [5, 17, 33, 2, 90, 41, 7, 12, 64, 3, 150, 8] + list(range(100, 123))
-    prefilled = target.prefill_features([tokens], taps)[0]
-    _, first = target.forward(tokens[:12], taps)
-    stepped = torch.cat([first] + [target.forward([t], taps)[1] for t in tokens[12:]])
-    torch.testing.assert_close(stepped, prefilled, rtol=1e-4, atol=1e-4)
+    assert_steps_tap_as_prefill(target)
 
 
 def test_a_zamba2_targets_one_token_steps_tap_the_rows_its_prefill_computes(one_thread):
@@ -2447,11 +2453,7 @@ def test_a_zamba2_targets_one_token_steps_tap_the_rows_its_prefill_computes(one_
             if p.dim() > 1 or name.endswith(".bias"):
                 p.normal_(0, 0.2)
     target = TargetModel(model, tokenizer=None)
-    taps, tokens = (0, 1, 2), [5, 17, 33, 2, 90, 41, 7, 12, 64, 3, 150, 8] + list(range(100, 123))
-    prefilled = target.prefill_features([tokens], taps)[0]
-    _, first = target.forward(tokens[:12], taps)
-    stepped = torch.cat([first] + [target.forward([t], taps)[1] for t in tokens[12:]])
-    torch.testing.assert_close(stepped, prefilled, rtol=1e-4, atol=1e-4)
+    assert_steps_tap_as_prefill(target)
 
 
 def test_feature_rows_past_float16s_range_are_refused_with_their_peak_not_cached_as_inf(tmp_path):
