@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
         help="through dflash-serve's OpenAI API, or the msgpack client",
     )
     parser.add_argument("--conversations", type=int, default=2, help="chats sent at once")
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--turns", type=int, default=8, help="user turns per chat, each answered before the next")
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens per answer at most")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each target daemon")
     parser.add_argument("--json", help="also write the summary to this JSON file")
     args = parser.parse_args(argv)

@@ -35,6 +35,7 @@ from draft_node.daemon import DraftService
 from draft_node.model import DFlashDrafter
 from draft_node.settings import DraftSettings
 from launch.common import DTYPE_CHOICES, named_dtype
+from launch.net import HelpFormatter
 from protocol import Message, decode, encode
 from target_node.model.default_model import ensure_default_drafter
 
@@ -212,14 +213,16 @@ def resend_burst(args: argparse.Namespace, argv: list[str]) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_draft_batch", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_draft_batch", description=__doc__, formatter_class=HelpFormatter
+    )
     ap.add_argument("--drafter", help="drafter checkpoint folder (default: the default model's drafter)")
     ap.add_argument("--sessions", default="1,2,4,8,16", help="burst sizes: proposes arriving together")
     ap.add_argument("--dtypes", default="float32,auto", help=f"drafter dtypes, in turns ({', '.join(DTYPE_CHOICES)})")
     ap.add_argument("--context", type=int, default=256, help="context rows each session holds")
     ap.add_argument("--new", type=int, default=3, help="feature rows each propose brings")
     ap.add_argument("--device", default="cpu", help="where the drafter runs (cpu, cuda, cuda:1, ...)")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the drafter")
     ap.add_argument("--rounds", type=int, default=8, help="turns of each way")
     ap.add_argument("--steps", type=int, default=10, help="bursts per turn")
     ap.add_argument("--steps-of", type=int, default=0, help="also time whole target steps of N requests (0: skip)")

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--proposer", default="none", choices=["none", "ngram"], help="the daemon's proposer")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer at most")
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts (launch/demo_prompts.txt)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the target daemon")
     parser.add_argument("--json", help="also write the summary to this JSON file")

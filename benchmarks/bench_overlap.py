@@ -85,12 +85,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--drafter-address", required=True, help="a running draft daemon")
     ap.add_argument("--model", default=None, help="local HF folder of the target (default: SmolLM2)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto", choices=TARGET_DTYPES)
+    ap.add_argument("--device", default="cpu", help="where the target runs (cpu, cuda, cuda:1, ...)")
+    ap.add_argument(
+        "--dtype", default="auto", choices=TARGET_DTYPES, help="the target's dtype (auto: as the daemon picks)"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's own choice) (default 1)")
     ap.add_argument("--batches", default="1,2,4,8", help="comma-separated numbers of requests decoded at once")
     ap.add_argument("--prompts", default=str(EVAL_PROMPTS), help="jsonl of {'prompt': ...}")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer at most")
     ap.add_argument("--rounds", type=int, default=2, help="turns of both schedules at each batch size")
     ap.add_argument("--json", default=None, help="write the results here")
     return ap.parse_args(argv)

@@ -43,10 +43,12 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
-    ap.add_argument("--widths", default="1,2,3,5,9,13,17")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="local HF folder of the target")
+    ap.add_argument(
+        "--widths", default="1,2,3,5,9,13,17", help="comma-separated rows per step (a verify of 1 + drafts)"
+    )
+    ap.add_argument("--rounds", type=int, default=6, help="turns of both paths at each width (the best is shown)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--json", help="write the table here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

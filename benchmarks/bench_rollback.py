@@ -102,12 +102,14 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument(
+        "--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES), help="tiny random targets to time"
+    )
     parser.add_argument("--context", type=int, default=64, help="tokens before the measured steps")
     parser.add_argument("--width", type=int, default=8, help="tokens per verify (1 + drafts)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per row (the median is shown)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

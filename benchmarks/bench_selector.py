@@ -17,6 +17,7 @@ import torch
 
 from draft_node.checkpoint import load_drafter
 from launch.common import TARGET_DTYPES, resolve_model
+from launch.net import HelpFormatter
 from target_node.drafting.bridge import DrafterBridge
 from target_node.drafting.local_backend import LocalDraftBackend
 from target_node.model.target import TargetModel, inexact
@@ -30,7 +31,9 @@ def per_call_ms(fn, calls: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_selector", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_selector", description=__doc__, formatter_class=HelpFormatter
+    )
     ap.add_argument("--drafter", required=True, help="a DFlash2 drafter checkpoint folder")
     ap.add_argument(
         "--model", help="local HF folder of the target (default: SmolLM2-135M-Instruct, converted once into the cache)"
@@ -38,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--dtype", default="auto", choices=TARGET_DTYPES, help="the target's dtype (auto: as the daemon picks)"
     )
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--rounds", type=int, default=10, help="turns of each")
     ap.add_argument("--calls", type=int, default=200, help="calls per turn")
     args = ap.parse_args(argv)

@@ -142,13 +142,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--repeats", type=int, default=1, help="rounds per daemon and N, in turns; the median by tokens/s is reported"
     )
-    ap.add_argument("--min-tokens", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--min-tokens", type=int, default=64, help="the shortest request's max_new_tokens")
+    ap.add_argument(
+        "--max-tokens", type=int, default=128, help="the longest request's max_new_tokens (requests spread between)"
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch threads per daemon")
     ap.add_argument("--prompts", default=str(EVAL_PROMPTS), help="held-out prompts (jsonl)")
     ap.add_argument("--long-prompt", type=int, default=3000, help="tokens of the long prompt (0: skip that part)")
     ap.add_argument("--extra", default="", help="more flags for the drafting target daemons, space-separated")
-    ap.add_argument("--json", default="bench_results/bench_serving.json")
+    ap.add_argument("--json", default="bench_results/bench_serving.json", help="write the results here")
     return ap.parse_args(argv)
 
 

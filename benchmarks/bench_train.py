@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=HelpFormatter,
     )
     ap.add_argument("--model", default=None, help="local HF folder of the target (default: SmolLM2)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="where the drafter trains (cpu, cuda, cuda:1, ...)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--layers", default="1,4", help="comma-separated drafter depths")
     ap.add_argument("--autocast", default="off,on", help="comma-separated: off, on (bf16 autocast of the forward)")
@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=8, help="answers per step")
     ap.add_argument("--anchors", type=int, default=24, help="blocks per answer")
     ap.add_argument("--answers", type=int, default=300, help="answers to train on (features filled where missing)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="turns of every setting")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per setting per round")
     ap.add_argument("--store", default=str(STORE), help="answer store folder")
     ap.add_argument("--cache", default=str(CACHE_ROOT), help="where the feature cache is (features/ under it)")

@@ -37,6 +37,7 @@ import zmq
 from frontend.target_client import TargetClient
 from launch.common import resolve_model
 from launch.local import daemon, free_address
+from launch.net import HelpFormatter
 from launch.processes import ends_on_sigterm
 from protocol import decode, encode
 from protocol.transport import dealer, receive, request
@@ -221,9 +222,7 @@ def long_prompt(args: argparse.Namespace, prompt: list[int]) -> dict:
 
 @ends_on_sigterm
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.flood", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.flood", description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads of the target daemon")
     ap.add_argument("--refusals", type=int, default=3000, help="refused requests, one at a time and as many pipelined")
@@ -231,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-tokens", type=int, default=3000, help="the long prompt's tokens")
     ap.add_argument("--rounds", type=int, default=2, help="turns of each way for the long prompt's TTFT")
     ap.add_argument("--ping-bar-ms", type=float, default=250.0, help="the slowest ping answer allowed under the flood")
-    ap.add_argument("--ready-timeout", type=float, default=180.0)
+    ap.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the daemon to serve")
     ap.add_argument("--only", choices=("refusals", "flood", "long_prompt"), help="run one scenario")
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args(argv)

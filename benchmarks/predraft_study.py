@@ -163,11 +163,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--model", help="target folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", help="drafter folder (default: the shipped drafter)")
-    parser.add_argument("--prompts", default=str(ROOT / "data" / "eval_prompts.jsonl"))
+    parser.add_argument("--prompts", default=str(ROOT / "data" / "eval_prompts.jsonl"), help="held-out prompts (jsonl)")
     parser.add_argument("--limit", type=int, default=0, help="first N prompts (0: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--dtype", default="auto", choices=TARGET_DTYPES)
-    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens per answer at most")
+    parser.add_argument(
+        "--dtype", default="auto", choices=TARGET_DTYPES, help="the target's dtype (auto: as the daemon picks)"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own choice)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     if args.threads:

@@ -288,24 +288,24 @@ def tiny_pair(folder: Path) -> tuple[Path, Path]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--minutes", type=float, default=10.0, help="the run's length")
     ap.add_argument("--seconds", type=float, help="the run's length in seconds (instead of --minutes)")
-    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--clients", type=int, default=16, help="clients sending at once, each a request after another")
     ap.add_argument("--tiny", action="store_true", help="a tiny random target and drafter (seconds to load)")
     ap.add_argument("--model", help="target model folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--drafter", help="drafter checkpoint (default: the model's default drafter)")
-    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-batch", type=int, default=8, help="the target daemon's --max-batch")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
     ap.add_argument("--chaos-every", type=float, default=20.0, help="seconds between drafter faults (0: none)")
-    ap.add_argument("--ping-bar-ms", type=float, default=250.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ping-bar-ms", type=float, default=250.0, help="the slowest ping answer allowed under the load")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the requests and the clients' schedules")
     ap.add_argument(
         "--prefix-cache-mb", type=int, help="the target daemon's prefix cache (default: 1 tiny, 64 real: it evicts)"
     )
     ap.add_argument(
         "--keep-logs", action="store_true", help="keep the daemons' logs and models when the soak passes too"
     )
-    ap.add_argument("--json", default="bench_results/soak.json")
+    ap.add_argument("--json", default="bench_results/soak.json", help="write the figures here")
     return ap.parse_args(argv)
 
 

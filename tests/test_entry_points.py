@@ -18,6 +18,9 @@ from helpers import hang_ups_by_default, long_ago, running, signals_by_default
 
 DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
 SCRIPTS = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
+BENCHMARKS = sorted(
+    p for p in (Path(__file__).resolve().parent.parent / "benchmarks").glob("*.py") if "\ndef main(" in p.read_text()
+)
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
@@ -515,11 +518,15 @@ def _parser_of(target: str, monkeypatch) -> argparse.ArgumentParser:
     return parsed.value.args[0]
 
 
-@pytest.mark.parametrize("name", sorted(SCRIPTS))
+# Every benchmark's main too: the docs send users to them, and 33 of their flags had no help.
+COMMANDS = {**SCRIPTS, **{f"benchmarks.{p.stem}": f"benchmarks.{p.stem}:main" for p in BENCHMARKS}}
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_every_flag_that_takes_a_value_says_what_it_does_and_its_default(name, monkeypatch):
     """`--help` is the manual: a flag left without help, or whose default a user cannot see, is a
     flag a user must read the source for."""
-    parser = _parser_of(SCRIPTS[name], monkeypatch)
+    parser = _parser_of(COMMANDS[name], monkeypatch)
     formatter = parser._get_formatter()
     silent, no_default = [], []
     for action in parser._actions:
