@@ -58,6 +58,9 @@ class Message:
     # Who sent it, as the transport knows the sender (never on the wire): a CURVE client's
     # public key, or the connection's routing id. Sessions and queues belong to a peer.
     peer: str = ""
+    # When the transport took it in (time.monotonic(); never on the wire): a request that arrived
+    # during a daemon's step waits in the server's hold, and its queue time counts from here.
+    received: float = 0.0
 
     def __getitem__(self, key: str) -> Any:
         return self.fields[key]

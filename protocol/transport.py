@@ -495,6 +495,7 @@ class Server:
 
     def _take(self) -> tuple[bytes, Message | ProtocolError]:
         identity, *frames = self.sock.recv_multipart(copy=False)
+        received = time.monotonic()
         # A closed connection's descriptor may be this message's: its close, told first, is read first.
         self._log_events()
         self._waits(identity.bytes, True, _source_fd(identity))
@@ -507,7 +508,7 @@ class Server:
             message = decode(frames, max_frame_bytes=self.max_frame_bytes)
         except ProtocolError as exc:
             return identity.bytes, exc
-        message.peer = self._peer(identity, frames)
+        message.peer, message.received = self._peer(identity, frames), received
         return identity.bytes, message
 
     def _readable(self, frames: list[zmq.Frame]) -> bool:

@@ -267,6 +267,50 @@ def test_queue_limits_answer_busy_and_lose_nothing_accepted(model_dir, tmp_path)
             b.close(0)
 
 
+def test_a_request_that_arrives_during_a_step_counts_its_queue_time_from_its_arrival(tmp_path_factory, monkeypatch):
+    """A request that came while a step computed waited in the server's hold until the step ended,
+    and its clock started only then: behind a prompt's 512-row chunk, a first token 1.2 s after the
+    request was reported as 0.12 s, queued 0.5 ms (an audit), and so in the TTFT and queue metrics.
+    Held here through a step of known length, its queue time covers that step."""
+    from target_node.drafting.proposers import NoProposer
+
+    target = TargetModel(tiny_target("llama", seed=5).model, slots=2)
+    service = TargetService(target, [NoProposer(), NoProposer()], ServiceSettings())
+    stepping, release, advance = threading.Event(), threading.Event(), service.advance
+
+    def held_once() -> None:
+        if not stepping.is_set():
+            stepping.set()
+            release.wait(30)
+        advance()
+
+    monkeypatch.setattr(service, "advance", held_once)
+    address = f"ipc://{tmp_path_factory.mktemp('held')}/target.sock"
+    context = zmq.Context.instance()
+    with serving_in_thread(service.serve, address):
+        a, b = dealer(context, address), dealer(context, address)
+        try:
+            a.send_multipart(encode("generate", 1, {"token_ids": PROMPT, "max_new_tokens": 4, "stream": False}))
+            assert stepping.wait(30)
+            b.send_multipart(encode("generate", 2, {"token_ids": PROMPT, "max_new_tokens": 4, "stream": False}))
+            deadline = time.monotonic() + 30
+            while not service.server.held and time.monotonic() < deadline:  # B arrived, held by the helper
+                time.sleep(0.005)
+            arrived_by = time.monotonic()
+            time.sleep(0.3)
+            released_at = time.monotonic()
+            release.set()
+            done = receive(b, 2, time.monotonic() + 60, "generate")
+            assert receive(a, 1, time.monotonic() + 60, "generate").type == "done"
+        finally:
+            release.set()
+            a.close(0)
+            b.close(0)
+    assert done.type == "done", done
+    assert done["stats"]["queued_s"] >= released_at - arrived_by - 0.001, done["stats"]
+    assert service.metrics.queue.sum >= released_at - arrived_by - 0.001  # the queue-time metric too
+
+
 def test_admission_takes_a_bounded_share_of_a_step_and_refuses_every_request_in_turn(monkeypatch):
     """Refused requests take no slot, so admission went on through the whole queue in one step:
     64 prompts of 512K characters, a second each to tokenize, stalled every running request for a
