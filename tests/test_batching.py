@@ -126,6 +126,32 @@ def test_prompt_chunks_sized_by_a_time_budget_change_no_output(target):
     assert pace.rows_per_s is not None and pace.chunk() == FEWEST
 
 
+def test_prompts_in_prefill_together_share_the_budget_and_its_floor(target):
+    """The floor of FEWEST rows was each prompt's: four prompts in prefill together put 64 prompt
+    rows in every forward whatever the budget held, and a stream beside four 3,000-token prompts
+    waited 0.37 s a token (p50) under a 150 ms budget (an audit). The floor is the forward's."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 300) for _ in range(40)] for _ in range(4)]
+    opts = DecodeOptions(3, stop_on_eos=False, prefill_chunk=512)
+    want = [generate(target, p, NoProposer(), opts).tokens for p in prompts]
+    seqs = [Sequence(target, p, NoProposer(), opts, slot=i) for i, p in enumerate(prompts)]
+    pace = PrefillPace(budget_s=1e-9, most=512)  # no forward meets it: the smallest chunks
+    prompt_rows, record = [], pace.record
+    pace.record = lambda rows, rows_of_prompts, seconds: (
+        prompt_rows.append(rows_of_prompts),
+        record(rows, rows_of_prompts, seconds),
+    )
+    step(target, seqs, pace)  # nothing measured yet: FIRST_CHUNK rows, shared
+    while not all(seq.done for seq in seqs):
+        step(target, [seq for seq in seqs if not seq.done], pace)
+    assert [seq.result().tokens for seq in seqs] == want
+    assert prompt_rows[0] == FIRST_CHUNK and max(prompt_rows[1:]) <= FEWEST, prompt_rows
+    pace = PrefillPace(budget_s=0.15, most=512)
+    for _ in range(8):
+        pace.record(rows=40, prompt_rows=32, seconds=0.26)  # ~154 rows/s: 23 rows fit the budget
+    assert pace.chunk() == 23 and 4 * pace.chunk(prefilling=4) <= 23
+
+
 def test_a_prompt_alone_takes_the_cap_and_is_paced_once_another_request_waits(target):
     """A forward's fixed cost paid per budget-sized chunk made a long prompt alone 40% slower to
     its first token; alone it pauses no one, so it takes --prefill-chunk rows, and the pace resumes
