@@ -305,17 +305,30 @@ class DraftService:
         return self.draft_together([msg])[0]
 
     def handle_all(
-        self, requests: list[Message | ProtocolError], send: Callable[[int, list], None] | None = None
+        self,
+        requests: list[Message | ProtocolError],
+        send: Callable[[int, list], None] | None = None,
+        more: Callable[[int, int], list[Message | ProtocolError]] | None = None,
     ) -> list[list]:
-        """Replies to requests that arrived together, in their order. A run of proposes for
-        distinct sessions (a batching target's step: one per slot) is drafted in one pass where
-        the drafter computes each row alone, so each gets the bits of its propose alone. `send`
+        """Replies to requests that arrived together, each session's in their order. A run of
+        proposes for distinct sessions (a batching target's step: one per slot) is drafted in one
+        pass where the drafter computes each row alone, so each gets the bits of its propose alone.
+        Heavy work waits for the rest (`_heavy`: a pre-draft, speculative, and a propose of more
+        rows than a block, a prompt or a ring resent after a restart), one pass of it at a time,
+        and between two such passes `more` (requests held, tensor bytes held) takes what arrived
+        since: a step's propose waits for at most one heavy pass of another target's, where it
+        waited behind a whole burst of them (an audit: 2.2 s, past a target's --draft-timeout,
+        behind one target's eight resends; 0.55 s behind another's 16 pre-drafts). `send`
         (request index, reply) takes each reply as soon as it is made: sent at the burst's end,
         every reply waited for every pass after it, and one target's pre-draft held another
-        target's drafted propose 1-1.5 s instead of 0.4 s (an audit)."""
+        target's drafted propose 1-1.5 s instead of 0.4 s (an audit). Returns the replies of
+        `requests` and of those `more` added, in that order."""
+        requests = list(requests)
         replies: list[list] = [[] for _ in requests]
+        # When each request was read: a pre-draft has what is left of its budget from then.
+        arrived = [time.perf_counter()] * len(requests)
+        waiting = list(range(len(requests)))
         run: list[int] = []
-        self.burst_began = time.perf_counter()
 
         def answer(i: int, reply: list) -> None:
             replies[i] = reply
@@ -331,18 +344,71 @@ class DraftService:
             run.clear()
 
         try:
-            for i, request in enumerate(requests):
-                if self.together and isinstance(request, Message) and request.type == "propose":
-                    if any(_same_session(requests[j], request) for j in run):
-                        flush()
-                    run.append(i)
-                    continue
+            while waiting:
+                taken = self._next_taken(requests, waiting)
+                for i in taken:
+                    request = requests[i]
+                    if self.together and isinstance(request, Message) and request.type == "propose":
+                        if any(_same_session(requests[j], request) for j in run):
+                            flush()
+                        run.append(i)
+                        continue
+                    flush()
+                    self.burst_began = arrived[i]
+                    answer(i, self.handle(request))
                 flush()
-                answer(i, self.handle(request))
-            flush()
+                done = set(taken)
+                waiting = [i for i in waiting if i not in done]
+                if more is not None and waiting:
+                    held = sum(tensor_bytes(requests[i]) for i in waiting)
+                    for request in more(len(waiting), held):
+                        requests.append(request)
+                        replies.append([])
+                        arrived.append(time.perf_counter())
+                        waiting.append(len(requests) - 1)
         finally:
             self.burst_began = None
         return replies
+
+    def _heavy(self, request: Message | ProtocolError) -> bool:
+        """Work that waits for the rest of its burst: a pre-draft, or a propose resending more rows than a block."""
+        if not isinstance(request, Message):
+            return False
+        if request.type == "predraft":
+            return True
+        return request.type == "propose" and request.tensors["features"][0].shape[0] > self.config.block_size
+
+    def _next_taken(self, requests: list, waiting: list[int]) -> list[int]:
+        """What to answer next, in order, of the `waiting` requests: every light one that no heavy
+        request before it holds back (one of its session's; for `keep` and `restore`, whose names
+        reach across sessions, any), else the first pass's worth of heavy ones at the head."""
+        held: set = set()
+        heavy_before = False
+        light = []
+        for i in waiting:
+            request = requests[i]
+            key = _session_key(request)
+            names = isinstance(request, Message) and request.type in ("keep", "restore")
+            heavy = self._heavy(request)
+            if heavy or (key is not None and key in held) or (names and heavy_before):
+                heavy_before |= heavy
+                if key is not None:  # the session's later requests wait for this one
+                    held.add(key)
+                continue
+            light.append(i)
+        if light:
+            return light
+        head = []  # the proposes of distinct sessions that open the queue, one pass of them at most
+        for i in waiting:
+            request = requests[i]
+            proposes = self.together and isinstance(request, Message) and request.type == "propose"
+            if not proposes or any(_same_session(requests[j], request) for j in head):
+                break
+            head.append(i)
+        if not head:
+            return waiting[:1]
+        rows = [requests[i].tensors["features"][0].shape[0] for i in head]
+        return [head[j] for j in passes(rows, self.settings.max_pass_rows)[0]]
 
     def draft_together(self, msgs: list[Message]) -> list[list]:
         """Proposes of distinct sessions in passes of at most `max_pass_rows` feature rows, each
@@ -523,15 +589,27 @@ def _same_session(a: Message, b: Message) -> bool:
     return a.peer == b.peer and a.fields.get("session") == b.fields.get("session")
 
 
+def _session_key(request: Message | ProtocolError) -> tuple[str, str] | None:
+    if not isinstance(request, Message) or "session" not in request.fields:
+        return None
+    return (request.peer, request.fields["session"])
+
+
 def take_burst(server: Server, first: tuple[bytes, Message | ProtocolError]) -> list:
     """`first` and whatever else has arrived, to be answered together (a batching target sends one
     propose per slot before it waits for any reply): at most MAX_BURST messages, and no more once
     they carry MAX_BURST_BYTES of tensors."""
-    burst, size = [first], tensor_bytes(first[1])
-    while len(burst) < MAX_BURST and size < MAX_BURST_BYTES and (more := server.next(0)) is not None:
-        burst.append(more)
-        size += tensor_bytes(more[1])
-    return burst
+    return [first, *take_more(server, 1, tensor_bytes(first[1]))]
+
+
+def take_more(server: Server, held: int, held_bytes: int) -> list:
+    """What has arrived, while the requests held (`held`, carrying `held_bytes` of tensors) stay
+    within MAX_BURST and MAX_BURST_BYTES."""
+    taken = []
+    while held < MAX_BURST and held_bytes < MAX_BURST_BYTES and (more := server.next(0)) is not None:
+        taken.append(more)
+        held, held_bytes = held + 1, held_bytes + tensor_bytes(more[1])
+    return taken
 
 
 def tensor_bytes(request: Message | ProtocolError) -> int:
@@ -577,7 +655,17 @@ def serve(
             if request is not None:
                 burst = take_burst(server, request)
                 peers = [identity for identity, _ in burst]
-                service.handle_all([m for _, m in burst], send=lambda i, reply, to=peers: server.send(to[i], reply))
+
+                def more(held: int, held_bytes: int, to: list = peers) -> list:
+                    if stop.is_set():  # the burst's own requests are answered; nothing more is read
+                        return []
+                    taken = take_more(server, held, held_bytes)
+                    to.extend(identity for identity, _ in taken)
+                    return [m for _, m in taken]
+
+                service.handle_all(
+                    [m for _, m in burst], send=lambda i, reply, to=peers: server.send(to[i], reply), more=more
+                )
             service.evict_idle()
     finally:
         server.close()

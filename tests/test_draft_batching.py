@@ -100,8 +100,8 @@ def _request(type_, fields, tensors=None, peer="p", request_id=1):
 
 
 def test_the_service_drafts_a_burst_together_and_answers_each_as_alone():
-    """handle_all: proposes of distinct sessions in one pass, the rest in arrival order, a bad
-    propose answered with its error while the others of its burst are drafted."""
+    """handle_all: proposes of distinct sessions in one pass, the rest in arrival order (heavy ones
+    last), a bad propose answered with its error while the others of its burst are drafted."""
     drafter = _drafter("tiny", torch.float32)
     cfg = drafter.config
     alone, together = (
@@ -135,7 +135,9 @@ def test_the_service_drafts_a_burst_together_and_answers_each_as_alone():
             assert got["code"] == want["code"]
     assert together.counters["requests"] == alone.counters["requests"]
     if together.together:
-        assert together.counters["batched"] == 4  # the four sessions' first proposes: two passes of two
+        # s0's 3 rows (within a block) go first, with the ping and the two refused; then the other
+        # three's prompts (more rows than a block: heavy, after the rest) in one pass
+        assert together.counters["batched"] == 3
 
 
 def test_a_burst_of_full_ring_resends_is_drafted_in_passes_of_bounded_rows(monkeypatch):
@@ -307,3 +309,109 @@ def test_a_bug_admitting_one_propose_of_a_burst_costs_its_reply_only(monkeypatch
     replies = [decode(frames) for frames in service.handle_all(burst)]
     assert [r.type for r in replies] == ["proposal", "error", "proposal"]
     assert replies[1]["code"] == "internal" and "a bug" in replies[1]["message"]
+
+
+def test_a_step_s_propose_goes_before_other_targets_resends_and_predrafts_and_those_that_arrive_meanwhile():
+    """One draft daemon, two targets. Target A's ring resends (more rows than a block) and its
+    pre-drafts (speculative) arrived before target B's step propose; B's propose was answered after
+    all of them, past B's --draft-timeout under eight resends of 4,096 rows (an audit: 2.2 s).
+    Now the light requests of a burst go first, heavy ones a pass at a time, and what arrives
+    between two heavy passes is taken in (`more`): B waits for at most one. Each session's own
+    requests keep their order, and every reply is what the session's requests alone would get."""
+    drafter = _drafter("tiny", torch.float32)
+    cfg = drafter.config
+    service, alone = (DraftService(drafter, DraftSettings(ring_capacity=32, max_pass_rows=16)) for _ in range(2))
+    g = torch.Generator().manual_seed(4)
+    mask = torch.randn(1, cfg.hidden_size, generator=g)
+
+    def rows(n):
+        return torch.randn(n, cfg.feature_width, generator=g)
+
+    def noise():
+        return torch.randn(1, cfg.hidden_size, generator=g)
+
+    for name, peer in (("a0", "A"), ("a1", "A"), ("a2", "A"), ("b", "B"), ("b2", "B")):
+        prompt = {"features": rows(3), "noise": noise()}
+        for svc in (service, alone):
+            assert decode(svc.handle(_request("open", {"session": name}, {"mask": mask}, peer=peer))).type == "ok"
+            svc.handle(_request("propose", {"session": name, "start": 0, "position": 3}, prompt, peer=peer))
+
+    def resend(name, request_id):  # a whole ring after a restart: 16 rows, a pass of its own
+        fields = {"session": name, "start": 0, "position": 16}
+        return _request("propose", fields, {"features": rows(16), "noise": noise()}, peer="A", request_id=request_id)
+
+    heads = torch.randn(6, cfg.hidden_size, generator=g)
+    predraft = _request(
+        "predraft", {"session": "a2", "position": 3, "known": [2, 2, 2]}, {"heads": heads}, peer="A", request_id=3
+    )
+    # a0's own step after its resend: it must wait for it (its start is the resend's end)
+    a0_step = _request(
+        "propose",
+        {"session": "a0", "start": 16, "position": 17},
+        {"features": rows(1), "noise": noise()},
+        peer="A",
+        request_id=4,
+    )
+    b_step = _request(
+        "propose",
+        {"session": "b", "start": 3, "position": 5},
+        {"features": rows(2), "noise": noise()},
+        peer="B",
+        request_id=5,
+    )
+    burst = [resend("a0", 1), resend("a1", 2), predraft, a0_step, b_step]
+    late = _request(
+        "propose",
+        {"session": "b2", "start": 3, "position": 4},
+        {"features": rows(1), "noise": noise()},
+        peer="B",
+        request_id=6,
+    )
+    sent: list[int] = []
+    calls = []
+
+    def more(held, held_bytes):  # B's other slot's step arrives while A's first resend is drafted
+        calls.append((held, held_bytes))
+        return [late] if len(calls) == 1 else []
+
+    replies = service.handle_all(burst, send=lambda i, reply: sent.append(decode(reply).id), more=more)
+    assert sent[0] == 5  # B's step first, before A's resends and pre-draft
+    assert sent.index(6) < sent.index(2) and sent.index(6) < sent.index(3)  # the late one after one heavy pass
+    assert sent.index(4) > sent.index(1)  # a0's step after a0's resend
+    assert sorted(sent) == [1, 2, 3, 4, 5, 6] and len(replies) == 6
+    want = [decode(alone.handle(msg)) for msg in [*burst, late]]
+    for got, expected in zip((decode(r) for r in replies), want, strict=True):
+        assert got.type == expected.type != "error" and got.id == expected.id
+        assert torch.equal(got.tensor("hidden"), expected.tensor("hidden"))
+    assert calls and all(held <= draft_daemon.MAX_BURST for held, _ in calls)
+
+
+def test_keep_and_restore_wait_for_a_heavy_request_before_them_whatever_its_session():
+    """A kept prefix's name reaches across sessions: a restore must not pass the keep (or the
+    resend a keep follows) that came before it, nor its session's propose the restore."""
+    drafter = _drafter("tiny", torch.float32)
+    cfg = drafter.config
+    service = DraftService(drafter, DraftSettings(ring_capacity=32))
+    mask = torch.randn(1, cfg.hidden_size)
+    for name in ("x", "y"):
+        service.handle(_request("open", {"session": name}, {"mask": mask}))
+    resend = _request(
+        "propose",
+        {"session": "x", "start": 0, "position": 12},
+        {"features": torch.randn(12, cfg.feature_width), "noise": torch.randn(1, cfg.hidden_size)},
+        request_id=1,
+    )
+    keep = _request("keep", {"session": "x", "name": "n", "rows": 12}, request_id=2)
+    restore = _request("restore", {"session": "y", "name": "n", "rows": 12}, request_id=3)
+    ping = _request("ping", {}, request_id=4)
+    after = _request(  # y's next rows, at the end of the prefix restored
+        "propose",
+        {"session": "y", "start": 12, "position": 13},
+        {"features": torch.randn(1, cfg.feature_width), "noise": torch.randn(1, cfg.hidden_size)},
+        request_id=5,
+    )
+    sent: list[int] = []
+    burst = [resend, keep, restore, ping, after]
+    replies = [decode(r) for r in service.handle_all(burst, send=lambda i, r: sent.append(decode(r).id))]
+    assert sent == [4, 1, 2, 3, 5]
+    assert replies[1]["rows"] == 12 and replies[2]["rows"] == 12 and replies[4].type == "proposal"
