@@ -314,9 +314,9 @@ class DraftService:
         proposes for distinct sessions (a batching target's step: one per slot) is drafted in one
         pass where the drafter computes each row alone, so each gets the bits of its propose alone.
         Heavy work waits for the rest (`_heavy`: a pre-draft, speculative, and a propose of more
-        rows than a block, a prompt or a ring resent after a restart), one pass of it at a time,
-        and between two such passes `more` (requests held, tensor bytes held) takes what arrived
-        since: a step's propose waits for at most one heavy pass of another target's, where it
+        rows than a block, a prompt or a ring resent after a restart), one pass of it after each
+        round of light ones, and between two rounds `more` (requests held, tensor bytes held)
+        takes what arrived since: a step's propose waits for at most one heavy pass of another target's, where it
         waited behind a whole burst of them (an audit: 2.2 s, past a target's --draft-timeout,
         behind one target's eight resends; 0.55 s behind another's 16 pre-drafts). `send`
         (request index, reply) takes each reply as soon as it is made: sent at the burst's end,
@@ -329,6 +329,7 @@ class DraftService:
         arrived = [time.perf_counter()] * len(requests)
         waiting = list(range(len(requests)))
         run: list[int] = []
+        head_next = False  # after a round of light requests the queue's head goes: heavy work never starves
 
         def answer(i: int, reply: list) -> None:
             replies[i] = reply
@@ -345,7 +346,9 @@ class DraftService:
 
         try:
             while waiting:
-                taken = self._next_taken(requests, waiting)
+                taken = [] if head_next else self._light(requests, waiting)
+                head_next = bool(taken)
+                taken = taken or self._head_pass(requests, waiting)
                 for i in taken:
                     request = requests[i]
                     if self.together and isinstance(request, Message) and request.type == "propose":
@@ -378,10 +381,10 @@ class DraftService:
             return True
         return request.type == "propose" and request.tensors["features"][0].shape[0] > self.config.block_size
 
-    def _next_taken(self, requests: list, waiting: list[int]) -> list[int]:
-        """What to answer next, in order, of the `waiting` requests: every light one that no heavy
-        request before it holds back (one of its session's; for `keep` and `restore`, whose names
-        reach across sessions, any), else the first pass's worth of heavy ones at the head."""
+    def _light(self, requests: list, waiting: list[int]) -> list[int]:
+        """The `waiting` requests that may go ahead of the heavy ones, in order: every light one that
+        no heavy request before it holds back (one of its session's; for `keep` and `restore`, whose
+        names reach across sessions, any)."""
         held: set = set()
         heavy_before = False
         light = []
@@ -396,8 +399,13 @@ class DraftService:
                     held.add(key)
                 continue
             light.append(i)
-        if light:
-            return light
+        return light
+
+    def _head_pass(self, requests: list, waiting: list[int]) -> list[int]:
+        """The oldest `waiting` request, with the proposes of distinct sessions after it that fit
+        its pass: answered in order, so every request's turn comes, however many light ones keep
+        arriving (light ones first and alone, a target stepping steadily beside a resend kept the
+        resend waiting for as long as it stepped)."""
         head = []  # the proposes of distinct sessions that open the queue, one pass of them at most
         for i in waiting:
             request = requests[i]

@@ -22,7 +22,7 @@ from draft_node.config import FULL, SLIDING, in_dflash2
 from draft_node.daemon import DraftService
 from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, drafts_alone_in_one_pass, propose
 from draft_node.settings import DraftSettings
-from protocol import decode, encode
+from protocol import Message, decode, encode
 
 SHIPPED = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
 
@@ -311,6 +311,48 @@ def test_a_bug_admitting_one_propose_of_a_burst_costs_its_reply_only(monkeypatch
     assert replies[1]["code"] == "internal" and "a bug" in replies[1]["message"]
 
 
+class _TwoTargets:
+    """One draft daemon (`service`, and `alone` to answer each request by itself) with target A's
+    sessions a0, a1, a2 and target B's b and b2 open, each past a 3-row prompt."""
+
+    def __init__(self) -> None:
+        drafter = _drafter("tiny", torch.float32)
+        self.cfg = drafter.config
+        self.service, self.alone = (
+            DraftService(drafter, DraftSettings(ring_capacity=32, max_pass_rows=16)) for _ in range(2)
+        )
+        self.g = torch.Generator().manual_seed(4)
+        mask = torch.randn(1, self.cfg.hidden_size, generator=self.g)
+        for name, peer in (("a0", "A"), ("a1", "A"), ("a2", "A"), ("b", "B"), ("b2", "B")):
+            prompt = {"features": self.rows(3), "noise": self.noise()}
+            for svc in (self.service, self.alone):
+                assert decode(svc.handle(_request("open", {"session": name}, {"mask": mask}, peer=peer))).type == "ok"
+                svc.handle(_request("propose", {"session": name, "start": 0, "position": 3}, prompt, peer=peer))
+
+    def rows(self, n: int) -> torch.Tensor:
+        return torch.randn(n, self.cfg.feature_width, generator=self.g)
+
+    def noise(self) -> torch.Tensor:
+        return torch.randn(1, self.cfg.hidden_size, generator=self.g)
+
+    def propose(self, name: str, start: int, rows: int, request_id: int) -> Message:
+        """`rows` new rows at `start` (a step: 1 or 2; a ring resent after a restart: 16, a pass of its own)."""
+        fields = {"session": name, "start": start, "position": start + rows}
+        tensors = {"features": self.rows(rows), "noise": self.noise()}
+        return _request("propose", fields, tensors, peer=name[0].upper(), request_id=request_id)
+
+    def answer(self, burst: list[Message], more) -> tuple[list[int], list[Message]]:
+        """The ids in the order `service` sent them, and its replies, each checked against `alone`'s."""
+        sent: list[int] = []
+        replies = [decode(r) for r in self.service.handle_all(burst, lambda i, r: sent.append(decode(r).id), more)]
+        want = [decode(self.alone.handle(msg)) for msg in burst]  # `more` appended its requests to burst
+        for got, expected in zip(replies, want, strict=True):
+            assert got.type == expected.type != "error" and got.id == expected.id
+            assert torch.equal(got.tensor("hidden"), expected.tensor("hidden"))
+        assert sorted(sent) == sorted(r.id for r in replies)
+        return sent, replies
+
+
 def test_a_step_s_propose_goes_before_other_targets_resends_and_predrafts_and_those_that_arrive_meanwhile():
     """One draft daemon, two targets. Target A's ring resends (more rows than a block) and its
     pre-drafts (speculative) arrived before target B's step propose; B's propose was answered after
@@ -318,72 +360,49 @@ def test_a_step_s_propose_goes_before_other_targets_resends_and_predrafts_and_th
     Now the light requests of a burst go first, heavy ones a pass at a time, and what arrives
     between two heavy passes is taken in (`more`): B waits for at most one. Each session's own
     requests keep their order, and every reply is what the session's requests alone would get."""
-    drafter = _drafter("tiny", torch.float32)
-    cfg = drafter.config
-    service, alone = (DraftService(drafter, DraftSettings(ring_capacity=32, max_pass_rows=16)) for _ in range(2))
-    g = torch.Generator().manual_seed(4)
-    mask = torch.randn(1, cfg.hidden_size, generator=g)
-
-    def rows(n):
-        return torch.randn(n, cfg.feature_width, generator=g)
-
-    def noise():
-        return torch.randn(1, cfg.hidden_size, generator=g)
-
-    for name, peer in (("a0", "A"), ("a1", "A"), ("a2", "A"), ("b", "B"), ("b2", "B")):
-        prompt = {"features": rows(3), "noise": noise()}
-        for svc in (service, alone):
-            assert decode(svc.handle(_request("open", {"session": name}, {"mask": mask}, peer=peer))).type == "ok"
-            svc.handle(_request("propose", {"session": name, "start": 0, "position": 3}, prompt, peer=peer))
-
-    def resend(name, request_id):  # a whole ring after a restart: 16 rows, a pass of its own
-        fields = {"session": name, "start": 0, "position": 16}
-        return _request("propose", fields, {"features": rows(16), "noise": noise()}, peer="A", request_id=request_id)
-
-    heads = torch.randn(6, cfg.hidden_size, generator=g)
+    two = _TwoTargets()
+    heads = torch.randn(6, two.cfg.hidden_size, generator=two.g)
     predraft = _request(
         "predraft", {"session": "a2", "position": 3, "known": [2, 2, 2]}, {"heads": heads}, peer="A", request_id=3
     )
-    # a0's own step after its resend: it must wait for it (its start is the resend's end)
-    a0_step = _request(
-        "propose",
-        {"session": "a0", "start": 16, "position": 17},
-        {"features": rows(1), "noise": noise()},
-        peer="A",
-        request_id=4,
-    )
-    b_step = _request(
-        "propose",
-        {"session": "b", "start": 3, "position": 5},
-        {"features": rows(2), "noise": noise()},
-        peer="B",
-        request_id=5,
-    )
-    burst = [resend("a0", 1), resend("a1", 2), predraft, a0_step, b_step]
-    late = _request(
-        "propose",
-        {"session": "b2", "start": 3, "position": 4},
-        {"features": rows(1), "noise": noise()},
-        peer="B",
-        request_id=6,
-    )
-    sent: list[int] = []
+    a0_step = two.propose("a0", 16, 1, 4)  # a0's own step after its resend: its start is the resend's end
+    burst = [two.propose("a0", 0, 16, 1), two.propose("a1", 0, 16, 2), predraft, a0_step, two.propose("b", 3, 2, 5)]
+    late = two.propose("b2", 3, 1, 6)
     calls = []
 
     def more(held, held_bytes):  # B's other slot's step arrives while A's first resend is drafted
         calls.append((held, held_bytes))
-        return [late] if len(calls) == 1 else []
+        taken = [late] if len(calls) == 1 else []
+        burst.extend(taken)
+        return taken
 
-    replies = service.handle_all(burst, send=lambda i, reply: sent.append(decode(reply).id), more=more)
+    sent, _ = two.answer(burst, more)
     assert sent[0] == 5  # B's step first, before A's resends and pre-draft
     assert sent.index(6) < sent.index(2) and sent.index(6) < sent.index(3)  # the late one after one heavy pass
     assert sent.index(4) > sent.index(1)  # a0's step after a0's resend
-    assert sorted(sent) == [1, 2, 3, 4, 5, 6] and len(replies) == 6
-    want = [decode(alone.handle(msg)) for msg in [*burst, late]]
-    for got, expected in zip((decode(r) for r in replies), want, strict=True):
-        assert got.type == expected.type != "error" and got.id == expected.id
-        assert torch.equal(got.tensor("hidden"), expected.tensor("hidden"))
-    assert calls and all(held <= draft_daemon.MAX_BURST for held, _ in calls)
+    assert len(sent) == 6 and calls and all(held <= draft_daemon.MAX_BURST for held, _ in calls)
+
+
+def test_steps_arriving_without_end_do_not_starve_another_targets_resends():
+    """Light requests go first, but not always: a target stepping steadily (a propose arriving
+    during every pass) kept another target's resends waiting for as long as it stepped. After a
+    round of light ones the oldest request goes, so each resend waits for at most one round."""
+    two = _TwoTargets()
+    burst = [two.propose("a0", 0, 16, 1), two.propose("a1", 0, 16, 2), two.propose("b", 3, 1, 100)]
+    steps = iter(range(1, 12))
+
+    def more(held, held_bytes):  # b's next step arrives during every pass, 11 of them
+        step = next(steps, None)
+        taken = [] if step is None else [two.propose("b", 3 + step, 1, 100 + step)]
+        burst.extend(taken)
+        return taken
+
+    sent, _ = two.answer(burst, more)
+    b_steps = [i for i in sent if i >= 100]
+    assert b_steps == sorted(b_steps) and len(b_steps) >= 3, sent  # b's steps in their order
+    assert sent.index(1) <= 3 and sent.index(2) <= 5, sent  # each resend a round after the light one before it
+    # once nothing heavy waits the burst ends: b's later steps are the next burst's (none lost here)
+    assert b_steps[-1] == 100 + next(steps) - 1
 
 
 def test_keep_and_restore_wait_for_a_heavy_request_before_them_whatever_its_session():
