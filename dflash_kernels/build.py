@@ -33,6 +33,10 @@ from basics.processes import dies_with
 SOURCE = Path(__file__).with_name("cpu.cpp")
 KERNEL_CACHE = CACHE_ROOT / "kernels"  # beside the project's other rebuildable files
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c++20", "-fopenmp"]
+# Builds the kernels for another -march than this CPU's (x86-64-v3: the AVX2 path, x86-64: the plain
+# one), so a machine with AVX-512 can test the paths of CPUs without it; the Python side then takes the
+# CPU for one with only that -march's features (`cpu_flags`). Not for serving: the default serves best.
+MARCH_ENV = "DFLASH_MARCH"
 
 FAILED_RETRY_S = 600.0  # a failed build is not tried again for this long (each try takes a daemon's start 20-60 s)
 LIBRARY_MODE = 0o755  # read and run by every user of a shared cache, as the umask allows
@@ -47,10 +51,24 @@ class KernelsUnavailable(RuntimeError):
 CPUINFO = Path("/proc/cpuinfo")
 
 
+def march() -> str:
+    """The -march the kernels are built for: native, or $DFLASH_MARCH's."""
+    return os.environ.get(MARCH_ENV, "").strip() or "native"
+
+
+def flags() -> list[str]:
+    """The compiler's options: FLAGS, with `march()`."""
+    return [f"-march={march()}" if flag == "-march=native" else flag for flag in FLAGS]
+
+
 def cpu_flags() -> str:
     """This CPU's feature flags (Linux); part of the library's key, since it is built for them.
     Where /proc says nothing, what the compiler's -march=native selects stands for them: the
-    processor's name alone was "" on Linux, one key for every CPU of a shared cache (an audit)."""
+    processor's name alone was "" on Linux, one key for every CPU of a shared cache (an audit).
+    Kernels built for another -march (`MARCH_ENV`) have that -march's features alone: those stand
+    for the CPU's, so nothing takes a path (native bf16) that the build does not have."""
+    if march() != "native":
+        return f"{platform.machine()} {_native_target(march())}"
     try:
         for line in CPUINFO.read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -72,11 +90,11 @@ def cpu_name() -> str:
 
 
 @cache
-def _native_target() -> str:
-    """The -march=native options the compiler enables, in the C locale (its help is translated), with
+def _native_target(arch: str = "native") -> str:
+    """The -march=`arch` options the compiler enables, in the C locale (its help is translated), with
     the bf16 ones also under /proc's names, which native_bf16 looks for."""
     try:
-        command = [_compiler(), "-march=native", "-Q", "--help=target"]
+        command = [_compiler(), f"-march={arch}", "-Q", "--help=target"]
         env = {**os.environ, "LC_ALL": "C"}
         out = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env).stdout
     except (KernelsUnavailable, OSError, subprocess.SubprocessError):
@@ -117,7 +135,7 @@ def load() -> Path:
     except (OSError, subprocess.CalledProcessError) as err:
         raise KernelsUnavailable(f"{compiler} does not run: {err}") from err
     key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), version, torch.__version__, cpu_flags(), " ".join(FLAGS)]).encode()
+        "\n".join([SOURCE.read_text(), version, torch.__version__, cpu_flags(), " ".join(flags())]).encode()
     ).hexdigest()[:16]
     folder = KERNEL_CACHE / key
     library = folder / "dflash_kernels.so"
@@ -194,7 +212,7 @@ def _compile(compiler: str, library: Path) -> None:
     os.close(handle)
     command = [
         compiler,
-        *FLAGS,
+        *flags(),
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in include_paths()),
         f"-I{sysconfig.get_paths()['include']}",

@@ -262,3 +262,36 @@ def test_kernels_unavailable_are_said_as_the_machines_lack_not_the_models(monkey
     (record,) = [r for r in caplog.records if "transformers path" in r.getMessage()]
     assert record.levelname == "WARNING" and "CPU kernels are unavailable (no C++ compiler" in record.getMessage()
     assert "does not serve" not in record.getMessage()
+
+
+def test_kernels_built_for_another_march_are_keyed_by_it_and_the_cpu_is_taken_for_one_with_its_features(
+    tmp_path, monkeypatch
+):
+    """DFLASH_MARCH=x86-64-v3 builds the AVX2 path on a machine with AVX-512 (for CI), and the Python
+    side then takes the CPU for an AVX2 one: /proc's avx512_bf16 made it choose bf16 matmuls the build
+    computes without native bf16 (an audit)."""
+    script = tmp_path / "bin" / "g++"
+    script.parent.mkdir()
+    # What g++ -Q --help=target says: AVX512-BF16 under -march=native only.
+    script.write_text(
+        '#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls"\n'
+        'case "$1" in -march=native) bf16=enabled;; *) bf16=disabled;; esac\n'
+        'printf "  -march=  %s\\n  -mavx2  [enabled]\\n  -mavx512bf16  [$bf16]\\n" "${1#-march=}"\n'
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(script))
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    monkeypatch.setattr(build, "CPUINFO", cpuinfo)
+    build._native_target.cache_clear()
+    try:
+        monkeypatch.delenv(build.MARCH_ENV, raising=False)
+        assert build.march() == "native" and "-march=native" in build.flags() and build.native_bf16()
+        native_key = build.cpu_flags()
+        monkeypatch.setenv(build.MARCH_ENV, "x86-64-v3")
+        assert "-march=x86-64-v3" in build.flags() and "-march=native" not in build.flags()
+        assert build.cpu_flags() != native_key and "x86-64-v3" in build.cpu_flags().split()
+        assert not build.native_bf16() and "-mavx2" in build.cpu_flags().split()
+        assert "-march=x86-64-v3" in (script.parent / "calls").read_text()
+    finally:
+        build._native_target.cache_clear()
