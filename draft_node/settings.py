@@ -19,8 +19,8 @@ class DraftSettings:
     max_sessions: int = setting(64, "sessions held at once, over all targets")
     max_sessions_per_peer: int = setting(
         32,
-        "sessions one target (one CURVE key, or one connection without CURVE) may hold; a target needs one per "
-        "request it runs at once (its --max-batch)",
+        "sessions one peer may hold: under CURVE one target (its key), which needs one per request it runs at "
+        "once (its --max-batch); without CURVE one connection, and a target's slots each have their own",
     )
     idle_timeout: float = setting(600.0, "seconds before an idle session is evicted", unit="s")
     reclaim_after: float = setting(
