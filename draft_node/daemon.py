@@ -9,6 +9,7 @@ reply naming the problem; the daemon and the other sessions carry on.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -321,36 +322,42 @@ class DraftService:
         behind one target's eight resends; 0.55 s behind another's 16 pre-drafts). `send`
         (request index, reply) takes each reply as soon as it is made: sent at the burst's end,
         every reply waited for every pass after it, and one target's pre-draft held another
-        target's drafted propose 1-1.5 s instead of 0.4 s (an audit). Returns the replies of
-        `requests` and of those `more` added, in that order."""
-        requests = list(requests)
-        replies: list[list] = [[] for _ in requests]
+        target's drafted propose 1-1.5 s instead of 0.4 s (an audit). Without `send`, returns the
+        replies of `requests` and of those `more` added, in that order; with it, nothing: a burst
+        runs on while heavy work keeps arriving, and it held every request and reply it had
+        answered until its end (a review: all 120 of 60 rounds). Each request's index (for `send`)
+        is its place among `requests` and those `more` added."""
+        pending = dict(enumerate(requests))  # the requests not answered yet, by index
+        count = len(pending)
+        replies: dict[int, list] = {}
         # When each request was read: a pre-draft has what is left of its budget from then.
-        arrived = [time.perf_counter()] * len(requests)
-        waiting = list(range(len(requests)))
+        arrived = dict.fromkeys(pending, time.perf_counter())
+        waiting = list(pending)
         run: list[int] = []
         head_next = False  # after a round of light requests the queue's head goes: heavy work never starves
 
         def answer(i: int, reply: list) -> None:
-            replies[i] = reply
-            if send is not None:
+            del pending[i], arrived[i]
+            if send is None:
+                replies[i] = reply
+            else:
                 send(i, reply)
 
         def flush() -> None:
             self.counters["requests"] += len(run)
             for i in run:
-                self.heard[requests[i].peer] = self.clock()
-            for i, reply in zip(run, self.draft_together([requests[i] for i in run]), strict=True):
+                self.heard[pending[i].peer] = self.clock()
+            for i, reply in zip(run, self.draft_together([pending[i] for i in run]), strict=True):
                 answer(i, reply)
             run.clear()
 
         try:
             while waiting:
-                taken = [] if head_next else self._light(requests, waiting)
+                taken = [] if head_next else self._light(pending, waiting)
                 head_next = bool(taken)
-                taken = taken or self._head_pass(requests, waiting)
+                taken = taken or self._head_pass(pending, waiting)
                 for i in taken:
-                    request = requests[i]
+                    request = pending[i]
                     if self.together and isinstance(request, Message) and request.type == "propose":
                         if any(_same_session(requests[j], request) for j in run):
                             flush()
@@ -363,15 +370,14 @@ class DraftService:
                 done = set(taken)
                 waiting = [i for i in waiting if i not in done]
                 if more is not None and waiting:
-                    held = sum(tensor_bytes(requests[i]) for i in waiting)
+                    held = sum(tensor_bytes(pending[i]) for i in waiting)
                     for request in more(len(waiting), held):
-                        requests.append(request)
-                        replies.append([])
-                        arrived.append(time.perf_counter())
-                        waiting.append(len(requests) - 1)
+                        pending[count], arrived[count] = request, time.perf_counter()
+                        waiting.append(count)
+                        count += 1
         finally:
             self.burst_began = None
-        return replies
+        return [replies[i] for i in range(count)] if send is None else []
 
     def _heavy(self, request: Message | ProtocolError) -> bool:
         """Work that waits for the rest of its burst: a pre-draft, or a propose resending more rows than a block."""
@@ -381,17 +387,18 @@ class DraftService:
             return True
         return request.type == "propose" and request.tensors["features"][0].shape[0] > self.config.block_size
 
-    def _light(self, requests: list, waiting: list[int]) -> list[int]:
+    def _light(self, requests: dict, waiting: list[int]) -> list[int]:
         """The `waiting` requests that may go ahead of the heavy ones, in order: every light one that
         no heavy request before it holds back (one of its session's; for `keep` and `restore`, whose
-        names reach across sessions, any)."""
+        names reach across sessions, and `open`, whose slot a `close` held behind one may free or
+        whose eviction may take a session with a request held, any)."""
         held: set = set()
         heavy_before = False
         light = []
         for i in waiting:
             request = requests[i]
             key = _session_key(request)
-            names = isinstance(request, Message) and request.type in ("keep", "restore")
+            names = isinstance(request, Message) and request.type in ("keep", "restore", "open")
             heavy = self._heavy(request)
             if heavy or (key is not None and key in held) or (names and heavy_before):
                 heavy_before |= heavy
@@ -401,7 +408,7 @@ class DraftService:
             light.append(i)
         return light
 
-    def _head_pass(self, requests: list, waiting: list[int]) -> list[int]:
+    def _head_pass(self, requests: dict, waiting: list[int]) -> list[int]:
         """The oldest `waiting` request, with the proposes of distinct sessions after it that fit
         its pass: answered in order, so every request's turn comes, however many light ones keep
         arriving (light ones first and alone, a target stepping steadily beside a resend kept the
@@ -662,17 +669,19 @@ def serve(
             request = server.next(100)
             if request is not None:
                 burst = take_burst(server, request)
-                peers = [identity for identity, _ in burst]
+                # Each request's sender, by its index in handle_all, until its reply goes.
+                peers = {i: identity for i, (identity, _) in enumerate(burst)}
+                indices = itertools.count(len(burst))
 
-                def more(held: int, held_bytes: int, to: list = peers) -> list:
+                def more(held: int, held_bytes: int, to: dict = peers, indices=indices) -> list:
                     if stop.is_set():  # the burst's own requests are answered; nothing more is read
                         return []
                     taken = take_more(server, held, held_bytes)
-                    to.extend(identity for identity, _ in taken)
+                    to.update((next(indices), identity) for identity, _ in taken)
                     return [m for _, m in taken]
 
                 service.handle_all(
-                    [m for _, m in burst], send=lambda i, reply, to=peers: server.send(to[i], reply), more=more
+                    [m for _, m in burst], send=lambda i, reply, to=peers: server.send(to.pop(i), reply), more=more
                 )
             service.evict_idle()
     finally:

@@ -221,9 +221,8 @@ def test_a_reply_goes_out_as_soon_as_it_is_made_not_after_a_later_predraft_in_it
         return drafting(*args, **kwargs)
 
     monkeypatch.setattr(draft_daemon_module, "predraft", watched)
-    replies = a.svc.handle_all([propose, pre], send=lambda i, reply: sent.append(decode(reply).type))
+    assert a.svc.handle_all([propose, pre], send=lambda i, reply: sent.append(decode(reply).type)) == []
     assert seen_by_predraft == [["proposal"]] and sent == ["proposal", "predrafts"]
-    assert [decode(r).type for r in replies] == sent
 
 
 @pytest.mark.parametrize(
