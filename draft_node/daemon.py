@@ -100,8 +100,8 @@ class DraftService:
         # predraft_outcomes_cut: outcomes named but not drafted, for want of time before the verify ends
         self.counters.update(predrafts=0, predraft_hits=0, predraft_outcomes_cut=0)
         self.pass_cost = PassCost()
-        # When the burst being handled arrived: its replies all leave at its end, so a pre-draft
-        # handled after others has only what is left of its budget (None: handled alone).
+        # When the request being handled in a burst was read (time.monotonic()): a pre-draft handled
+        # after others has only what is left of its budget (None: handled alone).
         self.burst_began: float | None = None
 
     @property
@@ -276,7 +276,7 @@ class DraftService:
         budget), and a budget spent becomes the smallest one, which fits no pass."""
         if budget_ms <= 0 or self.burst_began is None:
             return budget_ms
-        return max(budget_ms - (time.perf_counter() - self.burst_began) * 1000, 1e-9)
+        return max(budget_ms - (time.monotonic() - self.burst_began) * 1000, 1e-9)
 
     def on_keep(self, msg: Message) -> list:
         """Keep the session's context of positions [0, rows) (as many as it holds from 0) for this peer."""
@@ -327,17 +327,15 @@ class DraftService:
         runs on while heavy work keeps arriving, and it held every request and reply it had
         answered until its end (a review: all 120 of 60 rounds). Each request's index (for `send`)
         is its place among `requests` and those `more` added."""
-        pending = dict(enumerate(requests))  # the requests not answered yet, by index
+        pending = {i: _stamped(request) for i, request in enumerate(requests)}  # not answered yet, by index
         count = len(pending)
         replies: dict[int, list] = {}
-        # When each request was read: a pre-draft has what is left of its budget from then.
-        arrived = dict.fromkeys(pending, time.perf_counter())
         waiting = list(pending)
         run: list[int] = []
         head_next = False  # after a round of light requests the queue's head goes: heavy work never starves
 
         def answer(i: int, reply: list) -> None:
-            del pending[i], arrived[i]
+            del pending[i]
             if send is None:
                 replies[i] = reply
             else:
@@ -358,13 +356,14 @@ class DraftService:
                 taken = taken or self._head_pass(pending, waiting)
                 for i in taken:
                     request = pending[i]
-                    if self.together and isinstance(request, Message) and request.type == "propose":
-                        if any(_same_session(requests[j], request) for j in run):
+                    if self._batched(request):
+                        if any(_session_key(pending[j]) == _session_key(request) for j in run):
                             flush()
                         run.append(i)
                         continue
                     flush()
-                    self.burst_began = arrived[i]
+                    # A pre-draft has what is left of its budget from when it was read.
+                    self.burst_began = request.received if isinstance(request, Message) else None
                     answer(i, self.handle(request))
                 flush()
                 done = set(taken)
@@ -372,7 +371,7 @@ class DraftService:
                 if more is not None and waiting:
                     held = sum(tensor_bytes(pending[i]) for i in waiting)
                     for request in more(len(waiting), held):
-                        pending[count], arrived[count] = request, time.perf_counter()
+                        pending[count] = _stamped(request)
                         waiting.append(count)
                         count += 1
         finally:
@@ -387,18 +386,23 @@ class DraftService:
             return True
         return request.type == "propose" and request.tensors["features"][0].shape[0] > self.config.block_size
 
+    def _batched(self, request: Message | ProtocolError) -> bool:
+        """A propose, drafted in one pass with those of other sessions beside it."""
+        return self.together and isinstance(request, Message) and request.type == "propose"
+
     def _light(self, requests: dict, waiting: list[int]) -> list[int]:
         """The `waiting` requests that may go ahead of the heavy ones, in order: every light one that
         no heavy request before it holds back (one of its session's; for `keep` and `restore`, whose
         names reach across sessions, and `open`, whose slot a `close` held behind one may free or
-        whose eviction may take a session with a request held, any)."""
+        whose eviction may take a session with a request held, any; and an undecodable request,
+        whose error must not overtake its connection's reply before it, any)."""
         held: set = set()
         heavy_before = False
         light = []
         for i in waiting:
             request = requests[i]
             key = _session_key(request)
-            names = isinstance(request, Message) and request.type in ("keep", "restore", "open")
+            names = not isinstance(request, Message) or request.type in ("keep", "restore", "open")
             heavy = self._heavy(request)
             if heavy or (key is not None and key in held) or (names and heavy_before):
                 heavy_before |= heavy
@@ -416,8 +420,7 @@ class DraftService:
         head = []  # the proposes of distinct sessions that open the queue, one pass of them at most
         for i in waiting:
             request = requests[i]
-            proposes = self.together and isinstance(request, Message) and request.type == "propose"
-            if not proposes or any(_same_session(requests[j], request) for j in head):
+            if not self._batched(request) or any(_session_key(requests[j]) == _session_key(request) for j in head):
                 break
             head.append(i)
         if not head:
@@ -600,14 +603,18 @@ def internal_error(request_id: int, exc: Exception) -> list:
     return encode_error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
-def _same_session(a: Message, b: Message) -> bool:
-    return a.peer == b.peer and a.fields.get("session") == b.fields.get("session")
-
-
 def _session_key(request: Message | ProtocolError) -> tuple[str, str] | None:
+    """Whose session a request is about: sessions belong to a peer (None: no session named)."""
     if not isinstance(request, Message) or "session" not in request.fields:
         return None
     return (request.peer, request.fields["session"])
+
+
+def _stamped(request: Message | ProtocolError) -> Message | ProtocolError:
+    """`request`, with the time it was read where no transport stamped it (a test's, or a caller's own)."""
+    if isinstance(request, Message) and not request.received:
+        request.received = time.monotonic()
+    return request
 
 
 def take_burst(server: Server, first: tuple[bytes, Message | ProtocolError]) -> list:

@@ -24,7 +24,7 @@ from draft_node.config import FULL, SLIDING, in_dflash2
 from draft_node.daemon import DraftService
 from draft_node.kv_cache import DraftKVCache, DraftStep, OutOfOrderError, drafts_alone_in_one_pass, propose
 from draft_node.settings import DraftSettings
-from protocol import Message, decode, encode
+from protocol import ErrorCode, Message, ProtocolError, decode, encode
 
 SHIPPED = Path(__file__).resolve().parent.parent / "drafters" / "smollm2"
 
@@ -346,7 +346,7 @@ class _TwoTargets:
     def answer(self, burst: list[Message], more) -> tuple[list[int], list[Message]]:
         """The ids in the order `service` sent them, and its replies, each checked against `alone`'s."""
         by_index: dict[int, Message] = {}
-        assert self.service.handle_all(burst, lambda i, r: by_index.setdefault(i, decode(r)), more) == []
+        assert self.service.handle_all(list(burst), lambda i, r: by_index.setdefault(i, decode(r)), more) == []
         sent = [reply.id for reply in by_index.values()]
         replies = [by_index[i] for i in range(len(by_index))]
         want = [decode(self.alone.handle(msg)) for msg in burst]  # `more` appended its requests to burst
@@ -410,7 +410,9 @@ def test_steps_arriving_without_end_do_not_starve_another_targets_resends():
 
 def test_keep_and_restore_wait_for_a_heavy_request_before_them_whatever_its_session():
     """A kept prefix's name reaches across sessions: a restore must not pass the keep (or the
-    resend a keep follows) that came before it, nor its session's propose the restore."""
+    resend a keep follows) that came before it, nor its session's propose the restore. Nor may an
+    undecodable request's error pass a heavy reply: it names no session, and its connection's
+    reader drops a reply that is not the one it waits for."""
     drafter = _drafter("tiny", torch.float32)
     cfg = drafter.config
     service = DraftService(drafter, DraftSettings(ring_capacity=32))
@@ -433,10 +435,16 @@ def test_keep_and_restore_wait_for_a_heavy_request_before_them_whatever_its_sess
         request_id=5,
     )
     by_index: dict[int, Message] = {}
-    burst = [resend, keep, restore, ping, after]
+    garbled = ProtocolError(ErrorCode.BAD_FIELD, "undecodable", request_id=6)
+    burst = [resend, keep, restore, ping, garbled, after]
     service.handle_all(burst, send=lambda i, r: by_index.setdefault(i, decode(r)))
-    assert [reply.id for reply in by_index.values()] == [4, 1, 2, 3, 5]
-    assert by_index[1]["rows"] == 12 and by_index[2]["rows"] == 12 and by_index[4].type == "proposal"
+    assert [reply.id for reply in by_index.values()] == [4, 1, 2, 3, 6, 5]
+    assert (
+        by_index[1]["rows"] == 12
+        and by_index[2]["rows"] == 12
+        and by_index[5].type == "proposal"
+        and by_index[4].type == "error"
+    )
 
 
 def test_an_open_waits_for_a_heavy_request_before_it_whatever_its_session():
