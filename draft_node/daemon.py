@@ -317,8 +317,8 @@ class DraftService:
         Heavy work waits for the rest (`_heavy`: a pre-draft, speculative, and a propose of more
         rows than a block, a prompt or a ring resent after a restart), one pass of it after each
         round of light ones, and between two rounds `more` (requests held, tensor bytes held)
-        takes what arrived since: a step's propose waits for at most one heavy pass of another target's, where it
-        waited behind a whole burst of them (an audit: 2.2 s, past a target's --draft-timeout,
+        takes what arrived since: a step's propose waits for at most one heavy pass of another
+        target's, where it waited behind a whole burst of them (an audit: 2.2 s, past a target's --draft-timeout,
         behind one target's eight resends; 0.55 s behind another's 16 pre-drafts). `send`
         (request index, reply) takes each reply as soon as it is made: sent at the burst's end,
         every reply waited for every pass after it, and one target's pre-draft held another
@@ -331,7 +331,6 @@ class DraftService:
         count = len(pending)
         replies: dict[int, list] = {}
         waiting = list(pending)
-        run: list[int] = []
         head_next = False  # after a round of light requests the queue's head goes: heavy work never starves
 
         def answer(i: int, reply: list) -> None:
@@ -341,31 +340,12 @@ class DraftService:
             else:
                 send(i, reply)
 
-        def flush() -> None:
-            self.counters["requests"] += len(run)
-            for i in run:
-                self.heard[pending[i].peer] = self.clock()
-            for i, reply in zip(run, self.draft_together([pending[i] for i in run]), strict=True):
-                answer(i, reply)
-            run.clear()
-
         try:
             while waiting:
                 taken = [] if head_next else self._light(pending, waiting)
                 head_next = bool(taken)
                 taken = taken or self._head_pass(pending, waiting)
-                for i in taken:
-                    request = pending[i]
-                    if self._batched(request):
-                        if any(_session_key(pending[j]) == _session_key(request) for j in run):
-                            flush()
-                        run.append(i)
-                        continue
-                    flush()
-                    # A pre-draft has what is left of its budget from when it was read.
-                    self.burst_began = request.received if isinstance(request, Message) else None
-                    answer(i, self.handle(request))
-                flush()
+                self._answer_round(pending, taken, answer)
                 done = set(taken)
                 waiting = [i for i in waiting if i not in done]
                 if more is not None and waiting:
@@ -377,6 +357,32 @@ class DraftService:
         finally:
             self.burst_began = None
         return [replies[i] for i in range(count)] if send is None else []
+
+    def _answer_round(self, pending: dict, taken: list[int], answer: Callable[[int, list], None]) -> None:
+        """Answers the `taken` requests in their order: each run of proposes of distinct sessions in
+        one pass, the rest one by one."""
+        run: list[int] = []
+
+        def flush() -> None:
+            self.counters["requests"] += len(run)
+            for i in run:
+                self.heard[pending[i].peer] = self.clock()
+            for i, reply in zip(run, self.draft_together([pending[i] for i in run]), strict=True):
+                answer(i, reply)
+            run.clear()
+
+        for i in taken:
+            request = pending[i]
+            if self._batched(request):
+                if any(_session_key(pending[j]) == _session_key(request) for j in run):
+                    flush()
+                run.append(i)
+                continue
+            flush()
+            # A pre-draft has what is left of its budget from when it was read.
+            self.burst_began = request.received if isinstance(request, Message) else None
+            answer(i, self.handle(request))
+        flush()
 
     def _heavy(self, request: Message | ProtocolError) -> bool:
         """Work that waits for the rest of its burst: a pre-draft, or a propose resending more rows than a block."""
