@@ -28,7 +28,7 @@ else  # what travels with every call: the working tree (tracked and untracked, n
   tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | du --files0-from=- -cb | tail -1 | cut -f1)
   part_bytes=$(( 64 * 1024 * 1024 - tree - 1024 * 1024 ))
 fi
-[ "$part_bytes" -gt 0 ] || { echo "gpu_prepare.sh: the working tree leaves no room for a GGUF part in a 64 MiB call" >&2; exit 1; }
+[ "$part_bytes" -gt 0 ] || { echo "gpu_prepare.sh: the working tree ($(( ${tree:-0} / 1048576 )) MiB) leaves no room for a GGUF part in a 64 MiB call: the answer store must travel once, in parts (docs/training.md, On a GPU)" >&2; exit 1; }
 split -b "$part_bytes" -d "$gguf/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/SmolLM2-135M-Instruct.Q4_1.gguf.part
 # What the joined parts must hash to: gpu_run.sh checks it, so a part left behind is a clear error.
 (cd "$gguf" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf) > .gpu/SHA256SUMS
