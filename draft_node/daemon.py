@@ -327,7 +327,7 @@ class DraftService:
         runs on while heavy work keeps arriving, and it held every request and reply it had
         answered until its end (a review: all 120 of 60 rounds). Each request's index (for `send`)
         is its place among `requests` and those `more` added."""
-        pending = {i: _stamped(request) for i, request in enumerate(requests)}  # not answered yet, by index
+        pending = dict(enumerate(requests))  # not answered yet, by index
         count = len(pending)
         replies: dict[int, list] = {}
         waiting = list(pending)
@@ -351,7 +351,7 @@ class DraftService:
                 if more is not None and waiting:
                     held = sum(tensor_bytes(pending[i]) for i in waiting)
                     for request in more(len(waiting), held):
-                        pending[count] = _stamped(request)
+                        pending[count] = request
                         waiting.append(count)
                         count += 1
         finally:
@@ -614,13 +614,6 @@ def _session_key(request: Message | ProtocolError) -> tuple[str, str] | None:
     if not isinstance(request, Message) or "session" not in request.fields:
         return None
     return (request.peer, request.fields["session"])
-
-
-def _stamped(request: Message | ProtocolError) -> Message | ProtocolError:
-    """`request`, with the time it was read where no transport stamped it (a test's, or a caller's own)."""
-    if isinstance(request, Message) and not request.received:
-        request.received = time.monotonic()
-    return request
 
 
 def take_burst(server: Server, first: tuple[bytes, Message | ProtocolError]) -> list:

@@ -7,6 +7,7 @@ treats every byte as hostile and only ever raises ProtocolError.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,9 +59,10 @@ class Message:
     # Who sent it, as the transport knows the sender (never on the wire): a CURVE client's
     # public key, or the connection's routing id. Sessions and queues belong to a peer.
     peer: str = ""
-    # When the transport took it in (time.monotonic(); never on the wire): a request that arrived
-    # during a daemon's step waits in the server's hold, and its queue time counts from here.
-    received: float = 0.0
+    # When it was read (time.monotonic(); never on the wire): the transport stamps its read, else it
+    # is the decode's. A request that arrived during a daemon's step waits in the server's hold, and
+    # its queue time, and a pre-draft's budget, count from here.
+    received: float = field(default_factory=time.monotonic)
 
     def __getitem__(self, key: str) -> Any:
         return self.fields[key]

@@ -260,7 +260,7 @@ class TargetService:
             self.queues[identity] = queue
             # Its clock starts at its arrival: one that came during a step (held by the server's
             # helper) waited for that step too; timed from here, a 1.2 s first token read 0.12 s.
-            queue.append(Job(identity, msg, held=held, received=msg.received or time.monotonic()))
+            queue.append(Job(identity, msg, held=held, received=msg.received))
             return
         self.metrics.refuse(ErrorCode.BUSY.value)
         self.send(identity, encode_error(msg.id, ErrorCode.BUSY, why + "; retry later"))
