@@ -243,6 +243,15 @@ def bf16_matmul(folder: Path) -> str:
     return min(seconds, key=lambda path: seconds[path])
 
 
+def bf16_numerics(folder: Path) -> str:
+    """`bf16_matmul`'s path named by the instructions that compute it: "amx", "avx512" (VDPBF16PS),
+    or "fma" where the build lacks AVX512-BF16 and its fallback computes the same dot products with
+    two FMAs, equal but for subnormals, which VDPBF16PS flushes. Answers record it (`made_by`):
+    an AVX2 build's were labelled "avx512" like a native one's, whose bits they need not share."""
+    path = bf16_matmul(folder)
+    return "fma" if path == "avx512" and "avx512_bf16" not in build.cpu_flags().split() else path
+
+
 def measured_once(
     folder: Path, name: str, measure: Callable[[], dict[str, float]], one_thread: bool = True
 ) -> dict[str, float]:

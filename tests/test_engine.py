@@ -13,6 +13,7 @@ takes), here on the CPU; `launch/gpu_run.sh` runs them on CUDA.
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -363,6 +364,24 @@ def test_the_bf16_path_is_measured_once_per_machine_and_can_be_forced(tmp_path, 
             dflash_kernels.bf16_matmul(tmp_path)
     finally:
         torch.ops.dflash.linear_path(chosen)
+
+
+@pytest.mark.parametrize(
+    ("path", "flags", "named"),
+    [
+        ("avx512", "avx2 avx512f avx512_bf16", "avx512"),
+        ("avx512", "x86-64-v3 -mavx2", "fma"),
+        ("amx", "amx_bf16 avx512_bf16", "amx"),
+    ],
+)
+def test_answers_name_the_instructions_of_their_bf16_matmuls(monkeypatch, path, flags, named):
+    """A build without AVX512-BF16 (DFLASH_MARCH=x86-64-v3, or an AVX2 CPU) computes the "avx512"
+    path with FMAs, whose subnormals differ: its answers' `made_by` must not say avx512."""
+    import dflash_kernels
+
+    monkeypatch.setattr(dflash_kernels, "bf16_matmul", lambda folder: path)
+    monkeypatch.setattr(dflash_kernels.build, "cpu_flags", lambda: flags)
+    assert dflash_kernels.bf16_numerics(Path("unused")) == named
 
 
 def test_the_prefetch_level_is_measured_once_and_changes_no_bit(tmp_path, monkeypatch, one_thread):

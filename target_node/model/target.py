@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from transformers.utils import logging as hf_logging
 
 from basics.errors import first_line
-from dflash_kernels import argmax, bf16_faster, bf16_matmul, computes_bf16, native_bf16, runs_on
+from dflash_kernels import argmax, bf16_faster, bf16_numerics, computes_bf16, native_bf16, runs_on
 from dflash_kernels import load as load_kernels
 from dflash_kernels.build import cpu_flags, cpu_name
 from protocol import FLOAT_DTYPES
@@ -202,7 +202,7 @@ class TargetModel:
         dtype = str(self.model.dtype).removeprefix("torch.")
         path = "engine" if self.engine is not None else "transformers path"
         if self.engine is not None and self.model.dtype == torch.bfloat16 and runs_on(self.device):
-            path += f" ({bf16_matmul(load_kernels())} matmuls)"  # AMX and AVX-512 BF16 round differently
+            path += f" ({bf16_numerics(load_kernels())} matmuls)"  # AMX, AVX-512 BF16 and FMAs differ
         return f"{dtype} {path} on {device_label(self.device)}"
 
     @property
