@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +53,10 @@ SEND_QUEUE = 32
 # slot has in flight, a propose, a pre-draft and pings, with room to spare. At ZeroMQ's 1000, one
 # connection resending whole rings (22 MiB each) faster than they were drafted could hold 22 GB.
 RECEIVE_QUEUE = 16
+# How often idle sessions are looked for, at most (by the service's clock), also inside a burst that
+# runs on: looked for only between bursts, a daemon kept busy by heavy work held every idle session
+# (a ring's keys and values each) for as long as it stayed busy (an audit).
+IDLE_CHECK_S = 1.0
 
 
 @dataclass
@@ -103,6 +107,7 @@ class DraftService:
         # When the request being handled in a burst was read (time.monotonic()): a pre-draft handled
         # after others has only what is left of its budget (None: handled alone).
         self.burst_began: float | None = None
+        self.next_idle_check = clock()  # when `evict_idle_on_clock` next looks (IDLE_CHECK_S)
 
     @property
     def preferred_wire_dtype(self) -> str:
@@ -342,6 +347,8 @@ class DraftService:
 
         try:
             while waiting:
+                # A burst runs on while heavy work keeps arriving: idle sessions still go, on the clock.
+                self.evict_idle_on_clock(_session_key(pending[i]) for i in waiting)
                 taken = [] if head_next else self._light(pending, waiting)
                 head_next = bool(taken)
                 taken = taken or self._head_pass(pending, waiting)
@@ -574,10 +581,21 @@ class DraftService:
         }
         return encode("stats_ok", msg.id, {"stats": stats})
 
-    def evict_idle(self) -> None:
-        """Sessions idle past `idle_timeout_s` go, and what was heard of peers that hold none."""
+    def evict_idle_on_clock(self, busy: Iterable = ()) -> None:
+        """`evict_idle`, at most once per IDLE_CHECK_S: cheap enough to call after every request."""
         now = self.clock()
-        for key in [k for k, s in self.sessions.items() if now - s.last_used > self.settings.idle_timeout]:
+        if now < self.next_idle_check:
+            return
+        self.next_idle_check = now + IDLE_CHECK_S
+        self.evict_idle(busy)
+
+    def evict_idle(self, busy: Iterable = ()) -> None:
+        """Sessions idle past `idle_timeout_s` go (not those in `busy`, by (peer, name): a request of
+        theirs waits in the burst), and what was heard of peers that hold none."""
+        now = self.clock()
+        busy = set(busy)
+        idle = self.settings.idle_timeout
+        for key in [k for k, s in self.sessions.items() if now - s.last_used > idle and k not in busy]:
             self.evict(key)
         if len(self.heard) > len(self.sessions):
             owners = {owner for owner, _ in self.sessions}
@@ -689,7 +707,7 @@ def serve(
                 service.handle_all(
                     [m for _, m in burst], send=lambda i, reply, to=peers: server.send(to.pop(i), reply), more=more
                 )
-            service.evict_idle()
+            service.evict_idle_on_clock()
     finally:
         server.close()
         kept = service.kept

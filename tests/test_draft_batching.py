@@ -493,3 +493,44 @@ def test_a_burst_that_runs_on_holds_no_request_it_has_answered():
     assert len(alive) > 40 and max(alive) <= 4, alive  # what waits, not all 60 taken in
     assert kept == []  # nor the replies it sent
     assert len(sent) == 2 + len(made)
+
+
+def test_idle_sessions_are_evicted_on_the_clock_during_a_burst_that_runs_on(monkeypatch):
+    """Idle sessions were looked for only between bursts: while heavy work kept arriving a burst
+    ran on, and a gone target's sessions (a ring's keys and values each) stayed as long. They go on
+    the clock now, inside a burst too, at most once per IDLE_CHECK_S however many rounds run, and
+    never one with a request waiting in the burst."""
+    drafter = _drafter("tiny", torch.float32)
+    cfg = drafter.config
+    now = [1000.0]
+    service = DraftService(
+        drafter, DraftSettings(ring_capacity=32, max_pass_rows=16, idle_timeout=60), clock=lambda: now[0]
+    )
+    g, width = torch.Generator().manual_seed(5), cfg.feature_width
+
+    def propose(name: str, start: int, rows: int, request_id: int) -> Message:
+        tensors = {"features": torch.randn(rows, width, generator=g), "noise": torch.randn(1, cfg.hidden_size)}
+        fields = {"session": name, "start": start, "position": start + rows}
+        return _request("propose", fields, tensors, peer=name.upper(), request_id=request_id)
+
+    mask = torch.randn(1, cfg.hidden_size)
+    for name in ("a", "w", "gone"):
+        opened = service.handle(_request("open", {"session": name}, {"mask": mask}, peer=name.upper()))
+        assert decode(opened).type == "ok" and decode(service.handle(propose(name, 0, 3, 1))).type == "proposal"
+    checks = []
+    real = service.evict_idle
+    monkeypatch.setattr(service, "evict_idle", lambda busy=(): checks.append(now[0]) or real(busy))
+    # w's step waits behind its own resend, which waits behind a's: w is idle as long as "gone".
+    burst = [propose("a", 0, 16, 10), propose("w", 0, 16, 11), propose("w", 16, 1, 12)]
+    gone_during = []
+
+    def more(held, held_bytes):  # a's resends arrive during every pass, 30 of them
+        now[0] += 100.0 if len(gone_during) == 0 else 0.01  # past idle_timeout once, then a moment a round
+        gone_during.append(("GONE", "gone") not in service.sessions)
+        return [] if len(gone_during) > 30 else [propose("a", 0, 16, 100 + len(gone_during))]
+
+    replies = [decode(r) for r in service.handle_all(burst, more=more)]
+    assert any(gone_during), "the idle session outlived a burst that ran on"
+    assert ("GONE", "gone") not in service.sessions and service.counters["evicted"] == 1
+    assert {r.type for r in replies} == {"proposal"} and len(replies) == 3 + 30  # w's step found its session
+    assert 1 <= len(checks) <= 2, checks  # the first round, then once past the jump: not once a round
