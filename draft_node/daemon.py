@@ -408,8 +408,10 @@ class DraftService:
         no heavy request before it holds back (one of its session's; for `keep` and `restore`, whose
         names reach across sessions, and `open`, whose slot a `close` held behind one may free or
         whose eviction may take a session with a request held, any; and an undecodable request,
-        whose error must not overtake its connection's reply before it, any)."""
-        held: set = set()
+        whose error must not overtake its connection's reply before it, any, and its peer's later
+        requests wait with it: a target's reader waiting for the error dropped a reply that came
+        before it)."""
+        held: set = set()  # sessions, and peers of an undecodable request held: their later requests wait
         heavy_before = False
         light = []
         for i in waiting:
@@ -417,10 +419,11 @@ class DraftService:
             key = _session_key(request)
             names = not isinstance(request, Message) or request.type in ("keep", "restore", "open")
             heavy = self._heavy(request)
-            if heavy or (key is not None and key in held) or (names and heavy_before):
+            if heavy or (key is not None and key in held) or request.peer in held or (names and heavy_before):
                 heavy_before |= heavy
-                if key is not None:  # the session's later requests wait for this one
-                    held.add(key)
+                named = key if isinstance(request, Message) else request.peer
+                if named is not None:  # the session's later requests wait for this one (its peer's: all)
+                    held.add(named)
                 continue
             light.append(i)
         return light

@@ -48,6 +48,9 @@ class ProtocolError(Exception):
         self.message = message
         self.request_id = request_id
         self.remote = remote
+        # Who sent the request that could not be decoded, named as a Message's `peer` (a server's
+        # transport sets it): its replies keep their order across the error's.
+        self.peer: str | None = None
 
 
 # A peer's value may nest as deep as msgpack allows (1024), past what repr() can recurse:

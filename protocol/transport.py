@@ -503,10 +503,13 @@ class Server:
             self.enveloped[identity.bytes] = None
             while len(self.enveloped) > MAX_ENVELOPED:
                 self.enveloped.popitem(last=False)
-            return identity.bytes, ProtocolError(ErrorCode.MALFORMED, REQ_REFUSED)
+            refused = ProtocolError(ErrorCode.MALFORMED, REQ_REFUSED)
+            refused.peer = self._peer(identity, frames)
+            return identity.bytes, refused
         try:
             message = decode(frames, max_frame_bytes=self.max_frame_bytes)
         except ProtocolError as exc:
+            exc.peer = self._peer(identity, frames)
             return identity.bytes, exc
         message.peer, message.received = self._peer(identity, frames), received
         return identity.bytes, message

@@ -534,3 +534,21 @@ def test_idle_sessions_are_evicted_on_the_clock_during_a_burst_that_runs_on(monk
     assert ("GONE", "gone") not in service.sessions and service.counters["evicted"] == 1
     assert {r.type for r in replies} == {"proposal"} and len(replies) == 3 + 30  # w's step found its session
     assert 1 <= len(checks) <= 2, checks  # the first round, then once past the jump: not once a round
+
+
+def test_a_peers_requests_after_an_undecodable_one_wait_for_its_error():
+    """An undecodable request names no session, so it waits for any heavy request before it; the
+    requests its connection sent after it did not, and went first: its reader, waiting for the
+    error's id, dropped the reply after it as stale and timed out on it. They wait with it now
+    (the transport names an undecodable request's peer); another peer's steps still go first."""
+    two = _TwoTargets()
+    garbled = ProtocolError(ErrorCode.BAD_FIELD, "predraft: budget_ms must be at least 0", request_id=2)
+    garbled.peer = "B"  # as the transport names it
+    burst = [two.propose("a0", 0, 16, 1), garbled, two.propose("b", 3, 1, 3), two.propose("a1", 3, 1, 4)]
+    by_index: dict[int, Message] = {}
+    two.service.handle_all(burst, send=lambda i, r: by_index.setdefault(i, decode(r)))
+    sent = [reply.id for reply in by_index.values()]
+    assert sent.index(2) < sent.index(3), sent  # B's step after B's error
+    assert sent[0] == 4, sent  # A's step is not held back by B's mistake
+    assert by_index[1].type == "error" and by_index[1]["code"] == "bad_field"
+    assert by_index[0].type == by_index[2].type == by_index[3].type == "proposal"

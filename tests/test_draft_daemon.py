@@ -435,3 +435,33 @@ def test_without_curve_a_keep_makes_room_from_its_own_targets_other_slots():
     store.keep("slot1", f"{mine}-4", *entry(1))  # slot2 (192) the largest gives up its one entry
     assert store.held <= store.max_bytes
     assert store.held == sum(e[2] for e in store.entries.values()) == sum(store.held_by.values())
+
+
+def test_the_transport_names_the_peer_of_an_undecodable_request(tmp_path):
+    """The daemon keeps a peer's replies in order across an undecodable request (its error waits
+    with the peer's later requests: test_draft_batching), so the error must name its peer as the
+    peer's decoded requests do."""
+    from protocol.transport import Server
+
+    address = f"ipc://{tmp_path}/named.sock"
+    server = Server(address)
+    socks = [dealer(zmq.Context.instance(), address) for _ in range(2)]
+    try:
+        for sock in socks:
+            sock.send_multipart([b"\xc1not msgpack"])
+            sock.send_multipart(encode("ping", 5, {}))
+        taken = []
+        while len(taken) < 4 and (got := server.next(5000)) is not None:
+            taken.append(got)
+    finally:
+        for sock in socks:
+            sock.close(0)
+        server.close()
+    assert len(taken) == 4
+    by_identity: dict[bytes, list] = {}
+    for identity, request in taken:
+        by_identity.setdefault(identity, []).append(request)
+    assert len(by_identity) == 2
+    for garbled, ping in by_identity.values():
+        assert garbled.code.value == "malformed" and ping.type == "ping"
+        assert garbled.peer is not None and garbled.peer == ping.peer
