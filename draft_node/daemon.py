@@ -258,7 +258,12 @@ class DraftService:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"predraft: {exc}") from exc
         reads = session.cache.block_reads
         per_pass = outcomes_per_pass(session.cache)
-        count = self.pass_cost.fitting(len(known), self.budget_left(msg["budget_ms"]), reads, per_pass)
+        budget_ms = self.budget_left(msg["budget_ms"])
+        # No budget given (a slot's first pre-draft, before its window was measured; or a target that
+        # asks for every outcome): one pass at most, the unit heavy work goes in. Every outcome named,
+        # pass after pass, held other targets' steps behind it (16 over a full ring: 4 passes).
+        named = len(known) if budget_ms > 0 else min(len(known), per_pass)
+        count = self.pass_cost.fitting(named, budget_ms, reads, per_pass)
         self.counters["predraft_outcomes_cut"] += len(known) - count
         session.predraft_outcomes_cut += len(known) - count
         wire_dtype = msg.tensors["heads"][0].dtype
@@ -278,7 +283,7 @@ class DraftService:
     def budget_left(self, budget_ms: float) -> float:
         """What is left of a pre-draft's budget after the requests of its burst handled before it
         (several targets' pre-drafts arriving together queue for the one drafter); 0 stays 0 (no
-        budget), and a budget spent becomes the smallest one, which fits no pass."""
+        budget: one pass), and a budget spent becomes the smallest one, which fits no pass."""
         if budget_ms <= 0 or self.burst_began is None:
             return budget_ms
         return max(budget_ms - (time.monotonic() - self.burst_began) * 1000, 1e-9)

@@ -279,7 +279,8 @@ SCHEMAS: dict[str, Schema] = {
     "predraft": Schema(
         Struct(
             {"session": SESSION, "position": POSITION, "known": List(Int(2, 1 << 10), 1, MAX_PREDRAFT_OUTCOMES)},
-            # The time the daemon has before the verify ends (the target's measure); 0: no limit.
+            # The time the daemon has before the verify ends (the target's measure); 0: none given, and the
+            # daemon drafts the likeliest outcomes that fit one pass (`outcomes_per_pass`).
             optional={"budget_ms": (Float(0.0), 0.0)},
         ),
         tensors=(TensorRule("heads", FLOAT_DTYPES, (2, 1)),),

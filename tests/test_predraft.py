@@ -16,7 +16,7 @@ import draft_node.daemon as draft_daemon_module
 from draft_node.checkpoint import config_for_target, load_drafter, random_drafter, save_drafter
 from draft_node.daemon import DraftService, serve
 from draft_node.kv_cache import DraftKVCache
-from draft_node.predraft import PassCost, Predrafts, predraft
+from draft_node.predraft import PassCost, Predrafts, outcomes_per_pass, predraft
 from draft_node.settings import DraftSettings
 from protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
 from protocol.messages import MAX_PREDRAFT_OUTCOMES
@@ -445,6 +445,30 @@ def test_a_flood_of_predrafts_with_no_time_costs_no_pass_and_the_session_serves_
     assert s.svc.counters["predraft_outcomes_cut"] == 200 * MAX_PREDRAFT_OUTCOMES
     assert s.svc.counters["predrafts"] == 0 and len(s.svc.pass_cost.recent) == passes  # no pass ran
     assert s.propose(5, 6, outcome=0)["predrafted"] is False and s.svc.counters["errors"] == 0
+
+
+def test_a_predraft_with_no_budget_drafts_one_pass_and_a_flood_of_them_one_pass_each(cfg, monkeypatch):
+    """A slot's first pre-draft comes before its verify window was measured, with budget_ms 0 (none
+    given): it drafted every outcome named, pass after pass (16 outcomes over a full ring: 4 passes,
+    0.56 s), while other targets' steps waited behind it. Without a budget the daemon now drafts
+    the likeliest outcomes that fit one pass, the unit heavy work goes in; each of a flood of them
+    runs one pass, and the outcomes drafted are hits as before."""
+    import draft_node.predraft as predraft_module
+
+    s = Session(cfg)
+    s.propose(0, 38)  # a long context: its outcomes' copies fill a pass before 16 of them
+    per_pass = outcomes_per_pass(s.cache)
+    assert 1 <= per_pass < MAX_PREDRAFT_OUTCOMES
+    passes = []
+    real = predraft_module._predraft_pass
+    monkeypatch.setattr(predraft_module, "_predraft_pass", lambda *args: passes.append(1) or real(*args))
+    known = [2] * MAX_PREDRAFT_OUTCOMES
+    for _ in range(20):
+        reply = s.predraft(38, known)
+        assert reply.type == "predrafts" and reply["outcomes"] == per_pass
+    assert len(passes) == 20 and s.svc.counters["predraft_outcomes_cut"] == 20 * (len(known) - per_pass)
+    assert s.propose(38, 39, outcome=per_pass - 1)["predrafted"]  # the last one drafted: a hit
+    assert s.svc.counters["errors"] == 0
 
 
 def test_remote_predrafting_within_the_verify_window_stays_exact(target, checkpoint, tmp_path, monkeypatch):

@@ -179,7 +179,7 @@ def test_round_trip_every_type(type_):
     if sample == "proposal":
         expected["predrafted"] = False
     if sample == "predraft":
-        expected["budget_ms"] = 0.0  # no limit
+        expected["budget_ms"] = 0.0  # none given (the daemon drafts one pass)
     if type_ == "generate":
         expected["sampling"] = {**SamplingParams().to_dict(), **fields["sampling"]}  # defaults filled in
     assert msg.fields == expected

@@ -63,8 +63,8 @@ class LinkTiming:
     """How long the target waits on its drafter: a reply (`timeout_s`), a probe of a daemon that
     was away (`probe_timeout_s`), between probes (`retry_s`), and how long a session may go
     unheard before a keepalive (`keepalive_s`), and whether a pre-draft asks only for what the
-    daemon drafts before the verify ends (`predraft_budget`; off, it drafts every outcome named,
-    as the drafter in process does)."""
+    daemon drafts before the verify ends (`predraft_budget`; off, it drafts every outcome named that
+    fits one pass, all of them at a short context, as the drafter in process does)."""
 
     timeout_s: float = 2.0
     probe_timeout_s: float = 0.25
@@ -108,7 +108,7 @@ class RemoteDraftBackend:
         # The last predraft: its id, position, outcomes named (known) and when it went out.
         self.predrafting: tuple[int, int, list[int], float] | None = None
         self.window_began: float | None = None  # when the last predraft went out, until the next propose
-        self.window_ms = 0.0  # the time a pre-draft has (`_close_window`); 0 until measured: no limit
+        self.window_ms = 0.0  # the time a pre-draft has (`_close_window`); 0 until measured: none (one pass)
         self.last_sent = time.monotonic()
         self.counters = dict.fromkeys(
             ["round_trips", "timeouts", "errors", "bytes_out", "bytes_in", "proposals", "sent_ahead", "changes"]
