@@ -103,6 +103,8 @@ class DraftService:
         self.counters = {"requests": 0, "errors": 0, "proposals": 0, "batched": 0, "evicted": 0, "draft_ms": 0.0}
         # predraft_outcomes_cut: outcomes named but not drafted, for want of time before the verify ends
         self.counters.update(predrafts=0, predraft_hits=0, predraft_outcomes_cut=0)
+        # superseded: proposes and pre-drafts answered undrafted, a reopen of their session behind them
+        self.counters["superseded"] = 0
         self.pass_cost = PassCost()
         # When the request being handled in a burst was read (time.monotonic()): a pre-draft handled
         # after others has only what is left of its budget (None: handled alone).
@@ -374,6 +376,7 @@ class DraftService:
         """Answers the `taken` requests in their order: each run of proposes of distinct sessions in
         one pass, the rest one by one."""
         run: list[int] = []
+        superseded = _superseded(pending)
 
         def flush() -> None:
             self.counters["requests"] += len(run)
@@ -385,6 +388,12 @@ class DraftService:
 
         for i in taken:
             request = pending[i]
+            if i in superseded:
+                flush()
+                self.counters["requests"] += 1
+                self.counters["superseded"] += 1
+                answer(i, encode_error(request.id, ErrorCode.OUT_OF_ORDER, SUPERSEDED))
+                continue
             if self._batched(request):
                 if any(_session_key(pending[j]) == _session_key(request) for j in run):
                     flush()
@@ -633,6 +642,31 @@ def passes(rows: list[int], max_rows: int) -> list[list[int]]:
 def internal_error(request_id: int, exc: Exception) -> list:
     """The reply to a request a bug failed: it names the bug, and the daemon serves on."""
     return encode_error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+SUPERSEDED = "not drafted: a later open of this session replaces its context (the requests before it were given up)"
+
+
+def _superseded(pending: dict[int, Message | ProtocolError]) -> set[int]:
+    """The proposes and pre-drafts among `pending` (by index, in arrival order) after which their
+    session's requests, up to an `open` of it, are all such: the open wipes what they would do, and
+    a target reopens its session only after it gave up on its requests (a timeout dropped its
+    socket; their replies are stale to it). Drafting them was a pass each, a whole ring for a
+    resend, on a daemon too loaded to answer in time (an audit)."""
+    reopened: set = set()  # sessions whose next requests (in the walk back: the later ones) lead to an open
+    found = set()
+    for i in reversed(list(pending)):
+        request = pending[i]
+        key = _session_key(request)
+        if key is None:
+            continue
+        if request.type == "open":
+            reopened.add(key)
+        elif request.type in ("propose", "predraft") and key in reopened:
+            found.add(i)
+        else:  # a keep, reset or restore reads or sets what they did: they are drafted
+            reopened.discard(key)
+    return found
 
 
 def _session_key(request: Message | ProtocolError) -> tuple[str, str] | None:

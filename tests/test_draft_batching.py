@@ -552,3 +552,44 @@ def test_a_peers_requests_after_an_undecodable_one_wait_for_its_error():
     assert sent[0] == 4, sent  # A's step is not held back by B's mistake
     assert by_index[1].type == "error" and by_index[1]["code"] == "bad_field"
     assert by_index[0].type == by_index[2].type == by_index[3].type == "proposal"
+
+
+def test_a_sessions_requests_before_its_reopen_are_not_drafted(monkeypatch):
+    """A target that timed out on a request drops its socket and later re-opens its session (the
+    same name, the same peer) and resends its context: the requests it gave up on were still drafted
+    when their turn came, a whole ring's pass each, though the open wipes what they did and nobody
+    reads their replies (the target skips them as stale), while the daemon was already too loaded
+    to answer in time. Proposes and pre-drafts that only an `open` of their session follows are
+    answered at once with an error now, in their order; what the reopened session drafts is as
+    alone, and another target's step is served as before."""
+    two = _TwoTargets()
+    drafted = []
+    real = draft_daemon.timed_pass
+    monkeypatch.setattr(
+        draft_daemon,
+        "timed_pass",
+        lambda steps, together: drafted.extend(s.features.shape[0] for s in steps) or real(steps, together),
+    )
+    heads = torch.randn(4, two.cfg.hidden_size, generator=two.g)
+    gave_up = [  # a0's step, a pre-draft after it and its resend, all timed out at the target
+        two.propose("a0", 3, 1, 1),
+        _request(
+            "predraft", {"session": "a0", "position": 4, "known": [2, 2]}, {"heads": heads}, peer="A", request_id=2
+        ),
+        two.propose("a0", 0, 16, 3),
+    ]
+    mask = torch.randn(1, two.cfg.hidden_size, generator=two.g)
+    reopen = [_request("open", {"session": "a0"}, {"mask": mask}, peer="A", request_id=4), two.propose("a0", 0, 16, 5)]
+    burst = [*gave_up, two.propose("b", 3, 1, 6), *reopen]
+    by_index: dict[int, Message] = {}
+    two.service.handle_all(burst, send=lambda i, r: by_index.setdefault(i, decode(r)))
+    sent = [reply.id for reply in by_index.values()]
+    a0 = [i for i in sent if i != 6]
+    assert a0 == sorted(a0) and len(sent) == 6, sent  # a0's replies in their order
+    assert [by_index[i].type for i in range(3)] == ["error"] * 3 and by_index[0]["code"] == "out_of_order"
+    assert drafted == [1, 16], drafted  # b's step and the resend after the open: nothing given up on
+    want = [decode(two.alone.handle(msg)) for msg in (burst[3], *reopen)]
+    for got, expected in zip([by_index[3], by_index[4], by_index[5]], want, strict=True):
+        assert got.type == expected.type != "error"
+        if got.type == "proposal":
+            assert torch.equal(got.tensor("hidden"), expected.tensor("hidden"))
