@@ -37,8 +37,15 @@ def usage(stats: dict) -> dict:
     }
 
 
+# Characters str.splitlines() ends a line at that JSON leaves raw (it escapes those below U+0020):
+# httpx's iter_lines splits so, and a client reading a stream's lines over it got a chunk's `data:`
+# line cut in two where the model wrote one (an audit). Their JSON escapes are the same text.
+LINE_ENDS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def sse(body: dict) -> bytes:
-    return format_sse_event(data_str=json.dumps(body, ensure_ascii=False, separators=(",", ":")))
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).translate(LINE_ENDS)
+    return format_sse_event(data_str=data)
 
 
 class Answer:

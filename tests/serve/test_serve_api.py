@@ -57,6 +57,22 @@ def test_the_sse_stream_is_framed_as_openai_frames_it(server):
         assert set(chunk["choices"][0]) == {"index", "delta", "logprobs", "finish_reason"}
 
 
+def test_unicode_line_ends_in_a_chunk_keep_it_one_line_for_every_sse_reader():
+    """U+2028, U+2029 and U+0085 end lines for str.splitlines(), which httpx's iter_lines splits
+    with (clients that read OpenAI streams line by line over httpx, httpx-sse before 0.4.2): raw
+    in a chunk's JSON they cut its `data:` line in two and json.loads failed (an audit). Escaped,
+    they are the same text to every JSON reader."""
+    from frontend.responses import Answer, sse
+
+    text = "a\u2028b\u2029c\x85d"
+    for answer in (Answer(True, MODEL), Answer(False, MODEL)):
+        event = sse(answer.chunk(text)).decode()
+        lines = event.splitlines()
+        assert lines == [lines[0], ""] and lines[0].startswith("data: "), lines
+        choice = json.loads(lines[0][len("data: ") :])["choices"][0]
+        assert choice.get("text", choice.get("delta", {}).get("content")) == text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_take_a_raw_prompt(openai_client, reference, stream):
     prompt = "Once upon a time"
