@@ -167,6 +167,7 @@ def from_validation(errors: Sequence[dict]) -> APIError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return invalid(f"the request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    first = _furthest(errors)
     loc = first.get("loc", ())
     if first.get("type") == "extra_forbidden" and loc:  # the last part is the client's own key, whatever it reads
         param = _cut(".".join([*_param_parts(loc[:-1]), str(loc[-1])]))
@@ -178,6 +179,17 @@ def from_validation(errors: Sequence[dict]) -> APIError:
     if param is None:
         return invalid(f"the request body must be a JSON object (Content-Type: application/json): {message}")
     return invalid(f"{param}: {message}", param)
+
+
+def _furthest(errors: Sequence[dict]) -> dict:
+    """The first error, or the deepest of those within its parameter: the union member the value
+    got furthest in says what is wrong with it. A message's list of parts holding an image read
+    "messages.0.content: Input should be a valid string", the str member's word (an audit)."""
+    root = _param_parts(errors[0].get("loc", ()))
+    if not root:
+        return errors[0]
+    within = [e for e in errors if _param_parts(e.get("loc", ()))[: len(root)] == root]
+    return max(within, key=lambda e: len(_param_parts(e.get("loc", ()))))
 
 
 def _param(loc: Sequence) -> str | None:

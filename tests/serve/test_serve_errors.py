@@ -87,6 +87,22 @@ CASES = {  # name: (path, body, HTTP status, the parameter named, OpenAI error c
         "dict",
         "unknown_parameter",
     ),
+    # A list of parts holding an image was told "messages.0.content: Input should be a valid
+    # string", as if parts were not taken at all (an audit): the part that is not text is named.
+    "an image part": (
+        CHAT_PATH,
+        {**ASK, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages.0.content.0.type",
+        "invalid_value",
+    ),
+    "a text part without its text": (
+        CHAT_PATH,
+        {**ASK, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        400,
+        "messages.0.content.0.text",
+        "invalid_value",
+    ),
     "an unknown key in a message": (
         CHAT_PATH,
         {**ASK, "messages": [{"role": "user", "content": "hi", "list": 1}]},
