@@ -154,7 +154,8 @@ def _error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         # FastAPI's own 400s are bodies its parser gave up on (invalid UTF-8, a number too long to read).
         code = {404: "not_found", 400: "invalid_json"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+        # Its headers kept: a 405's Allow, which HTTP requires, was dropped (an audit).
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
 
 
 def _info_routes(app: FastAPI, front: Front) -> None:

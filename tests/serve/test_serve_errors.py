@@ -397,6 +397,25 @@ def test_a_lone_surrogate_echoed_in_an_error_is_escaped_not_a_500():
     assert "\\ud800" in error["message"]
 
 
+def test_a_method_a_route_does_not_take_is_405_with_the_allow_header():
+    """Starlette's 405 says which methods the route takes (Allow, as HTTP requires of a 405); the
+    OpenAI-shaped error body replaced it without the header (an audit)."""
+    from starlette.testclient import TestClient
+
+    from frontend.app import create_app
+    from frontend.link import TargetLink
+    from frontend.settings import FrontendSettings
+
+    app = create_app(
+        TargetLink("ipc:///nonexistent/target.sock", daemon_timeout_s=0.5), FrontendSettings(model_name=MODEL)
+    )
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for method, path, allowed in (("GET", CHAT_PATH, "POST"), ("POST", "/v1/models", "GET")):
+            reply = client.request(method, path)
+            assert_openai_error(reply, 405, None, None)
+            assert reply.headers["allow"] == allowed
+
+
 def test_requests_past_the_sockets_the_link_holds_are_429_and_closing_frees_one(monkeypatch):
     """Every open generate has a socket of its own in one ZeroMQ context, which holds 1,023: past
     them a request met "Too many open files" as a bare 500 (an audit). The link now counts what is
