@@ -5,7 +5,8 @@
 #    answer store, in one tar cut into parts that each fit in one call beside the working tree;
 #  - the checkout stands on a commit of its own, HEAD minus data/answers, detached: tracked or not,
 #    the store (56 MB of the 70) no longer rides with every call. Nothing is deleted from a branch;
-#    `--restore` goes back to the branch, the store with it. Commits made meanwhile are on no branch.
+#    `--restore` goes back to the branch, the store with it, and carries the commits made meanwhile
+#    onto it (cherry-picked: the slim commit itself, which deletes the store, never reaches a branch).
 # Usage: bash launch/gpu_prepare.sh [PART_MB]   (default: the largest part that fits beside the
 #        working tree, with 1 MiB to spare)   |   bash launch/gpu_prepare.sh --restore
 # How to carry the parts, call by call: docs/training.md, "On a GPU".
@@ -18,14 +19,26 @@ say() { echo "gpu_prepare.sh: $*" >&2; }
 if [ "${1:-}" = "--restore" ]; then
   [ -f "$slim" ] || { say "this checkout is not slimmed: nothing to restore"; exit 0; }
   read -r commit branch < "$slim"
-  if [ "$(git rev-parse HEAD)" != "$commit" ]; then
-    say "HEAD moved off the slim commit ${commit:0:12}; the commits since are on no branch: $(git log --format=%h "$commit..HEAD" | tr '\n' ' ')"
-    say "keep them (git branch NAME HEAD), then: git checkout $branch && rm $slim"
+  head="$(git rev-parse HEAD)"
+  # Commits made while slim stand on the slim commit: a branch made at them (or moved to them, or
+  # merged with them) takes the store's deletion along, so they go over one by one instead.
+  if ! git merge-base --is-ancestor "$commit" "$head"; then
+    say "HEAD ${head:0:12} is not the slim commit ${commit:0:12} nor after it: check out $branch yourself, then rm $slim"
+    exit 1
+  fi
+  made="$(git rev-list "$commit..$head")"
+  if [ -n "$made" ] && ! { git diff --quiet && git diff --cached --quiet; }; then
+    say "commits were made while slim and the checkout has uncommitted changes: commit or stash them, then run --restore again"
     exit 1
   fi
   git checkout -q "$branch"
   rm "$slim"
-  echo "Back on $branch at $(git rev-parse --short HEAD), data/answers with it."
+  if [ -n "$made" ] && ! git cherry-pick --allow-empty "$commit..$head"; then
+    say "the commits made while slim did not all apply on $branch: resolve, then git cherry-pick --continue"
+    say "(or git cherry-pick --abort; they stay at ${head:0:12}: git cherry-pick $commit..$head)"
+    exit 1
+  fi
+  echo "Back on $branch at $(git rev-parse --short HEAD), data/answers with it$([ -z "$made" ] || echo ", and the $(echo "$made" | wc -l) commit(s) made while slim")."
   exit 0
 fi
 

@@ -107,14 +107,26 @@ def test_the_calls_fit_the_device_and_restore_gives_the_store_back(tmp_path):
     lost = subprocess.run(command, cwd=device, env=env_run, capture_output=True, text=True, timeout=300)
     assert lost.returncode == 1 and "do not make the whole payload" in lost.stderr
 
+    # Work goes on while slim: a commit on the slim commit, which deletes the store. A branch made at
+    # it (what --restore once advised) fast-forwards or merges that deletion into the branch; the
+    # commit goes over alone, and no branch ever holds the slim commit.
+    base = git(repo, "rev-parse", branch).stdout.strip()
     slim = git(repo, "rev-parse", "HEAD").stdout.strip()
-    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "meanwhile")
-    moved = prepare(repo, env, "--restore")  # a commit made while slim is on no branch: said, not lost
-    assert moved.returncode == 1 and git(repo, "rev-parse", "--short", "HEAD").stdout.strip() in moved.stderr
-    git(repo, "checkout", "-q", "--detach", slim)
-    back = prepare(repo, env, "--restore")
-    assert back.returncode == 0, back.stderr
+    (repo / "README.md").write_text((repo / "README.md").read_text() + "\nmeanwhile\n")
+    who = ("-c", "user.name=t", "-c", "user.email=t@t")
+    git(repo, *who, "commit", "-q", "-am", "meanwhile")
+    (repo / "README.md").write_text((repo / "README.md").read_text() + "uncommitted\n")
+    dirty = prepare(repo, env, "--restore")  # uncommitted changes beside commits to carry: refused, nothing moved
+    assert dirty.returncode == 1 and "uncommitted changes" in dirty.stderr
+    assert git(repo, "symbolic-ref", "-q", "HEAD", check=False).returncode == 1
+    git(repo, "checkout", "-q", "README.md")
+    back = prepare(repo, env.copy() | {"GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}, "--restore")
+    assert back.returncode == 0, back.stdout + back.stderr
     assert git(repo, "symbolic-ref", "--short", "HEAD").stdout.strip() == branch
+    assert git(repo, "rev-parse", f"{branch}^").stdout.strip() == base  # the commit, on the branch as it was
+    assert git(repo, "log", "-1", "--format=%s", branch).stdout.strip() == "meanwhile"
+    assert (repo / "README.md").read_text().endswith("\nmeanwhile\n")
+    assert git(repo, "merge-base", "--is-ancestor", slim, branch, check=False).returncode == 1
     assert digests(repo / "data" / "answers") == store
-    assert git(repo, "status", "--porcelain", "data").stdout == ""
+    assert git(repo, "status", "--porcelain").stdout == ""
     assert prepare(repo, env, "--restore").returncode == 0  # twice: nothing to do
