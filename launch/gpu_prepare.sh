@@ -79,7 +79,11 @@ if [ ! -f "$slim" ]; then
   GIT_INDEX_FILE="$index" git read-tree "$base"
   GIT_INDEX_FILE="$index" git rm -r -q --cached data/answers
   tree="$(GIT_INDEX_FILE="$index" git write-tree)"
-  commit="$(git commit-tree "$tree" -p "$base" -m "gpu_prepare.sh: $branch without data/answers, for the device machine")"
+  # An identity of its own: a checkout where git has none (a fresh machine, CI) stopped here, and
+  # this commit never goes on a branch (--restore cherry-picks what follows it).
+  who=(GIT_AUTHOR_NAME=gpu_prepare.sh GIT_AUTHOR_EMAIL=gpu_prepare.sh@localhost)
+  who+=(GIT_COMMITTER_NAME=gpu_prepare.sh GIT_COMMITTER_EMAIL=gpu_prepare.sh@localhost)
+  commit="$(env "${who[@]}" git commit-tree "$tree" -p "$base" -m "gpu_prepare.sh: $branch without data/answers, for the device machine")"
   git checkout -q --detach "$commit"
   echo "$commit $branch" > "$slim"
   echo "This checkout now stands on ${commit:0:12}, $branch without data/answers (detached);"
