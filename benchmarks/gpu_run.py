@@ -356,6 +356,8 @@ def generate_answers(common: list[str], out: Path, minutes: float, batch: int, d
             dtype,
             "--gen-seed",
             str(int(time.time())),
+            "--max-new",  # the answer length it was given was not passed on: tiny answers ran to 192
+            str(max_new),
         ]
     )
     answers = AnswerStore(store)
@@ -665,6 +667,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def plan_sizes(tiny: bool, device: str, minutes: float) -> dict:
+    """The plans' sizes: prompts and tokens per phase, minutes, batches. A full run's lacked the
+    answer length, which only the tiny mode set: `--plan all` ended in a KeyError before its
+    generation, every later phase unrun (an audit)."""
+    if tiny:
+        sizes = {"prompts": 2, "max_new": 8, "batch": 8, "gen": 0.1, "train": 0.2, "steps": 20, "dtype": "float32"}
+        sizes.update(answer=24, exact_prompts=1, widest=3, eval_minutes=0.5, train_batch=4, train_anchors=4)
+        sizes.update(estimate_minutes=0.1, train_start_minutes=0.05)
+        return sizes
+    gpu = device.startswith("cuda")
+    return {
+        "prompts": 16,
+        "max_new": 96,
+        "batch": 256 if gpu else 24,
+        "gen": 0.35 * minutes,
+        "answer": 192,  # the committed store's answer cap (launch.train --max-new)
+        "train": 0.25 * minutes,
+        "steps": 100000,
+        "dtype": "bfloat16" if gpu else "float32",
+        "exact_prompts": 6,
+        "widest": 16 if gpu else 4,
+        # The drafter plan's scoring may outlast the call: the weights are back by then.
+        "eval_minutes": 1.0,
+        "estimate_minutes": 0.5,
+        "train_start_minutes": 0.6 if gpu else 0.3,
+        "train_batch": 64 if gpu else 8,
+        # More anchors per answer: on a GPU copying its feature rows costs far more than its blocks.
+        "train_anchors": 96 if gpu else 24,
+    }
+
+
 @ends_on_sigterm
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
@@ -679,33 +712,12 @@ def main(argv: list[str] | None = None) -> None:
         model = tiny_model(cache / "tiny-model", Path(args.gguf_folder) if args.gguf_folder else None)
         cfg = config_for_target(TargetModel.load(model).config, block_size=4, num_layers=1, mask_token_id=0)
         shipped = save_drafter(random_drafter(cfg), cache / "tiny-drafter")
-        sizes = {"prompts": 2, "max_new": 8, "batch": 8, "gen": 0.1, "train": 0.2, "steps": 20, "dtype": "float32"}
-        sizes.update(answer=24, exact_prompts=1, widest=3, eval_minutes=0.5, train_batch=4, train_anchors=4)
-        sizes.update(estimate_minutes=0.1, train_start_minutes=0.05)
     else:
         from target_node.model.default_model import ensure_default_model
 
         model = ensure_default_model(gguf_folder=Path(args.gguf_folder) if args.gguf_folder else None)
         shipped = ROOT / "drafters" / "smollm2"
-        gpu = args.device.startswith("cuda")
-        sizes = {
-            "prompts": 16,
-            "max_new": 96,
-            "batch": 256 if gpu else 24,
-            "gen": 0.35 * args.minutes,
-            "train": 0.25 * args.minutes,
-            "steps": 100000,
-            "dtype": "bfloat16" if gpu else "float32",
-            "exact_prompts": 6,
-            "widest": 16 if gpu else 4,
-            # The drafter plan's scoring may outlast the call: the weights are back by then.
-            "eval_minutes": 1.0,
-            "estimate_minutes": 0.5,
-            "train_start_minutes": 0.6 if gpu else 0.3,
-            "train_batch": 64 if gpu else 8,
-            # More anchors per answer: on a GPU copying its feature rows costs far more than its blocks.
-            "train_anchors": 96 if gpu else 24,
-        }
+    sizes = plan_sizes(args.tiny, args.device, args.minutes)
     sizes["store"] = Path(args.store)  # SmolLM2's token ids: the tiny model shares its tokenizer
     sizes["drafters"] = cache / "drafters"  # the drafter plan's; the best one comes back packed
     setup = Setup(train_args(model, cache, args.device, args.tiny), model, shipped, sizes)

@@ -238,3 +238,27 @@ def test_auto_picks_bf16_only_on_a_gpu_with_bf16_units(monkeypatch):
         assert named_dtype("auto", "cuda:1") == want
         assert prefer_bf16("cuda") == (want == torch.bfloat16)
         assert autocast("auto", "cuda:1") == (want == torch.bfloat16)  # training's bf16 autocast took any GPU
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_every_size_a_plan_reads_is_set(tiny):
+    """A full run's sizes lacked the answer length, which only the tiny mode set: `--plan all` on a
+    GPU ended in a KeyError before its generation, every later phase unrun (an audit)."""
+    import inspect
+    import re
+
+    read = set(re.findall(r'sizes\["(\w+)"\]', inspect.getsource(gpu_run)))
+    given = set(gpu_run.plan_sizes(tiny, "cuda:0", 7.0)) | {"store", "drafters"}  # main adds those two
+    assert read and read <= given, read - given
+
+
+def test_generation_writes_answers_of_the_length_it_is_given(tmp_path, monkeypatch):
+    """The tiny plan asks for 24-token answers; the length was not passed on, so they ran to 192."""
+    from launch import train
+
+    seen = []
+    monkeypatch.setattr(train, "main", seen.append)
+    (tmp_path / "answers").mkdir()
+    gpu_run.generate_answers(["--device", "cpu"], tmp_path, 0.1, 8, "float32", 24)
+    argv = seen[0]
+    assert argv[argv.index("--max-new") + 1] == "24"
