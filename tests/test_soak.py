@@ -20,6 +20,10 @@ def test_a_short_soak_loses_nothing_and_every_greedy_output_is_its_own(tmp_path)
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     env = {**os.environ, "TMPDIR": str(temporary)}
+    # torch makes this folder (empty) wherever a process imports transformers' models, and writes its
+    # variable into that process's environment: in the whole suite this one already had, and the soak's
+    # processes inherited it; run alone, the test found the folder in TMPDIR and failed.
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torchinductor"))
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
