@@ -1087,7 +1087,7 @@ def test_torchrun_on_two_ranks_trains_as_one_process_and_resumes_on_one(setup, t
     target.model.save_pretrained(model_dir)
     root = Path(__file__).resolve().parent.parent
 
-    def run(name: str, ranks: int, steps: int, *extra: str) -> dict:
+    def start(name: str, ranks: int, steps: int, *extra: str) -> subprocess.Popen:
         args = ["--model", model_dir, "--store", store.folder, "--name", name, "--cache", tmp_path / "cache"]
         args += ["--stage", "train", "--block-size", "4", "--steps", steps, "--batch", 5, "--anchors", 4]
         args += ["--lr", "5e-3", "--warmup", 2, "--eval-every", 0, "--save-every", 0, "--draft-vocab", 64]
@@ -1098,11 +1098,16 @@ def test_torchrun_on_two_ranks_trains_as_one_process_and_resumes_on_one(setup, t
             launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
         # torchrun's own folders (torchelastic_*) go here, not into /tmp for good, one a run (an audit).
         env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
-        done = subprocess.run(
-            [*launcher, "-m", "launch.train", *map(str, args)], cwd=root, env=env, capture_output=True, timeout=600
-        )
-        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        command = [*launcher, "-m", "launch.train", *map(str, args)]
+        return subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def finished(name: str, proc: subprocess.Popen) -> dict:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err.decode()[-3000:]
         return torch.load(tmp_path / "cache" / "train" / name / "state.pt", weights_only=False)
+
+    def run(name: str, ranks: int, steps: int, *extra: str) -> dict:
+        return finished(name, start(name, ranks, steps, *extra))
 
     def log(name: str) -> str:
         return (tmp_path / "cache" / "train" / name / "train.log").read_text()
@@ -1121,7 +1126,14 @@ def test_torchrun_on_two_ranks_trains_as_one_process_and_resumes_on_one(setup, t
         assert drift < 1e-4, (name, float(drift))
     assert load_drafter(tmp_path / "two").config == load_drafter(tmp_path / "one").config
 
-    resumed_two, resumed_one = run("two", 1, 20, "--resume"), run("one", 1, 20, "--resume")
+    # Side by side (one thread each, on the cache both runs filled): each resumes its own state.
+    resuming = {name: start(name, 1, 20, "--resume") for name in ("two", "one")}
+    try:
+        resumed_two, resumed_one = (finished(name, proc) for name, proc in resuming.items())
+    finally:
+        for proc in resuming.values():
+            proc.kill()
+            proc.wait()
     assert resumed_two["step"] == resumed_one["step"] == 20
     assert resumed_two["history"][12:] == pytest.approx(resumed_one["history"][12:], rel=1e-4)
 
