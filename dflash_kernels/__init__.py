@@ -249,7 +249,7 @@ def bf16_numerics(folder: Path) -> str:
     two FMAs, equal but for subnormals, which VDPBF16PS flushes. Answers record it (`made_by`):
     an AVX2 build's were labelled "avx512" like a native one's, whose bits they need not share."""
     path = bf16_matmul(folder)
-    return "fma" if path == "avx512" and "avx512_bf16" not in build.cpu_flags().split() else path
+    return "fma" if path == "avx512" and not native_bf16() else path
 
 
 def measured_once(
