@@ -65,23 +65,25 @@ class Index:
             return None
 
     def build(self) -> None:
-        """Index the answers, written aside and renamed whole (two daemons starting at once each
-        build, one keeps its copy), in a folder only its owner reads: it holds users' answers."""
-        tails = list(answer_tails(self.shards, self.model_name))
-        built = Datastore.build(tails)
+        """Index the answers, written aside and renamed whole, in a folder only its owner reads: it
+        holds users' answers. The folder is made before the store is read: one the index could not
+        be written to (read-only, not a folder) failed only once the whole store was indexed, 43 s
+        and 3.0 GB for the committed store at every start (an audit)."""
         aside = self.where.with_name(f"{self.where.name}.{os.getpid()}.tmp")
         shutil.rmtree(aside, ignore_errors=True)  # a dead builder's, whose pid this one has now
         try:
             aside.mkdir(mode=0o700, parents=True)
-            built.save(aside)
+            tails = list(answer_tails(self.shards, self.model_name))
+            Datastore.build(tails).save(aside)
             (aside / "source").write_text(self.source)
             if self.where.is_dir() and not (self.where / "bits").is_file():  # half removed: never whole
                 shutil.rmtree(self.where, ignore_errors=True)
             aside.rename(self.where)
         except BaseException as exc:  # a full disk, a folder not ours, a stop: nothing left behind
             shutil.rmtree(aside, ignore_errors=True)
-            if not (isinstance(exc, OSError) and (self.where / "bits").is_file()):
-                raise
+            if isinstance(exc, OSError) and (self.where / "bits").is_file():  # another process's, whole
+                return
+            raise
         log.info("datastore: %d answers of %s indexed into %s", len(tails), self.model_name, self.where)
         prune(self.where.parent, self.model_name, KEEP, self.source)
 
