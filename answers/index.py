@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -25,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,11 +70,19 @@ class Index:
         """Index the answers, written aside and renamed whole, in a folder only its owner reads: it
         holds users' answers. The folder is made before the store is read: one the index could not
         be written to (read-only, not a folder) failed only once the whole store was indexed, 43 s
-        and 3.0 GB for the committed store at every start (an audit)."""
+        and 3.0 GB for the committed store at every start (an audit). One build at a time in a
+        cache: one that finds another under way waits, and keeps what it built where that is this
+        index (two daemons starting at once each built it, twice the memory: an audit)."""
+        self.where.parent.mkdir(parents=True, exist_ok=True)
+        with _one_build(self.where.parent):
+            if self.load() is None:  # else built meanwhile by another process
+                self._build()
+
+    def _build(self) -> None:
         aside = self.where.with_name(f"{self.where.name}.{os.getpid()}.tmp")
         shutil.rmtree(aside, ignore_errors=True)  # a dead builder's, whose pid this one has now
         try:
-            aside.mkdir(mode=0o700, parents=True)
+            aside.mkdir(mode=0o700)
             tails = list(answer_tails(self.shards, self.model_name))
             Datastore.build(tails).save(aside)
             (aside / "source").write_text(self.source)
@@ -92,6 +102,24 @@ class Index:
         (their paths on the command line passed the system's limit at about 34,000: a review)."""
         where = [self.source, self.model_name, str(self.where.parent.parent.resolve())]
         return [sys.executable, "-m", "answers.index", "--build", *where]
+
+
+@contextmanager
+def _one_build(folder: Path) -> Iterator[None]:
+    """`folder` (the indexes') locked while the block runs: a lock on the folder itself, no file among
+    the indexes; released however the holder ends. A file system that cannot lock goes without."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("datastore: waiting for another process's build in %s", folder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:  # ENOLCK: a mount without locks
+            log.warning("datastore: building without a lock in %s (%s)", folder, exc)
+        yield
+    finally:
+        os.close(fd)
 
 
 def index_for(choice: str, model_name: str, cache: Path = CACHE_ROOT) -> Index | None:

@@ -483,3 +483,36 @@ def test_a_cache_that_cannot_take_the_index_costs_no_build(tmp_path, monkeypatch
     with caplog.at_level("ERROR", logger="datastore"):
         assert datastore_for(str(store), "tiny", cache) is None
     assert built == [] and "could not build" in caplog.text
+
+
+def test_two_processes_building_one_index_build_it_once(tmp_path, monkeypatch):
+    """Two daemons starting at once on one cache (a daemon and dflash-local) each built the same
+    index, twice the memory (3.0 GB each for the committed store) and the CPU: the second now waits
+    for the first's build and maps it."""
+    import threading
+
+    import answers.index as answer_index
+
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    write_store(store, "tiny", [[5, 6, 7, 8]])
+    building, release, builds = threading.Event(), threading.Event(), []
+    build = Datastore.build
+
+    def slow(sequences):
+        builds.append(threading.current_thread().name)
+        building.set()
+        assert release.wait(30)
+        return build(sequences)
+
+    monkeypatch.setattr(answer_index.Datastore, "build", slow)
+    first = threading.Thread(target=datastore_for, args=(str(store), "tiny", cache), name="first")
+    first.start()
+    assert building.wait(30)
+    served = []  # the second start, while the first builds: a lock of its own (flock), as another process's
+    second = threading.Thread(target=lambda: served.append(datastore_for(str(store), "tiny", cache)), name="second")
+    second.start()
+    second.join(0.5)
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert builds == ["first"] and served[0]([4, 5, 6], 2).tokens == [7, 8]
