@@ -198,11 +198,11 @@ def _build_aside(index: Index, vocab_size: int | None, coming: Future[Datastore 
     try:
         root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        builder = subprocess.Popen(index.command(), cwd=root, env=env, stdin=subprocess.PIPE)
+        builder = subprocess.Popen(index.command(), cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         atexit.register(_stop, builder)
+        said = builder.stdout.read().decode(errors="replace").splitlines()  # the index it built, as it ends
         code = builder.wait()
-        built = index_for(index.source, index.model_name, index.where.parent.parent)  # the store may have grown
-        store = built.load() if built is not None else None
+        store = _built_by(said[-1] if said and code == 0 else "", index)
         if store is None and not _stopping.is_set():
             log.error("datastore: the build of %s ended with code %s: serving without it", index.where, code)
         store = _serving(store, index, vocab_size) if store is not None else None
@@ -211,6 +211,19 @@ def _build_aside(index: Index, vocab_size: int | None, coming: Future[Datastore 
         store = None
     finally:  # whatever happened: the daemon asks for it once the build ends
         coming.set_result(store)
+
+
+def _built_by(said: str, index: Index) -> Datastore | None:
+    """The index the builder said it built, or one another process built since of the store as it
+    is now. The builder's, where the store changed during the build (a generator's shard flushed
+    each minute, a daemon recording into the store it serves): the daemon looked only for the
+    newer store's index, found none and served without the datastore for good (an audit). Any
+    index of the store serves exactly: its continuations are verified."""
+    now = index_for(index.source, index.model_name, index.where.parent.parent)
+    store = now.load() if now is not None else None
+    if store is None and said and Path(said).parent == index.where.parent:
+        store = Index(Path(said), (), index.model_name, index.source).load()
+    return store
 
 
 def _stop(builder: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -371,7 +384,10 @@ def main() -> None:
     threading.Thread(target=_end_with_parent, daemon=True).start()
     os.nice(10)  # the daemon's requests come first
     store, model_name, cache = args.build
-    _built(index_for(store, model_name, Path(cache)))
+    index = index_for(store, model_name, Path(cache))
+    _built(index)
+    if index is not None:  # where its daemon finds it, whatever the store is by then
+        print(index.where, flush=True)
 
 
 def _built(index: Index | None) -> None:

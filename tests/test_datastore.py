@@ -516,3 +516,31 @@ def test_two_processes_building_one_index_build_it_once(tmp_path, monkeypatch):
     first.join(30)
     second.join(30)
     assert builds == ["first"] and served[0]([4, 5, 6], 2).tokens == [7, 8]
+
+
+def test_a_store_written_while_its_index_is_built_has_that_index_served(tmp_path, monkeypatch):
+    """A store written during the build (a generator's shard flushed each minute, a daemon recording
+    into the store it serves) made the daemon look for the newer store's index when its builder
+    ended, find none, and serve without the datastore for good, the build's minute and 3 GB spent
+    for nothing (an audit): it maps what its builder built."""
+    import sys
+
+    import answers.index as answer_index
+
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    write_store(store, "tiny", [[5, 6, 7, 8]])
+    write_store(tmp_path / "later", "tiny", [[5, 6, 9]])
+    later = tmp_path / "later" / "20261205-000000-abcd.jsonl.gz"
+    builds = answer_index.Index.command
+
+    def then_a_shard(self):  # the builder, and a shard added as it ends
+        then = f"os.rename({str(later)!r}, {str(store / '20261205-000001-abcd.jsonl.gz')!r})"
+        return [
+            sys.executable,
+            "-c",
+            f"import os, subprocess, sys; code = subprocess.call({builds(self)!r}); {then}; sys.exit(code)",
+        ]
+
+    monkeypatch.setattr(answer_index.Index, "command", then_a_shard)
+    served = datastore_coming(str(store), "tiny", cache).result(timeout=120)
+    assert not later.exists() and served is not None and served([4, 5, 6], 2).tokens == [7, 8]
