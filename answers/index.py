@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from answers.store import STORE, Answer, AnswerStoreError, open_shard, read_shard, shard_lines, shard_paths
-from basics.files import left_by_gone_writers
+from basics.files import left_by_gone_writers, process_alive
 from target_node import CACHE_ROOT
 from target_node.drafting.datastore import Datastore
 
@@ -74,11 +74,11 @@ class Index:
         cache: one that finds another under way waits, and keeps what it built where that is this
         index (two daemons starting at once each built it, twice the memory: an audit)."""
         self.where.parent.mkdir(parents=True, exist_ok=True)
-        with _one_build(self.where.parent):
+        with _one_build(self.where.parent) as alone:
             if self.load() is None:  # else built meanwhile by another process
-                self._build()
+                self._build(alone)
 
-    def _build(self) -> None:
+    def _build(self, alone: bool) -> None:
         aside = self.where.with_name(f"{self.where.name}.{os.getpid()}.tmp")
         shutil.rmtree(aside, ignore_errors=True)  # a dead builder's, whose pid this one has now
         try:
@@ -95,7 +95,7 @@ class Index:
                 return
             raise
         log.info("datastore: %d answers of %s indexed into %s", len(tails), self.model_name, self.where)
-        prune(self.where.parent, self.model_name, KEEP, self.source)
+        prune(self.where.parent, self.model_name, KEEP, self.source, alone)
 
     def command(self) -> list[str]:
         """The command that builds this index in a process of its own: it finds the shards itself
@@ -105,9 +105,10 @@ class Index:
 
 
 @contextmanager
-def _one_build(folder: Path) -> Iterator[None]:
+def _one_build(folder: Path) -> Iterator[bool]:
     """`folder` (the indexes') locked while the block runs: a lock on the folder itself, no file among
-    the indexes; released however the holder ends. A file system that cannot lock goes without."""
+    the indexes; released however the holder ends. A file system that cannot lock goes without
+    (False: another builder may be writing its part there meanwhile)."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
@@ -117,7 +118,9 @@ def _one_build(folder: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as exc:  # ENOLCK: a mount without locks
             log.warning("datastore: building without a lock in %s (%s)", folder, exc)
-        yield
+            yield False
+            return
+        yield True
     finally:
         os.close(fd)
 
@@ -286,24 +289,34 @@ def _readable(shard: Path) -> list[Answer]:
         return []
 
 
-def prune(folder: Path, model_name: str, keep: int, source: str) -> list[Path]:
+def prune(folder: Path, model_name: str, keep: int, source: str, alone: bool = False) -> list[Path]:
     """Delete all but the `keep` newest whole indexes of `model_name` built from the store at
     `source` (170 MB each for the committed store: an index is built again whenever its store
     gains a shard); another store's are its own to prune (pruning per model deleted them, and their
     daemons built them again), unless that store is gone (`_gone`): a clone's index (500 MB) stayed
     after the clone was deleted, for good (an audit). Indexes of an older format, which no daemon maps again,
-    go too, and the parts of builds whose process is gone. A daemon still serving a deleted index keeps its
-    memory map. Returns what it deleted."""
+    go too, and the parts of builds whose process is gone (`alone`, holding the cache's build lock: at
+    once; else once untouched for basics.files.QUIET_S, as a writer in another container has a pid
+    this one cannot see). A daemon still serving a deleted index keeps its memory map. Returns what
+    it deleted."""
     whole = [d for d in folder.glob(f"{model_name}-*") if _is_index(d, model_name)]
     mine = sorted((d for d in whole if _source(d) == source), key=lambda d: (d / "bits").stat().st_mtime, reverse=True)
     gone = [d for d in whole if (store := _source(d)) is not None and store != source and _gone(store)]
     stale = mine[keep:] + [d for d in whole if _source(d) is None] + gone
     stale += [d for d in folder.glob(f"{model_name}-*.tmp") if _is_index(d.with_suffix(""), model_name, False)]
-    stale = [d for d in stale if d.suffix != ".tmp" or left_by_gone_writers([d], d.with_suffix("").stem + ".")]
+    stale = [d for d in stale if d.suffix != ".tmp" or _left([d], d.with_suffix("").stem + ".", alone)]
     for folder_gone in stale:
         shutil.rmtree(folder_gone, ignore_errors=True)
         log.info("datastore: removed the stale index %s", folder_gone)
     return stale
+
+
+def _left(parts: list[Path], prefix: str, alone: bool) -> list[Path]:
+    """Of `parts` (NAME.PID.tmp), those whose writer is gone."""
+    if not alone:
+        return left_by_gone_writers(parts, prefix)
+    pids = [part.name[len(prefix) :].split(".")[0] for part in parts]
+    return [part for part, pid in zip(parts, pids, strict=True) if pid.isdigit() and not process_alive(int(pid))]
 
 
 def _gone(store: str) -> bool:

@@ -544,3 +544,19 @@ def test_a_store_written_while_its_index_is_built_has_that_index_served(tmp_path
     monkeypatch.setattr(answer_index.Index, "command", then_a_shard)
     served = datastore_coming(str(store), "tiny", cache).result(timeout=120)
     assert not later.exists() and served is not None and served([4, 5, 6], 2).tokens == [7, 8]
+
+
+def test_a_builder_killed_midway_leaves_nothing_past_the_next_build(tmp_path):
+    """A builder SIGKILLed as it wrote (the OOM killer picks the largest process: a builder at 3.0
+    GB) left its part, up to the whole index (576 MB for the committed store); the restart's build
+    kept it, its writer gone for less than basics.files.QUIET_S, and no later start builds an
+    unchanged store's index again: there for good (an audit). The build that holds the cache's lock
+    knows no other is writing there."""
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    write_store(store, "tiny", [[5, 6, 7, 8]])
+    where = index_for(str(store), "tiny", cache).where
+    killed = where.with_name(f"{where.name}.{2**22 + 1}.tmp")  # above any pid_max: no such process
+    killed.mkdir(parents=True)
+    (killed / "keys.npy").write_bytes(b"\x93NUMPY half")
+    assert datastore_for(str(store), "tiny", cache)([4, 5, 6], 2).tokens == [7, 8]
+    assert sorted(d.name for d in (cache / "datastore").iterdir()) == [where.name]
