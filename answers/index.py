@@ -134,12 +134,16 @@ def index_for(choice: str, model_name: str, cache: Path = CACHE_ROOT) -> Index |
     folder = STORE if choice == "auto" else Path(choice)
     if choice != "auto" and not folder.is_dir():
         raise FileNotFoundError(f"--datastore {choice}: no such answer store folder")
-    shards = tuple(shard for shard in shard_paths(folder) if first_model(shard) == model_name)
+    try:  # a folder this user may not read, a shard removed meanwhile: a traceback stopped the daemon
+        shards = tuple(shard for shard in shard_paths(folder) if first_model(shard) == model_name)
+        source = str(folder.resolve())
+        name = f"{model_name}-{fingerprint(shards, model_name, INDEX_FORMAT, source)}"
+    except OSError as exc:
+        log.error("datastore: cannot read the answer store %s (%s): serving without it", folder, exc)
+        return None
     if not shards:
         log.info("datastore: no answers of %s in %s", model_name, folder)
         return None
-    source = str(folder.resolve())
-    name = f"{model_name}-{fingerprint(shards, model_name, INDEX_FORMAT, source)}"
     return Index(cache / "datastore" / name, shards, model_name, source)
 
 

@@ -560,3 +560,35 @@ def test_a_builder_killed_midway_leaves_nothing_past_the_next_build(tmp_path):
     (killed / "keys.npy").write_bytes(b"\x93NUMPY half")
     assert datastore_for(str(store), "tiny", cache)([4, 5, 6], 2).tokens == [7, 8]
     assert sorted(d.name for d in (cache / "datastore").iterdir()) == [where.name]
+
+
+def test_a_store_that_cannot_be_listed_costs_the_datastore_not_the_daemon(tmp_path, monkeypatch, caplog):
+    """A --datastore folder this user may not read (another operator's recorded traffic), or a shard
+    removed as the daemon fingerprinted the store (a checkout, a pull), stopped the daemon's start
+    with a traceback (PermissionError, FileNotFoundError from index_for): it serves without."""
+    import answers.index as answer_index
+
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    write_store(store, "tiny", [[5, 6, 7, 8]])
+    (store / "20261205-000000-abcd.jsonl.gz").rename(store / "20261204-000000-abcd.jsonl.gz")
+    write_store(store, "tiny", [[5, 6, 9]])
+    first_model = answer_index.first_model
+
+    def then_the_first_goes(shard):  # the last shard read: the first one removed meanwhile
+        if shard.name.startswith("20261205"):
+            (store / "20261204-000000-abcd.jsonl.gz").unlink()
+        return first_model(shard)
+
+    monkeypatch.setattr(answer_index, "first_model", then_the_first_goes)
+    with caplog.at_level("ERROR", logger="datastore"):
+        assert datastore_coming(str(store), "tiny", cache).result(timeout=60) is None
+    monkeypatch.setattr(answer_index, "first_model", first_model)
+
+    def refused(folder):
+        raise PermissionError(13, "Permission denied", str(folder))
+
+    monkeypatch.setattr(answer_index, "shard_paths", refused)
+    with caplog.at_level("ERROR", logger="datastore"):
+        assert datastore_coming(str(store), "tiny", cache).result(timeout=60) is None
+        assert datastore_for(str(store), "tiny", cache) is None
+    assert caplog.text.count("cannot read the answer store") == 3
