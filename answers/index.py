@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from answers.store import STORE, Answer, AnswerStoreError, open_shard, read_shard, shard_lines, shard_paths
-from basics.files import left_by_gone_writers, process_alive
+from basics.files import left_by_gone_writers
 from target_node import CACHE_ROOT
 from target_node.drafting.datastore import Datastore
 
@@ -308,19 +308,13 @@ def prune(folder: Path, model_name: str, keep: int, source: str, alone: bool = F
     gone = [d for d in whole if (store := _source(d)) is not None and store != source and _gone(store)]
     stale = mine[keep:] + [d for d in whole if _source(d) is None] + gone
     stale += [d for d in folder.glob(f"{model_name}-*.tmp") if _is_index(d.with_suffix(""), model_name, False)]
-    stale = [d for d in stale if d.suffix != ".tmp" or _left([d], d.with_suffix("").stem + ".", alone)]
+    stale = [
+        d for d in stale if d.suffix != ".tmp" or left_by_gone_writers([d], d.with_suffix("").stem + ".", not alone)
+    ]
     for folder_gone in stale:
         shutil.rmtree(folder_gone, ignore_errors=True)
         log.info("datastore: removed the stale index %s", folder_gone)
     return stale
-
-
-def _left(parts: list[Path], prefix: str, alone: bool) -> list[Path]:
-    """Of `parts` (NAME.PID.tmp), those whose writer is gone."""
-    if not alone:
-        return left_by_gone_writers(parts, prefix)
-    pids = [part.name[len(prefix) :].split(".")[0] for part in parts]
-    return [part for part, pid in zip(parts, pids, strict=True) if pid.isdigit() and not process_alive(int(pid))]
 
 
 def _gone(store: str) -> bool:

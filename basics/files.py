@@ -50,16 +50,17 @@ def _remove_partials_of_gone_writers(path: Path, mine: Path) -> None:
 QUIET_S = 600.0
 
 
-def left_by_gone_writers(parts: Iterable[Path], prefix: str = "") -> list[Path]:
+def left_by_gone_writers(parts: Iterable[Path], prefix: str = "", quiet: bool = True) -> list[Path]:
     """Of `parts`, each named PREFIX + its writer's pid (then "-" or "." and more), those whose
     writer is gone: a killed writer's partial file or folder, for its next writer to remove. A
     name without a pid is not ours to judge: left alone. Gone means no such process here *and*
     untouched for QUIET_S: a writer in another container sharing the folder has a pid this one
-    cannot see, and its part was removed as it wrote (an audit)."""
+    cannot see, and its part was removed as it wrote (an audit). `quiet` False: the caller holds a
+    lock every writer takes, so no process alive is writing, and the wait is not needed."""
     gone = []
     for part in parts:
         writer = part.name[len(prefix) :].split("-")[0].split(".")[0]
-        if writer.isdigit() and not process_alive(int(writer)) and _quiet(part):
+        if writer.isdigit() and not process_alive(int(writer)) and (not quiet or _quiet(part)):
             gone.append(part)
     return gone
 
